@@ -1,0 +1,34 @@
+# Everything a fresh clone needs: `make run` starts a gateway, `make test` runs the suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install run test test-fast bench clean-var
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+# The gateway on embedded defaults: RAM tier + one directory card under ./var/kvgate/card0,
+# Unix socket /tmp/kvgate-5557.sock, TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
+run: $(STAMP)
+	mkdir -p var/kvgate
+	$(BIN)/kvgate serve --status-file var/kvgate/status.prom $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# Unit tests only (no gateway processes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/kvgate bench $(ARGS)
+
+clean-var:
+	rm -rf var

@@ -1,0 +1,15 @@
+"""kvgate: KV-cache storage below the GPU for vLLM, SGLang and LMCache.
+
+The public API is the client:
+
+    from kvgate import Client
+    with Client.connect("/tmp/kvgate-5557.sock", namespace="llama-3-8b|tp1|bf16") as c:
+        c.put_many([b"k1", b"k2"], [buf1, buf2])
+        c.lookup([b"k1", b"k2", b"k3"])   # -> 2
+"""
+
+__version__ = "0.1.0"
+
+from kvgate.client import Client, GatewayError, ObjectTooLarge  # noqa: E402
+
+__all__ = ["Client", "GatewayError", "ObjectTooLarge", "__version__"]

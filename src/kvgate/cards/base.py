@@ -1,0 +1,92 @@
+"""The one interface every card kind implements.
+
+Contract:
+- Every method blocks and may take as long as the medium does.  The gateway
+  calls them only from its I/O thread pool, never from the event loop; health
+  and deadlines (``io_timeout_ms``) are enforced above this layer.
+- Methods are safe to call from several threads at once.
+- ``read_into`` writes the payload straight into the caller's buffer and
+  verifies it (header key, lengths, CRC) before returning.  A bad object is
+  deleted and reported as ``ObjectCorrupt``: the caller must treat the
+  destination bytes as garbage.
+- ``write`` is atomic: a concurrent or later reader sees the whole new object
+  or none (or the previous whole object).  A crash mid-write leaves nothing
+  readable.
+- A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
+
+from kvgate.cards.objectformat import Header, ObjectMeta
+
+
+class CardUnavailable(OSError):
+    """The card cannot be used now (missing, unreadable, not a card, wrong serial)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """One object found by ``Card.scan``: enough to rebuild the index."""
+
+    full_key: bytes
+    payload_len: int
+    stored_bytes: int  # header + payload, what it costs on the card
+    meta: ObjectMeta
+
+
+class Card(ABC):
+    kind: ClassVar[str]
+
+    def __init__(self, location: str, num_dbs: int = 1):
+        self.location = location
+        self.num_dbs = num_dbs
+        self.serial: str | None = None
+
+    @abstractmethod
+    def open(self) -> str:
+        """Make the card usable; create its label on first use.  Returns the serial."""
+
+    @abstractmethod
+    def check(self) -> str:
+        """Cheap health probe (read the label).  Returns the serial found now."""
+
+    @abstractmethod
+    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
+        """Read and verify the payload into ``dest[:payload_len]``.
+
+        Raises ObjectMissing, ObjectCorrupt, BufferTooSmall (nothing usable
+        was written to dest) or CardUnavailable.
+        """
+
+    @abstractmethod
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta) -> int:
+        """Store atomically; returns the bytes the object takes on the card."""
+
+    @abstractmethod
+    def exists(self, full_key: bytes) -> bool: ...
+
+    @abstractmethod
+    def delete(self, full_key: bytes) -> bool:
+        """Remove the object; False when it was not there."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[StoredObject]:
+        """Every whole object on the card (for rebuilding the index at start)."""
+
+    @abstractmethod
+    def clean(self) -> int:
+        """Delete every object (the label stays).  Returns how many were deleted."""
+
+    @abstractmethod
+    def free_bytes(self) -> int:
+        """Free space of the medium now."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the card may be opened again."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, serial={self.serial!r})"

@@ -1,0 +1,647 @@
+"""A card that is a directory on any POSIX filesystem (local disk, NFS, FUSE).
+
+Layout::
+
+    <location>/kvgate-card.json           label: serial, format, creation time
+    <location>/db<NN>/<hh>/<digest hex>   one object per file (header + payload)
+
+Objects are named by the digest of their full key, so the name is fixed-size
+and safe whatever the key holds; the header inside still carries the full key,
+and a reader checks it, so a digest collision or a misplaced file reads as
+``ObjectCorrupt``, never as someone else's data.  ``NN`` shards the objects
+over ``num_dbs`` directories and ``hh`` fans each one out 256 ways, which keeps
+directories small enough for filesystems that slow down on huge ones.
+
+Atomicity comes from ``rename``: an object is written whole under a temporary
+name in its final directory and only then renamed over its final name.  A
+reader that opened the old file keeps reading the old inode, so it sees one
+whole object or the other, never a mix; a crash leaves only a ``.tmp.`` file
+that no lookup ever opens and that ``scan`` reaps once it is old.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Iterator
+
+from kvgate.cards.base import Card, CardUnavailable, StoredObject
+from kvgate.cards.objectformat import (
+    CHECKSUM_PIECE,
+    FIXED_SIZE,
+    BufferTooSmall,
+    Header,
+    ObjectCorrupt,
+    ObjectMeta,
+    ObjectMissing,
+    checksum,
+    header_size,
+    pack_header,
+    parse_header,
+)
+from kvgate.keys import key_digest
+
+LABEL_NAME = "kvgate-card.json"
+LABEL_FORMAT = 1
+
+# A temp file this old cannot belong to a write still in progress: it is the
+# leftover of a crash, and nothing but scan will ever remove it.
+STALE_TEMP_SECONDS = 3600.0
+
+_TEMP_MARK = ".tmp."
+_DB_RE = re.compile(r"db[0-9]{2,}")
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
+_OBJECT_RE = re.compile(r"[0-9a-f]{32}")
+
+# Scan reads this much in one go: the fixed header plus a generous key, so
+# nearly every header needs one pread.  Longer keys get a second, exact read.
+_SCAN_READ = FIXED_SIZE + 1024
+# The header length field is 32 bits, but the key length field is 16: a
+# header can never honestly be longer than this.
+_MAX_HEADER = FIXED_SIZE + 0xFFFF
+_LABEL_MAX = 64 << 10
+
+# Errors that say the card (its filesystem or mount), not one object, is in
+# trouble.  Everything else is left as a plain OSError for the caller to count.
+_CARD_ERRNOS = frozenset(
+    e
+    for e in (
+        errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENODEV, errno.ENXIO,
+        getattr(errno, "ESTALE", None), getattr(errno, "ENOTCONN", None), getattr(errno, "ENOMEDIUM", None),
+    )
+    if e is not None
+)
+# Filesystems without hard links answer os.link with one of these.
+_NO_LINK_ERRNOS = frozenset(
+    e
+    for e in (errno.EPERM, errno.ENOSYS, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", None),
+              getattr(errno, "EOPNOTSUPP", None))
+    if e is not None
+)
+
+
+def _byte_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of ``buf`` (no copy).
+
+    Slicing and ``len`` must count bytes: a memoryview of a float16 tensor
+    would otherwise slice by elements and read the wrong spans.
+    """
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """``pwrite`` until all of ``data`` is written: a short write is legal."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # never for a regular file, but a loop must not spin
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[n:]
+        offset += n
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a new directory entry durable; some filesystems refuse, which is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class DirectoryCard(Card):
+    """One directory as a card.  Holds no open files, so it needs no locking."""
+
+    kind = "directory"
+
+    def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False):
+        if num_dbs < 1:
+            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
+        super().__init__(location, num_dbs)
+        self.sync_writes = sync_writes
+        self._label_path = os.path.join(location, LABEL_NAME)
+        self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
+
+    # ------------------------------------------------------------------ label
+
+    def open(self) -> str:
+        try:
+            os.makedirs(self.location, exist_ok=True)
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"cannot create card directory: {exc.strerror}", self.location) from exc
+        serial = self._read_label(missing_ok=True)
+        if serial is None:
+            serial = self._create_label()
+        self.serial = serial
+        return serial
+
+    def check(self) -> str:
+        serial = self._read_label(missing_ok=False)
+        assert serial is not None
+        return serial
+
+    def _read_label(self, missing_ok: bool) -> str | None:
+        """One open + read: the health probe runs often, on every card."""
+        path = self._label_path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise CardUnavailable(errno.ENOENT, "card label is missing (card gone or not a kvgate card)", path) from None
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"cannot open card label: {exc.strerror}", path) from exc
+        try:
+            raw = b""
+            while len(raw) <= _LABEL_MAX:
+                chunk = os.read(fd, _LABEL_MAX + 1 - len(raw))
+                if not chunk:
+                    break
+                raw += chunk
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"cannot read card label: {exc.strerror}", path) from exc
+        finally:
+            os.close(fd)
+        return self._parse_label(raw)
+
+    def _parse_label(self, raw: bytes) -> str:
+        path = self._label_path
+        if len(raw) > _LABEL_MAX:
+            raise CardUnavailable(errno.EINVAL, "card label is not a kvgate label (too large)", path)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise CardUnavailable(errno.EINVAL, "card label is not valid JSON", path) from None
+        if not isinstance(doc, dict):
+            raise CardUnavailable(errno.EINVAL, "card label is not a JSON object", path)
+        serial = doc.get("serial")
+        if not isinstance(serial, str) or not serial:
+            raise CardUnavailable(errno.EINVAL, "card label has no serial", path)
+        if doc.get("format") != LABEL_FORMAT:
+            raise CardUnavailable(
+                errno.EINVAL, f"card label has format {doc.get('format')!r}; this gateway reads {LABEL_FORMAT}", path
+            )
+        return serial
+
+    def _create_label(self) -> str:
+        """Publish a complete label with ``link``, so racing processes agree.
+
+        ``link`` fails if the name exists, and the file it publishes is already
+        whole, so whichever process links first wins and every other one reads
+        the winner's label; no process ever sees a half-written one.
+        """
+        doc = {
+            "serial": uuid.uuid4().hex,
+            "format": LABEL_FORMAT,
+            "created": datetime.now(timezone.utc).isoformat(),
+        }
+        data = (json.dumps(doc) + "\n").encode()
+        tmp = f"{self._label_path}{_TEMP_MARK}{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _pwrite_all(fd, data, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, self._label_path)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS:
+                    raise
+                return self._create_label_without_link(data)
+        except CardUnavailable:
+            raise
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"cannot create card label: {exc.strerror}", self._label_path) from exc
+        finally:
+            _unlink_quiet(tmp)
+        _fsync_dir(self.location)
+        serial = self._read_label(missing_ok=False)
+        assert serial is not None
+        return serial
+
+    def _create_label_without_link(self, data: bytes) -> str:
+        """Fallback for filesystems without hard links: O_EXCL, then wait out a racing writer.
+
+        Here the winner's label is visible before it is written, so a loser
+        may briefly read it empty or partial; it retries for a short while.
+        """
+        try:
+            fd = os.open(self._label_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            deadline = time.monotonic() + 2.0
+            while True:
+                try:
+                    serial = self._read_label(missing_ok=False)
+                    assert serial is not None
+                    return serial
+                except CardUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        try:
+            _pwrite_all(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.location)
+        serial = self._read_label(missing_ok=False)
+        assert serial is not None
+        return serial
+
+    # ---------------------------------------------------------------- helpers
+
+    def object_path(self, full_key: bytes) -> str:
+        """Where the object for ``full_key`` lives (whether or not it exists)."""
+        digest = key_digest(full_key)
+        db = self._db_names[int.from_bytes(digest[:4], "little") % self.num_dbs]
+        name = digest.hex()
+        return os.path.join(self.location, db, name[:2], name)
+
+    def _location_missing(self) -> CardUnavailable | None:
+        """Tell "no such object" from "no such card" after an ENOENT.
+
+        Only called on the miss path, so hits cost no extra stat.
+        """
+        try:
+            st = os.stat(self.location)
+        except OSError as exc:
+            return CardUnavailable(exc.errno, f"card directory is not accessible: {exc.strerror}", self.location)
+        if not stat.S_ISDIR(st.st_mode):
+            return CardUnavailable(errno.ENOTDIR, "card location is not a directory", self.location)
+        return None
+
+    def _card_error(self, exc: OSError) -> CardUnavailable | None:
+        """The CardUnavailable that ``exc`` stands for, or None if it is about one object."""
+        if isinstance(exc, CardUnavailable):  # already says so; the caller re-raises it as is
+            return None
+        if exc.errno == errno.ENOENT:
+            return self._location_missing()
+        if exc.errno in (errno.EACCES, errno.EPERM) and self._label_readable():
+            # One file another user wrote (a shared card): that object's
+            # problem, not a reason to take the whole card out of service.
+            return None
+        if exc.errno in _CARD_ERRNOS:
+            return CardUnavailable(exc.errno, f"card is not usable: {exc.strerror}", exc.filename or self.location)
+        return None
+
+    def _label_readable(self) -> bool:
+        try:
+            os.close(os.open(self._label_path, os.O_RDONLY))
+        except OSError:
+            return False
+        return True
+
+    def _make_dirs(self, obj_dir: str) -> None:
+        """Create ``db<NN>/<hh>`` lazily, but never re-create a vanished card directory.
+
+        ``os.makedirs`` would happily rebuild the location itself, turning an
+        unmounted card into writes on the root filesystem; ``mkdir`` of each
+        level fails with ENOENT instead.
+        """
+        db_dir = os.path.dirname(obj_dir)
+        for path in (db_dir, obj_dir):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                missing = self._location_missing()
+                if missing is not None:
+                    raise missing from None
+                raise
+            if self.sync_writes:
+                _fsync_dir(os.path.dirname(path))
+
+    def _discard(self, path: str, fd: int | None) -> None:
+        """Delete a corrupt object, but not a good one renamed over it meanwhile."""
+        try:
+            if fd is not None:
+                mine = os.fstat(fd)
+                now = os.stat(path)
+                if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+                    return
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------- I/O
+
+    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
+        view = _byte_view(dest)
+        path = self.object_path(full_key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            missing = self._location_missing()
+            if missing is not None:
+                raise missing from None
+            raise ObjectMissing(f"no object {key_digest(full_key).hex()}") from None
+        except OSError as exc:
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            raise
+        try:
+            try:
+                return self._read_verified(fd, full_key, view)
+            except ObjectCorrupt as exc:
+                exc.add_note(f"deleted corrupt object {path}")
+                self._discard(path, fd)
+                raise
+            except OSError as exc:
+                unavailable = self._card_error(exc)
+                if unavailable is not None:
+                    raise unavailable from exc
+                raise
+        finally:
+            os.close(fd)
+
+    def _read_verified(self, fd: int, full_key: bytes, view: memoryview) -> Header:
+        """Header and first piece in one preadv, then the rest piece by piece.
+
+        Each piece is checksummed right after it lands, while it is still in
+        the CPU cache, so verification costs no second pass over memory.
+        """
+        hsize = header_size(full_key)
+        header_buf = bytearray(hsize)
+        file_size = os.fstat(fd).st_size
+        first = min(len(view), CHECKSUM_PIECE)
+        n = os.preadv(fd, [header_buf, view[:first]], 0)
+        if n < hsize:
+            raise ObjectCorrupt("object shorter than its header")
+        header = parse_header(header_buf, expect_key=full_key)
+        plen = header.payload_len
+        if file_size != hsize + plen:
+            raise ObjectCorrupt(f"object file is {file_size} bytes, its header says {hsize + plen}")
+        if plen > len(view):
+            raise BufferTooSmall(plen)
+        got = n - hsize
+        if got > plen:
+            raise ObjectCorrupt("object longer than its header says")
+        crc = checksum(view[:got]) if got else 0
+        off = got
+        while off < plen:
+            piece = view[off : off + min(CHECKSUM_PIECE, plen - off)]
+            k = os.preadv(fd, [piece], hsize + off)
+            if k <= 0:
+                raise ObjectCorrupt("object shorter than its header says")
+            crc = checksum(piece[:k], crc)
+            off += k
+        if crc != header.payload_crc:
+            raise ObjectCorrupt("payload checksum mismatch")
+        return header
+
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta) -> int:
+        view = _byte_view(payload)
+        final = self.object_path(full_key)
+        # pid + thread: concurrent writers of one key, in this process or
+        # another on a shared card, each get their own temp file.
+        tmp = f"{final}{_TEMP_MARK}{os.getpid()}.{threading.get_ident()}"
+        hsize = header_size(full_key)
+        plen = len(view)
+        try:
+            fd = self._create_temp(tmp)
+            try:
+                crc = 0
+                for off in range(0, plen, CHECKSUM_PIECE):
+                    piece = view[off : off + CHECKSUM_PIECE]
+                    crc = checksum(piece, crc)
+                    _pwrite_all(fd, piece, hsize + off)
+                header = pack_header(full_key, plen, crc, meta)
+                if len(header) != hsize:  # pack_header and header_size must agree
+                    raise AssertionError(f"header is {len(header)} bytes, expected {hsize}")
+                _pwrite_all(fd, header, 0)
+                if self.sync_writes:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException as exc:
+            _unlink_quiet(tmp)
+            if isinstance(exc, OSError):
+                unavailable = self._card_error(exc)
+                if unavailable is not None:
+                    raise unavailable from exc
+            raise
+        if self.sync_writes:
+            _fsync_dir(os.path.dirname(final))
+        return hsize + plen
+
+    def _create_temp(self, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
+        for _ in range(3):
+            try:
+                return os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                self._make_dirs(os.path.dirname(tmp))
+            except FileExistsError:
+                # Same pid and thread id as ours, so it belongs to a process
+                # that died: this thread is not writing it.
+                _unlink_quiet(tmp)
+        return os.open(tmp, flags, 0o600)
+
+    def exists(self, full_key: bytes) -> bool:
+        try:
+            os.stat(self.object_path(full_key))
+        except FileNotFoundError:
+            missing = self._location_missing()
+            if missing is not None:
+                raise missing from None
+            return False
+        except OSError as exc:
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            raise
+        return True
+
+    def delete(self, full_key: bytes) -> bool:
+        try:
+            os.unlink(self.object_path(full_key))
+        except FileNotFoundError:
+            missing = self._location_missing()
+            if missing is not None:
+                raise missing from None
+            return False
+        except OSError as exc:
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            raise
+        return True
+
+    # --------------------------------------------------------- whole-card ops
+
+    def _list(self, path: str) -> list[os.DirEntry[str]]:
+        """Entries of one card directory; a sub-directory gone meanwhile is empty.
+
+        Listing a whole leaf at once closes its handle before the caller
+        (a generator that may be paused for long) resumes.
+        """
+        try:
+            with os.scandir(path) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            if path == self.location:
+                raise CardUnavailable(exc.errno, f"cannot list card directory: {exc.strerror}", path) from exc
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                return []
+            raise
+
+    def _leaf_dirs(self) -> Iterator[str]:
+        for db in self._list(self.location):
+            if not _DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
+                continue
+            for fan in self._list(db.path):
+                if _FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
+                    yield fan.path
+
+    def scan(self) -> Iterator[StoredObject]:
+        now = time.time()
+        relocated: set[str] = set()
+        for leaf in self._leaf_dirs():
+            for entry in self._list(leaf):
+                name = entry.name
+                if _TEMP_MARK in name:
+                    self._reap_temp(entry, now)
+                    continue
+                # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
+                # an editor's backup) is left alone.
+                if not _OBJECT_RE.fullmatch(name) or entry.path in relocated:
+                    continue
+                found = self._scan_one(entry.path, name, relocated)
+                if found is not None:
+                    yield found
+
+    def _reap_temp(self, entry: os.DirEntry[str], now: float) -> None:
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+    def _scan_one(self, path: str, name: str, relocated: set[str]) -> StoredObject | None:
+        """Header-only check of one object file; payload CRCs are left to reads.
+
+        Reading every payload at start would take as long as reading the card.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            _unlink_quiet(path)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = os.pread(fd, _SCAN_READ, 0)
+            if len(buf) >= 12:
+                hlen = int.from_bytes(buf[8:12], "little")
+                if len(buf) < hlen <= _MAX_HEADER:
+                    buf = os.pread(fd, hlen, 0)
+            header = parse_header(buf, expect_key=None)
+            if size != header.header_len + header.payload_len:
+                raise ObjectCorrupt(f"object file is {size} bytes, its header says "
+                                    f"{header.header_len + header.payload_len}")
+            if key_digest(header.full_key).hex() != name:
+                raise ObjectCorrupt("object file name does not match the key inside")
+        except ObjectCorrupt:
+            self._discard(path, fd)
+            return None
+        except OSError as exc:
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            self._discard(path, fd)
+            return None
+        finally:
+            os.close(fd)
+        home = self.object_path(header.full_key)
+        if home != path and not self._relocate(path, home, relocated):
+            return None
+        return StoredObject(header.full_key, header.payload_len, size, header.meta)
+
+    def _relocate(self, path: str, home: str, relocated: set[str]) -> bool:
+        """Move an object written under another ``num_dbs`` to where reads look.
+
+        Without this, scan would report objects that ``read_into`` can never
+        find.  When the right place already holds the key, that copy wins.
+        """
+        try:
+            if os.path.lexists(home):
+                _unlink_quiet(path)
+                return False
+            try:
+                os.rename(path, home)
+            except FileNotFoundError:
+                self._make_dirs(os.path.dirname(home))
+                os.rename(path, home)
+        except OSError as exc:
+            unavailable = self._card_error(exc)
+            if unavailable is not None:
+                raise unavailable from exc
+            return False
+        relocated.add(home)
+        return True
+
+    def clean(self) -> int:
+        """Delete objects and temp files; keeps the directories.
+
+        Keeping them means a concurrent writer's lazy ``mkdir`` never races
+        an ``rmdir`` here.
+        """
+        deleted = 0
+        for leaf in self._leaf_dirs():
+            for entry in self._list(leaf):
+                name = entry.name
+                is_object = _OBJECT_RE.fullmatch(name) is not None
+                if not is_object and _TEMP_MARK not in name:
+                    continue
+                try:
+                    os.unlink(entry.path)
+                except OSError as exc:
+                    unavailable = self._card_error(exc) if exc.errno != errno.ENOENT else None
+                    if unavailable is not None:
+                        raise unavailable from exc
+                    continue
+                deleted += is_object
+        return deleted
+
+    def free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.location)
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"cannot stat card filesystem: {exc.strerror}", self.location) from exc
+        return st.f_bavail * st.f_frsize

@@ -1,0 +1,308 @@
+"""Gateway configuration: one table of keys, read from YAML and from flags.
+
+Every key in ``FIELDS`` is accepted in the YAML file and as a command-line
+flag (``max_bytes`` <-> ``--max-bytes``).  Values are checked here, once, so
+the rest of the code can trust a ``Config``.  Any problem raises
+``ConfigError`` with a one-line message that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key."""
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+# Bare single letters are binary, as in `16G` meaning GiB: that is what people
+# mean when they size a cache next to `free -g`.
+_SIZE_UNITS.update({"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40})
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """`16G`, `512MiB`, `1.5GB`, `4096` -> bytes.  Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 16G or 512MiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 16G or 512MiB, got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(value: Any) -> float:
+    """`30`, `30s`, `15m`, `2h`, `1d`, `250ms` -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s, 15m or 2h")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"expected a duration such as 30s, 15m or 2h, got {value!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false (or 1/0), got {value!r}")
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def _parse_str(value: Any) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError(f"expected a string, got {value!r}")
+    return str(value)
+
+
+def _parse_str_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(f"expected a list of strings, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config key: how to parse it, its default, and its help text."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    optional: bool = False  # `null` / absent is a valid value
+    metavar: str | None = None
+    many: bool = False  # flag takes one or more values
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("storage_devices", _parse_str_list, ["./var/kvgate/card0"],
+          "cards of the long tier: directories (absolute or relative paths)", metavar="DIR", many=True),
+    Field("storage_slots", _parse_int, None, "slots of the key distribution (default: number of cards; 16 or more recommended)",
+          minimum=1, optional=True),
+    Field("num_dbs", _parse_int, 1, "shards (subdirectories) inside each card", minimum=1),
+    Field("key_placement", _parse_str, "dialog", "how blocks are placed on cards", choices=("dialog", "stripe")),
+    Field("key_layout_fingerprint", _parse_str, None,
+          "expected key layout fingerprint (16 hex digits); a differing layout refuses to start", optional=True),
+    Field("shared_storage", _parse_bool, False, "cards are shared with other gateways: never delete all data"),
+    Field("start_clean", _parse_bool, False, "delete every object on the cards at start (refused with shared_storage)"),
+    Field("io_timeout_ms", _parse_int, 2000, "deadline of one card I/O in milliseconds", minimum=1),
+    Field("io_timeout_strikes", _parse_int, 3, "I/Os in a row past the deadline or failing that take a card out of service",
+          minimum=1),
+    Field("status_file", _parse_str, None, "Prometheus text file rewritten every second", optional=True),
+    Field("port", _parse_int, 5557, "TCP port of the gateway (0 disables the TCP listener)", minimum=0),
+    Field("bind_address", _parse_str, "127.0.0.1", "TCP bind address; anything but loopback needs auth_token_file"),
+    Field("socket", _parse_str, None, "Unix socket path (default: derived from the port)", optional=True),
+    Field("metrics_port", _parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)", minimum=0),
+    Field("metrics_bind_address", _parse_str, "127.0.0.1", "HTTP bind address of /metrics"),
+    Field("shared_memory_size", parse_size, 256 << 20, "shared-memory region given to each local session",
+          minimum=1 << 20),
+    Field("thread_pool_size", _parse_int, 4, "threads doing card I/O and bulk copies", minimum=1),
+    Field("max_bytes", parse_size, 1 << 30, "size of the RAM tier (preallocated at start)", minimum=0),
+    Field("ram_page_size", parse_size, 256 << 10, "allocation unit of the RAM tier", minimum=4096),
+    Field("card_capacity", parse_size, None,
+          "bytes each card may hold (default: free space at start minus card_reserve)", optional=True),
+    Field("card_reserve", parse_size, 1 << 30, "free space left on a card's filesystem when card_capacity is not set"),
+    Field("eviction_policy", _parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru")),
+    Field("ttl", parse_duration, None, "objects older than this are misses and are deleted", optional=True),
+    Field("auth_token_file", _parse_str, None, "file holding the token TCP clients must present", optional=True),
+    Field("max_frame_bytes", parse_size, 256 << 20, "largest message a client may send (inline bytes included)",
+          minimum=1 << 16),
+    Field("max_connections", _parse_int, 256, "concurrent client connections", minimum=1),
+    Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),
+    Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
+    Field("log_level", _parse_str, "info", "log level", choices=("debug", "info", "warning", "error")),
+)
+
+FIELDS_BY_NAME = {f.name: f for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class Config:
+    storage_devices: list[str] = field(default_factory=lambda: ["./var/kvgate/card0"])
+    storage_slots: int | None = None
+    num_dbs: int = 1
+    key_placement: str = "dialog"
+    key_layout_fingerprint: str | None = None
+    shared_storage: bool = False
+    start_clean: bool = False
+    io_timeout_ms: int = 2000
+    io_timeout_strikes: int = 3
+    status_file: str | None = None
+    port: int = 5557
+    bind_address: str = "127.0.0.1"
+    socket: str | None = None
+    metrics_port: int = 9557
+    metrics_bind_address: str = "127.0.0.1"
+    shared_memory_size: int = 256 << 20
+    thread_pool_size: int = 4
+    max_bytes: int = 1 << 30
+    ram_page_size: int = 256 << 10
+    card_capacity: int | None = None
+    card_reserve: int = 1 << 30
+    eviction_policy: str = "prefix"
+    ttl: float | None = None
+    auth_token_file: str | None = None
+    max_frame_bytes: int = 256 << 20
+    max_connections: int = 256
+    refuse_unsalted: bool = False
+    sync_writes: bool = False
+    log_level: str = "info"
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or default_socket_path(self.port)
+
+    @property
+    def slots(self) -> int:
+        return self.storage_slots or max(1, len(self.storage_devices))
+
+    def replace(self, **changes: Any) -> "Config":
+        return from_mapping({**self.to_mapping(), **changes})
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def default_socket_path(port: int) -> str:
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"kvgate-{port}.sock")
+
+
+def _check(f: Field, raw: Any) -> Any:
+    if raw is None:
+        if f.optional:
+            return None
+        raise ConfigError(f"config key '{f.name}': a value is required")
+    try:
+        value = f.parse(raw)
+    except ValueError as e:
+        raise ConfigError(f"config key '{f.name}': {e}") from None
+    if f.choices and value not in f.choices:
+        raise ConfigError(f"config key '{f.name}': expected one of {', '.join(f.choices)}, got {value!r}")
+    if f.minimum is not None and value < f.minimum:
+        raise ConfigError(f"config key '{f.name}': must be at least {f.minimum:g}, got {raw!r}")
+    return value
+
+
+def from_mapping(values: Mapping[str, Any]) -> Config:
+    """Build a Config from a mapping of raw values (YAML or flags)."""
+    unknown = sorted(set(values) - set(FIELDS_BY_NAME))
+    if unknown:
+        hint = _did_you_mean(unknown[0])
+        raise ConfigError(f"unknown config key '{unknown[0]}'{hint}")
+    checked = {name: _check(FIELDS_BY_NAME[name], raw) for name, raw in values.items()}
+    cfg = Config(**checked)
+    _check_combination(cfg)
+    return cfg
+
+
+def _did_you_mean(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(FIELDS_BY_NAME), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_combination(cfg: Config) -> None:
+    if not cfg.storage_devices:
+        raise ConfigError("config key 'storage_devices': at least one card is required")
+    if cfg.shared_storage and cfg.start_clean:
+        raise ConfigError(
+            "config key 'start_clean': refused because shared_storage is true "
+            "(other gateways use these cards; nothing was deleted)"
+        )
+    if cfg.key_layout_fingerprint is not None and not re.fullmatch(r"[0-9a-f]{16}", cfg.key_layout_fingerprint):
+        raise ConfigError("config key 'key_layout_fingerprint': expected 16 lowercase hex digits")
+    if cfg.max_bytes and cfg.max_bytes < cfg.ram_page_size:
+        raise ConfigError("config key 'max_bytes': must be 0 or at least ram_page_size")
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys to values")
+    return data
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config key; flags left out are None and do not override YAML."""
+    for f in FIELDS:
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.help}
+        if f.many:
+            kwargs["nargs"] = "+"
+        if f.metavar:
+            kwargs["metavar"] = f.metavar
+        elif f.choices:
+            kwargs["metavar"] = "{" + ",".join(f.choices) + "}"
+        else:
+            kwargs["metavar"] = "VALUE"
+        parser.add_argument(flag_name(f.name), **kwargs)
+
+
+def load(config_file: str | None = None, overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> Config:
+    """YAML file (if any) with non-None overrides (flags) on top."""
+    values: dict[str, Any] = load_yaml(config_file) if config_file else {}
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    for name, value in items:
+        if value is not None:
+            values[name] = value
+    return from_mapping(values)

@@ -1,0 +1,623 @@
+"""DirectoryCard against real files: round trips, corruption, crashes, races."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.sharedctypes
+import multiprocessing.synchronize
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from kvgate.cards import (
+    BufferTooSmall,
+    Card,
+    CardUnavailable,
+    DirectoryCard,
+    Header,
+    ObjectCorrupt,
+    ObjectMeta,
+    ObjectMissing,
+    StoredObject,
+)
+from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
+from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size
+from kvgate.keys import dialog_digest, full_key, key_digest
+
+P = CHECKSUM_PIECE
+GUARD = 4096
+GUARD_BYTE = 0xEE
+
+# fork is much cheaper than spawn on a loaded 2-core machine; the children
+# only touch files, so fork's caveats do not apply.
+_MP = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+def key(i: int | str, ns: bytes = b"tenant") -> bytes:
+    return full_key(ns, f"block-{i}".encode())
+
+
+def payload_for(k: bytes, size: int) -> np.ndarray:
+    """Bytes that depend on key and size, so a swapped or torn object shows."""
+    seed = int.from_bytes(key_digest(k)[:8], "little") ^ size
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture
+def card(tmp_path: Path) -> DirectoryCard:
+    c = DirectoryCard(str(tmp_path / "card"), num_dbs=2)
+    c.open()
+    return c
+
+
+def read_back(c: DirectoryCard, k: bytes, size_hint: int) -> tuple[Header, np.ndarray]:
+    buf = np.empty(size_hint, dtype=np.uint8)
+    h = c.read_into(k, memoryview(buf))
+    return h, buf[: h.payload_len]
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("size", [0, 1, P - 1, P, P + 1, 3 << 20])
+def test_round_trip_into_slice_of_bigger_buffer(card: DirectoryCard, size: int) -> None:
+    k = key(size)
+    data = payload_for(k, size)
+    meta = ObjectMeta(dialog=dialog_digest(b"d"), position=size, created_ns=123)
+    stored = card.write(k, memoryview(data), meta)
+    assert stored == header_size(k) + size
+    assert os.path.getsize(card.object_path(k)) == stored
+
+    slack = 1000  # destination bigger than the payload
+    big = np.full(GUARD + size + slack + GUARD, GUARD_BYTE, dtype=np.uint8)
+    dest = memoryview(big)[GUARD : GUARD + size + slack]
+    h = card.read_into(k, dest)
+    assert h.payload_len == size
+    assert h.full_key == k
+    assert h.meta == meta
+    assert np.array_equal(big[GUARD : GUARD + size], data)
+    assert (big[:GUARD] == GUARD_BYTE).all()
+    # Nothing past the payload is touched, inside or outside the destination.
+    assert (big[GUARD + size :] == GUARD_BYTE).all()
+
+
+def test_round_trip_exact_size_destination(card: DirectoryCard) -> None:
+    k = key("exact")
+    data = payload_for(k, 2 * P + 17)
+    card.write(k, memoryview(data), ObjectMeta())
+    out = np.zeros(len(data), dtype=np.uint8)
+    card.read_into(k, memoryview(out))
+    assert np.array_equal(out, data)
+
+
+def test_typed_buffers_are_handled_as_bytes(card: DirectoryCard) -> None:
+    # A float16 tensor's memoryview counts elements, not bytes.
+    k = key("f16")
+    src = np.arange(P, dtype=np.float16)  # 2*P bytes: spans pieces
+    card.write(k, memoryview(src), ObjectMeta())
+    out = np.zeros(P + 10, dtype=np.float16)
+    h = card.read_into(k, memoryview(out))
+    assert h.payload_len == src.nbytes
+    assert np.array_equal(out[:P], src)
+
+
+def test_overwrite_replaces_whole_object(card: DirectoryCard) -> None:
+    k = key("ow")
+    card.write(k, memoryview(payload_for(k, 3 * P)), ObjectMeta(position=1))
+    small = payload_for(k, 10)
+    card.write(k, memoryview(small), ObjectMeta(position=2))
+    h, got = read_back(card, k, 4 * P)
+    assert h.meta.position == 2
+    assert np.array_equal(got, small)
+
+
+def test_sync_writes(tmp_path: Path) -> None:
+    c = DirectoryCard(str(tmp_path / "c"), sync_writes=True)
+    c.open()
+    k = key("sync")
+    data = payload_for(k, P + 3)
+    c.write(k, memoryview(data), ObjectMeta())
+    assert np.array_equal(read_back(c, k, P + 3)[1], data)
+
+
+def test_interface(card: DirectoryCard) -> None:
+    assert isinstance(card, Card)
+    assert DirectoryCard.kind == "directory"
+    assert card.serial is not None and card.serial in repr(card)
+    with pytest.raises(ValueError):
+        DirectoryCard("/nowhere", num_dbs=0)
+
+
+# ------------------------------------------------------------ missing, delete
+
+
+def test_missing(card: DirectoryCard) -> None:
+    k = key("nothing")
+    with pytest.raises(ObjectMissing):
+        card.read_into(k, memoryview(bytearray(10)))
+    assert not card.exists(k)
+    assert card.delete(k) is False
+
+
+def test_exists_and_delete(card: DirectoryCard) -> None:
+    k = key("del")
+    card.write(k, memoryview(b"abc"), ObjectMeta())
+    assert card.exists(k)
+    assert card.delete(k) is True
+    assert not card.exists(k)
+    assert card.delete(k) is False
+    with pytest.raises(ObjectMissing):
+        card.read_into(k, memoryview(bytearray(10)))
+
+
+def test_buffer_too_small_keeps_object(card: DirectoryCard) -> None:
+    k = key("big")
+    data = payload_for(k, P + 100)
+    card.write(k, memoryview(data), ObjectMeta())
+    for short in (0, 1, P, P + 99):
+        with pytest.raises(BufferTooSmall) as info:
+            card.read_into(k, memoryview(bytearray(short)))
+        assert info.value.needed == P + 100
+    assert card.exists(k)
+    assert np.array_equal(read_back(card, k, P + 100)[1], data)
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _truncate(path: str, new_size: int) -> None:
+    os.truncate(path, new_size)
+
+
+def _corruptions(k: bytes, size: int) -> dict[str, Callable[[str], None]]:
+    hs = header_size(k)
+    return {
+        "payload-first-byte": lambda p: _flip(p, hs),
+        "payload-middle": lambda p: _flip(p, hs + size // 2),
+        "payload-last-byte": lambda p: _flip(p, hs + size - 1),
+        "payload-second-piece": lambda p: _flip(p, hs + P + 3),
+        "header-magic": lambda p: _flip(p, 0),
+        "header-payload-len": lambda p: _flip(p, 16),
+        "header-position": lambda p: _flip(p, 33),
+        "header-payload-crc": lambda p: _flip(p, 57),
+        "header-crc": lambda p: _flip(p, 61),
+        "header-key": lambda p: _flip(p, hs - 1),
+        "truncate-one": lambda p: _truncate(p, hs + size - 1),
+        "truncate-to-header": lambda p: _truncate(p, hs),
+        "truncate-inside-header": lambda p: _truncate(p, hs - 5),
+        "truncate-empty": lambda p: _truncate(p, 0),
+        "append-byte": lambda p: open(p, "ab").write(b"\0"),
+    }
+
+
+CORRUPTIONS = sorted(_corruptions(key(0), 10))
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_corruption_is_detected_and_deleted(card: DirectoryCard, how: str) -> None:
+    k = key("victim")
+    size = 2 * P + 5
+    card.write(k, memoryview(payload_for(k, size)), ObjectMeta())
+    path = card.object_path(k)
+    _corruptions(k, size)[how](path)
+    with pytest.raises(ObjectCorrupt):
+        card.read_into(k, memoryview(np.zeros(size + 10, dtype=np.uint8)))
+    assert not os.path.exists(path)
+    assert not card.exists(k)
+    with pytest.raises(ObjectMissing):
+        card.read_into(k, memoryview(np.zeros(size + 10, dtype=np.uint8)))
+
+
+@pytest.mark.parametrize("other_name", ["block-other", "other-length-key"])
+def test_file_holding_another_key_is_corrupt(card: DirectoryCard, other_name: str) -> None:
+    k, other = key("victim"), key(other_name)
+    card.write(k, memoryview(payload_for(k, 100)), ObjectMeta())
+    card.write(other, memoryview(payload_for(other, 100)), ObjectMeta())
+    shutil.copyfile(card.object_path(other), card.object_path(k))
+    with pytest.raises(ObjectCorrupt):
+        card.read_into(k, memoryview(bytearray(1000)))
+    assert not card.exists(k)
+    assert card.exists(other)  # the source is untouched
+
+
+def test_corrupt_object_is_not_returned_in_small_buffer(card: DirectoryCard) -> None:
+    # Corruption wins over BufferTooSmall when the file's size already gives it away.
+    k = key("c")
+    card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta())
+    open(card.object_path(k), "ab").write(b"x")
+    with pytest.raises(ObjectCorrupt):
+        card.read_into(k, memoryview(bytearray(10)))
+    assert not card.exists(k)
+
+
+# --------------------------------------------------------------------- label
+
+
+def test_label_created_once_and_stable(tmp_path: Path) -> None:
+    loc = tmp_path / "a" / "b"  # parents are created too
+    c = DirectoryCard(str(loc))
+    serial = c.open()
+    assert c.serial == serial
+    label = json.loads((loc / LABEL_NAME).read_text())
+    assert label["serial"] == serial and label["format"] == 1 and "created" in label
+    before = (loc / LABEL_NAME).read_bytes()
+    assert c.open() == serial
+    assert DirectoryCard(str(loc), num_dbs=4).open() == serial
+    assert c.check() == serial
+    assert (loc / LABEL_NAME).read_bytes() == before
+    # open() leaves no label temp files behind, and does not pre-create dbs.
+    assert sorted(os.listdir(loc)) == [LABEL_NAME]
+
+
+def test_two_cards_get_different_serials(tmp_path: Path) -> None:
+    assert DirectoryCard(str(tmp_path / "x")).open() != DirectoryCard(str(tmp_path / "y")).open()
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"format": 1}', b'{"serial": "ab", "format": 2}'])
+def test_bad_label_is_unavailable(tmp_path: Path, content: bytes) -> None:
+    loc = tmp_path / "card"
+    loc.mkdir()
+    (loc / LABEL_NAME).write_bytes(content)
+    c = DirectoryCard(str(loc))
+    with pytest.raises(CardUnavailable) as info:
+        c.open()
+    assert str(loc / LABEL_NAME) in str(info.value)
+    assert (loc / LABEL_NAME).read_bytes() == content  # never rewritten
+
+
+def _open_after(location: str, go: multiprocessing.synchronize.Event, out: multiprocessing.Queue) -> None:
+    go.wait()
+    out.put(DirectoryCard(location).open())
+
+
+def test_processes_racing_to_label_agree(tmp_path: Path) -> None:
+    for round_ in range(3):
+        loc = str(tmp_path / f"race{round_}")
+        go, out = _MP.Event(), _MP.Queue()
+        procs = [_MP.Process(target=_open_after, args=(loc, go, out)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        go.set()
+        serials = [out.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        assert len(set(serials)) == 1
+        assert DirectoryCard(loc).check() == serials[0]
+        assert sorted(os.listdir(loc)) == [LABEL_NAME]
+
+
+# --------------------------------------------------------------------- shards
+
+
+def test_num_dbs_spreads_objects(tmp_path: Path) -> None:
+    c = DirectoryCard(str(tmp_path / "card"), num_dbs=4)
+    c.open()
+    keys = [key(i) for i in range(64)]
+    for k in keys:
+        c.write(k, memoryview(payload_for(k, 50)), ObjectMeta())
+    used = set()
+    for k in keys:
+        d = key_digest(k)
+        db = int.from_bytes(d[:4], "little") % 4
+        expected = tmp_path / "card" / f"db{db:02d}" / d.hex()[:2] / d.hex()
+        assert c.object_path(k) == str(expected)
+        assert expected.is_file()
+        used.add(db)
+    assert used == {0, 1, 2, 3}
+    assert sorted(p.name for p in (tmp_path / "card").iterdir() if p.is_dir()) == ["db00", "db01", "db02", "db03"]
+    assert {o.full_key for o in c.scan()} == set(keys)
+
+
+def test_scan_relocates_objects_after_num_dbs_change(tmp_path: Path) -> None:
+    loc = str(tmp_path / "card")
+    old = DirectoryCard(loc, num_dbs=3)
+    old.open()
+    keys = [key(i) for i in range(30)]
+    for k in keys:
+        old.write(k, memoryview(payload_for(k, 40)), ObjectMeta(position=1))
+    new = DirectoryCard(loc, num_dbs=2)
+    new.open()
+    found = list(new.scan())
+    assert sorted(o.full_key for o in found) == sorted(keys)  # each once
+    for k in keys:
+        assert np.array_equal(read_back(new, k, 100)[1], payload_for(k, 40))
+    assert sorted(o.full_key for o in new.scan()) == sorted(keys)
+
+
+# ---------------------------------------------------------------------- scan
+
+
+def test_scan_reports_objects_with_meta(card: DirectoryCard) -> None:
+    expected = {}
+    for i in range(20):
+        k = key(i, ns=b"ns%d" % (i % 3))
+        meta = ObjectMeta(dialog=dialog_digest(b"dialog-%d" % (i % 4)), position=i, created_ns=1000 + i)
+        size = i * 1000
+        card.write(k, memoryview(payload_for(k, size)), meta)
+        expected[k] = StoredObject(k, size, header_size(k) + size, meta)
+    found = list(card.scan())
+    assert len(found) == len(expected)
+    assert {o.full_key: o for o in found} == expected
+
+
+def test_scan_reads_long_keys(card: DirectoryCard) -> None:
+    k = full_key(b"n" * 255, b"k" * 1024)  # header longer than scan's first read
+    card.write(k, memoryview(b"xyz"), ObjectMeta(position=5))
+    assert [(o.full_key, o.payload_len, o.meta.position) for o in card.scan()] == [(k, 3, 5)]
+
+
+def test_scan_deletes_corrupt_and_skips_foreign(card: DirectoryCard) -> None:
+    good, bad_hdr, short, wrong_name = key("good"), key("bad"), key("short"), key("wrong")
+    for k in (good, bad_hdr, short, wrong_name):
+        card.write(k, memoryview(payload_for(k, 500)), ObjectMeta())
+    _flip(card.object_path(bad_hdr), 2)
+    _truncate(card.object_path(short), 300)
+    # A whole object stored under the wrong name (another key's digest).
+    misnamed = card.object_path(key("elsewhere"))
+    os.makedirs(os.path.dirname(misnamed), exist_ok=True)
+    shutil.copyfile(card.object_path(wrong_name), misnamed)
+    foreign = os.path.join(os.path.dirname(card.object_path(good)), ".nfs000000001")
+    Path(foreign).write_bytes(b"not ours")
+    assert sorted(o.full_key for o in card.scan()) == sorted([good, wrong_name])
+    assert not os.path.exists(card.object_path(bad_hdr))
+    assert not os.path.exists(card.object_path(short))
+    assert not os.path.exists(misnamed)
+    assert os.path.exists(foreign)
+
+
+# --------------------------------------------------------------------- crash
+
+
+def test_leftover_temp_is_never_seen(card: DirectoryCard) -> None:
+    k = key("crashed")
+    other = key("donor")
+    card.write(other, memoryview(payload_for(other, 100)), ObjectMeta())
+    final = card.object_path(k)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    young = f"{final}.tmp.999999.1"
+    old = f"{final}.tmp.999999.2"
+    for t in (young, old):
+        shutil.copyfile(card.object_path(other), t)  # even a whole object
+    aged = time.time() - STALE_TEMP_SECONDS - 60
+    os.utime(old, (aged, aged))
+    with pytest.raises(ObjectMissing):
+        card.read_into(k, memoryview(bytearray(1000)))
+    assert not card.exists(k)
+    assert [o.full_key for o in card.scan()] == [other]
+    assert os.path.exists(young)  # may still be a write in progress
+    assert not os.path.exists(old)  # a crash's leftover: reaped
+
+
+def test_failed_write_leaves_nothing(card: DirectoryCard, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = key("fail")
+    card.write(k, memoryview(b"old"), ObjectMeta())
+
+    def broken_rename(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", broken_rename)
+    with pytest.raises(OSError) as info:
+        card.write(k, memoryview(payload_for(k, P * 2)), ObjectMeta())
+    monkeypatch.undo()
+    assert info.value.errno == 28 and not isinstance(info.value, CardUnavailable)
+    assert os.listdir(os.path.dirname(card.object_path(k))) == [os.path.basename(card.object_path(k))]
+    h, got = read_back(card, k, 10)
+    assert bytes(got) == b"old"
+
+
+CRASH_KEYS = 24
+
+
+def crash_payload(i: int) -> np.ndarray:
+    return payload_for(key(i), 64 * 1024 + i * 61 * 1024)  # 64 KiB .. ~1.4 MiB
+
+
+def _write_forever(location: str, start: int, done: multiprocessing.sharedctypes.Synchronized) -> None:
+    c = DirectoryCard(location, num_dbs=2)
+    c.open()
+    payloads = [crash_payload(i) for i in range(CRASH_KEYS)]
+    i = start
+    while True:
+        n = i % CRASH_KEYS
+        c.write(key(n), memoryview(payloads[n]), ObjectMeta(position=n))
+        done.value += 1
+        i += 1
+
+
+def test_sigkill_mid_write_leaves_only_whole_objects(tmp_path: Path) -> None:
+    loc = str(tmp_path / "card")
+    DirectoryCard(loc, num_dbs=2).open()
+    for round_, (writes, delay) in enumerate(((4, 0.0), (7, 0.0007), (11, 0.0023))):
+        done = _MP.Value("i", 0, lock=False)
+        proc = _MP.Process(target=_write_forever, args=(loc, round_ * 9, done))
+        proc.start()
+        deadline = time.monotonic() + 20
+        while done.value < writes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(delay)  # the writer is almost always inside a write now
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+    temps_seen = sum(1 for _, _, fs in os.walk(loc) for f in fs if ".tmp." in f)
+
+    c = DirectoryCard(loc, num_dbs=2)
+    c.open()
+    # First as the gateway sees the card before any scan tidies it: every key
+    # is either whole or absent, never corrupt (a read would delete it).
+    present = set()
+    for n in range(CRASH_KEYS):
+        expected = crash_payload(n)
+        buf = np.empty(len(expected), dtype=np.uint8)
+        try:
+            h = c.read_into(key(n), memoryview(buf))
+        except ObjectMissing:
+            assert not c.exists(key(n))
+            continue
+        assert h.meta.position == n
+        assert np.array_equal(buf, expected)
+        present.add(key(n))
+    assert present, "the writer never finished an object"
+    # Then as a restart sees it: scan finds exactly those, and they still read whole.
+    found = list(c.scan())
+    assert sorted(o.full_key for o in found) == sorted(present)
+    for o in found:
+        expected = crash_payload(o.meta.position)
+        assert o.payload_len == len(expected)
+        assert np.array_equal(read_back(c, o.full_key, len(expected))[1], expected)
+    # A kill mid-write usually leaves a temp file; it must stay invisible.
+    print(f"objects: {len(found)}, temp files left by kills: {temps_seen}")
+
+
+# ---------------------------------------------------------------------- clean
+
+
+def test_clean_deletes_all_objects_keeps_serial(card: DirectoryCard) -> None:
+    serial = card.serial
+    keys = [key(i) for i in range(15)]
+    for k in keys:
+        card.write(k, memoryview(b"payload"), ObjectMeta())
+    final = card.object_path(keys[0])
+    Path(f"{final}.tmp.1.2").write_bytes(b"partial")
+    assert card.clean() == 15
+    assert list(card.scan()) == []
+    assert not any(card.exists(k) for k in keys)
+    assert not Path(f"{final}.tmp.1.2").exists()
+    assert card.check() == serial
+    assert DirectoryCard(card.location).open() == serial
+    card.write(keys[0], memoryview(b"again"), ObjectMeta())  # still writable
+    assert card.clean() == 1
+
+
+# -------------------------------------------------------------- unavailable
+
+
+def test_removed_card_is_unavailable(card: DirectoryCard) -> None:
+    k = key("k")
+    card.write(k, memoryview(b"data"), ObjectMeta())
+    shutil.rmtree(card.location)
+    with pytest.raises(CardUnavailable):
+        card.check()
+    with pytest.raises(CardUnavailable):
+        card.read_into(k, memoryview(bytearray(10)))
+    with pytest.raises(CardUnavailable):
+        card.write(k, memoryview(b"data"), ObjectMeta())
+    with pytest.raises(CardUnavailable):
+        card.exists(k)
+    with pytest.raises(CardUnavailable):
+        card.delete(k)
+    with pytest.raises(CardUnavailable):
+        list(card.scan())
+    with pytest.raises(CardUnavailable):
+        card.clean()
+    with pytest.raises(CardUnavailable):
+        card.free_bytes()
+    # A write must not quietly rebuild the card directory (an unmounted card
+    # would otherwise fill the root filesystem).
+    assert not os.path.exists(card.location)
+
+
+def test_permission_denied_object_vs_card(card: DirectoryCard, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tests run as root, where permissions do not bite: fake the EACCES.
+    k = key("perm")
+    card.write(k, memoryview(b"data"), ObjectMeta())
+    real_open = os.open
+    denied = {card.object_path(k)}
+
+    def guarded_open(path: str, flags: int, *args: int) -> int:
+        if path in denied:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", guarded_open)
+    with pytest.raises(PermissionError) as info:
+        card.read_into(k, memoryview(bytearray(10)))
+    assert not isinstance(info.value, CardUnavailable)  # one object, the card is fine
+    denied.add(os.path.join(card.location, LABEL_NAME))
+    with pytest.raises(CardUnavailable):
+        card.read_into(k, memoryview(bytearray(10)))
+    with pytest.raises(CardUnavailable):
+        card.check()
+    monkeypatch.undo()
+    assert card.exists(k)
+
+
+def test_missing_label_is_unavailable(card: DirectoryCard) -> None:
+    os.unlink(os.path.join(card.location, LABEL_NAME))
+    with pytest.raises(CardUnavailable, match="label"):
+        card.check()
+
+
+def test_free_bytes(card: DirectoryCard) -> None:
+    st = os.statvfs(card.location)
+    assert abs(card.free_bytes() - st.f_bavail * st.f_frsize) < (256 << 20)
+    assert card.free_bytes() > 0
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_concurrent_writers_and_readers_never_see_torn_objects(card: DirectoryCard) -> None:
+    k = key("hot")
+    # Writer w writes byte w+1, with its own size: both must match on read.
+    sizes = {w: P + 50_000 * (w + 1) for w in range(3)}
+    payloads = {w: np.full(sizes[w], w + 1, dtype=np.uint8) for w in sizes}
+    by_size = {sizes[w]: w + 1 for w in sizes}
+    writes_left = threading.Event()
+    errors: list[str] = []
+    reads_ok = [0]
+
+    def writer(w: int) -> None:
+        try:
+            for _ in range(25):
+                card.write(k, memoryview(payloads[w]), ObjectMeta(position=w))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(f"writer {w}: {exc!r}")
+
+    def reader() -> None:
+        buf = np.empty(max(sizes.values()), dtype=np.uint8)
+        while not writes_left.is_set():
+            try:
+                h = card.read_into(k, memoryview(buf))
+            except ObjectMissing:
+                continue
+            except BaseException as exc:
+                errors.append(f"reader: {exc!r}")
+                return
+            fill = by_size.get(h.payload_len)
+            got = buf[: h.payload_len]
+            if fill is None or h.meta.position != fill - 1 or not (got == fill).all():
+                errors.append(f"torn read: {h.payload_len} bytes, position {h.meta.position}")
+                return
+            reads_ok[0] += 1
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    writers = [threading.Thread(target=writer, args=(w,)) for w in sizes]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join(60)
+    writes_left.set()
+    for t in readers:
+        t.join(60)
+    assert errors == []
+    assert reads_ok[0] > 0
+    leftovers = os.listdir(os.path.dirname(card.object_path(k)))
+    assert leftovers == [os.path.basename(card.object_path(k))]  # no temp left behind

@@ -1,0 +1,88 @@
+import argparse
+
+import pytest
+
+from kvgate import config
+from kvgate.config import ConfigError, from_mapping, load, parse_duration, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("16G", 16 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096), (4096, 4096),
+    ("2m", 2 << 20), ("1k", 1024), ("1kb", 1000), ("1 GiB", 1 << 30),
+])
+def test_sizes_with_units(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1", "1X", "", True, "1.2.3G"])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize("text,expected", [("30", 30.0), ("30s", 30.0), ("15m", 900.0), ("2h", 7200.0), ("250ms", 0.25)])
+def test_durations(text, expected):
+    assert parse_duration(text) == expected
+
+
+def test_defaults_are_valid_and_derived_values():
+    cfg = from_mapping({})
+    assert cfg.key_placement == "dialog"
+    assert cfg.slots == 1
+    assert cfg.socket_path.endswith("kvgate-5557.sock")
+    cfg = from_mapping({"storage_devices": ["/a", "/b", "/c"], "port": 6000})
+    assert cfg.slots == 3 and cfg.socket_path.endswith("kvgate-6000.sock")
+    assert from_mapping({"storage_slots": 16}).slots == 16
+
+
+def test_unknown_key_names_it_and_suggests():
+    with pytest.raises(ConfigError, match=r"unknown config key 'max_byte'.*did you mean 'max_bytes'"):
+        from_mapping({"max_byte": "1G"})
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("max_bytes", "lots", "'max_bytes'"),
+    ("key_placement", "random", "'key_placement': expected one of dialog, stripe"),
+    ("num_dbs", 0, "'num_dbs': must be at least 1"),
+    ("port", "http", "'port': expected an integer"),
+    ("shared_storage", "maybe", "'shared_storage'"),
+    ("key_layout_fingerprint", "XYZ", "'key_layout_fingerprint'"),
+    ("storage_devices", 5, "'storage_devices'"),
+])
+def test_bad_values_name_the_key(key, value, fragment):
+    with pytest.raises(ConfigError) as e:
+        from_mapping({key: value})
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_shared_storage_refuses_start_clean():
+    with pytest.raises(ConfigError, match="start_clean.*shared_storage.*nothing was deleted"):
+        from_mapping({"shared_storage": True, "start_clean": 1})
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("max_bytes: 2G\nnum_dbs: 4\nstorage_devices: [/x, /y]\n")
+    cfg = load(str(f), {"num_dbs": "8", "port": None})
+    assert cfg.max_bytes == 2 << 30 and cfg.num_dbs == 8 and cfg.storage_devices == ["/x", "/y"]
+    assert cfg.port == 5557
+
+
+def test_yaml_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load(str(f))
+    with pytest.raises(ConfigError, match="No such file"):
+        load(str(tmp_path / "missing.yaml"))
+
+
+def test_every_key_is_a_flag():
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    args = p.parse_args(["--max-bytes", "16G", "--storage-devices", "/a", "/b", "--key-placement", "stripe"])
+    cfg = load(None, {f.name: getattr(args, f.name) for f in config.FIELDS})
+    assert cfg.max_bytes == 16 << 30 and cfg.storage_devices == ["/a", "/b"] and cfg.key_placement == "stripe"
+    dests = {a.dest for a in p._actions}
+    assert {f.name for f in config.FIELDS} <= dests

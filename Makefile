@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test test-fast bench clean-var
+.PHONY: install services run test test-fast bench clean-var
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ run: $(STAMP)
 	mkdir -p var/kvgate
 	$(BIN)/kvgate serve --status-file var/kvgate/status.prom $(ARGS)
 
-test: $(STAMP)
+# Servers the tests start themselves (nothing runs as a system service).
+services:
+	@command -v redis-server >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
+test: $(STAMP) services
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # Unit tests only (no gateway processes).

@@ -85,6 +85,38 @@ class Card(ABC):
     def free_bytes(self) -> int:
         """Free space of the medium now."""
 
+    # Batched forms.  The store calls these with every object of one request
+    # that lives on this card; kinds with a round trip per call (Redis)
+    # override them with pipelines.  Errors are returned per object, never
+    # raised, so one bad object does not fail its neighbours.
+
+    def read_many_into(self, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
+        out: list[Header | BaseException] = []
+        for full_key, dest in items:
+            try:
+                out.append(self.read_into(full_key, dest))
+            except (LookupError, ValueError, OSError) as e:
+                out.append(e)
+        return out
+
+    def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
+        out: list[int | BaseException] = []
+        for full_key, payload, meta in items:
+            try:
+                out.append(self.write(full_key, payload, meta))
+            except OSError as e:
+                out.append(e)
+        return out
+
+    def exists_many(self, full_keys: list[bytes]) -> list[bool | BaseException]:
+        out: list[bool | BaseException] = []
+        for k in full_keys:
+            try:
+                out.append(self.exists(k))
+            except OSError as e:
+                out.append(e)
+        return out
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; the card may be opened again."""
 

@@ -1,0 +1,195 @@
+"""`kvgate` command line: serve, stat, fingerprint, clean, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from kvgate import config as config_mod
+from kvgate.config import ConfigError
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="gateway Unix socket (default: the one for --port)")
+    p.add_argument("--address", help="gateway host:port instead of the socket")
+    p.add_argument("--port", type=int, default=5557, help="gateway port, to derive the default socket (5557)")
+    p.add_argument("--token-file", help="file holding the token of a non-loopback TCP listener")
+
+
+def _target(args) -> tuple[str, str | None]:
+    token = None
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    return args.address or args.socket or config_mod.default_socket_path(args.port), token
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="KV-cache storage gateway for LLM inference engines")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway in the foreground")
+    p.add_argument("--config", help="YAML config file; flags override its keys")
+    config_mod.add_flags(p)
+
+    p = sub.add_parser("stat", help="counters and card states of a running gateway")
+    _add_target(p)
+    p.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+
+    p = sub.add_parser("fingerprint", help="print the key layout fingerprint of a config without starting")
+    p.add_argument("--config", help="YAML config file")
+    config_mod.add_flags(p)
+
+    p = sub.add_parser("clean", help="ask a running gateway to delete every object")
+    _add_target(p)
+
+    try:  # optional: a missing bench module must not break serve/stat/clean
+        from kvgate.bench import add_arguments
+    except ImportError:
+        add_arguments = None
+    if add_arguments is not None:
+        p = sub.add_parser("bench", help="measure the gateway against this machine's physical limits")
+        add_arguments(p)
+    return parser
+
+
+def _config_from(args) -> config_mod.Config:
+    overrides = {f.name: getattr(args, f.name, None) for f in config_mod.FIELDS}
+    return config_mod.load(getattr(args, "config", None), overrides)
+
+
+def cmd_serve(args) -> int:
+    from kvgate.gateway.server import StartupError, run_gateway
+
+    cfg = _config_from(args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run_gateway(cfg))
+    except StartupError as e:
+        logging.getLogger("kvgate").error("cannot start: %s", e)
+        return 2
+    return 0
+
+
+def cmd_fingerprint(args) -> int:
+    from kvgate.cards import DirectoryCard
+    from kvgate.placement import SlotMap, fingerprint
+
+    cfg = _config_from(args)
+    serials = []
+    for loc in cfg.storage_devices:
+        try:
+            serials.append(DirectoryCard(loc, cfg.num_dbs).check())
+        except OSError as e:
+            print(f"kvgate: card {loc} has no readable label ({e}); a card gets its serial on first use", file=sys.stderr)
+            return 2
+    print(fingerprint(SlotMap(serials, cfg.slots), cfg.num_dbs, cfg.key_placement))
+    return 0
+
+
+def _admin_client(args):
+    from kvgate.client import Client
+
+    target, token = _target(args)
+    return Client.connect(target, role="admin", token=token, want_shm=False, timeout=10)
+
+
+def cmd_stat(args) -> int:
+    with _admin_client(args) as c:
+        snap = c.stats()
+    if args.json:
+        print(json.dumps(snap, indent=2, sort_keys=True))
+    else:
+        print_stats(snap)
+    return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_stats(snap: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    g = snap["gateway"]
+    engine = g["engine"]
+    con.print(f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, "
+              f"layout {g['fingerprint']} ({g['placement']}), sessions {g['sessions']}, "
+              f"engine {engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}")
+    t = Table(title="tiers")
+    for col in ("tier", "objects", "used", "capacity", "sets", "gets", "hits", "misses", "read", "written", "evictions"):
+        t.add_column(col, justify="right")
+    for name, v in snap["tiers"].items():
+        t.add_row(name, str(v["objects"]), _size(v["used_bytes"]), _size(v["capacity_bytes"]), str(v["sets"]),
+                  str(v["gets"]), str(v["hits"]), str(v["misses"]), _size(v["bytes_read"]), _size(v["bytes_written"]),
+                  str(v["evictions"]))
+    con.print(t)
+    t = Table(title="cards")
+    for col in ("serial", "location", "state", "objects", "used", "capacity", "hits", "misses", "errors", "read", "written"):
+        t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
+    for c in snap["cards"]:
+        t.add_row(c["serial"] or "-", c["location"], "active" if c["active"] else "[red]inactive[/]", str(c["objects"]),
+                  _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
+                  str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]))
+    con.print(t)
+    con.print(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, "
+              f"io errors {snap['io_errors']}, io timeouts {snap['io_timeouts']}, "
+              f"oldest io {snap['oldest_io_age_s']:.3f} s")
+
+
+def cmd_clean(args) -> int:
+    from kvgate.client import GatewayError
+
+    with _admin_client(args) as c:
+        try:
+            n = c.clean()
+        except GatewayError as e:
+            print(f"kvgate clean: {e.code}: {e.message}", file=sys.stderr)
+            return 1
+    print(f"deleted {n} objects")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "fingerprint":
+            return cmd_fingerprint(args)
+        if args.command == "stat":
+            return cmd_stat(args)
+        if args.command == "clean":
+            return cmd_clean(args)
+        if args.command == "bench":
+            from kvgate.bench import run_bench
+
+            return run_bench(args)
+    except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    except (ConnectionError, FileNotFoundError) as e:
+        print(f"kvgate: cannot reach the gateway: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a refusal (NOT_AUTHORIZED, ...): one line, not a traceback
+        from kvgate.client import GatewayError
+
+        if not isinstance(e, GatewayError):
+            raise
+        print(f"kvgate: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """Cards: the media of the long tier, one interface for every kind."""
 
-from kvgate.cards.base import Card, CardUnavailable, StoredObject
+from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
+from kvgate.cards.redis import RedisCard
 
 __all__ = [
     "BufferTooSmall",
@@ -13,5 +14,7 @@ __all__ = [
     "ObjectCorrupt",
     "ObjectMeta",
     "ObjectMissing",
+    "RedisCard",
     "StoredObject",
+    "WriteAbandoned",
 ]

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta
 
 
 class CardUnavailable(OSError):
     """The card cannot be used now (missing, unreadable, not a card, wrong serial)."""
+
+
+class WriteAbandoned(OSError):
+    """The caller stopped waiting for this write (deadline); nothing was published."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +67,15 @@ class Card(ABC):
         """
 
     @abstractmethod
-    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta) -> int:
-        """Store atomically; returns the bytes the object takes on the card."""
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
+              still_wanted: Callable[[], bool] | None = None) -> int:
+        """Store atomically; returns the bytes the object takes on the card.
+
+        ``still_wanted`` is polled before the object is published: once it
+        returns False the caller has given up (its deadline passed and the
+        payload buffer may already hold other data), so the write must raise
+        ``WriteAbandoned`` and publish nothing.
+        """
 
     @abstractmethod
     def exists(self, full_key: bytes) -> bool: ...
@@ -99,11 +110,12 @@ class Card(ABC):
                 out.append(e)
         return out
 
-    def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
+    def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
+                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
         out: list[int | BaseException] = []
         for full_key, payload, meta in items:
             try:
-                out.append(self.write(full_key, payload, meta))
+                out.append(self.write(full_key, payload, meta, still_wanted))
             except OSError as e:
                 out.append(e)
         return out

@@ -30,9 +30,9 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from kvgate.cards.base import Card, CardUnavailable, StoredObject
+from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -417,7 +417,8 @@ class DirectoryCard(Card):
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
-    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta) -> int:
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
+              still_wanted: Callable[[], bool] | None = None) -> int:
         view = _byte_view(payload)
         final = self.object_path(full_key)
         # pid + thread: concurrent writers of one key, in this process or
@@ -430,6 +431,8 @@ class DirectoryCard(Card):
             try:
                 crc = 0
                 for off in range(0, plen, CHECKSUM_PIECE):
+                    if still_wanted is not None and not still_wanted():
+                        raise WriteAbandoned(self.location)
                     piece = view[off : off + CHECKSUM_PIECE]
                     crc = checksum(piece, crc)
                     _pwrite_all(fd, piece, hsize + off)
@@ -441,6 +444,8 @@ class DirectoryCard(Card):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if still_wanted is not None and not still_wanted():
+                raise WriteAbandoned(self.location)
             os.rename(tmp, final)
         except BaseException as exc:
             _unlink_quiet(tmp)

@@ -28,7 +28,7 @@ from kvgate import __version__
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
-from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region
+from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
 from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.protocol import (
     INLINE,
@@ -141,6 +141,7 @@ class Gateway:
         self._connections = 0
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
+        self._socket_owned = False  # only a gateway that bound the socket may remove it
 
     # ---- life cycle ---------------------------------------------------------------
 
@@ -149,12 +150,16 @@ class Gateway:
         self.budget = ByteBudget(2 * cfg.max_frame_bytes)
         self._check_bind()
         await self._check_socket_free(cfg.socket_path)
+        reaped = await self.pool.run(reap_dead_regions)
+        if reaped:
+            log.info("removed %d shared-memory regions left by gateways that died", reaped)
         try:
             await self.store.start()
         except LayoutMismatch as e:
             raise StartupError(str(e)) from None
         os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
         unix = await asyncio.start_unix_server(self._on_unix, path=cfg.socket_path, limit=1 << 20)
+        self._socket_owned = True
         os.chmod(cfg.socket_path, 0o660)
         self._servers.append(unix)
         where = [f"socket {cfg.socket_path}"]
@@ -221,10 +226,11 @@ class Gateway:
         await self.store.stop()
         for sess in list(self.sessions.values()):
             self._close_session(sess)
-        try:
-            os.unlink(self.cfg.socket_path)
-        except FileNotFoundError:
-            pass
+        if self._socket_owned:  # a gateway refused at start must not remove a running one's socket
+            try:
+                os.unlink(self.cfg.socket_path)
+            except FileNotFoundError:
+                pass
         self.pool.shutdown()
         log.info("kvgate stopped")
 
@@ -403,7 +409,7 @@ class Gateway:
         shm_path, shm_size = None, 0
         if local and req.want_shm and req.role == "engine":
             try:
-                region = await self.pool.run(create_session_region, f"{self.cfg.port}-{sess.id}",
+                region = await self.pool.run(create_session_region, str(sess.id),
                                              self.cfg.shared_memory_size)
             except RegionError as e:
                 self._release_engine(sess)
@@ -603,7 +609,7 @@ class Gateway:
             cards.append({
                 "serial": cs.serial, "location": cs.location, "kind": cs.card.kind, "active": cs.active,
                 "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
-                "hits": cs.hits, "misses": cs.misses, "errors": cs.errors,
+                "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
                 "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,
                 "scanned": cs.scanned,
             })
@@ -636,7 +642,7 @@ class Gateway:
             "expired_objects": c.expired,
             "io_timeouts": st.long.io_timeouts,
             "io_errors": st.long.io_errors,
-            "oldest_io_age_s": self.pool.oldest_age(),
+            "oldest_io_age_s": max(self.pool.oldest_age(), st.long.oldest_io_age()),
             "cards": cards,
         }
 

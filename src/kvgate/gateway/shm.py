@@ -49,13 +49,35 @@ class Region:
                 pass
 
 
+def reap_dead_regions() -> int:
+    """Remove session regions left by gateways that died (SIGKILL skips cleanup).
+
+    Session regions are named ``kvgate-<gateway pid>-...``; a region whose
+    gateway pid is gone is garbage.  Returns how many were removed.
+    """
+    removed = 0
+    for name in os.listdir(SHM_DIR):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "kvgate" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 def create_session_region(tag: str, size: int) -> Region:
     """A fresh 0600 file under /dev/shm, its pages allocated up front.
 
     ``posix_fallocate`` makes tmpfs allocate the pages now, so neither side
     pays first-touch page allocation in the middle of a transfer.
     """
-    path = os.path.join(SHM_DIR, f"kvgate-{tag}-{secrets.token_hex(6)}")
+    path = os.path.join(SHM_DIR, f"kvgate-{os.getpid()}-{tag}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)

@@ -1,7 +1,16 @@
-"""The I/O thread pool, with the bookkeeping status needs.
+"""Thread pools for blocking work, with deadlines and the bookkeeping status needs.
 
 Card reads and writes and bulk copies run here, never on the event loop.
-Each call is tracked while in flight so the gateway can export the age of
+
+- ``IoPool``: a pool for work that cannot hang (memory copies).
+- ``CardIo``: one pool per card, so a card that hangs (a dead NFS server, a
+  stopped Redis) can only tie up its own threads.  Every call has a deadline
+  (``io_timeout_ms``) that includes waiting for a free thread: the caller
+  gets ``IoTimeout`` in time even when the thread itself stays stuck.  The
+  stuck call goes on in its thread; its late result is dropped, and the work
+  function is told through ``Abandon`` so it can refrain from publishing.
+
+Each call is tracked while in flight, so the gateway can export the age of
 the oldest one (a stuck card shows as a growing age long before anything
 else notices).
 """
@@ -10,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
@@ -17,17 +27,52 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
+class IoTimeout(TimeoutError):
+    """A card I/O ran past its deadline (the thread may still be running it)."""
+
+
+class Abandon:
+    """Set by the loop when it stops waiting; checked by the worker before it publishes.
+
+    The lock makes "check, then publish" atomic with respect to "abandon":
+    once ``abandon()`` returns, no publish that checked before it is still
+    writing into memory the client may now reuse.
+    """
+
+    __slots__ = ("_lock", "abandoned")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+
+    def __enter__(self) -> bool:
+        """``with abandon as gone: if not gone: publish()``"""
+        self._lock.acquire()
+        return self.abandoned
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 class IoPool:
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, name: str = "kvgate-io"):
         self.threads = threads
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvgate-io")
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._inflight: dict[int, float] = {}
         self._ids = itertools.count()
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run ``fn(*args)`` in the pool; the loop stays free meanwhile."""
+    def _track(self) -> int:
         ticket = next(self._ids)
         self._inflight[ticket] = time.monotonic()
+        return ticket
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run ``fn(*args)`` in the pool; the loop stays free meanwhile."""
+        ticket = self._track()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         finally:
@@ -37,22 +82,64 @@ class IoPool:
         """Split ``items`` into at most ``threads`` contiguous chunks, run ``fn`` on each at once."""
         if not items:
             return []
-        n = max(1, min(self.threads, len(items) // max(1, min_chunk)))
-        size = -(-len(items) // n)
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        chunks = split(items, self.threads, min_chunk)
         if len(chunks) == 1:
             return [await self.run(fn, chunks[0])]
         return list(await asyncio.gather(*(self.run(fn, c) for c in chunks)))
 
     def oldest_age(self) -> float:
         """Seconds the oldest in-flight call has been running (0 when idle)."""
-        if not self._inflight:
-            return 0.0
-        return time.monotonic() - min(self._inflight.values())
+        starts = list(self._inflight.values())
+        return time.monotonic() - min(starts) if starts else 0.0
 
     @property
     def inflight(self) -> int:
         return len(self._inflight)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+class CardIo(IoPool):
+    """The pool of one card: calls bounded by a deadline."""
+
+    def __init__(self, threads: int, timeout_s: float, name: str):
+        super().__init__(threads, name)
+        self.timeout_s = timeout_s
+        self._free = asyncio.Semaphore(threads)
+
+    async def run(self, fn: Callable[..., T], *args, abandon: Abandon | None = None) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        try:
+            await asyncio.wait_for(self._free.acquire(), self.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise IoTimeout(f"no free I/O thread within {self.timeout_s * 1000:.0f} ms (earlier I/Os are stuck)") from None
+        ticket = self._track()
+
+        def done(_f) -> None:
+            self._inflight.pop(ticket, None)
+            loop.call_soon_threadsafe(self._free.release)
+
+        fut = loop.run_in_executor(self._executor, fn, *args)
+        fut.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
+        except (asyncio.TimeoutError, TimeoutError):
+            if abandon is not None:
+                abandon.abandon()
+            fut.add_done_callback(_swallow)
+            raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
+
+
+def _swallow(fut) -> None:
+    """Retrieve a late result or exception so asyncio does not log it as lost."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def split(items: list, parts: int, min_chunk: int = 1) -> list[list]:
+    """At most ``parts`` contiguous chunks of at least ``min_chunk`` items (but one)."""
+    n = max(1, min(parts, len(items) // max(1, min_chunk)))
+    size = -(-len(items) // n)
+    return [items[i : i + size] for i in range(0, len(items), size)]

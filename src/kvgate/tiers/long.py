@@ -1,34 +1,64 @@
 """The long tier: every card, its index, its capacity and its health.
 
 Threading contract: every method here runs on the gateway's event loop and
-never blocks; card I/O goes through ``IoPool``.  The in-memory index of each
-card (what this gateway wrote or found at start) answers lookups without
-touching the card; a key missing from the index is probed on the card, since
-other gateways sharing the card, or objects not yet indexed after a restart,
-may hold it.
+never blocks.  Card I/O goes through each card's own ``CardIo`` pool, with a
+deadline (``io_timeout_ms``): a card that hangs ties up only its own threads,
+and the request that touched it gets its answer (a miss, a failed write) in
+time.
+
+Index: what this gateway wrote, or found on the card at start, answers
+lookups without touching the card.  A key missing from the index is probed on
+the card, since other gateways sharing it, or objects not yet indexed after a
+restart, may hold it.
+
+Health (SPEC 5): a check of each card's label every second;
+``io_timeout_strikes`` I/Os in a row that fail or pass the deadline take a
+card out of service; out of service, its lookups are misses and its writes
+fail at once.  A card that answers again comes back at once, or after
+``IO_ERROR_COOLDOWN_S`` when I/O errors took it out.  A card is known by the
+serial on its label: found again under another path that its
+``storage_devices`` entry matches (a glob), it is taken back there; a
+different card at its old path is never used in its place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Iterable
 
-from kvgate.cards import Card, CardUnavailable, DirectoryCard, ObjectMeta
+from kvgate.cards import (
+    BufferTooSmall,
+    Card,
+    CardUnavailable,
+    DirectoryCard,
+    Header,
+    ObjectCorrupt,
+    ObjectMeta,
+    ObjectMissing,
+    RedisCard,
+)
 from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import Abandon, CardIo, IoPool, IoTimeout, split
 
 log = logging.getLogger("kvgate.long")
 
 SCAN_BATCH = 10_000
 CHECK_INTERVAL_S = 1.0
 IO_ERROR_COOLDOWN_S = 10.0
+# After a deadline passed on a card, its reads go through gateway buffers for
+# this many I/Os: a read stuck past its deadline may still land later, and it
+# must land in memory of ours, not in a client buffer that has been reused.
+SUSPECT_IOS = 1000
+REDIS_PREFIXES = ("redis://", "rediss://", "unix://")
 
 
 class LayoutMismatch(RuntimeError):
@@ -44,10 +74,12 @@ class IndexEntry:
 
 @dataclass
 class CardState:
-    """One configured card as the gateway sees it."""
+    """One card as the gateway sees it."""
 
+    pattern: str  # the storage_devices entry it came from
     location: str
     card: Card
+    io: CardIo
     serial: str | None = None
     active: bool = False
     capacity: int = 0
@@ -57,11 +89,14 @@ class CardState:
     strikes: int = 0
     inactive_since: float = 0.0
     taken_out_by_error: bool = False
+    suspect: int = 0
     scanned: bool = False
+    refused_serial: str | None = None  # the other card last seen at our path
     # counters
     hits: int = 0
     misses: int = 0
     errors: int = 0
+    timeouts: int = 0
     reads_bytes: int = 0
     writes_bytes: int = 0
     evictions: int = 0
@@ -71,15 +106,29 @@ class CardState:
         return self.serial or self.location
 
 
+def is_redis(location: str) -> bool:
+    return location.startswith(REDIS_PREFIXES)
+
+
 def make_card(location: str, cfg: Config) -> Card:
+    if is_redis(location):
+        return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms)
     return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes)
+
+
+def expand(pattern: str) -> list[str]:
+    """Locations an entry names now: itself, or the directories its glob matches."""
+    if is_redis(pattern) or not glob.has_magic(pattern):
+        return [pattern]
+    return sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
 
 
 class LongTier:
     def __init__(self, cfg: Config, pool: IoPool):
         self.cfg = cfg
-        self.pool = pool
-        self.cards = [CardState(loc, make_card(loc, cfg)) for loc in cfg.storage_devices]
+        self.pool = pool  # for work that is not one card's (globbing)
+        self.cards: list[CardState] = []
+        self.pending: list[CardState] = []  # entries with no readable card yet
         self.slot_map = SlotMap([], cfg.slots)
         self.fingerprint = ""
         self._by_serial: dict[str, CardState] = {}
@@ -87,23 +136,34 @@ class LongTier:
         self.io_errors = 0
         self.io_timeouts = 0
 
+    def _new_state(self, pattern: str, location: str) -> CardState:
+        return CardState(pattern, location, make_card(location, self.cfg),
+                         CardIo(self.cfg.thread_pool_size, self.cfg.io_timeout_ms / 1000, "kvgate-card"))
+
     # ---- start and stop ---------------------------------------------------
 
     async def start(self) -> None:
-        for cs in self.cards:
-            try:
-                cs.serial = await self.pool.run(cs.card.open)
+        for pattern in self.cfg.storage_devices:
+            locations = await self.pool.run(expand, pattern)
+            if not locations:
+                log.warning("card %s is not available at startup: nothing matches", pattern)
+                self.pending.append(self._new_state(pattern, pattern))
+            for loc in locations:
+                cs = self._new_state(pattern, loc)
+                try:
+                    cs.serial = await cs.io.run(cs.card.open)
+                except OSError as e:
+                    log.warning("card %s is not available at startup: %s", loc, e)
+                    self.pending.append(cs)
+                    continue
+                if cs.serial in self._by_serial:
+                    log.warning("card %s carries serial %s, already in use at %s: ignored", loc, cs.serial,
+                                self._by_serial[cs.serial].location)
+                    continue
                 cs.active = True
-            except OSError as e:
-                log.warning("card %s is not available at startup: %s", cs.location, e)
-        serials = [cs.serial for cs in self.cards if cs.serial]
-        try:
-            self.slot_map = SlotMap(serials, self.cfg.slots)
-        except ValueError as e:
-            raise LayoutMismatch(str(e)) from None
-        self._by_serial = {cs.serial: cs for cs in self.cards if cs.serial}
-        self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
-        log.info("Key layout fingerprint %s", self.fingerprint)
+                self.cards.append(cs)
+                self._by_serial[cs.serial] = cs
+        self._remap()
         expected = self.cfg.key_layout_fingerprint
         if expected and expected != self.fingerprint:
             raise LayoutMismatch(
@@ -114,23 +174,39 @@ class LongTier:
             deleted = await self.clean()
             log.info("start_clean: deleted %d objects", deleted)
         for cs in self.cards:
-            cs.policy = make_policy(self.cfg.eviction_policy)
-            if cs.active:
-                await self._size_card(cs)
-                self._spawn(self._scan(cs))
+            await self._adopt(cs)
         self._spawn(self._health_loop())
 
-    async def _size_card(self, cs: CardState) -> None:
+    def _remap(self) -> None:
+        try:
+            self.slot_map = SlotMap(list(self._by_serial), self.cfg.slots)
+        except ValueError as e:
+            raise LayoutMismatch(str(e)) from None
+        self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
+        log.info("Key layout fingerprint %s", self.fingerprint)
+
+    async def _adopt(self, cs: CardState) -> None:
+        """Size a card that is now in the map, and index what it holds in the background."""
+        cs.policy = make_policy(self.cfg.eviction_policy)
         if self.cfg.card_capacity is not None:
             cs.capacity = self.cfg.card_capacity
         else:
-            free = await self.pool.run(cs.card.free_bytes)
+            try:
+                free = await cs.io.run(cs.card.free_bytes)
+            except OSError as e:
+                log.warning("card %s: cannot read free space (%s); capacity 0 until it can", cs.location, e)
+                free = 0
             cs.capacity = max(0, free - self.cfg.card_reserve)
             if cs.capacity == 0:
                 log.warning("card %s has less free space than card_reserve; it will hold nothing", cs.location)
+        self._spawn(self._scan(cs))
 
     async def _scan(self, cs: CardState) -> None:
-        """Rebuild the index of what the card already holds, in batches off the loop."""
+        """Rebuild the index of what the card already holds, in batches off the loop.
+
+        Scans run in the general pool: a slow scan must not hold the card's
+        threads, and it has no deadline.
+        """
         try:
             it = await self.pool.run(cs.card.scan)
             while True:
@@ -153,8 +229,12 @@ class LongTier:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for cs in self.cards:
-            cs.card.close()
+        for cs in self.cards + self.pending:
+            cs.io.shutdown(wait=False)
+            try:
+                cs.card.close()
+            except OSError:
+                pass
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -165,18 +245,31 @@ class LongTier:
     # ---- placement --------------------------------------------------------
 
     def card_for(self, fkey: bytes, dialog: bytes) -> CardState | None:
-        """The card an object belongs on, or None when no card serves its slot now."""
+        """The card an object belongs on, or None when no card serves its slot now.
+
+        An inactive card keeps its slots: its dialogs are misses until it is
+        back, and are never written elsewhere where they would shadow it.
+        """
         serial = self.slot_map.serial_of_slot(slot_of(key_digest(fkey), dialog, self.cfg.key_placement, self.slot_map.slots))
         if serial is None:
             return None
         cs = self._by_serial[serial]
         return cs if cs.active else None
 
+    def group(self, items: list, key_of, dialog_of) -> dict[int, tuple[CardState, list[int]]]:
+        """Indexes of ``items`` per active card (by id of the card state)."""
+        groups: dict[int, tuple[CardState, list[int]]] = {}
+        for i, it in enumerate(items):
+            cs = self.card_for(key_of(it), dialog_of(it))
+            if cs is not None:
+                groups.setdefault(id(cs), (cs, []))[1].append(i)
+        return groups
+
     # ---- index ------------------------------------------------------------
 
     def indexed(self, cs: CardState, fkey: bytes) -> IndexEntry | None:
         entry = cs.index.get(fkey)
-        if entry is not None and self.cfg.ttl is not None and _expired(entry.created_ns, self.cfg.ttl):
+        if entry is not None and self.cfg.ttl is not None and expired(entry.created_ns, self.cfg.ttl):
             return None
         return entry
 
@@ -221,22 +314,36 @@ class LongTier:
                 try:
                     cs.card.delete(k)
                 except OSError:
-                    pass  # the object is unindexed already; a scan will find and re-index or drop it
+                    pass  # unindexed already; a later scan re-indexes or drops it
 
-        await self.pool.run(work)
+        try:
+            await cs.io.run(work)
+        except OSError:
+            pass
 
     # ---- health -------------------------------------------------------------
 
-    def note_error(self, cs: CardState, err: BaseException) -> None:
-        """An I/O on the card failed: strikes, then out of service."""
-        cs.errors += 1
-        self.io_errors += 1
+    def note_result(self, cs: CardState, err: BaseException | None) -> None:
+        """Feed one I/O outcome to the card's health.
+
+        Object-level answers (missing, corrupt, too small) are the card
+        working; only OSErrors and deadlines count as strikes.
+        """
+        if err is None or isinstance(err, (ObjectMissing, ObjectCorrupt, BufferTooSmall)):
+            cs.strikes = 0
+            if cs.suspect:
+                cs.suspect -= 1
+            return
+        if isinstance(err, IoTimeout):
+            cs.timeouts += 1
+            self.io_timeouts += 1
+            cs.suspect = SUSPECT_IOS
+        else:
+            cs.errors += 1
+            self.io_errors += 1
         cs.strikes += 1
         if cs.active and (isinstance(err, CardUnavailable) or cs.strikes >= self.cfg.io_timeout_strikes):
-            self._take_out(cs, f"{type(err).__name__}: {err}", by_error=True)
-
-    def note_ok(self, cs: CardState) -> None:
-        cs.strikes = 0
+            self._take_out(cs, f"{type(err).__name__}: {err}", by_error=not isinstance(err, IoTimeout))
 
     def _take_out(self, cs: CardState, why: str, by_error: bool) -> None:
         cs.active = False
@@ -247,19 +354,30 @@ class LongTier:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
-            await asyncio.gather(*(self._check(cs) for cs in self.cards if cs.serial))
+            try:
+                await asyncio.gather(*(self._check(cs) for cs in self.cards), self._retry_pending())
+            except Exception:  # noqa: BLE001 - health checks must go on
+                log.exception("card health check failed")
 
     async def _check(self, cs: CardState) -> None:
         try:
-            serial = await asyncio.wait_for(self.pool.run(cs.card.check), self.cfg.io_timeout_ms / 1000)
-        except (OSError, asyncio.TimeoutError) as e:
+            serial = await cs.io.run(cs.card.check)
+        except OSError as e:
             if cs.active:
-                self._take_out(cs, f"health check failed: {e or type(e).__name__}", by_error=True)
+                self._take_out(cs, f"health check failed: {e}", by_error=not isinstance(e, IoTimeout))
+            if not isinstance(e, IoTimeout):
+                await self._relocate(cs)
             return
         if serial != cs.serial:
+            if cs.refused_serial != serial:
+                log.warning("card %s: the card at %s now has serial %s, not %s: not used", cs.serial, cs.location,
+                            serial, cs.serial)
+                cs.refused_serial = serial
             if cs.active:
-                self._take_out(cs, f"label now says serial {serial}, expected {cs.serial}", by_error=True)
+                self._take_out(cs, f"label now says serial {serial}", by_error=True)
+            await self._relocate(cs)
             return
+        cs.refused_serial = None
         if not cs.active:
             if cs.taken_out_by_error and time.monotonic() - cs.inactive_since < IO_ERROR_COOLDOWN_S:
                 return
@@ -267,58 +385,170 @@ class LongTier:
             cs.strikes = 0
             log.warning("card %s (%s) moved from inactive to active", cs.location, cs.serial)
 
-    # ---- bulk operations -----------------------------------------------------
+    async def _relocate(self, cs: CardState) -> None:
+        """Look for the card's serial under the other locations its entry matches."""
+        if is_redis(cs.pattern):
+            return
+        candidates = await self.pool.run(expand, cs.pattern)
+        in_use = {c.location for c in self.cards if c is not cs}
+        for loc in candidates:
+            if loc == cs.location or loc in in_use:
+                continue
+            probe = make_card(loc, self.cfg)
+            try:
+                serial = await cs.io.run(probe.check)
+            except OSError:
+                continue
+            if serial != cs.serial:
+                continue
+            try:
+                await cs.io.run(probe.open)
+            except OSError:
+                continue
+            old = cs.location
+            cs.card, cs.location = probe, loc
+            cs.active, cs.strikes, cs.refused_serial = True, 0, None
+            log.warning("card %s (%s) reopened as %s", old, cs.serial, loc)
+            log.warning("card %s (%s) moved from inactive to active", cs.location, cs.serial)
+            return
+
+    async def _retry_pending(self) -> None:
+        """Entries with no card at start: take a labelled card as soon as one is there."""
+        for cs in list(self.pending):
+            for loc in await self.pool.run(expand, cs.pattern):
+                if any(c.location == loc for c in self.cards):
+                    continue
+                probe = make_card(loc, self.cfg)
+                try:
+                    # A directory must already be labelled: an empty mount
+                    # point is not a card.  A Redis server may be new.
+                    serial = await cs.io.run(probe.open if is_redis(loc) else probe.check)
+                    await cs.io.run(probe.open)
+                except OSError:
+                    continue
+                if serial in self._by_serial:
+                    continue
+                self.pending.remove(cs)
+                cs.card, cs.location, cs.serial, cs.active = probe, loc, serial, True
+                self.cards.append(cs)
+                self._by_serial[serial] = cs
+                log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
+                self._remap()
+                await self._adopt(cs)
+                break
+
+    # ---- bulk I/O ---------------------------------------------------------------
+
+    async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
+        """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline."""
+        suspect = cs.suspect > 0
+        results = await asyncio.gather(*(self._read_chunk(cs, chunk, suspect)
+                                         for chunk in split(items, cs.io.threads)))
+        out = [r for chunk in results for r in chunk]
+        for r in out:
+            self.note_result(cs, r if isinstance(r, BaseException) else None)
+        return out
+
+    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool) -> list:
+        if not bounce:
+            try:
+                return await cs.io.run(cs.card.read_many_into, chunk)
+            except OSError as e:
+                return [e] * len(chunk)
+        abandon = Abandon()
+
+        def bounced() -> list:
+            # Read into our own buffers; hand the bytes over only while the
+            # loop still waits, so a late read never writes client memory.
+            mine = [(k, memoryview(bytearray(len(d)))) for k, d in chunk]
+            res = cs.card.read_many_into(mine)
+            with abandon as gone:
+                if not gone:
+                    for (_k, dest), (_k2, buf), r in zip(chunk, mine, res):
+                        if isinstance(r, Header):
+                            dest[: r.payload_len] = buf[: r.payload_len]
+            return res
+
+        try:
+            return await cs.io.run(bounced, abandon=abandon)
+        except OSError as e:
+            return [e] * len(chunk)
+
+    async def write(self, cs: CardState, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
+        results = await asyncio.gather(*(self._write_chunk(cs, chunk) for chunk in split(items, cs.io.threads)))
+        out = [r for chunk in results for r in chunk]
+        for r in out:
+            self.note_result(cs, r if isinstance(r, BaseException) else None)
+        return out
+
+    async def _write_chunk(self, cs: CardState, chunk: list) -> list:
+        abandon = Abandon()
+        try:
+            return await cs.io.run(cs.card.write_many, chunk, lambda: not abandon.abandoned, abandon=abandon)
+        except OSError as e:
+            return [e] * len(chunk)
 
     async def probe_prefix(self, fkeys: list[bytes], dialog: bytes) -> int:
         """How many leading keys exist on their cards (asks the cards themselves)."""
-        targets = [self.card_for(k, dialog) for k in fkeys]
-
-        def work() -> int:
-            n = 0
-            for k, cs in zip(fkeys, targets):
-                if cs is None or not cs.card.exists(k):
-                    break
-                n += 1
-            return n
-
-        try:
-            return await self.pool.run(work)
-        except OSError:
-            return 0
+        n = 0
+        while n < len(fkeys):
+            cs = self.card_for(fkeys[n], dialog)
+            if cs is None:
+                break
+            run = [fkeys[n]]
+            while n + len(run) < len(fkeys) and self.card_for(fkeys[n + len(run)], dialog) is cs:
+                run.append(fkeys[n + len(run)])
+            try:
+                found = await cs.io.run(_exists_prefix, cs.card, run)
+            except OSError as e:
+                self.note_result(cs, e)
+                break
+            n += found
+            if found < len(run):
+                break
+        return n
 
     async def probe_each(self, fkeys: list[bytes], dialog: bytes) -> list[bool]:
-        targets = [self.card_for(k, dialog) for k in fkeys]
+        out = [False] * len(fkeys)
+        groups = self.group(fkeys, lambda k: k, lambda _k: dialog)
 
-        def work() -> list[bool]:
-            out = []
-            for k, cs in zip(fkeys, targets):
-                try:
-                    out.append(cs is not None and cs.card.exists(k))
-                except OSError:
-                    out.append(False)
-            return out
+        async def one(cs: CardState, idx: list[int]) -> None:
+            try:
+                res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx])
+            except OSError as e:
+                self.note_result(cs, e)
+                return
+            for i, r in zip(idx, res):
+                out[i] = r is True
 
-        return await self.pool.run(work)
+        await asyncio.gather(*(one(cs, idx) for cs, idx in groups.values()))
+        return out
 
-    async def delete(self, fkeys: Iterable[tuple[bytes, bytes]]) -> int:
+    async def delete(self, pairs: Iterable[tuple[bytes, bytes]]) -> int:
         """Delete (full key, dialog) pairs from their cards; returns how many were there."""
-        targets = [(k, self.card_for(k, d)) for k, d in fkeys]
-        for k, cs in targets:
+        per_card: dict[int, tuple[CardState, list[bytes]]] = {}
+        for k, d in pairs:
+            cs = self.card_for(k, d)
             if cs is not None:
                 self.note_gone(cs, k)
+                per_card.setdefault(id(cs), (cs, []))[1].append(k)
 
-        def work() -> int:
-            n = 0
-            for k, cs in targets:
-                if cs is None:
-                    continue
-                try:
-                    n += cs.card.delete(k)
-                except OSError:
-                    pass
-            return n
+        async def one(cs: CardState, keys: list[bytes]) -> int:
+            def work() -> int:
+                n = 0
+                for k in keys:
+                    try:
+                        n += cs.card.delete(k)
+                    except OSError:
+                        pass
+                return n
 
-        return await self.pool.run(work)
+            try:
+                return await cs.io.run(work)
+            except OSError:
+                return 0
+
+        return sum(await asyncio.gather(*(one(cs, keys) for cs, keys in per_card.values())))
 
     async def clean(self) -> int:
         total = 0
@@ -328,18 +558,30 @@ class LongTier:
             try:
                 total += await self.pool.run(cs.card.clean)
             except OSError as e:
-                self.note_error(cs, e)
+                self.note_result(cs, e)
                 continue
             cs.index.clear()
             cs.used = 0
-            if cs.policy is not None:
-                cs.policy = make_policy(self.cfg.eviction_policy)
+            cs.policy = make_policy(self.cfg.eviction_policy)
         return total
 
     @property
     def active_cards(self) -> int:
         return sum(1 for cs in self.cards if cs.active)
 
+    def oldest_io_age(self) -> float:
+        return max((cs.io.oldest_age() for cs in self.cards + self.pending), default=0.0)
 
-def _expired(created_ns: int, ttl: float) -> bool:
+
+def _exists_prefix(card: Card, keys: list[bytes]) -> int:
+    res = card.exists_many(keys)
+    n = 0
+    for r in res:
+        if r is not True:
+            break
+        n += 1
+    return n
+
+
+def expired(created_ns: int, ttl: float) -> bool:
     return created_ns + ttl * 1e9 < time.time_ns()

@@ -15,16 +15,17 @@ stored at all.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 
-from kvgate.cards import BufferTooSmall, CardUnavailable, ObjectCorrupt, ObjectMeta, ObjectMissing
+from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
 from kvgate.config import Config
 from kvgate.protocol import MISS, TOO_SMALL
 from kvgate.tiers.eviction import LONG, SHORT
 from kvgate.tiers.io import IoPool
-from kvgate.tiers.long import CardState, LongTier, _expired
+from kvgate.tiers.long import CardState, LongTier, expired
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 
 log = logging.getLogger("kvgate.store")
@@ -82,52 +83,62 @@ class TieredStore:
     # ---- put ------------------------------------------------------------------
 
     async def put(self, items: list[PutItem], retention: str) -> list[bool]:
+        """Store items; True per item once it is where its retention asks.
+
+        The RAM copy is made first and pinned while the card write runs from
+        it: the card then writes bytes the gateway owns, so a write that runs
+        past its deadline can never publish a client buffer that was reused
+        after the client got its (failed) answer.
+        """
         if retention == "none" or not items:
             return [False] * len(items)
         klass = RETENTION_CLASS[retention]
-        plans = []
-        for it in items:
-            res = self.ram.reserve(it.fkey, len(it.src), it.meta, klass)
-            cs = self.long.card_for(it.fkey, it.meta.dialog) if klass == LONG else None
-            plans.append((it, res, cs))
-
-        def work(chunk: list) -> list:
-            out = []
-            for it, res, cs in chunk:
-                ram_ok = False
-                if res is not None:
-                    copy_into(res.views(), it.src)
-                    ram_ok = True
-                card_result: int | BaseException | None = None
-                if cs is not None:
-                    try:
-                        card_result = cs.card.write(it.fkey, it.src, it.meta)
-                    except OSError as e:
-                        card_result = e
-                out.append((ram_ok, card_result))
-            return out
-
-        results = [r for chunk in await self.pool.map_chunks(work, plans) for r in chunk]
-        stored = []
         c = self.counters
-        for (it, res, cs), (ram_ok, card_result) in zip(plans, results):
-            n = len(it.src)
-            if res is not None:
-                self.ram.commit(res)
-                c.ram.sets += 1
-                c.ram.bytes_written += n
-            card_ok = isinstance(card_result, int)
-            if cs is not None:
-                if card_ok:
-                    self.long.note_ok(cs)
-                    self.long.note_written(cs, it.fkey, card_result, n, it.meta)
+        reservations = [self.ram.reserve(it.fkey, len(it.src), it.meta, klass) for it in items]
+        copies = [(it, res) for it, res in zip(items, reservations) if res is not None]
+
+        def copy_work(chunk: list) -> None:
+            for it, res in chunk:
+                copy_into(res.views(), it.src)
+
+        await self.pool.map_chunks(copy_work, copies, min_chunk=2)
+        pinned = []
+        for it, res in copies:
+            self.ram.commit(res)
+            c.ram.sets += 1
+            c.ram.bytes_written += len(it.src)
+            entry = self.ram.pin(it.fkey) if klass == LONG else None
+            pinned.append(entry)
+        if klass != LONG:
+            return [res is not None for res in reservations]
+
+        source = {id(it): it.src for it in items}
+        for (it, _res), entry in zip(copies, pinned):
+            views = entry.views() if entry is not None else []
+            if len(views) == 1:
+                source[id(it)] = views[0]
+        groups = self.long.group(items, lambda it: it.fkey, lambda it: it.meta.dialog)
+        card_ok = [False] * len(items)
+
+        async def one_card(cs: CardState, idx: list[int]) -> None:
+            results = await self.long.write(cs, [(items[i].fkey, source[id(items[i])], items[i].meta) for i in idx])
+            for i, r in zip(idx, results):
+                it = items[i]
+                if isinstance(r, int):
+                    card_ok[i] = True
+                    self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
                     c.long.sets += 1
-                    c.long.bytes_written += n
+                    c.long.bytes_written += len(it.src)
                 else:
-                    log.debug("write to card %s failed: %s", cs.location, card_result)
-                    self.long.note_error(cs, card_result)
-            stored.append(card_ok or (ram_ok and cs is None))
-        return stored
+                    log.debug("write to card %s failed: %s", cs.location, r)
+
+        try:
+            await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
+        finally:
+            for entry in pinned:
+                if entry is not None:
+                    self.ram.unpin(entry)
+        return card_ok
 
     # ---- get ------------------------------------------------------------------
 
@@ -136,83 +147,77 @@ class TieredStore:
         c = self.counters
         sizes = [MISS] * len(items)
         needed = [0] * len(items)
-        plans = []
+        ram_plans: list[tuple[int, GetItem, object]] = []
+        misses: list[int] = []
         for i, it in enumerate(items):
             entry = self.ram.pin(it.fkey)
-            if entry is not None and self.cfg.ttl is not None and _expired(entry.meta.created_ns, self.cfg.ttl):
+            if entry is not None and self.cfg.ttl is not None and expired(entry.meta.created_ns, self.cfg.ttl):
                 self.ram.unpin(entry)
                 self.ram.delete(it.fkey)
                 c.expired += 1
                 entry = None
-            if entry is not None:
-                if entry.size > len(it.dest):
-                    self.ram.unpin(entry)
-                    sizes[i], needed[i] = TOO_SMALL, entry.size
-                    continue
-                plans.append((i, it, entry, None))
-                continue
             c.ram.gets += 1
-            c.ram.misses += 1
-            cs = self.long.card_for(it.fkey, it.dialog)
-            if cs is None:
-                continue
-            plans.append((i, it, None, cs))
-
-        ttl = self.cfg.ttl
-
-        def work(chunk: list) -> list:
-            out = []
-            for _i, it, entry, cs in chunk:
-                if entry is not None:
-                    copy_out(entry.views(), it.dest[: entry.size])
-                    out.append(entry.size)
-                    continue
-                try:
-                    hdr = cs.card.read_into(it.fkey, it.dest)
-                except (ObjectMissing, ObjectCorrupt, BufferTooSmall, OSError) as e:
-                    out.append(e)
-                    continue
-                if ttl is not None and _expired(hdr.meta.created_ns, ttl):
-                    try:
-                        cs.card.delete(it.fkey)
-                    except OSError:
-                        pass
-                    out.append(_Expired())
-                    continue
-                out.append(hdr.payload_len)
-            return out
-
-        results = [r for chunk in await self.pool.map_chunks(work, plans) for r in chunk]
-        for (i, it, entry, cs), r in zip(plans, results):
-            if entry is not None:
+            if entry is None:
+                c.ram.misses += 1
+                misses.append(i)
+            elif entry.size > len(it.dest):
                 self.ram.unpin(entry)
-                sizes[i] = r
-                c.ram.gets += 1
+                sizes[i], needed[i] = TOO_SMALL, entry.size
+            else:
+                ram_plans.append((i, it, entry))
+
+        def copy_work(chunk: list) -> None:
+            for _i, it, entry in chunk:
+                copy_out(entry.views(), it.dest[: entry.size])
+
+        async def from_ram() -> None:
+            try:
+                await self.pool.map_chunks(copy_work, ram_plans, min_chunk=2)
+            finally:
+                for i, _it, entry in ram_plans:
+                    self.ram.unpin(entry)
+            for i, _it, entry in ram_plans:
+                sizes[i] = entry.size
                 c.ram.hits += 1
-                c.ram.bytes_read += r
-                continue
-            c.long.gets += 1
-            if isinstance(r, int):
-                sizes[i] = r
-                c.long.hits += 1
-                c.long.bytes_read += r
-                self.long.note_ok(cs)
-                self.long.note_hit(cs, it.fkey, r)
-                continue
-            c.long.misses += 1
-            cs.misses += 1
-            if isinstance(r, BufferTooSmall):
-                sizes[i], needed[i] = TOO_SMALL, r.needed
-            elif isinstance(r, ObjectCorrupt):
-                c.corrupt += 1
-                log.warning("corrupt object on card %s removed: %s", cs.location, r)
-                self.long.note_gone(cs, it.fkey)
-            elif isinstance(r, (ObjectMissing, _Expired)):
-                c.expired += isinstance(r, _Expired)
-                self.long.note_gone(cs, it.fkey)
-            elif isinstance(r, (CardUnavailable, OSError)):
-                self.long.note_error(cs, r)
+                c.ram.bytes_read += entry.size
+
+        async def from_card(cs: CardState, idx: list[int]) -> None:
+            results = await self.long.read(cs, [(items[i].fkey, items[i].dest) for i in idx])
+            for i, r in zip(idx, results):
+                self._account_read(cs, items[i], r, i, sizes, needed)
+
+        groups = self.long.group(misses, lambda i: items[i].fkey, lambda i: items[i].dialog)
+        await asyncio.gather(from_ram(), *(from_card(cs, [misses[j] for j in idx]) for cs, idx in groups.values()))
         return sizes, needed
+
+    def _account_read(self, cs: CardState, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:
+        c = self.counters
+        c.long.gets += 1
+        if isinstance(r, Header):
+            if self.cfg.ttl is not None and expired(r.meta.created_ns, self.cfg.ttl):
+                c.expired += 1
+                c.long.misses += 1
+                self._spawn_delete(cs, it.fkey)
+                return
+            sizes[i] = r.payload_len
+            c.long.hits += 1
+            c.long.bytes_read += r.payload_len
+            self.long.note_hit(cs, it.fkey, r.payload_len)
+            return
+        c.long.misses += 1
+        cs.misses += 1
+        if isinstance(r, BufferTooSmall):
+            sizes[i], needed[i] = TOO_SMALL, r.needed
+        elif isinstance(r, ObjectCorrupt):
+            c.corrupt += 1
+            log.warning("corrupt object on card %s removed: %s", cs.location, r)
+            self.long.note_gone(cs, it.fkey)
+        elif isinstance(r, ObjectMissing):
+            self.long.note_gone(cs, it.fkey)
+
+    def _spawn_delete(self, cs: CardState, fkey: bytes) -> None:
+        self.long.note_gone(cs, fkey)
+        self.long._spawn(self.long._delete_quietly(cs, [fkey]))
 
     # ---- lookups ----------------------------------------------------------------
 
@@ -296,54 +301,42 @@ class TieredStore:
                 break
             plans.append((k, cs, res, size))
 
-        def work(chunk: list) -> list:
-            out = []
-            scratch = bytearray()
-            for k, cs, res, size in chunk:
+        async def one_card(cs: CardState, group: list) -> int:
+            dests = []
+            for k, _cs, res, size in group:
                 views = res.views()
-                try:
-                    if len(views) == 1:
-                        cs.card.read_into(k, views[0])
-                    else:
-                        if len(scratch) < size:
-                            scratch = bytearray(size)
-                        cs.card.read_into(k, memoryview(scratch)[:size])
-                        copy_into(views, memoryview(scratch)[:size])
-                    out.append(None)
-                except (ObjectMissing, ObjectCorrupt, BufferTooSmall, OSError) as e:
-                    out.append(e)
-            return out
-
-        results = [r for chunk in await self.pool.map_chunks(work, plans) for r in chunk]
-        for (k, cs, res, size), err in zip(plans, results):
-            if err is None:
-                self.ram.commit(res)
-                self.long.note_hit(cs, k, size)
-                self.counters.long.bytes_read += size
-                in_ram += 1
-            else:
+                dests.append(views[0] if len(views) == 1 else memoryview(bytearray(size)))
+            results = await self.long.read(cs, [(p[0], d) for p, d in zip(group, dests)])
+            done = 0
+            for (k, _cs, res, size), dest, r in zip(group, dests, results):
+                if isinstance(r, Header) and r.payload_len == size:
+                    views = res.views()
+                    if len(views) != 1:
+                        await self.pool.run(copy_into, views, dest)
+                    self.ram.commit(res)
+                    self.long.note_hit(cs, k, size)
+                    self.counters.long.bytes_read += size
+                    done += 1
+                    continue
                 self.ram.abort(res)
-                if isinstance(err, ObjectCorrupt):
+                if isinstance(r, ObjectCorrupt):
                     self.counters.corrupt += 1
+                if isinstance(r, (ObjectCorrupt, ObjectMissing)):
                     self.long.note_gone(cs, k)
-                elif isinstance(err, ObjectMissing):
-                    self.long.note_gone(cs, k)
-                elif isinstance(err, OSError):
-                    self.long.note_error(cs, err)
-        return in_ram
+            return done
+
+        groups: dict[int, tuple[CardState, list]] = {}
+        for p in plans:
+            groups.setdefault(id(p[1]), (p[1], []))[1].append(p)
+        done = await asyncio.gather(*(one_card(cs, group) for cs, group in groups.values()))
+        return in_ram + sum(done)
 
     async def _unindexed_size(self, cs: CardState, fkey: bytes) -> int | None:
-        """Payload size of an object on the card, read from its header (None: not there)."""
-
-        def probe() -> int | None:
-            try:
-                return cs.card.read_into(fkey, memoryview(bytearray(0))).payload_len
-            except BufferTooSmall as e:
-                return e.needed
-            except (ObjectMissing, ObjectCorrupt, OSError):
-                return None
-
-        return await self.pool.run(probe)
+        """Payload size of an object on the card, from its header (None: not there)."""
+        (r,) = await self.long.read(cs, [(fkey, memoryview(bytearray(0)))])
+        if isinstance(r, Header):
+            return r.payload_len
+        return r.needed if isinstance(r, BufferTooSmall) else None
 
     async def clean(self) -> int:
         n = self.ram.entries
@@ -353,7 +346,4 @@ class TieredStore:
     def card_states(self) -> list[CardState]:
         return self.long.cards
 
-
-class _Expired(Exception):
-    pass
 

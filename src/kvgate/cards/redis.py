@@ -1,0 +1,804 @@
+"""A card that is a Redis-protocol server (Redis, Valkey, anything that speaks RESP).
+
+Locations are redis-py URLs: ``redis://host:port``, ``redis://host:port/<db>``,
+``redis://:password@host:port``, ``rediss://`` for TLS and
+``unix:///path/to/redis.sock`` (``?db=N`` for another logical database).
+
+Layout, in the logical database the URL selects::
+
+    kvgate:card-label               label: JSON {"serial", "format", "created"}
+    kvgate:o:<N>:<digest hex>       one object per string value (header + payload)
+
+``N`` spreads objects over ``num_dbs`` key prefixes (the same choice of db as
+the directory card); the digest is ``key_digest`` of the full key, and the
+header inside the value still carries the full key, so a reader checks it.
+A value is exactly the on-card object format (``objectformat``): one ``SET``
+stores it whole, which is what makes writes atomic; one ``GET`` reads it.
+
+Every socket operation (connect, each send, each receive) is bounded by
+``io_timeout_ms`` and nothing is retried, so a dead or hung server fails a
+call within about the I/O deadline.  Every failure leaves as an ``OSError``:
+``CardUnavailable`` when the server cannot be used (refused, timed out, auth,
+read-only replica, loading), a plain ``OSError(ENOSPC)`` when the server is
+out of memory and refuses one write, so the gateway's health logic treats a
+Redis card exactly like a directory.
+
+The label and a server that restarts empty
+------------------------------------------
+The serial is created once with ``SET NX`` (whoever is first wins; everybody
+else reads the winner's label) and never changed.
+
+A Redis card is mostly run without persistence, so a restart loses every
+key, the label included.  The server at that address is still the same card:
+the same place in every gateway's slot map.  Refusing it until an operator
+relabels would turn every restart of a cache into an outage, and inventing a
+new serial would move its slots.  So ``check()`` (and a later ``open()``)
+puts the *old* serial back when the label is missing **and the server holds
+no kvgate objects**: an empty server holds nothing that could be mistaken
+for this card's data, so taking it back loses nothing and risks nothing.  A
+server whose label is gone but which holds kvgate objects is refused
+(``CardUnavailable``): those objects come from somewhere this card cannot
+vouch for (a deleted or evicted label, another deployment's data).  A label
+with another serial is returned as found; the caller sees the different
+serial and does not use the card.  (The very first ``open()`` of a card
+object labels a server that has no label whatever it holds, as the directory
+card does: its objects carry their full keys and CRCs, so adopting them is
+safe.)
+
+To keep "objects but no label" meaning exactly that, every write sends
+``EXISTS label`` ahead of its ``SET`` in the same pipeline.  A pipeline runs
+on one connection, so both commands reach the same server process: a write
+that lands on a server restarted empty (before the next health check put the
+label back) is seen at once, deleted again and reported as
+``CardUnavailable``, instead of leaving an unlabelled object that would make
+the card unrecoverable.
+
+The server must evict by itself when full (``maxmemory-policy allkeys-lru``
+or ``allkeys-lfu``): ``open()`` warns about ``noeviction`` and volatile
+policies (kvgate sets no TTLs, so those never evict) and about
+``allkeys-random`` (which may evict the label, after which the card is
+refused until its objects are cleaned).
+
+Copies: a write sends the header and the caller's payload buffer to the
+socket as separate buffers of one RESP argument (a small command packer
+replaces redis-py's, which with hiredis copies a payload twice), so the only
+pass over the payload before the kernel is the CRC.  A read gets the value
+as one ``bytes`` from redis-py (hiredis) and copies the payload out of it
+once, checksumming each piece just before copying it.  Batches are
+pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import json
+import logging
+import time
+import uuid
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+import redis.exceptions as rexc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
+from kvgate.cards.objectformat import (
+    CHECKSUM_PIECE,
+    FIXED_SIZE,
+    BufferTooSmall,
+    Header,
+    ObjectCorrupt,
+    ObjectMeta,
+    ObjectMissing,
+    checksum,
+    header_size,
+    pack_header,
+    parse_header,
+)
+from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
+
+log = logging.getLogger("kvgate.cards.redis")
+
+LABEL_KEY = b"kvgate:card-label"
+LABEL_FORMAT = 1
+OBJECT_PREFIX = b"kvgate:o:"
+OBJECT_MATCH = OBJECT_PREFIX + b"*"
+
+# The longest honest header: fixed part + length byte + namespace + key.
+# Scan reads this much of each value, so one GETRANGE covers every header.
+_SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
+_MAX_HEADER = FIXED_SIZE + 0xFFFF
+_LABEL_MAX = 64 << 10
+_SCAN_COUNT = 1000  # SCAN COUNT hint
+_SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
+_UNLINK_BATCH = 500  # keys per UNLINK in clean()
+# read_many_into pipelines GETs until their destinations add up to this; an
+# object bigger than this gets a round trip of its own.  Measured here (Unix
+# socket, 16 KiB - 4 MiB objects): one pipeline for a whole batch of large
+# values is 1.5-3x slower, because redis-py returns all values at once, as
+# fresh multi-MiB bytes objects, and glibc trims them back to the kernel when
+# they are freed together, so every batch faults its memory in again
+# (~0.5 GiB/s).  A round trip costs ~30 us, under 5% of a 1 MiB transfer.
+_READ_PIPELINE_BYTES = 1 << 20
+# Command arguments longer than this are sent as their own buffers (never
+# joined into a bigger bytes object); redis-py uses the same cutoff.
+_BUFFER_CUTOFF = 6000
+# No free-memory limit (maxmemory 0): the server evicts by itself or grows.
+UNLIMITED_FREE_BYTES = 1 << 60
+
+_HEX = frozenset(b"0123456789abcdef")
+# Deletes a corrupt object only if it still starts with the bytes that were
+# found bad: a good object written over it meanwhile is left alone.
+_DISCARD_LUA = """
+local cur = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]))
+if cur == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
+return 0
+"""
+_DISCARD_COMPARE = FIXED_SIZE  # header CRC and creation time: a rewrite differs here
+
+
+def _byte_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of ``buf`` (no copy); len and slices count bytes."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _redact(location: str) -> str:
+    """The location with any password replaced, for messages and logs."""
+    try:
+        parts = urlsplit(location)
+        if parts.password is None:
+            return location
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:
+        return "<unparsable redis location>"
+
+
+class _Parts:
+    """One bulk-string argument sent as several buffers, never joined.
+
+    The value of a SET is header + payload; joining them would copy the
+    whole payload once more (and redis-py's hiredis packer copies it twice).
+    """
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, *parts: bytes | memoryview):
+        self.parts = parts
+        self.nbytes = sum(len(p) for p in parts)
+
+
+class _ZeroCopyPacker:
+    """RESP command packer that sends big arguments as they are.
+
+    The same idea as redis-py's ``PythonRespSerializer`` (large arguments go
+    to the socket as separate buffers), plus ``_Parts``.  redis-py's default
+    packer when hiredis is installed turns memoryviews into bytes and then
+    copies them again into one packed command.  Stateless, so one instance
+    serves every connection of the pool.
+    """
+
+    def __init__(self) -> None:
+        self._encode = redis.connection.Encoder("utf-8", "strict", False).encode
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if isinstance(args[0], str):
+            args = tuple(args[0].encode().split()) + args[1:]
+        elif b" " in args[0]:
+            args = tuple(args[0].split()) + args[1:]
+        out: list[bytes | memoryview] = []
+        buf = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, _Parts):
+                buf += b"$%d\r\n" % arg.nbytes
+                for part in arg.parts:
+                    if len(part) > _BUFFER_CUTOFF:
+                        out.append(buf)
+                        out.append(part)
+                        buf = b""
+                    else:
+                        buf += part
+                buf += b"\r\n"
+                continue
+            arg = self._encode(arg)
+            n = len(arg)
+            if n > _BUFFER_CUTOFF:
+                out.append(buf + b"$%d\r\n" % n)
+                out.append(arg)
+                buf = b"\r\n"
+            else:
+                buf += b"$%d\r\n" % n + bytes(arg) + b"\r\n"
+        out.append(buf)
+        return out
+
+
+def _packer_supported() -> bool:
+    cls = getattr(redis.connection, "AbstractConnection", None)
+    if cls is None:
+        return False
+    try:
+        return "command_packer" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_ZERO_COPY = _packer_supported()
+
+
+def _error_classes(*names: str) -> tuple[type[BaseException], ...]:
+    """redis-py's specific ResponseError subclasses that this version has."""
+    return tuple(getattr(rexc, n) for n in names if isinstance(getattr(rexc, n, None), type))
+
+
+# redis-py strips the error code (``OOM``, ``READONLY``...) from the message
+# of the errors it has a class for, so both the class and the text are tested.
+_OOM = _error_classes("OutOfMemoryError")
+_READONLY = _error_classes("ReadOnlyError")
+_NOPERM = _error_classes("NoPermissionError", "MasterDownError")
+_CLUSTER = _error_classes("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError", "TryAgainError")
+
+
+def _decode(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class RedisCard(Card):
+    """A Redis server (or one logical database of it) as a card.
+
+    Thread-safe: every call checks a connection out of a bounded pool, so
+    the gateway's I/O threads use the card at once.
+    """
+
+    kind = "redis"
+
+    def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_connections: int = 64):
+        if num_dbs < 1:
+            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
+        if io_timeout_ms < 1:
+            raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
+        super().__init__(location, num_dbs)
+        self.io_timeout_ms = io_timeout_ms
+        self.display_location = _redact(location)
+        timeout = io_timeout_ms / 1000
+        extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
+        try:
+            self._pool = redis.BlockingConnectionPool.from_url(
+                location,
+                max_connections=max_connections,
+                timeout=timeout,  # waiting for a free connection
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=Retry(NoBackoff(), 0),  # the gateway counts failures; never wait out retries here
+                health_check_interval=0,
+                socket_read_size=256 << 10,  # fewer reads for big values (redis-py default: 64 KiB)
+                **extra,
+            )
+        except ValueError as exc:
+            raise ValueError(f"not a redis card location: {self.display_location}: {exc}") from None
+        self._r = redis.Redis(connection_pool=self._pool)
+        self._prefixes = [OBJECT_PREFIX + b"%d:" % i for i in range(num_dbs)]
+        self.maxmemory_policy: str | None = None
+        self._discard_script = self._r.register_script(_DISCARD_LUA)
+        self._scripts_ok = True
+
+    # ---------------------------------------------------------------- errors
+
+    def _map_error(self, exc: BaseException) -> OSError:
+        """The OSError that a redis-py failure stands for."""
+        where = self.display_location
+        if isinstance(exc, CardUnavailable):
+            return exc
+        if isinstance(exc, rexc.TimeoutError):
+            return CardUnavailable(errno.ETIMEDOUT, f"redis card timed out: {exc}", where)
+        if isinstance(exc, rexc.AuthenticationError):
+            return CardUnavailable(errno.EACCES, f"redis card refused authentication: {exc}", where)
+        if isinstance(exc, rexc.ConnectionError):  # incl. BusyLoadingError, pool exhausted
+            return CardUnavailable(errno.ENOTCONN, f"redis card is not reachable: {exc}", where)
+        if isinstance(exc, rexc.ResponseError):
+            msg = str(exc)
+            if isinstance(exc, _OOM) or msg.startswith("OOM"):
+                # One write refused; the card itself is fine (and should evict).
+                return OSError(errno.ENOSPC, f"redis card is out of memory: {msg}", where)
+            if isinstance(exc, _READONLY) or msg.startswith("READONLY"):
+                return CardUnavailable(errno.EROFS, f"redis card is read-only: {msg}", where)
+            if isinstance(exc, _NOPERM) or msg.startswith(("NOPERM", "NOAUTH", "MISCONF", "MASTERDOWN")):
+                return CardUnavailable(errno.EACCES, f"redis card refused: {msg}", where)
+            if isinstance(exc, _CLUSTER) or msg.startswith(("MOVED", "ASK", "CLUSTERDOWN", "CROSSSLOT")):
+                return CardUnavailable(errno.EINVAL, f"redis card is a cluster node; a card must be one server or "
+                                       f"a proxy in front of a cluster: {msg}", where)
+            return OSError(errno.EIO, f"redis card error: {msg}", where)
+        if isinstance(exc, rexc.RedisError):
+            return OSError(errno.EIO, f"redis card error: {exc}", where)
+        if isinstance(exc, OSError):  # a socket error redis-py did not wrap
+            return CardUnavailable(exc.errno or errno.EIO, f"redis card is not reachable: {exc}", where)
+        return OSError(errno.EIO, f"redis card error: {exc!r}", where)
+
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Turn redis-py failures into OSErrors; lets this module's own errors through."""
+        try:
+            yield
+        except (CardUnavailable, ObjectMissing, ObjectCorrupt, BufferTooSmall):
+            raise
+        except (rexc.RedisError, OSError) as exc:
+            raise self._map_error(exc) from exc
+
+    def _same_error(self, exc: OSError) -> OSError:
+        """A fresh exception like ``exc`` for each item of a batch (never share one instance)."""
+        cls = CardUnavailable if isinstance(exc, CardUnavailable) else OSError
+        new = cls(exc.errno, exc.strerror, exc.filename)
+        new.__cause__ = exc.__cause__
+        return new
+
+    # ----------------------------------------------------------------- label
+
+    def open(self) -> str:
+        with self._io():
+            raw = self._get_label()
+            if raw is not None:
+                serial = self._parse_label(raw)
+            elif self.serial is not None:
+                serial = self._restore_label(self.serial)
+            else:
+                serial = self._create_label(uuid.uuid4().hex)
+            self._read_policy()
+        self.serial = serial
+        return serial
+
+    def check(self) -> str:
+        with self._io():
+            raw = self._get_label()
+            if raw is not None:
+                return self._parse_label(raw)
+            if self.serial is None:
+                raise CardUnavailable(errno.ENOENT, "card label is missing (not a kvgate card, or never opened)",
+                                      self.display_location)
+            return self._restore_label(self.serial)
+
+    def _get_label(self) -> bytes | None:
+        try:
+            return self._r.get(LABEL_KEY)
+        except rexc.ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise CardUnavailable(errno.EINVAL, "card label is not a string value (not a kvgate label)",
+                                      self.display_location) from exc
+            raise
+
+    @staticmethod
+    def _label_doc(serial: str) -> bytes:
+        doc = {"serial": serial, "format": LABEL_FORMAT, "created": datetime.now(timezone.utc).isoformat()}
+        return json.dumps(doc).encode()
+
+    def _create_label(self, serial: str) -> str:
+        """SET NX: the first gateway wins, every other one reads its label."""
+        if self._r.set(LABEL_KEY, self._label_doc(serial), nx=True):
+            return serial
+        raw = self._get_label()
+        if raw is None:  # created and deleted again in between: nobody owns it now
+            raise CardUnavailable(errno.ENOENT, "card label vanished while being created", self.display_location)
+        return self._parse_label(raw)
+
+    def _restore_label(self, serial: str) -> str:
+        """Put the old serial back on a server that lost everything (see the module doc)."""
+        empty = self._holds_no_objects()
+        if empty is None:
+            raise CardUnavailable(errno.ETIMEDOUT, "card label is missing, and the server holds too many keys to "
+                                  "confirm in time that none is a kvgate object", self.display_location)
+        if not empty:
+            raise CardUnavailable(
+                errno.ENOENT,
+                "card label is missing but kvgate objects are present; not taking the card back "
+                "(clean the server's kvgate:o:* keys, or restore the label)",
+                self.display_location,
+            )
+        found = self._create_label(serial)
+        if found == serial:
+            log.warning("redis card %s: server holds no kvgate data (restarted empty?); label re-created with "
+                        "serial %s", self.display_location, serial)
+        return found
+
+    def _holds_no_objects(self) -> bool | None:
+        """True when the database holds no ``kvgate:o:*`` key; None when that is not known in time.
+
+        DBSIZE answers at once for an empty server.  Otherwise SCAN walks the
+        keyspace until the first match; a server full of foreign keys that
+        cannot be walked within the I/O deadline gives None (the card is
+        refused this time and tried again at the next check).
+        """
+        if self._r.dbsize() == 0:
+            return True
+        deadline = time.monotonic() + self.io_timeout_ms / 1000
+        cursor = 0
+        while True:
+            cursor, keys = self._r.scan(cursor, match=OBJECT_MATCH, count=_SCAN_COUNT)
+            if keys:
+                return False
+            if int(cursor) == 0:
+                return True
+            if time.monotonic() > deadline:
+                return None
+
+    def _parse_label(self, raw: bytes) -> str:
+        where = self.display_location
+        if len(raw) > _LABEL_MAX:
+            raise CardUnavailable(errno.EINVAL, "card label is not a kvgate label (too large)", where)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise CardUnavailable(errno.EINVAL, "card label is not valid JSON", where) from None
+        if not isinstance(doc, dict):
+            raise CardUnavailable(errno.EINVAL, "card label is not a JSON object", where)
+        serial = doc.get("serial")
+        if not isinstance(serial, str) or not serial:
+            raise CardUnavailable(errno.EINVAL, "card label has no serial", where)
+        if doc.get("format") != LABEL_FORMAT:
+            raise CardUnavailable(
+                errno.EINVAL, f"card label has format {doc.get('format')!r}; this gateway reads {LABEL_FORMAT}", where
+            )
+        return serial
+
+    def _read_policy(self) -> None:
+        try:
+            conf = self._r.config_get("maxmemory-policy")
+        except rexc.ResponseError:  # CONFIG renamed or forbidden (managed services): nothing to check
+            self.maxmemory_policy = None
+            return
+        policy = _decode({_decode(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
+        self.maxmemory_policy = policy
+        loc = self.display_location
+        if policy == "noeviction":
+            log.warning("redis card %s: maxmemory-policy is noeviction; a card must evict (set allkeys-lru)", loc)
+        elif isinstance(policy, str) and policy.startswith("volatile-"):
+            log.warning("redis card %s: maxmemory-policy is %s, which never evicts kvgate objects (they have no "
+                        "TTL); a card must evict (set allkeys-lru)", loc, policy)
+        elif policy == "allkeys-random":
+            log.warning("redis card %s: maxmemory-policy is allkeys-random, which may evict the card label; "
+                        "set allkeys-lru", loc)
+
+    # --------------------------------------------------------------- helpers
+
+    def object_key(self, full_key: bytes) -> bytes:
+        """The Redis key of the object for ``full_key`` (whether or not it exists)."""
+        digest = key_digest(full_key)
+        return self._prefixes[int.from_bytes(digest[:4], "little") % self.num_dbs] + digest.hex().encode()
+
+    def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
+        plen = len(view)
+        header = pack_header(full_key, plen, checksum(view), meta)
+        if _ZERO_COPY:
+            return _Parts(header, view), len(header) + plen
+        return header + view, len(header) + plen  # old redis-py: one copy of the payload
+
+    def _discard(self, rkey: bytes, seen: bytes | None) -> None:
+        """Delete a corrupt object, but not a good one written over it since.
+
+        ``seen`` is the start of the value found bad; None deletes whatever
+        is there (a value of the wrong type).  Best effort: a failure here
+        leaves the object for the next read or scan to find again.
+        """
+        try:
+            if seen is not None and self._scripts_ok:
+                prefix = seen[:_DISCARD_COMPARE]
+                try:
+                    self._discard_script(keys=[rkey], args=[prefix, len(prefix) - 1 if prefix else -1])
+                    return
+                except rexc.ResponseError as exc:
+                    if "WRONGTYPE" in str(exc):
+                        pass  # replaced by a foreign value: fall through and delete it
+                    else:  # scripting disabled or forbidden: plain deletes from now on
+                        self._scripts_ok = False
+            self._r.unlink(rkey)
+        except (rexc.RedisError, OSError):
+            pass
+
+    def _finish_read(self, rkey: bytes, full_key: bytes, value: Any, view: memoryview) -> Header:
+        """Check one GET reply and copy its payload into ``view``."""
+        if value is None:
+            raise ObjectMissing(f"no object {rkey.decode()}")
+        if isinstance(value, rexc.ResponseError):
+            if "WRONGTYPE" in str(value):
+                self._discard(rkey, None)
+                exc = ObjectCorrupt("the key holds a value of another type")
+                exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
+                raise exc
+            raise self._map_error(value)
+        try:
+            return self._verify_into(full_key, value, view)
+        except ObjectCorrupt as exc:
+            exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
+            self._discard(rkey, value)
+            raise
+
+    @staticmethod
+    def _verify_into(full_key: bytes, value: bytes, view: memoryview) -> Header:
+        """Header, lengths and CRC of ``value``, then its payload into ``view``.
+
+        The payload is checked and copied piece by piece: each piece is copied
+        right after its CRC, while it is still in the CPU cache.  A CRC that
+        fails leaves the destination partly written, which the contract
+        allows (the caller treats it as garbage).
+        """
+        header = parse_header(value, expect_key=full_key)
+        hlen, plen = header.header_len, header.payload_len
+        if hlen != header_size(full_key):  # parse_header checked it; be explicit
+            raise ObjectCorrupt("bad header length")
+        if len(value) != hlen + plen:
+            raise ObjectCorrupt(f"object is {len(value)} bytes, its header says {hlen + plen}")
+        if plen > len(view):
+            raise BufferTooSmall(plen)
+        if plen == 0:
+            if header.payload_crc != 0:
+                raise ObjectCorrupt("payload checksum mismatch")
+            return header
+        src_view = memoryview(value)[hlen:]
+        src = np.frombuffer(value, dtype=np.uint8, count=plen, offset=hlen)
+        dst = np.frombuffer(view, dtype=np.uint8, count=plen)
+        crc = 0
+        for off in range(0, plen, CHECKSUM_PIECE):
+            end = min(off + CHECKSUM_PIECE, plen)
+            crc = checksum(src_view[off:end], crc)
+            np.copyto(dst[off:end], src[off:end])
+        if crc != header.payload_crc:
+            raise ObjectCorrupt("payload checksum mismatch")
+        return header
+
+    # ------------------------------------------------------------------- I/O
+
+    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
+        view = _byte_view(dest)
+        rkey = self.object_key(full_key)
+        with self._io():
+            try:
+                value = self._r.get(rkey)
+            except rexc.ResponseError as exc:  # WRONGTYPE and friends: judged like a pipelined reply
+                value = exc
+        return self._finish_read(rkey, full_key, value, view)
+
+    def read_many_into(self, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
+        """Pipelined GETs (up to ``_READ_PIPELINE_BYTES`` of destinations per round trip).
+
+        Results are per object; a connection failure fails the objects of
+        that pipeline and every later one at once (no waiting out each).
+        """
+        out: list[Header | BaseException | None] = [None] * len(items)
+        views = [_byte_view(dest) for _, dest in items]
+        rkeys = [self.object_key(k) for k, _ in items]
+        down: OSError | None = None
+        for chunk in self._read_chunks(views):
+            if down is not None:  # the card failed on an earlier pipeline: do not wait out each one
+                for i in chunk:
+                    out[i] = self._same_error(down)
+                continue
+            try:
+                pipe = self._r.pipeline(transaction=False)
+                for i in chunk:
+                    pipe.get(rkeys[i])
+                values = pipe.execute(raise_on_error=False)
+            except (rexc.RedisError, OSError) as exc:
+                err = self._map_error(exc)
+                if isinstance(err, CardUnavailable):
+                    down = err
+                for i in chunk:
+                    out[i] = self._same_error(err)
+                continue
+            for i, value in zip(chunk, values):
+                try:
+                    out[i] = self._finish_read(rkeys[i], items[i][0], value, views[i])
+                except (LookupError, ValueError, OSError) as exc:
+                    out[i] = exc
+            del values
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _read_chunks(views: list[memoryview]) -> Iterator[list[int]]:
+        chunk: list[int] = []
+        size = 0
+        for i, v in enumerate(views):
+            if chunk and size + len(v) > _READ_PIPELINE_BYTES:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(i)
+            size += len(v)
+        if chunk:
+            yield chunk
+
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
+              still_wanted: Callable[[], bool] | None = None) -> int:
+        result = self.write_many([(full_key, payload, meta)], still_wanted)[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
+                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
+        """One pipeline: ``EXISTS label`` then a ``SET`` per object.
+
+        The label test rides in the same pipeline (same connection, same
+        server process), so a write that reached a server restarted empty is
+        known at once; it is deleted and fails with CardUnavailable.
+        """
+        if not items:
+            return []
+        rkeys: list[bytes] = []
+        sizes: list[int] = []
+        pipe = self._r.pipeline(transaction=False)
+        pipe.exists(LABEL_KEY)
+        for full_key, payload, meta in items:
+            rkey = self.object_key(full_key)
+            value, size = self._value(full_key, _byte_view(payload), meta)
+            pipe.set(rkey, value)
+            rkeys.append(rkey)
+            sizes.append(size)
+        if still_wanted is not None and not still_wanted():
+            return [WriteAbandoned(self.display_location) for _ in items]
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except (rexc.RedisError, OSError) as exc:
+            err = self._map_error(exc)
+            return [self._same_error(err) for _ in items]
+        label, results = replies[0], replies[1:]
+        if isinstance(label, BaseException) or not label:
+            written = [k for k, r in zip(rkeys, results) if not isinstance(r, BaseException)]
+            if written:
+                try:
+                    self._r.unlink(*written)
+                except (rexc.RedisError, OSError):
+                    pass
+            why = (self._map_error(label) if isinstance(label, BaseException) else
+                   CardUnavailable(errno.ENOENT, "card label is missing (server restarted empty?); write undone",
+                                   self.display_location))
+            return [self._same_error(why) for _ in items]
+        out: list[int | BaseException] = []
+        for r, size in zip(results, sizes):
+            out.append(self._map_error(r) if isinstance(r, BaseException) else size)
+        return out
+
+    def exists(self, full_key: bytes) -> bool:
+        with self._io():
+            return bool(self._r.exists(self.object_key(full_key)))
+
+    def exists_many(self, full_keys: list[bytes]) -> list[bool | BaseException]:
+        if not full_keys:
+            return []
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            for k in full_keys:
+                pipe.exists(self.object_key(k))
+            replies = pipe.execute(raise_on_error=False)
+        except (rexc.RedisError, OSError) as exc:
+            err = self._map_error(exc)
+            return [self._same_error(err) for _ in full_keys]
+        return [self._map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
+
+    def delete(self, full_key: bytes) -> bool:
+        with self._io():
+            return bool(self._r.unlink(self.object_key(full_key)))
+
+    # --------------------------------------------------------- whole-card ops
+
+    def _object_names(self) -> Iterator[list[bytes]]:
+        """Every ``kvgate:o:*`` key name, in batches (SCAN may repeat a name)."""
+        cursor = 0
+        while True:
+            with self._io():
+                cursor, keys = self._r.scan(cursor, match=OBJECT_MATCH, count=_SCAN_COUNT)
+            if keys:
+                yield keys
+            if int(cursor) == 0:
+                return
+
+    def _parse_name(self, name: bytes) -> tuple[int, bytes] | None:
+        """(db, digest hex) of an object key name, or None for a name that is not ours."""
+        rest = name[len(OBJECT_PREFIX):]
+        db, sep, hexd = rest.partition(b":")
+        if not sep or not db.isdigit() or len(hexd) != 32 or not set(hexd) <= _HEX:
+            return None
+        return int(db), hexd
+
+    def scan(self) -> Iterator[StoredObject]:
+        """Header-only check of every object; payload CRCs are left to reads.
+
+        Objects stored under another ``num_dbs`` are renamed (RENAMENX) to
+        where reads look; a corrupt one is deleted; a key under our prefix
+        whose name is not ours is left alone.  SCAN may report a key twice,
+        so may this (the gateway skips keys it has indexed already).
+        """
+        relocated: set[bytes] = set()
+        for names in self._object_names():
+            names = [n for n in names if n not in relocated and self._parse_name(n) is not None]
+            for start in range(0, len(names), _SCAN_PIPELINE):
+                batch = names[start:start + _SCAN_PIPELINE]
+                with self._io():
+                    pipe = self._r.pipeline(transaction=False)
+                    for n in batch:
+                        pipe.getrange(n, 0, _SCAN_READ - 1)
+                        pipe.strlen(n)
+                    replies = pipe.execute(raise_on_error=False)
+                for j, name in enumerate(batch):
+                    found = self._scan_one(name, replies[2 * j], replies[2 * j + 1], relocated)
+                    if found is not None:
+                        yield found
+
+    def _scan_one(self, name: bytes, buf: Any, size: Any, relocated: set[bytes]) -> StoredObject | None:
+        if isinstance(buf, BaseException) or isinstance(size, BaseException):
+            err = buf if isinstance(buf, BaseException) else size
+            if "WRONGTYPE" in str(err):
+                self._discard(name, None)
+                return None
+            raise self._map_error(err)
+        if size == 0:  # deleted since SCAN saw it (or an empty value, garbage either way)
+            self._discard(name, b"")
+            return None
+        try:
+            if len(buf) >= 12:
+                hlen = int.from_bytes(buf[8:12], "little")
+                if len(buf) < hlen <= min(size, _MAX_HEADER):
+                    with self._io():
+                        buf = self._r.getrange(name, 0, hlen - 1)
+            header = parse_header(buf, expect_key=None)
+            if size != header.header_len + header.payload_len:
+                raise ObjectCorrupt(f"object is {size} bytes, its header says {header.header_len + header.payload_len}")
+            parsed = self._parse_name(name)
+            assert parsed is not None
+            if key_digest(header.full_key).hex().encode() != parsed[1]:
+                raise ObjectCorrupt("object key name does not match the key inside")
+        except ObjectCorrupt:
+            self._discard(name, bytes(buf))
+            return None
+        home = self.object_key(header.full_key)
+        if home != name:
+            with self._io():
+                moved = self._r.renamenx(name, home)
+                if not moved:  # the right place holds the key already: that copy wins
+                    self._r.unlink(name)
+                    return None
+            relocated.add(home)
+        return StoredObject(header.full_key, header.payload_len, size, header.meta)
+
+    def clean(self) -> int:
+        """UNLINK every ``kvgate:o:*`` key; the label and foreign keys stay (never FLUSHDB)."""
+        deleted = 0
+        pending: list[bytes] = []
+        for names in self._object_names():
+            pending.extend(names)
+            while len(pending) >= _UNLINK_BATCH:
+                with self._io():
+                    deleted += self._r.unlink(*pending[:_UNLINK_BATCH])
+                del pending[:_UNLINK_BATCH]
+        if pending:
+            with self._io():
+                deleted += self._r.unlink(*pending)
+        return deleted
+
+    def free_bytes(self) -> int:
+        """maxmemory - used_memory; a server without maxmemory reports ``UNLIMITED_FREE_BYTES``."""
+        with self._io():
+            info = self._r.info("memory")
+        maxmemory = int(info.get("maxmemory", 0))
+        if maxmemory <= 0:
+            return UNLIMITED_FREE_BYTES
+        return max(0, maxmemory - int(info.get("used_memory", 0)))
+
+    def close(self) -> None:
+        """Close every connection; the pool reconnects if the card is used again."""
+        try:
+            self._pool.disconnect()
+        except (rexc.RedisError, OSError):
+            pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.display_location!r}, serial={self.serial!r})"

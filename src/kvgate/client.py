@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kvgate.keys import as_key
+from kvgate.keys import as_keys
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
@@ -112,6 +112,7 @@ class Client:
         self._regions: list[_Region] = []
         self._session: _Region | None = None
         self._session_mm: mmap.mmap | None = None
+        self._broken = False
         self.session_id = 0
         self.fingerprint = ""
         self.max_frame_bytes = 0
@@ -171,7 +172,34 @@ class Client:
             base, size = _address(view)
             self._session = _Region(SESSION_REGION, base, size, view)
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """Deadline of each later call (None: wait forever).
+
+        A call that runs past it raises ``TimeoutError`` and leaves the client
+        broken (the reply may still arrive and would be misread as the next
+        one's), so callers reconnect after a timeout.
+        """
+        self._sock.settimeout(seconds)
+
+    @property
+    def broken(self) -> bool:
+        """True once a call failed mid-frame: the client must not be used again."""
+        return self._broken
+
+    def abort(self) -> None:
+        """Wake any thread blocked in a call (it gets an error) and refuse new calls.
+
+        Unlike ``close`` it does not wait for the call in progress, so another
+        thread can use it at shutdown.
+        """
+        self._broken = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
+        self.abort()
         with self._lock:
             if self._session is not None and self._session.view is not None:
                 self._session.view.release()
@@ -194,11 +222,20 @@ class Client:
 
     def _call(self, msg, body: Sequence[Buffer] = ()) -> tuple[Any, bytearray | None]:
         with self._lock:
+            if self._broken:
+                raise ConnectionError("this client's connection is broken or closed; connect again")
             self._ids += 1
             msg.id = self._ids
             body_len = sum(memoryview(b).nbytes for b in body)
-            self._send([encode_frame(msg, body_len), *body])
-            reply, rbody = self._recv()
+            try:
+                self._send([encode_frame(msg, body_len), *body])
+                reply, rbody = self._recv()
+            except BaseException:
+                self._broken = True  # the stream is out of step: never read another reply from it
+                raise
+            if reply.id != msg.id:
+                self._broken = True
+                raise ConnectionError(f"reply {reply.id} to request {msg.id}: stream out of step")
         if isinstance(reply, Error):
             raise GatewayError(reply.code, reply.message)
         return reply, rbody
@@ -274,7 +311,7 @@ class Client:
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        bkeys = [as_key(k) for k in keys]
+        bkeys = as_keys(keys)
         if not bkeys:
             return []
         if not self.local:
@@ -353,7 +390,7 @@ class Client:
         inside a registered region are filled by the gateway in place.
         Without, each hit is returned as ``bytes``.
         """
-        bkeys = [as_key(k) for k in keys]
+        bkeys = as_keys(keys)
         if not bkeys:
             return []
         if into is None:
@@ -416,6 +453,7 @@ class Client:
     def _get_packed(self, keys: list[bytes], dialog: bytes | None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        stalled = False
         while todo:
             region = SESSION_REGION if self._session is not None else INLINE
             reply, body = self._call(Get(keys=[keys[i] for i in todo], region=region, dialog=dialog))
@@ -428,26 +466,30 @@ class Client:
                     off = reply.offsets[j]
                     out[i] = bytes(src[off : off + s])
             if len(again) == len(todo):
-                raise GatewayError("TOO_LARGE", "an object is larger than the shared-memory region or frame limit")
+                if stalled:
+                    raise GatewayError("TOO_LARGE", "an object is larger than the shared-memory region or frame limit")
+                stalled = True  # or its size changed under the gateway (shared cards): ask once more
+            else:
+                stalled = False
             todo = again
         return out
 
     def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         """How many leading keys are stored (a prefix restores up to its first miss)."""
-        reply, _ = self._call(Lookup(keys=[as_key(k) for k in keys], dialog=dialog))
+        reply, _ = self._call(Lookup(keys=as_keys(keys), dialog=dialog))
         return reply.count
 
     def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
-        reply, _ = self._call(Exists(keys=[as_key(k) for k in keys], dialog=dialog))
+        reply, _ = self._call(Exists(keys=as_keys(keys), dialog=dialog))
         return list(reply.present)
 
     def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
-        reply, _ = self._call(Delete(keys=[as_key(k) for k in keys], dialog=dialog))
+        reply, _ = self._call(Delete(keys=as_keys(keys), dialog=dialog))
         return reply.count
 
     def prewarm(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         """Pull the stored leading keys from cards into the RAM tier; returns how many are in RAM."""
-        reply, _ = self._call(Prewarm(keys=[as_key(k) for k in keys], dialog=dialog))
+        reply, _ = self._call(Prewarm(keys=as_keys(keys), dialog=dialog))
         return reply.count
 
     def stats(self) -> dict:

@@ -69,3 +69,17 @@ def dialog_digest(mark: bytes | None) -> bytes:
 def as_key(key: bytes | str) -> bytes:
     """Client-side convenience: str keys are UTF-8."""
     return check_key(key.encode() if isinstance(key, str) else key)
+
+
+def as_keys(keys) -> list[bytes]:
+    """``as_key`` of a whole batch; one pass when every key is already fine bytes.
+
+    Engines look up 1,000s of keys per scheduling step: the per-key checks
+    are worth skipping when a bulk check proves them unnecessary.
+    """
+    keys = list(keys)
+    if keys and all(type(k) is bytes for k in keys):
+        lengths = list(map(len, keys))
+        if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES:
+            return keys
+    return [as_key(k) for k in keys]

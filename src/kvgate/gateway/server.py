@@ -158,13 +158,19 @@ class Gateway:
         except LayoutMismatch as e:
             raise StartupError(str(e)) from None
         os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
-        unix = await asyncio.start_unix_server(self._on_unix, path=cfg.socket_path, limit=1 << 20)
+        try:
+            unix = await asyncio.start_unix_server(self._on_unix, path=cfg.socket_path, limit=1 << 20)
+        except OSError as e:
+            raise StartupError(f"config key 'socket': cannot listen on {cfg.socket_path}: {e.strerror}") from None
         self._socket_owned = True
         os.chmod(cfg.socket_path, 0o660)
         self._servers.append(unix)
         where = [f"socket {cfg.socket_path}"]
         if cfg.port:
-            tcp = await asyncio.start_server(self._on_tcp, host=cfg.bind_address, port=cfg.port, limit=1 << 20)
+            try:
+                tcp = await asyncio.start_server(self._on_tcp, host=cfg.bind_address, port=cfg.port, limit=1 << 20)
+            except OSError as e:
+                raise StartupError(f"config key 'port': cannot listen on {cfg.bind_address}:{cfg.port}: {e.strerror}") from None
             self.tcp_port = tcp.sockets[0].getsockname()[1]
             self._servers.append(tcp)
             where.append(f"tcp {cfg.bind_address}:{self.tcp_port}")
@@ -173,7 +179,9 @@ class Gateway:
                 self.http = status_mod.HttpStatus(self, asyncio.get_running_loop(), cfg.metrics_bind_address,
                                                   cfg.metrics_port)
             except OSError as e:
-                raise StartupError(f"cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: {e}")
+                raise StartupError(
+                    f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
+                    f"{e.strerror}") from None
             self.http.start()
             where.append(f"metrics http://{cfg.metrics_bind_address}:{self.http.port}/metrics")
         if cfg.status_file:
@@ -189,7 +197,8 @@ class Gateway:
                 with open(cfg.auth_token_file, encoding="utf-8") as f:
                     self.token = f.read().strip()
             except OSError as e:
-                raise StartupError(f"config key 'auth_token_file': cannot read {cfg.auth_token_file}: {e.strerror}")
+                raise StartupError(
+                    f"config key 'auth_token_file': cannot read {cfg.auth_token_file}: {e.strerror}") from None
             if not self.token:
                 raise StartupError(f"config key 'auth_token_file': {cfg.auth_token_file} is empty")
         if cfg.port and not _is_loopback(cfg.bind_address) and not self.token:

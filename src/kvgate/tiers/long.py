@@ -24,6 +24,7 @@ different card at its old path is never used in its place.
 from __future__ import annotations
 
 import asyncio
+import errno
 import glob
 import logging
 import os
@@ -44,7 +45,7 @@ from kvgate.cards import (
     RedisCard,
 )
 from kvgate.config import Config
-from kvgate.keys import key_digest
+from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
 from kvgate.tiers.io import Abandon, CardIo, IoPool, IoTimeout, split
@@ -92,6 +93,7 @@ class CardState:
     suspect: int = 0
     scanned: bool = False
     refused_serial: str | None = None  # the other card last seen at our path
+    deleting: int = 0  # eviction batches whose deletes have not finished yet
     # counters
     hits: int = 0
     misses: int = 0
@@ -256,6 +258,16 @@ class LongTier:
         cs = self._by_serial[serial]
         return cs if cs.active else None
 
+    def cards_for(self, fkeys: list[bytes], dialog: bytes) -> list[CardState | None]:
+        """``card_for`` of many keys of one request, computed once where placement allows.
+
+        With dialog placement and a dialog mark, or a single slot, every key
+        of the request lands on the same card: one hash instead of 1,000s.
+        """
+        if self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG):
+            return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
+        return [self.card_for(k, dialog) for k in fkeys]
+
     def group(self, items: list, key_of, dialog_of) -> dict[int, tuple[CardState, list[int]]]:
         """Indexes of ``items`` per active card (by id of the card state)."""
         groups: dict[int, tuple[CardState, list[int]]] = {}
@@ -306,7 +318,12 @@ class LongTier:
             cs.evictions += 1
             victims.append(victim)
         if victims:
-            self._spawn(self._delete_quietly(cs, victims))
+            cs.deleting += 1
+            self._spawn(self._delete_quietly(cs, victims)).add_done_callback(lambda _t: self._deleted(cs))
+
+    @staticmethod
+    def _deleted(cs: CardState) -> None:
+        cs.deleting -= 1
 
     async def _delete_quietly(self, cs: CardState, fkeys: list[bytes]) -> None:
         def work() -> None:
@@ -333,6 +350,19 @@ class LongTier:
             cs.strikes = 0
             if cs.suspect:
                 cs.suspect -= 1
+            return
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            # Full, not broken: the medium holds less than we thought (other
+            # writers, a smaller filesystem).  Shrink to what fits and evict.
+            cs.errors += 1
+            if cs.deleting:
+                # Room is being made already (evicted objects not deleted yet):
+                # this write raced that and tells nothing new.  Shrinking again
+                # for each such write would compound (0.9 ** n of a batch).
+                return
+            cs.capacity = min(cs.capacity, int(cs.used * 0.9))
+            log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.location, cs.serial, cs.capacity)
+            self._evict_over_capacity(cs)
             return
         if isinstance(err, IoTimeout):
             cs.timeouts += 1

@@ -174,7 +174,7 @@ class TieredStore:
             try:
                 await self.pool.map_chunks(copy_work, ram_plans, min_chunk=2)
             finally:
-                for i, _it, entry in ram_plans:
+                for _i, _it, entry in ram_plans:
                     self.ram.unpin(entry)
             for i, _it, entry in ram_plans:
                 sizes[i] = entry.size
@@ -208,6 +208,11 @@ class TieredStore:
         cs.misses += 1
         if isinstance(r, BufferTooSmall):
             sizes[i], needed[i] = TOO_SMALL, r.needed
+            entry = cs.index.get(it.fkey)
+            if entry is not None and entry.payload_len != r.needed:
+                # Another gateway replaced it (shared cards): forget the stale
+                # size, or every size hint of a packed get repeats it.
+                self.long.note_gone(cs, it.fkey)
         elif isinstance(r, ObjectCorrupt):
             c.corrupt += 1
             log.warning("corrupt object on card %s removed: %s", cs.location, r)
@@ -244,12 +249,10 @@ class TieredStore:
         calls were most of its cost.  An empty RAM tier is not asked at all.
         """
         in_ram = self.ram.contains if self.ram.entries else None
-        card_for = self.long.card_for
         indexed = self.long.indexed
         n = 0
-        for k in fkeys:
+        for k, cs in zip(fkeys, self.long.cards_for(fkeys, dialog)):
             if in_ram is None or not in_ram(k):
-                cs = card_for(k, dialog)
                 if cs is None or indexed(cs, k) is None:
                     break
             n += 1
@@ -303,7 +306,7 @@ class TieredStore:
 
         async def one_card(cs: CardState, group: list) -> int:
             dests = []
-            for k, _cs, res, size in group:
+            for _k, _cs, res, size in group:
                 views = res.views()
                 dests.append(views[0] if len(views) == 1 else memoryview(bytearray(size)))
             results = await self.long.read(cs, [(p[0], d) for p, d in zip(group, dests)])

@@ -1,0 +1,569 @@
+"""KvgateTier: a secondary tier of vLLM's KV offloading framework backed by a kvgate gateway.
+
+It runs in vLLM's scheduler process and never blocks it:
+
+- lookups are collected during a scheduler step and sent as one batch per
+  request on a background thread when the step ends (vLLM's
+  ``AsyncLookupManager``, as the in-tree ``fs`` tier does); until the answer
+  is in, a lookup answers RETRY;
+- stores (primary CPU tier -> gateway) and loads (gateway -> primary) are
+  jobs run by two background threads, reported by ``get_finished_jobs``;
+- on one host the primary tier's shared-memory file is registered with the
+  gateway, so the gateway reads and writes chunk rows in place (zero copy);
+- a gateway that is down, slow or refusing means misses and failed stores,
+  never an exception into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+
+from kvgate.client import Client, GatewayError
+from kvgate.integrations.vllm.settings import (
+    TierSettings,
+    chunk_runs,
+    dialog_mark,
+    first_chunk_keys,
+    request_retention,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+# under "vllm." so that vLLM's logging configuration (handler, level, format) applies
+logger = logging.getLogger("vllm.kvgate")
+
+
+class GatewayDown(ConnectionError):
+    """No connection to the gateway right now (failed recently; retried after a backoff)."""
+
+
+@dataclass(frozen=True)
+class RequestSalt:
+    """Attached to a ReqContext by the spec: whether the request carries a cache_salt."""
+
+    salted: bool
+
+
+@dataclass
+class _ReqState:
+    retention: str
+    enabled: bool  # False: this request is neither looked up nor stored (unsalted, switched off)
+    mark: bytes | None = None
+    mark_known: bool = False
+
+
+class _RateLimitedLog:
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, topic: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(topic)
+        if last is not None and now - last < self.every_s:
+            self._suppressed[topic] = self._suppressed.get(topic, 0) + 1
+            return
+        n = self._suppressed.pop(topic, 0)
+        self._last[topic] = now
+        suffix = f" ({n} similar messages suppressed)" if n else ""
+        logger.warning(msg + suffix, *args)
+
+
+class _Connection:
+    """One lazily (re)connected gateway session, used by one background thread at a time."""
+
+    def __init__(self, tier: "KvgateTier", name: str, timeout: float):
+        self._tier = tier
+        self.name = name
+        self.timeout = timeout
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+        self._next_try = 0.0
+        self._backoff = 0.5
+        self.zero_copy = False
+        self.closed = False
+
+    def get(self) -> Client:
+        with self._lock:
+            if self.closed:
+                raise GatewayDown("the tier is shutting down")
+            if self._client is not None:
+                if not self._client.broken:
+                    return self._client
+                self._client.close()
+                self._client = None
+            now = time.monotonic()
+            if now < self._next_try:
+                raise GatewayDown(f"gateway {self._tier.settings.target} unreachable; next try in "
+                                  f"{self._next_try - now:.1f} s")
+            try:
+                self._client = self._open()
+            except Exception as e:
+                self._next_try = now + self._backoff
+                self._backoff = min(self._backoff * 2, 10.0)
+                self._tier._log.warning(f"connect-{self.name}", "kvgate: cannot connect to gateway %s (%s); "
+                                        "serving without it (misses, no stores) and retrying",
+                                        self._tier.settings.target, e)
+                raise GatewayDown(str(e)) from e
+            self._backoff = 0.5
+            return self._client
+
+    def _open(self) -> Client:
+        t = self._tier
+        s = t.settings
+        kw = dict(namespace=t.namespace, token=s.token, engine_id=t.engine_id, salted=s.salted_only)
+        client = Client.connect(s.target, want_shm=False, timeout=min(s.connect_timeout, self.timeout), **kw)
+        client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
+        if not client.local:
+            logger.info("kvgate: connected to %s over TCP (%s): bytes travel inline", s.target, self.name)
+            return client
+        path = t.region_path()
+        if path:
+            try:
+                client.register_region(path, mapping=t._primary_kv_view)
+                self.zero_copy = True
+                logger.info("kvgate: connected to %s (%s); %s registered: transfers are zero copy",
+                            s.target, self.name, path)
+                return client
+            except Exception as e:
+                t._log.warning("region", "kvgate: the gateway could not map vLLM's CPU tier %s (%s); "
+                               "falling back to copies through a session region", path, e)
+        client.close()
+        self.zero_copy = False
+        client = Client.connect(s.target, want_shm=True, timeout=min(s.connect_timeout, self.timeout), **kw)
+        client.set_timeout(self.timeout)
+        logger.info("kvgate: connected to %s (%s) with a shared-memory session region (one copy per "
+                    "transfer)", s.target, self.name)
+        return client
+
+    def drop(self) -> None:
+        """Forget a broken connection; the next get() reconnects."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def abort(self) -> None:
+        """Unblock a thread waiting in a call on this connection, and refuse new calls."""
+        self.closed = True
+        client = self._client
+        if client is not None:
+            client.abort()
+
+    def close(self) -> None:
+        self.closed = True
+        self.drop()
+
+
+class _KvgateLookup(AsyncLookupManager):
+    """vLLM's per-step batched async lookups, answered by the gateway."""
+
+    def __init__(self, tier: "KvgateTier"):
+        self._tier = tier
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier._batch_exists(keys, req_context)
+
+
+class KvgateTier(SecondaryTierManager):
+    """A kvgate gateway as a secondary tier of vLLM's tiering KV offloading.
+
+    As a ``secondary_tiers`` entry::
+
+        {"type": "KvgateTier", "module_path": "kvgate.integrations.vllm",
+         "socket": "/run/kvgate.sock"}
+
+    Keyword arguments (the entry's other keys): ``socket`` or ``address``
+    (host:port), ``token_file``, ``namespace`` (derived from the model config
+    when absent), ``affinity_chunks`` (1), ``refuse_unsalted``,
+    ``skip_unsalted``, ``retention`` (default per request: long),
+    ``connect_timeout``, ``io_timeout`` (stores, loads), ``lookup_timeout``
+    (seconds; a lookup not answered in time is a miss).
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: "BackpressureDetector | None" = None,
+        *,
+        socket: str | None = None,
+        address: str | None = None,
+        token_file: str | None = None,
+        namespace: str | None = None,
+        affinity_chunks: int = 1,
+        refuse_unsalted: bool = False,
+        skip_unsalted: bool = False,
+        retention: str = "long",
+        connect_timeout: float = 2.0,
+        io_timeout: float = 10.0,
+        lookup_timeout: float = 2.0,
+        locality: str | None = None,
+    ):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        from kvgate.integrations.vllm.spec import _install_salt_probe, describe_engine  # noqa: PLC0415 (cycle)
+
+        _install_salt_probe()  # also when the tier is an entry of vLLM's own TieringOffloadingSpec
+
+        self.settings = TierSettings.build(
+            socket=socket, address=address, token_file=token_file, namespace=namespace,
+            affinity_chunks=affinity_chunks, refuse_unsalted=refuse_unsalted, skip_unsalted=skip_unsalted,
+            retention=retention, connect_timeout=connect_timeout, io_timeout=io_timeout,
+            lookup_timeout=lookup_timeout)
+        if locality is not None:
+            from vllm.v1.kv_offload.base import Locality  # noqa: PLC0415
+
+            self.locality = Locality(locality)
+        self._spec = offloading_spec
+        # One flat byte view of the CPU tier; chunk c is [c * block_size_bytes, +block_size_bytes).
+        # It and every slice of it are released before vLLM unmaps the tier (shutdown()).
+        self._flat: memoryview | None = primary_kv_view.cast("B")
+        info = describe_engine(offloading_spec)
+        self.engine_id: str = info.engine_id
+        self.namespace: str = self.settings.namespace or info.namespace
+        self.salt_detection: bool = info.salt_detection
+        self._tokens_per_chunk: dict[int, int] = info.tokens_per_chunk
+        self._log = _RateLimitedLog()
+        logger.info("kvgate tier: gateway %s, namespace %r%s, affinity_chunks=%d, default retention %s%s",
+                    self.settings.target, self.namespace,
+                    "" if self.settings.namespace else " (derived from the model config)",
+                    self.settings.affinity_chunks, self.settings.retention,
+                    ", salted requests only" if self.settings.salted_only else "")
+        if not self.settings.namespace:
+            logger.info("kvgate tier: namespace inputs %s", info.namespace_description)
+        if self.settings.salted_only and not self.salt_detection:
+            logger.warning("kvgate tier: refuse_unsalted/skip_unsalted is set but this vLLM build does not let "
+                           "the tier see cache_salt; every request is treated as unsalted (nothing is cached)")
+
+        # Job bookkeeping.  _finished is filled by the I/O threads, drained on the scheduler thread.
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._load_keys: dict[JobId, list[OffloadKey]] = {}
+        self._outstanding = 0
+        self._idle = threading.Condition()
+        self._closing = False  # shutdown started: no new jobs
+        self._aborted = False  # drain time is over: queued jobs fail without I/O
+        self.counters = {"stores": 0, "stored_chunks": 0, "store_failures": 0, "skipped_stores": 0,
+                         "loads": 0, "loaded_chunks": 0, "load_failures": 0, "lookups": 0, "lookup_hits": 0}
+
+        self._store_conn = _Connection(self, "stores", self.settings.io_timeout)
+        self._load_conn = _Connection(self, "loads", self.settings.io_timeout)
+        self._lookup_conn = _Connection(self, "lookups", self.settings.lookup_timeout)
+        self._load_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
+        self._store_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._job_loop, args=(self._load_q, self._load_conn, True),
+                             name="kvgate_tier_loads", daemon=True),
+            threading.Thread(target=self._job_loop, args=(self._store_q, self._store_conn, False),
+                             name="kvgate_tier_stores", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self._lookup = _KvgateLookup(self)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def region_path(self) -> str | None:
+        """The /dev/shm file behind the primary tier (the scheduler's mapping of it)."""
+        region = getattr(self._spec, "_scheduler_mmap", None)
+        return getattr(region, "mmap_path", None)
+
+    def _state(self, ctx: ReqContext) -> _ReqState:
+        st = ctx.get_state(_ReqState)
+        if st is None:
+            retention, warning = request_retention(ctx.kv_transfer_params, self.settings.retention)
+            if warning:
+                self._log.warning("retention", "kvgate: request %s: %s", ctx.req_id, warning)
+            enabled = True
+            if self.settings.salted_only:
+                salt = ctx.get_state(RequestSalt)
+                if salt is None or not salt.salted:
+                    enabled = False
+                    if self.settings.refuse_unsalted:
+                        self._log.warning("unsalted", "kvgate: request %s has no cache_salt: refused (neither "
+                                          "looked up nor stored in kvgate; refuse_unsalted is set)", ctx.req_id)
+                    else:
+                        logger.debug("kvgate: request %s has no cache_salt: not cached (skip_unsalted)", ctx.req_id)
+            st = _ReqState(retention=retention, enabled=enabled)
+            ctx.set_state(st)
+        return st
+
+    def _mark(self, ctx: ReqContext, st: _ReqState) -> bytes | None:
+        """The request's dialog mark: a digest of its first ``affinity_chunks`` chunk keys (fixed once known)."""
+        if st.mark_known:
+            return st.mark
+        positions = getattr(ctx, "_offload_key_positions", None)
+        if not positions:
+            return None
+        by_group: dict[int, list[tuple[bytes, int]]] = {}
+        for key, end_token in positions.items():
+            by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append((bytes(key), end_token))
+        first = first_chunk_keys(by_group[min(by_group)], self.settings.affinity_chunks)
+        st.mark = dialog_mark(first)
+        st.mark_known = True
+        return st.mark
+
+    def _position(self, ctx: ReqContext, key: OffloadKey) -> int:
+        end = ctx.get_offload_key_position(key)
+        tpc = self._tokens_per_chunk.get(int.from_bytes(key[-4:], "big"))
+        if end is None or not tpc:
+            return -1
+        return max(-1, end // tpc - 1)
+
+    def _job_started(self) -> None:
+        with self._idle:
+            self._outstanding += 1
+
+    def _job_done(self, result: JobResult) -> None:
+        self._finished.put(result)
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+
+    # ---- SecondaryTierManager: scheduler thread ------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._state(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        st = self._state(req_context)
+        if not st.enabled or self._closing:
+            return LookupResult.MISS
+        self._mark(req_context, st)
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        ctx = job_metadata.req_context
+        st = self._state(ctx)
+        self._job_started()
+        if not st.enabled or st.retention == "none" or self._closing:
+            self.counters["skipped_stores"] += 1
+            self._job_done(JobResult(job_id=job_metadata.job_id, success=True, transfer_bytes=0))
+            return
+        keys = list(job_metadata.keys)
+        # Everything read from the (scheduler-owned) request context is resolved here.
+        job_metadata.keys = keys
+        setattr(job_metadata, "_kvgate", (st.retention, self._mark(ctx, st), [self._position(ctx, k) for k in keys]))
+        self._store_q.put(job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        ctx = job_metadata.req_context
+        st = self._state(ctx)
+        keys = list(job_metadata.keys)
+        job_metadata.keys = keys
+        self._load_keys[job_metadata.job_id] = keys
+        self._job_started()
+        setattr(job_metadata, "_kvgate", (st.retention, self._mark(ctx, st), None))
+        self._load_q.put(job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results: list[JobResult] = []
+        while True:
+            try:
+                r = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            keys = self._load_keys.pop(r.job_id, None)
+            if keys is not None and not r.success:
+                ok = set(r.successful_keys or ())
+                # Stop offering what failed to load, or the scheduler would retry it forever.
+                self._lookup.mark_miss([k for k in keys if k not in ok])
+            results.append(r)
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._outstanding > 0
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context) -> None:
+        self._lookup.flush()
+
+    def drain_jobs(self) -> None:
+        with self._idle:
+            while self._outstanding > 0:
+                self._idle.wait(1.0)
+
+    def shutdown(self, drain_s: float = 1.0) -> None:
+        """Finish what completes within ``drain_s`` (vLLM kills the engine core about 5 s after
+        shutdown starts), then abort the rest and release every view of vLLM's CPU tier."""
+        t0 = time.monotonic()
+        self._closing = True
+        logger.info("kvgate tier: shutting down, %d job(s) in flight", self._outstanding)
+        deadline = t0 + drain_s
+        with self._idle:
+            while self._outstanding > 0 and time.monotonic() < deadline:
+                self._idle.wait(0.05)
+        self._aborted = True
+        for conn in (self._store_conn, self._load_conn, self._lookup_conn):
+            conn.abort()
+        self._load_q.put(None)
+        self._store_q.put(None)
+        self._lookup._lookup_queue.put(None)
+        for t in [*self._threads, self._lookup._thread]:
+            t.join(timeout=max(0.1, t0 + drain_s + 2.0 - time.monotonic()))
+        stuck = [t.name for t in [*self._threads, self._lookup._thread] if t.is_alive()]
+        if stuck:
+            logger.error("kvgate tier: thread(s) %s did not stop; vLLM may fail to unmap its CPU tier", stuck)
+        else:
+            self._lookup.drain_results()
+            for conn in (self._store_conn, self._load_conn, self._lookup_conn):
+                conn.close()
+            if self._flat is not None:
+                try:
+                    self._flat.release()
+                except BufferError:
+                    logger.error("kvgate tier: a view of vLLM's CPU tier is still in use")
+                self._flat = None
+        logger.info("kvgate tier: shut down in %.2f s; %s", time.monotonic() - t0, self.counters)
+
+    # ---- background threads ----------------------------------------------------------------
+
+    def _batch_exists(self, keys: list[OffloadKey], ctx: ReqContext) -> list[bool]:
+        st = ctx.get_state(_ReqState)
+        dialog = st.mark if st is not None else None
+        self.counters["lookups"] += len(keys)
+        try:
+            client = self._lookup_conn.get()
+            present = client.exists_many([bytes(k) for k in keys], dialog=dialog)
+        except GatewayDown:
+            return [False] * len(keys)
+        except Exception as e:
+            self._connection_error(self._lookup_conn, "lookup", e)
+            return [False] * len(keys)
+        # A prefix restores up to its first miss: report nothing past it.
+        out: list[bool] = []
+        for p in present:
+            if not p:
+                break
+            out.append(True)
+        out += [False] * (len(keys) - len(out))
+        self.counters["lookup_hits"] += sum(out)
+        return out
+
+    def _connection_error(self, conn: _Connection, what: str, e: Exception) -> None:
+        if isinstance(e, GatewayError):
+            self._log.warning(f"refused-{what}", "kvgate: gateway refused a %s: %s", what, e)
+            if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "UNSALTED_REFUSED", "BAD_VERSION"):
+                conn.drop()
+            return
+        if not self._closing:
+            self._log.warning(f"error-{what}", "kvgate: %s failed (%s: %s); the connection is reopened",
+                              what, type(e).__name__, e)
+        conn.drop()
+
+    def _job_loop(self, q: "queue.SimpleQueue[TransferJob | None]", conn: _Connection, is_load: bool) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                result = self._run_load(job, conn) if is_load else self._run_store(job, conn)
+            except BaseException as e:  # never let a job vanish: the scheduler waits for every one
+                logger.exception("kvgate tier: job %s failed unexpectedly: %s", job.job_id, e)
+                result = JobResult(job_id=job.job_id, success=False)
+            self._job_done(result)
+
+    def _rows(self, chunk_ids) -> list[memoryview]:
+        flat, step = self._flat, self.block_size_bytes
+        if flat is None:
+            raise GatewayDown("the tier is shut down")
+        return [flat[int(c) * step:(int(c) + 1) * step] for c in chunk_ids]
+
+    @staticmethod
+    def _release(views: list[memoryview]) -> None:
+        for v in views:
+            try:
+                v.release()
+            except Exception:
+                pass
+
+    def _run_store(self, job: TransferJob, conn: _Connection) -> JobResult:
+        retention, dialog, positions = getattr(job, "_kvgate")
+        keys = [bytes(k) for k in job.keys]
+        t0 = time.monotonic()
+        if self._aborted:
+            # Shut down: do not start new writes (vLLM is about to unmap the CPU tier).
+            return JobResult(job_id=job.job_id, success=False)
+        rows = self._rows(job.chunk_ids)
+        ok = 0
+        try:
+            client = conn.get()
+            for start, end, pos in chunk_runs(positions):
+                stored = client.put_many(keys[start:end], rows[start:end], retention=retention, dialog=dialog,
+                                         position=pos)
+                ok += sum(1 for s in stored if s)
+        except GatewayDown:
+            pass
+        except Exception as e:
+            self._connection_error(conn, "store", e)
+        finally:
+            self._release(rows)
+        success = ok == len(keys)
+        self.counters["stores"] += 1
+        self.counters["stored_chunks"] += ok
+        if not success:
+            self.counters["store_failures"] += 1
+        return JobResult(job_id=job.job_id, success=success, transfer_time=time.monotonic() - t0,
+                         transfer_bytes=ok * self.block_size_bytes)
+
+    def _run_load(self, job: TransferJob, conn: _Connection) -> JobResult:
+        _retention, dialog, _ = getattr(job, "_kvgate")
+        keys = list(job.keys)
+        t0 = time.monotonic()
+        if self._aborted:
+            return JobResult(job_id=job.job_id, success=False)
+        rows = self._rows(job.chunk_ids)
+        good: list[OffloadKey] = []
+        try:
+            client = conn.get()
+            got = client.get_many([bytes(k) for k in keys], into=rows, dialog=dialog)
+            sizes = [None if g is None else g.nbytes for g in got]
+            got = None  # drop the views of the CPU tier that get_many returned
+            for k, size, row in zip(keys, sizes, rows):
+                if size is not None and size == row.nbytes:
+                    good.append(k)
+                elif size is not None:
+                    self._log.warning("size", "kvgate: object for a chunk is %d bytes, the CPU tier's chunk %d: "
+                                      "ignored (namespace shared by engines with different layouts?)",
+                                      size, row.nbytes)
+        except GatewayDown:
+            pass
+        except Exception as e:
+            self._connection_error(conn, "load", e)
+        finally:
+            self._release(rows)
+        self.counters["loads"] += 1
+        self.counters["loaded_chunks"] += len(good)
+        elapsed = time.monotonic() - t0
+        nbytes = len(good) * self.block_size_bytes
+        if len(good) == len(keys):
+            return JobResult(job_id=job.job_id, success=True, transfer_time=elapsed, transfer_bytes=nbytes)
+        self.counters["load_failures"] += 1
+        return JobResult(job_id=job.job_id, success=False, successful_keys=tuple(good) or None,
+                         transfer_time=elapsed, transfer_bytes=nbytes)

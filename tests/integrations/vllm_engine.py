@@ -1,0 +1,151 @@
+"""One vLLM (CPU build) engine run with the kvgate offloading spec; run with .venv-vllm/bin/python.
+
+    python vllm_engine.py PLAN.json
+
+PLAN: {"model_dir", "socket", "extra": {extra kv_connector_extra_config keys},
+       "add_socket": true (false: no kvgate.socket key; "extra" configures the tier),
+       "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}],
+       "drain": {"expect_sets": N, "timeout": s, "settle": s} (optional),
+       "frozen": {"gateway_pid", "requests": [...]} (optional: SIGSTOP the gateway, run these, SIGCONT),
+       "out": path}
+
+Builds the tiny random-weight Llama in model_dir when it is missing.  Each
+request is its own generate() call (in order), so its counters are its own.
+Writes to "out": per request the output token ids, num_cached_tokens and the
+external/local prefix-cache-hit counter deltas; and the gateway stats after
+the drain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def build_model(model_dir: str) -> None:
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    model = LlamaForCausalLM(cfg)
+    tmp = model_dir + ".tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, model_dir)
+
+
+def counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+                      "vllm:external_prefix_cache_queries"):
+            out[m.name] = out.get(m.name, 0) + float(getattr(m, "value", 0))
+    return out
+
+
+def gateway_sets(socket_path: str) -> int:
+    from kvgate.client import Client
+
+    with Client.connect(socket_path, role="admin", want_shm=False, timeout=10) as c:
+        st = c.stats()
+    return int(st["tiers"]["ram"]["sets"])
+
+
+def run_requests(llm, requests, SamplingParams) -> list[dict]:
+    results = []
+    for r in requests:
+        prompt = {"prompt_token_ids": r["prompt_token_ids"]}
+        if r.get("cache_salt"):
+            prompt["cache_salt"] = r["cache_salt"]
+        extra_args = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+        sp = SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8), ignore_eos=True, detokenize=False,
+                            extra_args=extra_args)
+        before = counters(llm)
+        t0 = time.monotonic()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        elapsed = time.monotonic() - t0
+        after = counters(llm)
+        results.append({
+            "name": r["name"],
+            "output_token_ids": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+            "seconds": round(elapsed, 3),
+            **{k.split(":")[1] + "_delta": after.get(k, 0) - before.get(k, 0) for k in after},
+        })
+        print(f"[engine] {results[-1]['name']}: cached {out.num_cached_tokens}, "
+              f"external hits +{results[-1].get('external_prefix_cache_hits_delta')}, {elapsed:.2f} s", flush=True)
+    return results
+
+
+def main() -> None:
+    plan = json.load(open(sys.argv[1]))
+    build_model(plan["model_dir"])
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra = {
+        "spec_name": "KvgateOffloadingSpec",
+        "spec_module_path": "kvgate.integrations.vllm",
+        "cpu_bytes_to_use": 64 << 20,
+        **({"kvgate.socket": plan["socket"]} if plan.get("add_socket", True) else {}),
+        **plan.get("extra", {}),
+    }
+    llm = LLM(
+        model=plan["model_dir"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        max_model_len=4096,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                            kv_connector_extra_config=extra),
+    )
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    with open(plan["out"] + ".engine_id", "w") as f:  # lets the test remove a /dev/shm region vLLM leaked
+        f.write(engine_id)
+    results = run_requests(llm, plan["requests"], SamplingParams)
+
+    drain = plan.get("drain")
+    sets = None
+    if drain:
+        # Stores are asynchronous: keep the engine stepping until the gateway holds what we
+        # expect, then for "settle" seconds more (a store that should not happen shows up).
+        deadline = time.monotonic() + drain.get("timeout", 30)
+        short = SamplingParams(temperature=0.0, max_tokens=2, detokenize=False)
+        settle_until = None
+        while time.monotonic() < deadline:
+            sets = gateway_sets(plan["socket"])
+            if sets >= drain["expect_sets"]:
+                if settle_until is None:
+                    settle_until = time.monotonic() + drain.get("settle", 1.5)
+                elif time.monotonic() >= settle_until:
+                    break
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], short, use_tqdm=False)
+            time.sleep(0.2)
+        print(f"[engine] gateway sets after drain: {sets}", flush=True)
+
+    frozen = plan.get("frozen")
+    if frozen:
+        # The gateway stops answering (SIGSTOP): the engine must keep serving.
+        os.kill(frozen["gateway_pid"], signal.SIGSTOP)
+        print("[engine] gateway frozen", flush=True)
+        try:
+            results += run_requests(llm, frozen["requests"], SamplingParams)
+        finally:
+            if frozen.get("resume", True):
+                os.kill(frozen["gateway_pid"], signal.SIGCONT)
+    json.dump({"results": results, "gateway_sets": sets}, open(plan["out"], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

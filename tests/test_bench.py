@@ -1,0 +1,113 @@
+"""`kvgate bench`: the JSON it prints, and that it cleans up after itself.
+
+The end-to-end test runs the real thing (two gateway processes, a card on
+disk, a /dev/shm region) at a small size.  It checks structure and sanity,
+never the bars: on a shared 2-core machine a ratio is a measurement, not a
+pass/fail property of the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+THROUGHPUT_FIGURES = ("ram_get", "card_get_warm", "card_get_cold", "card_put")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _check_side(side: dict, where: str) -> None:
+    for key in ("best_gib_s", "median_gib_s"):
+        assert isinstance(side[key], float) and side[key] > 0 and math.isfinite(side[key]), (where, key, side)
+    assert side["best_gib_s"] >= side["median_gib_s"], where
+    assert side["passes"] >= 1, where
+
+
+@pytest.mark.slow
+def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
+    workdir = tmp_path / "bench"
+    workdir.mkdir()
+    cmd = [sys.executable, "-m", "kvgate", "bench", "--quick", "--json", "--object-size", "256K", "--batch", "8",
+           "--dir", str(workdir)]
+    # cwd is the empty tmp_path too, so a stray default ./var/bench would show up below.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"bench did not finish in 240 s; stderr:\n{err}")
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err}"
+
+    result = json.loads(out)  # exactly one JSON document on stdout, nothing else
+    cfg = result["config"]
+    assert (cfg["object_size"], cfg["batch"], cfg["pass_bytes"]) == (256 << 10, 8, 2 << 20)
+    assert cfg["quick"] is True and cfg["threads"] >= 1 and cfg["cores"] >= 1
+
+    figures = result["figures"]
+    assert set(figures) == {*THROUGHPUT_FIGURES, "lookup"}
+    for name in THROUGHPUT_FIGURES:
+        fig = figures[name]
+        if fig is None:  # only the cold figure may be skipped (no permission to drop caches), with a reason
+            assert name == "card_get_cold"
+            assert result["skipped"][name]
+            continue
+        _check_side(fig["kvgate"], f"{name}.kvgate")
+        _check_side(fig["baseline"], f"{name}.baseline")
+        assert fig["baseline"]["what"]
+        assert fig["ratio"] > 0 and math.isfinite(fig["ratio"]), name
+        assert fig["ratio"] == pytest.approx(fig["kvgate"]["best_gib_s"] / fig["baseline"]["best_gib_s"])
+        assert fig["ratio_median"] > 0, name
+        # both sides of a figure always get the same number of passes
+        assert fig["kvgate"]["passes"] == fig["baseline"]["passes"], name
+        if name != "ram_get":
+            assert fig["baseline"]["threads"] in (cfg["threads"], 1)
+            assert set(fig["baseline"]["by_threads"]) == {str(cfg["threads"]), "1"}
+
+    lookup = figures["lookup"]
+    assert lookup["keys"] == 1000 and lookup["count"] == 1000 and lookup["count_ok"] is True
+    assert lookup["reps"] == cfg["lookup_reps"] > 0
+    assert 0 < lookup["best_ms"] <= lookup["p50_ms"] <= lookup["p99_ms"]
+    assert lookup["one_key_p50_ms"] > 0
+
+    assert set(result["bars"]) == {"ram_get", "card_get_warm", "lookup_p50"}
+    assert all(isinstance(v, bool) for v in result["bars"].values())
+
+    # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
+    assert list(workdir.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]
+    assert not os.path.exists(f"/dev/shm/kvgate-bench-{proc.pid}")
+
+
+def test_measure_alternates_and_gives_every_side_the_same_passes() -> None:
+    from kvgate.bench import Contender, measure
+
+    calls: list[str] = []
+    series = measure([Contender("a", lambda r: calls.append(f"a{r}"), after=lambda r: calls.append(f"a-after{r}")),
+                      Contender("b", lambda r: calls.append(f"b{r}"), before=lambda: calls.append("b-before"))],
+                     1 << 20, budget_s=0.0, min_rounds=2, max_rounds=2)
+    assert calls == ["a-1", "a-after-1", "b-before", "b-1",  # warm-up
+                     "a0", "a-after0", "b-before", "b0", "a1", "a-after1", "b-before", "b1"]
+    assert [len(s.seconds) for s in series.values()] == [2, 2]
+    assert all(s.best_gib_s >= s.median_gib_s > 0 for s in series.values())
+
+
+def test_chunks_split_like_the_gateway_pool() -> None:
+    from kvgate.bench import _chunks
+
+    assert [len(c) for c in _chunks(list(range(32)), 4)] == [8, 8, 8, 8]
+    assert [len(c) for c in _chunks(list(range(5)), 4)] == [2, 2, 1]
+    assert [len(c) for c in _chunks(list(range(3)), 8)] == [1, 1, 1]
+    assert _chunks(list(range(3)), 1) == [[0, 1, 2]]

@@ -17,9 +17,13 @@ Contract:
 
 from __future__ import annotations
 
+import errno
+import json
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator
+from datetime import datetime, timezone
+from typing import Any, Callable, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta
 
@@ -30,6 +34,49 @@ class CardUnavailable(OSError):
 
 class WriteAbandoned(OSError):
     """The caller stopped waiting for this write (deadline); nothing was published."""
+
+
+LABEL_FORMAT = 1
+LABEL_MAX = 64 << 10  # a larger "label" is not ours: refuse it without reading more
+
+
+def new_label(serial: str | None = None) -> bytes:
+    """The label document of a card: its serial (new unless given), format, creation time."""
+    doc = {"serial": serial or uuid.uuid4().hex, "format": LABEL_FORMAT,
+           "created": datetime.now(timezone.utc).isoformat()}
+    return (json.dumps(doc) + "\n").encode()
+
+
+def parse_label(raw: bytes, where: str) -> str:
+    """The serial in a label document; CardUnavailable naming ``where`` when it is not one."""
+    if len(raw) > LABEL_MAX:
+        raise CardUnavailable(errno.EINVAL, "card label is not a kvgate label (too large)", where)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise CardUnavailable(errno.EINVAL, "card label is not valid JSON", where) from None
+    if not isinstance(doc, dict):
+        raise CardUnavailable(errno.EINVAL, "card label is not a JSON object", where)
+    serial = doc.get("serial")
+    if not isinstance(serial, str) or not serial:
+        raise CardUnavailable(errno.EINVAL, "card label has no serial", where)
+    if doc.get("format") != LABEL_FORMAT:
+        raise CardUnavailable(
+            errno.EINVAL, f"card label has format {doc.get('format')!r}; this gateway reads {LABEL_FORMAT}", where
+        )
+    return serial
+
+
+def byte_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of ``buf`` (no copy).
+
+    Slicing and ``len`` must count bytes: a memoryview of a float16 tensor
+    would otherwise slice by elements and read the wrong spans.
+    """
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
 
 
 @dataclass(frozen=True, slots=True)

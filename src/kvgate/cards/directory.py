@@ -22,17 +22,24 @@ that no lookup ever opens and that ``scan`` reaps once it is old.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
+from kvgate.cards.base import (
+    LABEL_MAX,
+    Card,
+    CardUnavailable,
+    StoredObject,
+    WriteAbandoned,
+    byte_view,
+    new_label,
+    parse_label,
+)
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -49,7 +56,6 @@ from kvgate.cards.objectformat import (
 from kvgate.keys import key_digest
 
 LABEL_NAME = "kvgate-card.json"
-LABEL_FORMAT = 1
 
 # A temp file this old cannot belong to a write still in progress: it is the
 # leftover of a crash, and nothing but scan will ever remove it.
@@ -66,7 +72,6 @@ _SCAN_READ = FIXED_SIZE + 1024
 # The header length field is 32 bits, but the key length field is 16: a
 # header can never honestly be longer than this.
 _MAX_HEADER = FIXED_SIZE + 0xFFFF
-_LABEL_MAX = 64 << 10
 
 # Errors that say the card (its filesystem or mount), not one object, is in
 # trouble.  Everything else is left as a plain OSError for the caller to count.
@@ -87,16 +92,6 @@ _NO_LINK_ERRNOS = frozenset(
 )
 
 
-def _byte_view(buf: Any) -> memoryview:
-    """A flat unsigned-byte view of ``buf`` (no copy).
-
-    Slicing and ``len`` must count bytes: a memoryview of a float16 tensor
-    would otherwise slice by elements and read the wrong spans.
-    """
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -175,8 +170,8 @@ class DirectoryCard(Card):
             raise CardUnavailable(exc.errno, f"cannot open card label: {exc.strerror}", path) from exc
         try:
             raw = b""
-            while len(raw) <= _LABEL_MAX:
-                chunk = os.read(fd, _LABEL_MAX + 1 - len(raw))
+            while len(raw) <= LABEL_MAX:
+                chunk = os.read(fd, LABEL_MAX + 1 - len(raw))
                 if not chunk:
                     break
                 raw += chunk
@@ -187,23 +182,7 @@ class DirectoryCard(Card):
         return self._parse_label(raw)
 
     def _parse_label(self, raw: bytes) -> str:
-        path = self._label_path
-        if len(raw) > _LABEL_MAX:
-            raise CardUnavailable(errno.EINVAL, "card label is not a kvgate label (too large)", path)
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise CardUnavailable(errno.EINVAL, "card label is not valid JSON", path) from None
-        if not isinstance(doc, dict):
-            raise CardUnavailable(errno.EINVAL, "card label is not a JSON object", path)
-        serial = doc.get("serial")
-        if not isinstance(serial, str) or not serial:
-            raise CardUnavailable(errno.EINVAL, "card label has no serial", path)
-        if doc.get("format") != LABEL_FORMAT:
-            raise CardUnavailable(
-                errno.EINVAL, f"card label has format {doc.get('format')!r}; this gateway reads {LABEL_FORMAT}", path
-            )
-        return serial
+        return parse_label(raw, self._label_path)
 
     def _create_label(self) -> str:
         """Publish a complete label with ``link``, so racing processes agree.
@@ -212,12 +191,7 @@ class DirectoryCard(Card):
         whole, so whichever process links first wins and every other one reads
         the winner's label; no process ever sees a half-written one.
         """
-        doc = {
-            "serial": uuid.uuid4().hex,
-            "format": LABEL_FORMAT,
-            "created": datetime.now(timezone.utc).isoformat(),
-        }
-        data = (json.dumps(doc) + "\n").encode()
+        data = new_label()
         tmp = f"{self._label_path}{_TEMP_MARK}{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -353,7 +327,7 @@ class DirectoryCard(Card):
     # ------------------------------------------------------------------- I/O
 
     def read_into(self, full_key: bytes, dest: memoryview) -> Header:
-        view = _byte_view(dest)
+        view = byte_view(dest)
         path = self.object_path(full_key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -419,7 +393,7 @@ class DirectoryCard(Card):
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
-        view = _byte_view(payload)
+        view = byte_view(payload)
         final = self.object_path(full_key)
         # pid + thread: concurrent writers of one key, in this process or
         # another on a shared card, each get their own temp file.

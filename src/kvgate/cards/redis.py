@@ -72,12 +72,10 @@ from __future__ import annotations
 
 import errno
 import inspect
-import json
 import logging
 import time
 import uuid
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -87,7 +85,15 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
+from kvgate.cards.base import (
+    Card,
+    CardUnavailable,
+    StoredObject,
+    WriteAbandoned,
+    byte_view,
+    new_label,
+    parse_label,
+)
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -106,7 +112,6 @@ from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 log = logging.getLogger("kvgate.cards.redis")
 
 LABEL_KEY = b"kvgate:card-label"
-LABEL_FORMAT = 1
 OBJECT_PREFIX = b"kvgate:o:"
 OBJECT_MATCH = OBJECT_PREFIX + b"*"
 
@@ -114,7 +119,6 @@ OBJECT_MATCH = OBJECT_PREFIX + b"*"
 # Scan reads this much of each value, so one GETRANGE covers every header.
 _SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
 _MAX_HEADER = FIXED_SIZE + 0xFFFF
-_LABEL_MAX = 64 << 10
 _SCAN_COUNT = 1000  # SCAN COUNT hint
 _SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
 _UNLINK_BATCH = 500  # keys per UNLINK in clean()
@@ -143,12 +147,6 @@ return 0
 _DISCARD_COMPARE = FIXED_SIZE  # header CRC and creation time: a rewrite differs here
 
 
-def _byte_view(buf: Any) -> memoryview:
-    """A flat unsigned-byte view of ``buf`` (no copy); len and slices count bytes."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _redact(location: str) -> str:
@@ -378,14 +376,9 @@ class RedisCard(Card):
                                       self.display_location) from exc
             raise
 
-    @staticmethod
-    def _label_doc(serial: str) -> bytes:
-        doc = {"serial": serial, "format": LABEL_FORMAT, "created": datetime.now(timezone.utc).isoformat()}
-        return json.dumps(doc).encode()
-
     def _create_label(self, serial: str) -> str:
         """SET NX: the first gateway wins, every other one reads its label."""
-        if self._r.set(LABEL_KEY, self._label_doc(serial), nx=True):
+        if self._r.set(LABEL_KEY, new_label(serial), nx=True):
             return serial
         raw = self._get_label()
         if raw is None:  # created and deleted again in between: nobody owns it now
@@ -433,23 +426,7 @@ class RedisCard(Card):
                 return None
 
     def _parse_label(self, raw: bytes) -> str:
-        where = self.display_location
-        if len(raw) > _LABEL_MAX:
-            raise CardUnavailable(errno.EINVAL, "card label is not a kvgate label (too large)", where)
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise CardUnavailable(errno.EINVAL, "card label is not valid JSON", where) from None
-        if not isinstance(doc, dict):
-            raise CardUnavailable(errno.EINVAL, "card label is not a JSON object", where)
-        serial = doc.get("serial")
-        if not isinstance(serial, str) or not serial:
-            raise CardUnavailable(errno.EINVAL, "card label has no serial", where)
-        if doc.get("format") != LABEL_FORMAT:
-            raise CardUnavailable(
-                errno.EINVAL, f"card label has format {doc.get('format')!r}; this gateway reads {LABEL_FORMAT}", where
-            )
-        return serial
+        return parse_label(raw, self.display_location)
 
     def _read_policy(self) -> None:
         try:
@@ -559,7 +536,7 @@ class RedisCard(Card):
     # ------------------------------------------------------------------- I/O
 
     def read_into(self, full_key: bytes, dest: memoryview) -> Header:
-        view = _byte_view(dest)
+        view = byte_view(dest)
         rkey = self.object_key(full_key)
         with self._io():
             try:
@@ -575,7 +552,7 @@ class RedisCard(Card):
         that pipeline and every later one at once (no waiting out each).
         """
         out: list[Header | BaseException | None] = [None] * len(items)
-        views = [_byte_view(dest) for _, dest in items]
+        views = [byte_view(dest) for _, dest in items]
         rkeys = [self.object_key(k) for k, _ in items]
         down: OSError | None = None
         for chunk in self._read_chunks(views):
@@ -639,7 +616,7 @@ class RedisCard(Card):
         pipe.exists(LABEL_KEY)
         for full_key, payload, meta in items:
             rkey = self.object_key(full_key)
-            value, size = self._value(full_key, _byte_view(payload), meta)
+            value, size = self._value(full_key, byte_view(payload), meta)
             pipe.set(rkey, value)
             rkeys.append(rkey)
             sizes.append(size)

@@ -111,3 +111,88 @@ def test_chunks_split_like_the_gateway_pool() -> None:
     assert [len(c) for c in _chunks(list(range(5)), 4)] == [2, 2, 1]
     assert [len(c) for c in _chunks(list(range(3)), 8)] == [1, 1, 1]
     assert _chunks(list(range(3)), 1) == [[0, 1, 2]]
+
+
+CARDS_FIGURES = ("single_warm", "single_cold", "concurrent_warm", "concurrent_cold")
+
+
+@pytest.mark.slow
+def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
+    """``--cards 3 --placement both``: one gateway per placement; where a dialog's blocks land is measured."""
+    workdir = tmp_path / "bench"
+    workdir.mkdir()
+    blocks, restores = 32, 8
+    cmd = [sys.executable, "-m", "kvgate", "bench", "--quick", "--json", "--cards", "3", "--placement", "both",
+           "--object-size", "256K", "--blocks", str(blocks), "--restores", str(restores), "--threads", "2",
+           "--dir", str(workdir)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"bench did not finish in 240 s; stderr:\n{err}")
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err}"
+
+    result = json.loads(out)
+    assert result["mode"] == "cards"
+    cfg = result["config"]
+    assert cfg["cards"] == 3 and cfg["placements"] == ["dialog", "stripe"] and cfg["slots"] >= 16
+    assert (cfg["object_size"], cfg["blocks"], cfg["restores"]) == (256 << 10, blocks, restores)
+    assert cfg["dialog_bytes"] == blocks * (256 << 10) and cfg["concurrent_bytes"] == restores * cfg["dialog_bytes"]
+    assert cfg["quick"] is True and cfg["threads"] == 2 and sorted(cfg["baseline_threads"]) == [1, 2, 6]
+    assert cfg["cards_share_one_filesystem"] is True  # the cards are subdirectories of --dir
+
+    placements = result["placements"]
+    assert set(placements) == {"dialog", "stripe"}
+    for p, r in placements.items():
+        assert set(r["figures"]) == set(CARDS_FIGURES), p
+        for name in CARDS_FIGURES:
+            fig = r["figures"][name]
+            if fig is None:  # only cold figures, and only with a reason
+                assert name.endswith("_cold") and result["skipped"][name], (p, name)
+                continue
+            _check_side(fig["kvgate"], f"{p}.{name}.kvgate")
+            _check_side(fig["baseline"], f"{p}.{name}.baseline")
+            assert fig["baseline"]["what"], (p, name)
+            assert fig["ratio"] == pytest.approx(fig["kvgate"]["best_gib_s"] / fig["baseline"]["best_gib_s"])
+            assert fig["ratio_median"] > 0 and math.isfinite(fig["ratio"]), (p, name)
+            assert fig["kvgate"]["passes"] == fig["baseline"]["passes"], (p, name)
+            if name.startswith("single"):
+                assert fig["baseline"]["threads"] in cfg["baseline_threads"]
+                assert set(fig["baseline"]["by_threads"]) == {str(n) for n in cfg["baseline_threads"]}
+            else:
+                assert fig["baseline"]["threads"] == restores  # one raw thread per dialog, like the clients
+        assert sum(r["single_blocks_per_card"]) == blocks and len(r["single_blocks_per_card"]) == 3, p
+        assert sum(r["concurrent_blocks_per_card"]) == blocks * restores, p
+        assert r["cards_used"] == sum(1 for n in r["single_blocks_per_card"] if n), p
+        # the gateway saw every read on the cards it was meant for: no timeouts, no errors, no misses
+        assert len(r["gateway_cards"]) == 3
+        for card in r["gateway_cards"]:
+            assert card["timeouts"] == card["errors"] == card["misses"] == 0, (p, card)
+        assert sum(c["bytes_read"] for c in r["gateway_cards"]) > 0
+
+    # The point of the two placements: one dialog on one card, or spread over several.
+    assert placements["dialog"]["cards_used"] == 1
+    assert sum(placements["dialog"]["concurrent_dialogs_per_card"]) == restores  # each dialog on exactly one card
+    assert placements["stripe"]["cards_used"] > 1
+    assert set(result["stripe_vs_dialog"]) <= set(CARDS_FIGURES) and result["stripe_vs_dialog"]
+    assert any("one filesystem" in n for n in result["notes"])
+
+    # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
+    assert list(workdir.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]
+    assert not os.path.exists(f"/dev/shm/kvgate-bench-{proc.pid}")
+
+
+def test_placement_without_cards_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvgate.bench import add_arguments, run_bench
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run_bench(p.parse_args(["--placement", "stripe"])) == 2
+    assert "--placement needs --cards" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--cards", "2", "--placement", "sideways"])

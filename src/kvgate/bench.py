@@ -17,6 +17,13 @@ engine's memory in place.
     A  RAM tier twice the working set       -> figure 1 (RAM get)
     B  RAM tier off (``--max-bytes 0``)     -> figures 2-5 (card get warm and
                                                cold, card put, lookup)
+
+``--cards N --placement dialog|stripe|both`` measures something else: long
+restores from a gateway with N directory cards (one gateway per placement,
+RAM tier off).  One dialog of ``--blocks`` objects restored by one get, and
+``--restores`` dialogs restored at once by as many client connections, page
+cache warm and cold, each against raw ``preadv`` of the very same files; and
+how many cards the dialog's blocks landed on, read off the card directories.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from kvgate.cards.objectformat import header_size
 from kvgate.client import Client
 from kvgate.config import parse_size
 from kvgate.keys import encode_namespace, full_key, key_digest
+from kvgate.placement import PLACEMENTS
 
 NAMESPACE = "kvgate-bench"
 LOOKUP_KEYS = 1000
@@ -105,6 +113,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the end (default ./var/bench); its filesystem is what the card figures measure")
     p.add_argument("--threads", type=_positive_int, default=4, metavar="N",
                    help="gateway --thread-pool-size, and thread count of the raw baselines (default 4)")
+    g = p.add_argument_group("several cards", "with --cards: restores of long dialogs from a gateway with N cards, "
+                                              "instead of the figures above")
+    g.add_argument("--cards", type=_positive_int, metavar="N",
+                   help="start a gateway with N directory cards (per placement) and measure one long restore and "
+                        "--restores concurrent ones, page cache warm and cold")
+    g.add_argument("--placement", choices=(*PLACEMENTS, "both"), metavar="{dialog,stripe,both}",
+                   help="the gateway's --key-placement; both: one gateway each, in one run (default both)")
+    g.add_argument("--blocks", type=_positive_int, default=64, metavar="N",
+                   help="blocks (of --object-size) per dialog, all restored by one get (default 64)")
+    g.add_argument("--restores", type=_positive_int, default=8, metavar="N",
+                   help="concurrent restores of different dialogs, one client connection each (default 8)")
 
 
 # ---- plan -------------------------------------------------------------------------
@@ -284,15 +303,19 @@ def _write_files(items: Sequence[tuple[str, memoryview, memoryview]]) -> None:
 class GatewayProcess:
     """A ``kvgate serve`` child with its own socket, card and log; stopped with SIGTERM."""
 
-    def __init__(self, name: str, workdir: str, sockdir: str, *, max_bytes: int, threads: int, card_capacity: int):
+    def __init__(self, name: str, workdir: str, sockdir: str, *, max_bytes: int, threads: int, card_capacity: int,
+                 cards: int = 1, extra: Sequence[str] = ()):
         self.name = name
-        self.card_dir = os.path.join(workdir, f"card-{name}")
+        # One card: card-<name>; several: card-<name>-0 .. card-<name>-<N-1>, each a directory card of its own.
+        self.card_dirs = ([os.path.join(workdir, f"card-{name}")] if cards == 1 else
+                          [os.path.join(workdir, f"card-{name}-{i}") for i in range(cards)])
+        self.card_dir = self.card_dirs[0]
         self.socket_path = os.path.join(sockdir, f"{name}.sock")
         self.log_path = os.path.join(workdir, f"gateway-{name}.log")
         self.args = [
-            "--storage-devices", self.card_dir, "--max-bytes", str(max_bytes), "--port", "0",
+            "--storage-devices", *self.card_dirs, "--max-bytes", str(max_bytes), "--port", "0",
             "--metrics-port", "0", "--socket", self.socket_path, "--card-capacity", str(card_capacity),
-            "--thread-pool-size", str(threads), "--log-level", "warning",
+            "--thread-pool-size", str(threads), "--log-level", "warning", *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -403,6 +426,19 @@ def _fmt_size(n: int) -> str:
             v = n / (1 << shift)
             return f"{v:g} {unit}"
     return f"{n} B"
+
+
+def _ratio(gw: Series, base: dict[str, Any]) -> dict[str, Any]:
+    return {"kvgate": gw.to_json(), "baseline": base, "ratio": gw.best_gib_s / base["best_gib_s"],
+            "ratio_median": gw.median_gib_s / base["median_gib_s"]}
+
+
+def _figure(series: dict[str, Series], name: str, thread_counts: Sequence[int], what: str) -> dict[str, Any]:
+    """``name`` against the fastest ``raw<n>`` series: the physical limit is the best the machine does."""
+    best = max(thread_counts, key=lambda n: series[f"raw{n}"].best_gib_s)
+    base = {**series[f"raw{best}"].to_json(), "what": what, "threads": best,
+            "by_threads": {str(n): series[f"raw{n}"].to_json() for n in thread_counts}}
+    return _ratio(series[name], base)
 
 
 class Bench:
@@ -532,15 +568,11 @@ class Bench:
 
     def _figure(self, series: dict[str, Series], what: str) -> dict[str, Any]:
         """kvgate against the faster raw thread count: the physical limit is the best the machine does."""
-        best = max(self._thread_counts, key=lambda n: series[f"raw{n}"].best_gib_s)
-        base = {**series[f"raw{best}"].to_json(), "what": what, "threads": best,
-                "by_threads": {str(n): series[f"raw{n}"].to_json() for n in self._thread_counts}}
-        return self._ratio(series["kvgate"], base)
+        return _figure(series, "kvgate", self._thread_counts, what)
 
     @staticmethod
     def _ratio(gw: Series, base: dict[str, Any]) -> dict[str, Any]:
-        return {"kvgate": gw.to_json(), "baseline": base, "ratio": gw.best_gib_s / base["best_gib_s"],
-                "ratio_median": gw.median_gib_s / base["median_gib_s"]}
+        return _ratio(gw, base)
 
     # -- figures --
 
@@ -693,6 +725,379 @@ class Bench:
         }
 
 
+# ---- several cards: long restores under dialog and stripe placement ----------------------
+
+CARDS_FIGURES = ("single_warm", "single_cold", "concurrent_warm", "concurrent_cold")
+CARDS_SLOTS_MIN = 16
+DIALOG_SHIFT = 4096  # dialog d's payload starts d * this many bytes into the random reference
+# The card I/O deadline of the gateways of --cards.  The default (2 s) counts the wait for a card's I/O thread:
+# 8 restores queued on one card of a loaded machine pass it, and the card is taken out of service.  What is
+# measured here is throughput, so a slow pass must stay a slow pass, not become misses.
+CARDS_IO_TIMEOUT_MS = 30_000
+
+
+def _card_files(card_dirs: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """Every object file on the cards, by file name (the key digest): (card index, path)."""
+    out: dict[str, tuple[int, str]] = {}
+    for i, d in enumerate(card_dirs):
+        for p in glob.glob(os.path.join(d, "db*", "*", "*")):
+            if ".tmp." not in os.path.basename(p) and os.path.isfile(p):
+                out[os.path.basename(p)] = (i, p)
+    return out
+
+
+def _placements(choice: str | None) -> list[str]:
+    return list(PLACEMENTS) if choice in (None, "both") else [choice]
+
+
+class CardsBench(Bench):
+    """``--cards N``: one gateway per placement, each with N directory cards of its own.
+
+    A dialog is ``blocks`` objects written with one dialog mark; a restore is
+    one ``get_many`` of all its blocks, with that mark, into the registered
+    region (zero copy).  Under dialog placement the blocks sit on one card,
+    under stripe on (about) all N, and which cards they landed on is read off
+    the card directories, not assumed.  Every restore figure runs alternately
+    with raw ``preadv`` of the very same files into the same destinations.
+    """
+
+    def __init__(self, plan: Plan, parent_dir: str, progress: Callable[[str], None], *, cards: int,
+                 placements: Sequence[str], blocks: int, restores: int):
+        super().__init__(plan, parent_dir, progress)
+        self.cards = cards
+        self.placements = list(placements)
+        self.blocks = blocks
+        self.restores = restores
+        self.by_placement: dict[str, tuple[GatewayProcess, list[Client]]] = {}
+        self.restore_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def slots(self) -> int:
+        return max(CARDS_SLOTS_MIN, 4 * self.cards)
+
+    @property
+    def dialog_bytes(self) -> int:
+        return self.plan.object_size * self.blocks
+
+    @property
+    def _thread_counts(self) -> list[int]:
+        """Raw threads of the single restore: the gateway's pool size, all its card pools together, and 1."""
+        t = self.plan.threads
+        return list(dict.fromkeys((t, t * self.cards, 1)))
+
+    # -- setup / teardown --
+
+    def start(self) -> tuple[Client, Client]:  # type: ignore[override]
+        plan = self.plan
+        total = self.dialog_bytes * self.restores
+        os.makedirs(self.parent_dir, exist_ok=True)
+        self.workdir = tempfile.mkdtemp(prefix="kvgate-bench-", dir=self.parent_dir)
+        self.sockdir = tempfile.mkdtemp(prefix="kvgate-bench-")
+        free = shutil.disk_usage(self.workdir).free
+        if free < total + (64 << 20):  # one placement's dialogs at a time: each is deleted before the next
+            raise BenchError(f"{self.workdir}: {free >> 20} MiB free, the bench needs about {total >> 20} MiB "
+                             "(lower --blocks, --restores or --object-size)")
+        region_size = -(-total // mmap.PAGESIZE) * mmap.PAGESIZE
+        shm_free = shutil.disk_usage("/dev/shm").free
+        if shm_free < region_size + (64 << 20):
+            raise BenchError(f"/dev/shm: {shm_free >> 20} MiB free, the destination region needs {region_size >> 20} MiB "
+                             "(lower --blocks, --restores or --object-size)")
+        card_capacity = max(8 << 30, 2 * total)
+        for p in self.placements:
+            g = GatewayProcess(p, self.workdir, self.sockdir, max_bytes=0, threads=plan.threads,
+                               card_capacity=card_capacity, cards=self.cards,
+                               extra=["--storage-slots", str(self.slots), "--key-placement", p,
+                                      "--io-timeout-ms", str(CARDS_IO_TIMEOUT_MS)])
+            self.gateways.append(g)
+        for g in self.gateways:
+            g.start()
+        self.region = ShmRegion(region_size)
+        self.pool = ThreadPoolExecutor(max_workers=max(self._thread_counts), thread_name_prefix="bench-raw")
+        self.restore_pool = ThreadPoolExecutor(max_workers=self.restores, thread_name_prefix="bench-restore")
+        # A gateway serves one engine: every connection names the same engine, as an engine's workers would.
+        engine_id = f"kvgate-bench-{os.getpid()}"
+        for p, g in zip(self.placements, self.gateways):
+            g.wait_ready()
+            clients = []
+            for _ in range(self.restores):
+                c = Client.connect(g.socket_path, namespace=NAMESPACE, engine_id=engine_id, want_shm=False,
+                                   timeout=120)
+                self.clients.append(c)
+                c.register_region(self.region.path, self.region.mm)
+                clients.append(c)
+            self.by_placement[p] = (g, clients)
+        return self.clients[0], self.clients[0]
+
+    def close(self) -> None:
+        if self.restore_pool is not None:
+            self.restore_pool.shutdown(wait=True)
+        super().close()
+
+    # -- helpers --
+
+    def _expected(self, d: int) -> np.ndarray:
+        """Dialog ``d``'s bytes: a window of the random reference, shifted per dialog so a mixed-up restore
+        shows; a view, so checking a GiB of restores costs one compare, not a copy."""
+        return self.ref[d * DIALOG_SHIFT : d * DIALOG_SHIFT + self.dialog_bytes]
+
+    def _verify_dialogs(self, dialogs: Sequence[int], what: str) -> None:
+        ws = self.dialog_bytes
+        for d in dialogs:
+            got, want = self.shm.array[d * ws : (d + 1) * ws], self._expected(d)
+            # Compared 8 bytes at a time where the length allows (offsets are multiples of 8 anyway).
+            wide = (got.view(np.uint64), want.view(np.uint64)) if ws % 8 == 0 else (got, want)
+            if not np.array_equal(*wide):
+                bad = int(np.argmax(got != want))
+                raise BenchError(f"{what}: dialog {d}: wrong bytes at offset {bad} "
+                                 f"(block {bad // self.plan.object_size})")
+
+    def _card_trouble(self, p: str) -> str:
+        """What the gateway counted against its cards, to explain a miss; empty when nothing."""
+        _g, clients = self.by_placement[p]
+        try:
+            cards = clients[0].stats()["cards"]
+        except Exception:  # noqa: BLE001 - only an explanation; the error it explains is what matters
+            return ""
+        bad = [f"{os.path.basename(c['location'])}: {c['timeouts']} I/O timeouts, {c['errors']} errors, "
+               f"{'active' if c['active'] else 'OUT OF SERVICE'}"
+               for c in cards if c["timeouts"] or c["errors"] or not c["active"]]
+        return f" (gateway cards: {'; '.join(bad)})" if bad else ""
+
+    # -- figures --
+
+    def run(self) -> dict[str, Any]:
+        """Both placements in turn; returns ``{"placements": {p: ...}, "skipped": {figure: reason}}``."""
+        self.progress("starting gateways")
+        self.start()
+        size = self.dialog_bytes + self.restores * DIALOG_SHIFT
+        self.ref = np.frombuffer(np.random.default_rng().bytes(size), dtype=np.uint8).copy()
+        self.timing = {"budget_s": self.plan.budget_s, "min_rounds": self.plan.min_rounds,
+                       "max_rounds": self.plan.max_rounds}
+        skipped: dict[str, str] = {}
+        why = _can_drop_caches()
+        if why is not None:
+            skipped = {"single_cold": why, "concurrent_cold": why}
+        out = {}
+        for p in self.placements:
+            try:
+                out[p] = self._placement(p, cold=why is None)
+            except BenchError as e:
+                raise BenchError(f"{p} placement: {e}{self._card_trouble(p)}") from None
+        self.progress("stopping gateways")
+        return {"placements": out, "skipped": skipped}
+
+    def _placement(self, p: str, cold: bool) -> dict[str, Any]:
+        plan = self.plan
+        osz, nb, nr, ws = plan.object_size, self.blocks, self.restores, self.dialog_bytes
+        g, clients = self.by_placement[p]
+        region = self.shm.array
+        keys = [[f"dialog{d}-block{i:04d}".encode() for i in range(nb)] for d in range(nr)]
+        marks = [f"kvgate-bench-dialog-{d}".encode() for d in range(nr)]
+        view = self.shm.view
+        slices = [[view[d * ws + i * osz : d * ws + (i + 1) * osz] for i in range(nb)] for d in range(nr)]
+
+        self.progress(f"{p}: writing")
+        for d in range(nr):  # one put per dialog, with its mark, as an engine offloads a finished prefill
+            region[d * ws : (d + 1) * ws] = self._expected(d)
+            if not all(clients[0].put_many(keys[d], slices[d], retention="long", dialog=marks[d], position=0)):
+                raise BenchError(f"{p}: the gateway did not store dialog {d}")
+
+        # Where the blocks landed, read off the card directories.
+        files = _card_files(g.card_dirs)
+        items: list[list[tuple[str, int, memoryview]]] = []
+        card_of: list[list[int]] = []
+        for d in range(nr):
+            its, cards = [], []
+            for k, dest in zip(keys[d], slices[d]):
+                found = files.get(key_digest(full_key(self.ns, k)).hex())
+                if found is None:
+                    raise BenchError(f"{p}: object {k!r} is on none of the {self.cards} cards ({len(files)} files)")
+                its.append((found[1], os.path.getsize(found[1]) - osz, dest))
+                cards.append(found[0])
+            items.append(its)
+            card_of.append(cards)
+        single_per_card = [card_of[0].count(i) for i in range(self.cards)]
+        all_per_card = [sum(c.count(i) for c in card_of) for i in range(self.cards)]
+        dialogs_per_card = [sum(1 for c in card_of if i in c) for i in range(self.cards)]
+
+        c0 = clients[0]
+        rpool = self.restore_pool
+        assert rpool is not None
+
+        def single(_r: int) -> None:
+            self._check_got(c0.get_many(keys[0], into=slices[0], dialog=marks[0]), osz)
+
+        def restore(d: int) -> None:
+            self._check_got(clients[d].get_many(keys[d], into=slices[d], dialog=marks[d]), osz)
+
+        def concurrent(_r: int) -> None:
+            for f in [rpool.submit(restore, d) for d in range(nr)]:
+                f.result()
+
+        def raw_concurrent(_r: int) -> None:
+            for f in [rpool.submit(_read_files, items[d]) for d in range(nr)]:
+                f.result()
+
+        def raw_single(before: Callable[[], None] | None) -> list[Contender]:
+            return self._raw_contenders(lambda _r, n: _on_threads(self.pool, _read_files, items[0], n), before)
+
+        # Untimed checks: the baseline moves the real bytes (and warms the page cache), and so do both restores.
+        total = nr * ws
+        region[:total] = 0
+        raw_concurrent(0)
+        self._verify_dialogs(range(nr), f"{p}: raw read")
+        region[:total] = 0
+        single(0)
+        self._verify_dialogs([0], f"{p}: single restore")
+        region[:total] = 0
+        concurrent(0)
+        self._verify_dialogs(range(nr), f"{p}: {nr} concurrent restores")
+
+        what = "open+preadv+close"
+        figures: dict[str, Any] = {}
+        self.progress(f"{p}: single restore warm")
+        s = measure([Contender("kvgate", single), *raw_single(None)], ws, **self.timing)
+        figures["single_warm"] = _figure(s, "kvgate", self._thread_counts, what)
+        n = plan.cold_rounds
+        cold_timing: dict[str, Any] = {"budget_s": 0.0, "min_rounds": n, "max_rounds": n, "warmup": False}
+        self.progress(f"{p}: single restore cold")
+        if cold:
+            s = measure([Contender("kvgate", single, _drop_caches), *raw_single(_drop_caches)], ws, **cold_timing)
+            figures["single_cold"] = _figure(s, "kvgate", self._thread_counts, what)
+        else:
+            figures["single_cold"] = None
+        conc_what = f"{what}, one thread per dialog"
+        self.progress(f"{p}: {nr} restores warm")
+        s = measure([Contender("kvgate", concurrent), Contender(f"raw{nr}", raw_concurrent)], total, **self.timing)
+        figures["concurrent_warm"] = _figure(s, "kvgate", [nr], conc_what)
+        self.progress(f"{p}: {nr} restores cold")
+        if cold:
+            s = measure([Contender("kvgate", concurrent, _drop_caches), Contender(f"raw{nr}", raw_concurrent, _drop_caches)],
+                        total, **cold_timing)
+            figures["concurrent_cold"] = _figure(s, "kvgate", [nr], conc_what)
+            region[:total] = 0
+            _drop_caches()
+            concurrent(0)
+            self._verify_dialogs(range(nr), f"{p}: cold concurrent restores")
+        else:
+            figures["concurrent_cold"] = None
+
+        # What the gateway itself counted per card (reads of every pass above, warm-up and checks included).
+        index = {os.path.abspath(d): i for i, d in enumerate(g.card_dirs)}
+        per_card = [{} for _ in range(self.cards)]
+        for st in c0.stats()["cards"]:
+            i = index.get(os.path.abspath(st["location"]))
+            if i is not None:
+                per_card[i] = {k: st[k] for k in ("objects", "hits", "misses", "bytes_read", "timeouts", "errors")}
+        filesystems = len({os.stat(d).st_dev for d in g.card_dirs})
+        for d in range(nr):  # untimed; the next placement starts from an empty disk
+            c0.delete_many(keys[d], dialog=marks[d])
+        return {
+            "figures": figures,
+            "cards_used": sum(1 for x in single_per_card if x),
+            "single_blocks_per_card": single_per_card,
+            "concurrent_cards_used": sum(1 for x in all_per_card if x),
+            "concurrent_blocks_per_card": all_per_card,
+            "concurrent_dialogs_per_card": dialogs_per_card,
+            "gateway_cards": per_card,
+            "card_filesystems": filesystems,
+        }
+
+
+def _cards_comparison(placements: dict[str, Any]) -> dict[str, Any] | None:
+    """stripe / dialog of each figure both measured: kvgate's best pass, and the ratios to each one's baseline."""
+    if "dialog" not in placements or "stripe" not in placements:
+        return None
+    out: dict[str, Any] = {}
+    for name in CARDS_FIGURES:
+        d, s = placements["dialog"]["figures"][name], placements["stripe"]["figures"][name]
+        if d is None or s is None:
+            continue
+        out[name] = {"kvgate": s["kvgate"]["best_gib_s"] / d["kvgate"]["best_gib_s"],
+                     "ratio": s["ratio"] / d["ratio"]}
+    return out
+
+
+def _cards_notes(cfg: dict[str, Any], placements: dict[str, Any]) -> list[str]:
+    n, t = cfg["cards"], cfg["threads"]
+    notes = []
+    if n == 1:
+        notes.append("One card: both placements put every block on it; the figures compare the gateway with raw "
+                     "reads, not placements.")
+    elif cfg["cards_share_one_filesystem"]:
+        notes.append(f"All {n} cards are directories on one filesystem: a stripe restore reads from {n} cards at "
+                     f"once, but here they share one disk and one page cache, so stripe cannot gain what it gains "
+                     f"from {n} separate devices; a difference between placements measured here comes from the "
+                     f"gateway (its per-card I/O pools, how the dialogs fell on the cards) and from noise. The "
+                     f"figures are what this machine measured, nothing more.")
+    else:
+        notes.append(f"The {n} cards are on {cfg['card_filesystems']} different filesystems.")
+    notes.append(f"The gateway runs one I/O pool of {t} threads per card: a restore from one card (dialog) "
+                 f"reads on at most {t} threads, one spread over {n} cards (stripe) on up to {t * n}; the "
+                 f"single-restore baseline is the best of {', '.join(map(str, cfg['baseline_threads']))} threads. "
+                 f"The gateways run with --io-timeout-ms {cfg['io_timeout_ms']}, so that a slow pass is measured, "
+                 f"not turned into misses.")
+    for p, r in placements.items():
+        bad = [i for i, c in enumerate(r["gateway_cards"]) if c.get("timeouts") or c.get("errors") or c.get("misses")]
+        if bad:
+            notes.append(f"{p}: the gateway counted timeouts, errors or misses on card(s) {bad}: see gateway_cards.")
+    return notes
+
+
+def _print_cards_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cfg, places = result["config"], result["placements"]
+    n, nr = cfg["cards"], cfg["restores"]
+
+    def gib(side: dict[str, Any], note: str = "") -> str:
+        return f"{_gib_s(side['best_gib_s'])}\n[dim]{note}med {side['median_gib_s']:.2f}[/]"
+
+    def spread(counts: list[int]) -> str:
+        return f"{sum(1 for c in counts if c)} of {len(counts)}\n[dim]{'/'.join(map(str, counts))}[/]"
+
+    t = Table(title=f"kvgate bench --cards {n}{' --quick' if cfg['quick'] else ''}: restores of "
+                    f"{cfg['blocks']} x {_fmt_size(cfg['object_size'])} dialogs; best pass, ratio = kvgate / baseline")
+    for col, just in (("placement", "left"), ("figure", "left"), ("kvgate", "right"), ("baseline", "right"),
+                      ("ratio", "right"), ("cards read\n[dim]blocks/card[/]", "right")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    labels = {"single_warm": "1 restore, warm", "single_cold": "1 restore, cold",
+              "concurrent_warm": f"{nr} restores, warm", "concurrent_cold": f"{nr} restores, cold"}
+    for p, r in places.items():
+        for i, name in enumerate(CARDS_FIGURES):
+            f = r["figures"][name]
+            where = spread(r["single_blocks_per_card"] if name.startswith("single") else r["concurrent_blocks_per_card"])
+            if f is None:
+                t.add_row(p if i == 0 else "", labels[name], "[yellow]skipped[/]", "-", "-", where)
+                continue
+            b = f["baseline"]
+            t.add_row(p if i == 0 else "", labels[name], gib(f["kvgate"]), gib(b, f"preadv x{b['threads']}, "),
+                      f"{f['ratio']:.2f}", where, end_section=i == len(CARDS_FIGURES) - 1)
+    con.print(t)
+    passes = [str(r["figures"][name]["kvgate"]["passes"]) if r["figures"][name] else "0"
+              for r in places.values() for name in CARDS_FIGURES]
+    con.print(f"machine: {cfg['cores']} cores; {n} directory cards, {cfg['slots']} slots; a dialog is "
+              f"{cfg['blocks']} x {_fmt_size(cfg['object_size'])} = {_fmt_size(cfg['dialog_bytes'])}, one get_many "
+              f"into registered shm; {nr} restores = {nr} client threads and connections, one dialog each; "
+              f"gateway --thread-pool-size {cfg['threads']}; passes {'/'.join(passes)}; {result['elapsed_s']:.1f} s")
+    for p, r in places.items():
+        con.print(f"{p}: the single dialog's blocks are on {r['cards_used']} of {n} cards "
+                  f"({'/'.join(map(str, r['single_blocks_per_card']))}); the {nr} dialogs touch each card "
+                  f"{'/'.join(map(str, r['concurrent_dialogs_per_card']))} times")
+    cmp = result.get("stripe_vs_dialog")
+    if cmp:
+        parts = [f"{labels[k]} x{v['kvgate']:.2f} (ratio x{v['ratio']:.2f})" for k, v in cmp.items()]
+        con.print("stripe / dialog: kvgate's best pass (the two placements ran one after the other, so this "
+                  "carries the machine's drift) and, in brackets, of the ratios to each one's own baseline (the "
+                  "fairer comparison): " + "; ".join(parts))
+    for note in result["notes"]:
+        con.print(f"[dim]{note}[/]")
+    for name, why in result["skipped"].items():
+        con.print(f"[yellow]{name} skipped:[/] {why}")
+
+
 def _bars(figures: dict[str, Any]) -> dict[str, bool]:
     return {
         "ram_get": figures["ram_get"]["ratio"] >= BAR_RAM_GET_RATIO,
@@ -749,19 +1154,13 @@ def _print_table(result: dict[str, Any]) -> None:
         con.print(f"[yellow]{name} skipped:[/] {why}")
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """Run every figure; 0 even when a bar fails (a measurement is not a test), 1 on errors."""
-    plan = Plan.from_args(args)
-    parent = args.dir or os.path.join(".", "var", "bench")
-    started = time.monotonic()
-
+def _drive(make: Callable[[Callable[[str], None]], Bench], steps: list[str], quiet: bool) -> dict[str, Any] | int:
+    """Run a bench with a progress bar on stderr; its measurements, or the exit status when it failed."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    steps = ["starting gateways", "RAM-tier get", "card get (warm)", "card get (cold)", "card put", "lookup",
-             "stopping gateways"]
-    progress = Progress(TextColumn("{task.description:<20}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=args.json)
+    progress = Progress(TextColumn("{task.description:<26}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=quiet)
     task = progress.add_task("kvgate bench", total=len(steps) - 1)
 
     def step(name: str) -> None:
@@ -773,7 +1172,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so the gateways are stopped and the files removed.
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
-    bench = Bench(plan, parent, step)
+    bench = make(step)
     try:
         with progress:
             try:
@@ -793,6 +1192,24 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+    return measured
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run every figure; 0 even when a bar fails (a measurement is not a test), 1 on errors, 2 on bad usage."""
+    if getattr(args, "cards", None) is not None:
+        return run_cards_bench(args)
+    if getattr(args, "placement", None) is not None:
+        print("kvgate bench: --placement needs --cards N", file=sys.stderr)
+        return 2
+    plan = Plan.from_args(args)
+    parent = args.dir or os.path.join(".", "var", "bench")
+    started = time.monotonic()
+    steps = ["starting gateways", "RAM-tier get", "card get (warm)", "card get (cold)", "card put", "lookup",
+             "stopping gateways"]
+    measured = _drive(lambda step: Bench(plan, parent, step), steps, args.json)
+    if isinstance(measured, int):
+        return measured
 
     result: dict[str, Any] = {
         "config": {
@@ -814,4 +1231,50 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run_bench", "BenchError"]
+def run_cards_bench(args: argparse.Namespace) -> int:
+    """``--cards N``: long restores under each placement, against raw reads of the same files."""
+    plan = Plan.from_args(args)
+    parent = args.dir or os.path.join(".", "var", "bench")
+    placements = _placements(args.placement)
+    started = time.monotonic()
+    nr = args.restores
+    steps = ["starting gateways",
+             *[f"{p}: {what}" for p in placements for what in ("writing", "single restore warm", "single restore cold",
+                                                                f"{nr} restores warm", f"{nr} restores cold")],
+             "stopping gateways"]
+    made: list[CardsBench] = []
+
+    def make(step: Callable[[str], None]) -> CardsBench:
+        made.append(CardsBench(plan, parent, step, cards=args.cards, placements=placements, blocks=args.blocks,
+                               restores=nr))
+        return made[0]
+
+    measured = _drive(make, steps, args.json)
+    if isinstance(measured, int):
+        return measured
+    bench = made[0]
+    filesystems = max(r["card_filesystems"] for r in measured["placements"].values())
+    result: dict[str, Any] = {
+        "mode": "cards",
+        "config": {
+            "cards": args.cards, "placements": placements, "slots": bench.slots, "object_size": plan.object_size,
+            "blocks": args.blocks, "dialog_bytes": bench.dialog_bytes, "restores": nr,
+            "concurrent_bytes": bench.dialog_bytes * nr, "threads": plan.threads,
+            "baseline_threads": bench._thread_counts, "io_timeout_ms": CARDS_IO_TIMEOUT_MS, "quick": plan.quick, "cores": os.cpu_count(),
+            "dir": os.path.abspath(parent), "cards_share_one_filesystem": filesystems == 1,
+            "card_filesystems": filesystems, "budget_s": plan.budget_s, "min_rounds": plan.min_rounds,
+            "max_rounds": plan.max_rounds, "cold_rounds": plan.cold_rounds, "python": sys.version.split()[0],
+        },
+        **measured,
+        "elapsed_s": time.monotonic() - started,
+    }
+    result["stripe_vs_dialog"] = _cards_comparison(result["placements"])
+    result["notes"] = _cards_notes(result["config"], result["placements"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_cards_table(result)
+    return 0
+
+
+__all__ = ["BenchError", "add_arguments", "run_bench", "run_cards_bench"]

@@ -101,25 +101,48 @@ class IoPool:
 
 
 class CardIo(IoPool):
-    """The pool of one card: calls bounded by a deadline."""
+    """The pool of one card: calls bounded by a deadline.
+
+    The deadline of a call runs from when it gets a thread.  Waiting for a
+    thread is bounded by the card's *progress*: as long as some call on the
+    card finished within the deadline, a queued call waits its turn (a busy
+    card is slow, not broken); when none has, the card is stuck and queued
+    calls fail at once.
+    """
 
     def __init__(self, threads: int, timeout_s: float, name: str):
         super().__init__(threads, name)
         self.timeout_s = timeout_s
         self._free = asyncio.Semaphore(threads)
+        self._busy = 0
+        self._progress = time.monotonic()  # last completion, or when the pool became busy
+
+    async def _acquire(self) -> None:
+        if self._busy == 0:
+            self._progress = time.monotonic()
+        while True:
+            remaining = self._progress + self.timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise IoTimeout(f"no I/O on this card finished within {self.timeout_s * 1000:.0f} ms "
+                                "(earlier I/Os are stuck)")
+            try:
+                await asyncio.wait_for(self._free.acquire(), remaining)
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                continue  # a completion may have moved the deadline: look again
 
     async def run(self, fn: Callable[..., T], *args, abandon: Abandon | None = None) -> T:
         loop = asyncio.get_running_loop()
+        await self._acquire()
         deadline = loop.time() + self.timeout_s
-        try:
-            await asyncio.wait_for(self._free.acquire(), self.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise IoTimeout(f"no free I/O thread within {self.timeout_s * 1000:.0f} ms (earlier I/Os are stuck)") from None
+        self._busy += 1
         ticket = self._track()
 
         def done(_f) -> None:
             self._inflight.pop(ticket, None)
-            loop.call_soon_threadsafe(self._free.release)
+            self._busy -= 1
+            self._progress = time.monotonic()
+            self._free.release()
 
         fut = loop.run_in_executor(self._executor, fn, *args)
         fut.add_done_callback(done)

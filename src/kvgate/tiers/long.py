@@ -186,6 +186,14 @@ class LongTier:
             raise LayoutMismatch(str(e)) from None
         self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
         log.info("Key layout fingerprint %s", self.fingerprint)
+        n = len(self.slot_map.serials)
+        if n > 1:
+            shares = ", ".join(f"{self._by_serial[s].location}: {len(self.slot_map.slots_of(s))}"
+                               for s in self.slot_map.serials)
+            log.info("slots per card: %s", shares)
+            if self.slot_map.slots < 16 * n:
+                log.warning("storage_slots is %d for %d cards: shares are uneven (a card may get none); "
+                            "16 slots per card or more spread the load", self.slot_map.slots, n)
 
     async def _adopt(self, cs: CardState) -> None:
         """Size a card that is now in the map, and index what it holds in the background."""
@@ -472,19 +480,32 @@ class LongTier:
     async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
         """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline."""
         suspect = cs.suspect > 0
-        results = await asyncio.gather(*(self._read_chunk(cs, chunk, suspect)
-                                         for chunk in split(items, cs.io.threads)))
-        out = [r for chunk in results for r in chunk]
-        for r in out:
-            self.note_result(cs, r if isinstance(r, BaseException) else None)
+        return await self._chunked(cs, [self._read_chunk(cs, chunk, suspect) for chunk in split(items, cs.io.threads)])
+
+    async def _chunked(self, cs: CardState, chunk_calls: list) -> list:
+        """Run one card's chunk calls at once and feed the outcomes to its health.
+
+        A chunk is one I/O to the card: however many objects it carried, it
+        is one success or one strike (the first error it met), so a slow
+        chunk of 16 objects is not 16 strikes.
+        """
+        out = []
+        for res in await asyncio.gather(*chunk_calls):
+            if isinstance(res, BaseException):
+                self.note_result(cs, res)
+                out += [res] * res.n_items  # type: ignore[attr-defined]
+                continue
+            failed = next((r for r in res if isinstance(r, OSError)), None)
+            self.note_result(cs, failed)
+            out += res
         return out
 
-    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool) -> list:
+    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool) -> list | BaseException:
         if not bounce:
             try:
                 return await cs.io.run(cs.card.read_many_into, chunk)
             except OSError as e:
-                return [e] * len(chunk)
+                return _whole_chunk(e, len(chunk))
         abandon = Abandon()
 
         def bounced() -> list:
@@ -502,21 +523,17 @@ class LongTier:
         try:
             return await cs.io.run(bounced, abandon=abandon)
         except OSError as e:
-            return [e] * len(chunk)
+            return _whole_chunk(e, len(chunk))
 
     async def write(self, cs: CardState, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
-        results = await asyncio.gather(*(self._write_chunk(cs, chunk) for chunk in split(items, cs.io.threads)))
-        out = [r for chunk in results for r in chunk]
-        for r in out:
-            self.note_result(cs, r if isinstance(r, BaseException) else None)
-        return out
+        return await self._chunked(cs, [self._write_chunk(cs, chunk) for chunk in split(items, cs.io.threads)])
 
-    async def _write_chunk(self, cs: CardState, chunk: list) -> list:
+    async def _write_chunk(self, cs: CardState, chunk: list) -> list | BaseException:
         abandon = Abandon()
         try:
             return await cs.io.run(cs.card.write_many, chunk, lambda: not abandon.abandoned, abandon=abandon)
         except OSError as e:
-            return [e] * len(chunk)
+            return _whole_chunk(e, len(chunk))
 
     async def probe_prefix(self, fkeys: list[bytes], dialog: bytes) -> int:
         """How many leading keys exist on their cards (asks the cards themselves)."""
@@ -601,6 +618,11 @@ class LongTier:
 
     def oldest_io_age(self) -> float:
         return max((cs.io.oldest_age() for cs in self.cards + self.pending), default=0.0)
+
+
+def _whole_chunk(err: OSError, n_items: int) -> OSError:
+    err.n_items = n_items  # type: ignore[attr-defined]
+    return err
 
 
 def _exists_prefix(card: Card, keys: list[bytes]) -> int:

@@ -197,7 +197,7 @@ def _corruptions(k: bytes, size: int) -> dict[str, Callable[[str], None]]:
         "header-payload-len": lambda p: _flip(p, 16),
         "header-position": lambda p: _flip(p, 33),
         "header-payload-crc": lambda p: _flip(p, 57),
-        "header-crc": lambda p: _flip(p, 61),
+        "header-crc": lambda p: _flip(p, 65),
         "header-key": lambda p: _flip(p, hs - 1),
         "truncate-one": lambda p: _truncate(p, hs + size - 1),
         "truncate-to-header": lambda p: _truncate(p, hs),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import struct
 import time
 
-import crc32c
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +17,8 @@ from kvgate.cards.objectformat import (
     BufferTooSmall,
     ObjectCorrupt,
     ObjectMeta,
-    checksum,
+    payload_hash,
+    payload_hasher,
     header_size,
     pack_header,
     parse_header,
@@ -29,34 +30,33 @@ META = ObjectMeta(dialog=dialog_digest(b"chat-42"), position=7, created_ns=1_700
 
 # The layout as documented in objectformat's docstring, written out again so
 # an accidental change to the format fails here.
-_DOC_FIXED = struct.Struct("<4sHHIHHQQq16sI")
+_DOC_FIXED = struct.Struct("<4sHHIHHQQq16sQ")
 
 
 def _craft(key: bytes, *, magic: bytes = MAGIC, version: int = VERSION, hlen: int | None = None,
            klen: int | None = None, plen: int = 10, pcrc: int = 0) -> bytes:
-    """A header with a correct header CRC but chosen (possibly wrong) fields."""
+    """A header with a correct header hash but chosen (possibly wrong) fields."""
     hlen = FIXED_SIZE + len(key) if hlen is None else hlen
     klen = len(key) if klen is None else klen
     fixed = _DOC_FIXED.pack(magic, version, 0, hlen, klen, 0, plen, 1, -1, NO_DIALOG, pcrc)
-    hcrc = crc32c.crc32c(key, crc32c.crc32c(fixed))
-    return fixed + struct.pack("<I", hcrc) + key
+    return fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed + key)) + key
 
 
 def test_layout_matches_documentation() -> None:
-    h = pack_header(KEY, 12345, 0xDEADBEEF, META)
-    assert len(h) == header_size(KEY) == 64 + len(KEY)
+    h = pack_header(KEY, 12345, 0xDEADBEEF01234567, META)
+    assert len(h) == header_size(KEY) == 72 + len(KEY)
     assert h[0:4] == b"KVGO"
     assert struct.unpack_from("<H", h, 4)[0] == 1
     assert struct.unpack_from("<H", h, 6)[0] == 0
-    assert struct.unpack_from("<I", h, 8)[0] == 64 + len(KEY)
+    assert struct.unpack_from("<I", h, 8)[0] == 72 + len(KEY)
     assert struct.unpack_from("<H", h, 12)[0] == len(KEY)
     assert struct.unpack_from("<Q", h, 16)[0] == 12345
     assert struct.unpack_from("<Q", h, 24)[0] == META.created_ns
     assert struct.unpack_from("<q", h, 32)[0] == 7
     assert h[40:56] == META.dialog
-    assert struct.unpack_from("<I", h, 56)[0] == 0xDEADBEEF
-    assert struct.unpack_from("<I", h, 60)[0] == crc32c.crc32c(KEY, crc32c.crc32c(h[:60]))
-    assert h[64:] == KEY
+    assert struct.unpack_from("<Q", h, 56)[0] == 0xDEADBEEF01234567
+    assert struct.unpack_from("<Q", h, 64)[0] == xxhash.xxh3_64_intdigest(h[:64] + KEY)
+    assert h[72:] == KEY
 
 
 def test_round_trip() -> None:
@@ -64,7 +64,7 @@ def test_round_trip() -> None:
     parsed = parse_header(h, expect_key=KEY)
     assert parsed.header_len == len(h)
     assert parsed.payload_len == 4096
-    assert parsed.payload_crc == 99
+    assert parsed.payload_hash == 99
     assert parsed.meta == META
     assert parsed.full_key == KEY
     assert parse_header(bytearray(h)) == parsed
@@ -89,7 +89,7 @@ def test_created_defaults_to_now() -> None:
 @given(
     key=st.binary(min_size=1, max_size=1300),
     plen=st.integers(min_value=0, max_value=(1 << 64) - 1),
-    pcrc=st.integers(min_value=0, max_value=(1 << 32) - 1),
+    pcrc=st.integers(min_value=0, max_value=(1 << 64) - 1),
     dialog=st.binary(min_size=16, max_size=16),
     position=st.integers(min_value=-1, max_value=(1 << 63) - 1),
     created=st.integers(min_value=1, max_value=(1 << 64) - 1),
@@ -99,7 +99,7 @@ def test_round_trip_property(key: bytes, plen: int, pcrc: int, dialog: bytes, po
     h = pack_header(key, plen, pcrc, meta)
     assert len(h) == header_size(key)
     parsed = parse_header(h, expect_key=key)
-    assert (parsed.full_key, parsed.payload_len, parsed.payload_crc, parsed.meta) == (key, plen, pcrc, meta)
+    assert (parsed.full_key, parsed.payload_len, parsed.payload_hash, parsed.meta) == (key, plen, pcrc, meta)
 
 
 @pytest.mark.parametrize("expect", [KEY, None], ids=["expect-key", "any-key"])
@@ -162,18 +162,21 @@ def test_another_key_is_corrupt(other: bytes) -> None:
 
 def test_header_crc_mismatch_message() -> None:
     bad = bytearray(pack_header(KEY, 10, 0, META))
-    bad[33] ^= 1  # inside the position field: only the header CRC can notice
+    bad[33] ^= 1  # inside the position field: only the header hash can notice
     with pytest.raises(ObjectCorrupt, match="checksum"):
         parse_header(bad)
 
 
-def test_checksum_known_value_and_incremental() -> None:
-    assert checksum(b"123456789") == 0xE3069283  # the CRC32C check value
+def test_payload_hash_known_value_and_incremental() -> None:
+    assert payload_hash(b"") == 0x2D06800538D394C2  # XXH3-64 of nothing, seed 0
     data = bytes(range(256)) * 1000
-    whole = checksum(data)
+    whole = payload_hash(data)
+    assert whole != payload_hash(data[:-1] + b"x")
     for cut in (0, 1, 4095, len(data) // 2, len(data)):
-        assert checksum(memoryview(data)[cut:], checksum(memoryview(data)[:cut])) == whole
-    assert checksum(b"") == 0
+        h = payload_hasher()
+        h.update(memoryview(data)[:cut])
+        h.update(memoryview(data)[cut:])
+        assert h.intdigest() == whole
 
 
 def test_buffer_too_small_carries_needed() -> None:

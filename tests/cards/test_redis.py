@@ -37,7 +37,7 @@ from kvgate.cards import (
     StoredObject,
 )
 from kvgate.cards import redis as redis_card_module
-from kvgate.cards.objectformat import CHECKSUM_PIECE, checksum, header_size, pack_header
+from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
 from kvgate.cards.redis import LABEL_KEY, UNLIMITED_FREE_BYTES, _Parts, _ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
 
@@ -246,7 +246,7 @@ def test_interface_and_value_layout(server: RedisServer, cards: list[RedisCard])
     assert c.object_key(k) == rkey
     raw = server.raw()
     # Exactly the on-card object format: header + payload.
-    assert raw.get(rkey) == pack_header(k, len(data), checksum(memoryview(data)), meta) + data.tobytes()
+    assert raw.get(rkey) == pack_header(k, len(data), payload_hash(memoryview(data)), meta) + data.tobytes()
     raw.close()
 
 
@@ -319,7 +319,7 @@ def _mutate(value: bytes, how: str, k: bytes, other_value: bytes) -> bytes:
     elif how == "header-magic":
         b[0] ^= 0x40
     elif how == "header-crc":
-        b[61] ^= 0x40
+        b[65] ^= 0x40
     elif how == "truncate":
         del b[-1]
     elif how == "truncate-header":

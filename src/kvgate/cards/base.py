@@ -6,7 +6,7 @@ Contract:
   and deadlines (``io_timeout_ms``) are enforced above this layer.
 - Methods are safe to call from several threads at once.
 - ``read_into`` writes the payload straight into the caller's buffer and
-  verifies it (header key, lengths, CRC) before returning.  A bad object is
+  verifies it (header key, lengths, hash) before returning.  A bad object is
   deleted and reported as ``ObjectCorrupt``: the caller must treat the
   destination bytes as garbage.
 - ``write`` is atomic: a concurrent or later reader sees the whole new object

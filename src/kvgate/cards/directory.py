@@ -48,7 +48,7 @@ from kvgate.cards.objectformat import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    checksum,
+    payload_hasher,
     header_size,
     pack_header,
     parse_header,
@@ -378,16 +378,18 @@ class DirectoryCard(Card):
         got = n - hsize
         if got > plen:
             raise ObjectCorrupt("object longer than its header says")
-        crc = checksum(view[:got]) if got else 0
+        hasher = payload_hasher()
+        if got:
+            hasher.update(view[:got])
         off = got
         while off < plen:
             piece = view[off : off + min(CHECKSUM_PIECE, plen - off)]
             k = os.preadv(fd, [piece], hsize + off)
             if k <= 0:
                 raise ObjectCorrupt("object shorter than its header says")
-            crc = checksum(piece[:k], crc)
+            hasher.update(piece[:k])
             off += k
-        if crc != header.payload_crc:
+        if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
@@ -403,14 +405,14 @@ class DirectoryCard(Card):
         try:
             fd = self._create_temp(tmp)
             try:
-                crc = 0
+                hasher = payload_hasher()
                 for off in range(0, plen, CHECKSUM_PIECE):
                     if still_wanted is not None and not still_wanted():
                         raise WriteAbandoned(self.location)
                     piece = view[off : off + CHECKSUM_PIECE]
-                    crc = checksum(piece, crc)
+                    hasher.update(piece)
                     _pwrite_all(fd, piece, hsize + off)
-                header = pack_header(full_key, plen, crc, meta)
+                header = pack_header(full_key, plen, hasher.intdigest(), meta)
                 if len(header) != hsize:  # pack_header and header_size must agree
                     raise AssertionError(f"header is {len(header)} bytes, expected {hsize}")
                 _pwrite_all(fd, header, 0)
@@ -529,7 +531,7 @@ class DirectoryCard(Card):
             pass
 
     def _scan_one(self, path: str, name: str, relocated: set[str]) -> StoredObject | None:
-        """Header-only check of one object file; payload CRCs are left to reads.
+        """Header-only check of one object file; payload hashes are left to reads.
 
         Reading every payload at start would take as long as reading the card.
         """

@@ -13,14 +13,19 @@ An object is a header followed by the payload:
     24      8     created, ns since the epoch
     32      8     position of the block in its dialog (-1: unknown)
     40      16    dialog digest (zeros: none)
-    56      4     CRC32C of the payload
-    60      4     CRC32C of bytes 0..59 and the full key
-    64      n     full key
+    56      8     XXH3-64 of the payload
+    64      8     XXH3-64 of bytes 0..63 and the full key
+    72      n     full key
 
 A reader knows the full key it asked for, so it knows the header length and
 can read header and payload in one ``preadv``.  A header that does not match
-the key asked for, a bad header CRC, a short object or a payload CRC that
+the key asked for, a bad header hash, a short object or a payload hash that
 fails are all the same thing to the caller: ``ObjectCorrupt``.
+
+Why XXH3-64: it runs at 25-35 GiB/s on data in cache here, against about
+9 GiB/s for hardware CRC32C, and the check is the one cost a verified read
+adds to a raw read.  64 bits also make an undetected corruption far less
+likely than 32.
 """
 
 from __future__ import annotations
@@ -29,20 +34,20 @@ import struct
 import time
 from dataclasses import dataclass
 
-import crc32c
+import xxhash
 
 from kvgate.keys import NO_DIALOG
 
 MAGIC = b"KVGO"
 VERSION = 1
-_FIXED = struct.Struct("<4sHHIHHQQq16sI")  # everything before the header CRC
-_HCRC = struct.Struct("<I")
-FIXED_SIZE = _FIXED.size + _HCRC.size  # 64
-assert FIXED_SIZE == 64
+_FIXED = struct.Struct("<4sHHIHHQQq16sQ")  # everything before the header hash
+_HCHECK = struct.Struct("<Q")
+FIXED_SIZE = _FIXED.size + _HCHECK.size  # 72
+assert FIXED_SIZE == 72
 
-# Payload CRCs run piece by piece, right after each piece is read or before it
-# is written, while the piece is still in the CPU cache: one pass over memory
-# instead of two.
+# Payload hashes run piece by piece, right after each piece is read or before
+# it is written, while the piece is still in the CPU cache: one pass over
+# memory instead of two.
 CHECKSUM_PIECE = 256 << 10
 
 
@@ -75,7 +80,7 @@ class ObjectMeta:
 class Header:
     header_len: int
     payload_len: int
-    payload_crc: int
+    payload_hash: int
     meta: ObjectMeta
     full_key: bytes
 
@@ -84,14 +89,19 @@ def header_size(full_key: bytes) -> int:
     return FIXED_SIZE + len(full_key)
 
 
-def pack_header(full_key: bytes, payload_len: int, payload_crc: int, meta: ObjectMeta) -> bytes:
+def _header_hash(fixed: bytes | memoryview, full_key: bytes) -> int:
+    h = xxhash.xxh3_64(fixed)
+    h.update(full_key)
+    return h.intdigest()
+
+
+def pack_header(full_key: bytes, payload_len: int, payload_hash: int, meta: ObjectMeta) -> bytes:
     created = meta.created_ns or time.time_ns()
     fixed = _FIXED.pack(
         MAGIC, VERSION, 0, FIXED_SIZE + len(full_key), len(full_key), 0,
-        payload_len, created, meta.position, meta.dialog, payload_crc,
+        payload_len, created, meta.position, meta.dialog, payload_hash,
     )
-    hcrc = crc32c.crc32c(full_key, crc32c.crc32c(fixed))
-    return fixed + _HCRC.pack(hcrc) + full_key
+    return fixed + _HCHECK.pack(_header_hash(fixed, full_key)) + full_key
 
 
 def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None = None) -> Header:
@@ -99,7 +109,7 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
     mv = memoryview(buf)
     if len(mv) < FIXED_SIZE:
         raise ObjectCorrupt("object shorter than its header")
-    (magic, version, _flags, hlen, klen, _res, plen, created, position, dialog, pcrc) = _FIXED.unpack_from(mv, 0)
+    (magic, version, _flags, hlen, klen, _res, plen, created, position, dialog, phash) = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise ObjectCorrupt("bad magic")
     if version != VERSION:
@@ -107,14 +117,19 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
     if hlen != FIXED_SIZE + klen or len(mv) < hlen:
         raise ObjectCorrupt("bad header length")
     key = bytes(mv[FIXED_SIZE:hlen])
-    (hcrc,) = _HCRC.unpack_from(mv, _FIXED.size)
-    if crc32c.crc32c(key, crc32c.crc32c(mv[: _FIXED.size])) != hcrc:
+    (hcheck,) = _HCHECK.unpack_from(mv, _FIXED.size)
+    if _header_hash(mv[: _FIXED.size], key) != hcheck:
         raise ObjectCorrupt("header checksum mismatch")
     if expect_key is not None and key != expect_key:
         raise ObjectCorrupt("object holds another key")
-    return Header(hlen, plen, pcrc, ObjectMeta(bytes(dialog), position, created), key)
+    return Header(hlen, plen, phash, ObjectMeta(bytes(dialog), position, created), key)
 
 
-def checksum(view: memoryview | bytes, value: int = 0) -> int:
-    """CRC32C (hardware, releases the GIL on large buffers)."""
-    return crc32c.crc32c(view, value)
+def payload_hasher() -> "xxhash.xxh3_64":
+    """An incremental payload hash: ``h.update(piece)`` per piece, then ``h.intdigest()``."""
+    return xxhash.xxh3_64()
+
+
+def payload_hash(view: memoryview | bytes) -> int:
+    """The payload hash of a whole buffer at once."""
+    return xxhash.xxh3_64_intdigest(view)

@@ -42,7 +42,7 @@ vouch for (a deleted or evicted label, another deployment's data).  A label
 with another serial is returned as found; the caller sees the different
 serial and does not use the card.  (The very first ``open()`` of a card
 object labels a server that has no label whatever it holds, as the directory
-card does: its objects carry their full keys and CRCs, so adopting them is
+card does: its objects carry their full keys and hashes, so adopting them is
 safe.)
 
 To keep "objects but no label" meaning exactly that, every write sends
@@ -62,7 +62,7 @@ refused until its objects are cleaned).
 Copies: a write sends the header and the caller's payload buffer to the
 socket as separate buffers of one RESP argument (a small command packer
 replaces redis-py's, which with hiredis copies a payload twice), so the only
-pass over the payload before the kernel is the CRC.  A read gets the value
+pass over the payload before the kernel is the hash.  A read gets the value
 as one ``bytes`` from redis-py (hiredis) and copies the payload out of it
 once, checksumming each piece just before copying it.  Batches are
 pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
@@ -102,7 +102,8 @@ from kvgate.cards.objectformat import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    checksum,
+    payload_hash,
+    payload_hasher,
     header_size,
     pack_header,
     parse_header,
@@ -144,7 +145,7 @@ local cur = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]))
 if cur == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
 return 0
 """
-_DISCARD_COMPARE = FIXED_SIZE  # header CRC and creation time: a rewrite differs here
+_DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
 
 
 
@@ -455,7 +456,7 @@ class RedisCard(Card):
 
     def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
         plen = len(view)
-        header = pack_header(full_key, plen, checksum(view), meta)
+        header = pack_header(full_key, plen, payload_hash(view), meta)
         if _ZERO_COPY:
             return _Parts(header, view), len(header) + plen
         return header + view, len(header) + plen  # old redis-py: one copy of the payload
@@ -502,10 +503,10 @@ class RedisCard(Card):
 
     @staticmethod
     def _verify_into(full_key: bytes, value: bytes, view: memoryview) -> Header:
-        """Header, lengths and CRC of ``value``, then its payload into ``view``.
+        """Header, lengths and hash of ``value``, then its payload into ``view``.
 
         The payload is checked and copied piece by piece: each piece is copied
-        right after its CRC, while it is still in the CPU cache.  A CRC that
+        right after its hash, while it is still in the CPU cache.  A hash that
         fails leaves the destination partly written, which the contract
         allows (the caller treats it as garbage).
         """
@@ -518,18 +519,18 @@ class RedisCard(Card):
         if plen > len(view):
             raise BufferTooSmall(plen)
         if plen == 0:
-            if header.payload_crc != 0:
+            if header.payload_hash != payload_hash(b""):
                 raise ObjectCorrupt("payload checksum mismatch")
             return header
         src_view = memoryview(value)[hlen:]
         src = np.frombuffer(value, dtype=np.uint8, count=plen, offset=hlen)
         dst = np.frombuffer(view, dtype=np.uint8, count=plen)
-        crc = 0
+        hasher = payload_hasher()
         for off in range(0, plen, CHECKSUM_PIECE):
             end = min(off + CHECKSUM_PIECE, plen)
-            crc = checksum(src_view[off:end], crc)
+            hasher.update(src_view[off:end])
             np.copyto(dst[off:end], src[off:end])
-        if crc != header.payload_crc:
+        if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
@@ -687,7 +688,7 @@ class RedisCard(Card):
         return int(db), hexd
 
     def scan(self) -> Iterator[StoredObject]:
-        """Header-only check of every object; payload CRCs are left to reads.
+        """Header-only check of every object; payload hashes are left to reads.
 
         Objects stored under another ``num_dbs`` are renamed (RENAMENX) to
         where reads look; a corrupt one is deleted; a key under our prefix

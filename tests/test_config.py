@@ -28,11 +28,10 @@ def test_durations(text, expected):
 def test_defaults_are_valid_and_derived_values():
     cfg = from_mapping({})
     assert cfg.key_placement == "dialog"
-    assert cfg.slots == 1
+    assert cfg.storage_slots is None  # one per card found at start
     assert cfg.socket_path.endswith("kvgate-5557.sock")
     cfg = from_mapping({"storage_devices": ["/a", "/b", "/c"], "port": 6000})
-    assert cfg.slots == 3 and cfg.socket_path.endswith("kvgate-6000.sock")
-    assert from_mapping({"storage_slots": 16}).slots == 16
+    assert cfg.socket_path.endswith("kvgate-6000.sock")
 
 
 def test_unknown_key_names_it_and_suggests():

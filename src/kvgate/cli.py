@@ -76,18 +76,29 @@ def cmd_serve(args) -> int:
 
 
 def cmd_fingerprint(args) -> int:
-    from kvgate.cards import DirectoryCard
+    """The layout the gateway would compute: same card discovery (globs, Redis), labels only read."""
     from kvgate.placement import SlotMap, fingerprint
+    from kvgate.tiers.long import default_slots, expand, make_card
 
     cfg = _config_from(args)
     serials = []
-    for loc in cfg.storage_devices:
-        try:
-            serials.append(DirectoryCard(loc, cfg.num_dbs).check())
-        except OSError as e:
-            print(f"kvgate: card {loc} has no readable label ({e}); a card gets its serial on first use", file=sys.stderr)
+    for pattern in cfg.storage_devices:
+        locations = expand(pattern)
+        if not locations:
+            print(f"kvgate: card {pattern}: nothing matches", file=sys.stderr)
             return 2
-    print(fingerprint(SlotMap(serials, cfg.slots), cfg.num_dbs, cfg.key_placement))
+        for loc in locations:
+            card = make_card(loc, cfg)
+            try:
+                serials.append(card.check())
+            except OSError as e:
+                print(f"kvgate: card {loc} has no readable label ({e}); a card gets its serial on first use",
+                      file=sys.stderr)
+                return 2
+            finally:
+                card.close()
+    unique = sorted(set(serials))
+    print(fingerprint(SlotMap(unique, default_slots(cfg, len(unique))), cfg.num_dbs, cfg.key_placement))
     return 0
 
 

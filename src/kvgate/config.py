@@ -125,7 +125,8 @@ class Field:
 FIELDS: tuple[Field, ...] = (
     Field("storage_devices", _parse_str_list, ["./var/kvgate/card0"],
           "cards of the long tier: directories (absolute or relative paths)", metavar="DIR", many=True),
-    Field("storage_slots", _parse_int, None, "slots of the key distribution (default: number of cards; 16 or more recommended)",
+    Field("storage_slots", _parse_int, None,
+          "slots of the key distribution (default: number of cards found at start; 16 per card recommended)",
           minimum=1, optional=True),
     Field("num_dbs", _parse_int, 1, "shards (subdirectories) inside each card", minimum=1),
     Field("key_placement", _parse_str, "dialog", "how blocks are placed on cards", choices=("dialog", "stripe")),
@@ -199,10 +200,6 @@ class Config:
     @property
     def socket_path(self) -> str:
         return self.socket or default_socket_path(self.port)
-
-    @property
-    def slots(self) -> int:
-        return self.storage_slots or max(1, len(self.storage_devices))
 
     def replace(self, **changes: Any) -> "Config":
         return from_mapping({**self.to_mapping(), **changes})

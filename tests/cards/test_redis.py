@@ -717,14 +717,15 @@ def test_hung_server_times_out_then_recovers(server: RedisServer, cards: list[Re
     try:
         for call in (lambda: c.read_into(k, memoryview(bytearray(2000))), c.check):
             t0 = time.monotonic()
-            with pytest.raises(CardUnavailable) as info:
+            # a hang is a timeout (a strike for the card's health), not "card gone"
+            with pytest.raises(TimeoutError) as info:
                 call()
             elapsed = time.monotonic() - t0
             assert FAST_MS / 1000 * 0.8 < elapsed < 2.0
-            assert isinstance(info.value, OSError) and info.value.errno == errno.ETIMEDOUT
+            assert not isinstance(info.value, CardUnavailable) and info.value.errno == errno.ETIMEDOUT
         t0 = time.monotonic()
         res = c.read_many_into([(k, memoryview(bytearray(2000))), (key("y"), memoryview(bytearray(10)))])
-        assert all(isinstance(r, CardUnavailable) for r in res) and time.monotonic() - t0 < 2.0
+        assert all(isinstance(r, TimeoutError) for r in res) and time.monotonic() - t0 < 2.0
     finally:
         server.resume()
     assert c.check() == c.serial

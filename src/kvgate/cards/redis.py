@@ -302,7 +302,8 @@ class RedisCard(Card):
         if isinstance(exc, CardUnavailable):
             return exc
         if isinstance(exc, rexc.TimeoutError):
-            return CardUnavailable(errno.ETIMEDOUT, f"redis card timed out: {exc}", where)
+            # slow, not gone: a strike for the card's health, not an instant take-out
+            return TimeoutError(errno.ETIMEDOUT, f"redis card timed out: {exc}", where)
         if isinstance(exc, rexc.AuthenticationError):
             return CardUnavailable(errno.EACCES, f"redis card refused authentication: {exc}", where)
         if isinstance(exc, rexc.ConnectionError):  # incl. BusyLoadingError, pool exhausted

@@ -48,13 +48,14 @@ from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
-from kvgate.tiers.io import Abandon, CardIo, IoPool, IoTimeout, split
+from kvgate.tiers.io import Abandon, CardIo, IoPool, split
 
 log = logging.getLogger("kvgate.long")
 
 SCAN_BATCH = 10_000
 CHECK_INTERVAL_S = 1.0
 IO_ERROR_COOLDOWN_S = 10.0
+RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # After a deadline passed on a card, its reads go through gateway buffers for
 # this many I/Os: a read stuck past its deadline may still land later, and it
 # must land in memory of ours, not in a client buffer that has been reused.
@@ -94,6 +95,7 @@ class CardState:
     scanned: bool = False
     refused_serial: str | None = None  # the other card last seen at our path
     deleting: int = 0  # eviction batches whose deletes have not finished yet
+    checks: int = 0  # health checks passed
     # counters
     hits: int = 0
     misses: int = 0
@@ -106,6 +108,11 @@ class CardState:
     @property
     def name(self) -> str:
         return self.serial or self.location
+
+
+def default_slots(cfg: Config, cards_found: int) -> int:
+    """``storage_slots``, or one slot per card found (a glob entry counts its matches)."""
+    return cfg.storage_slots or max(1, cards_found)
 
 
 def is_redis(location: str) -> bool:
@@ -131,7 +138,8 @@ class LongTier:
         self.pool = pool  # for work that is not one card's (globbing)
         self.cards: list[CardState] = []
         self.pending: list[CardState] = []  # entries with no readable card yet
-        self.slot_map = SlotMap([], cfg.slots)
+        self.slot_map = SlotMap([], 1)
+        self.slots = 0  # fixed at start: storage_slots, or the number of cards found then
         self.fingerprint = ""
         self._by_serial: dict[str, CardState] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -180,8 +188,10 @@ class LongTier:
         self._spawn(self._health_loop())
 
     def _remap(self) -> None:
+        if not self.slots:
+            self.slots = default_slots(self.cfg, len(self._by_serial))
         try:
-            self.slot_map = SlotMap(list(self._by_serial), self.cfg.slots)
+            self.slot_map = SlotMap(list(self._by_serial), self.slots)
         except ValueError as e:
             raise LayoutMismatch(str(e)) from None
         self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
@@ -372,7 +382,7 @@ class LongTier:
             log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.location, cs.serial, cs.capacity)
             self._evict_over_capacity(cs)
             return
-        if isinstance(err, IoTimeout):
+        if isinstance(err, TimeoutError):  # our deadline, or the medium's own (a Redis socket timeout)
             cs.timeouts += 1
             self.io_timeouts += 1
             cs.suspect = SUSPECT_IOS
@@ -381,7 +391,7 @@ class LongTier:
             self.io_errors += 1
         cs.strikes += 1
         if cs.active and (isinstance(err, CardUnavailable) or cs.strikes >= self.cfg.io_timeout_strikes):
-            self._take_out(cs, f"{type(err).__name__}: {err}", by_error=not isinstance(err, IoTimeout))
+            self._take_out(cs, f"{type(err).__name__}: {err}", by_error=not isinstance(err, TimeoutError))
 
     def _take_out(self, cs: CardState, why: str, by_error: bool) -> None:
         cs.active = False
@@ -401,9 +411,11 @@ class LongTier:
         try:
             serial = await cs.io.run(cs.card.check)
         except OSError as e:
+            # A check is one I/O like any other: a slow one is a strike; a
+            # card that is gone (CardUnavailable) goes out at once.
             if cs.active:
-                self._take_out(cs, f"health check failed: {e}", by_error=not isinstance(e, IoTimeout))
-            if not isinstance(e, IoTimeout):
+                self.note_result(cs, e)
+            if not cs.active and not isinstance(e, TimeoutError):
                 await self._relocate(cs)
             return
         if serial != cs.serial:
@@ -416,12 +428,29 @@ class LongTier:
             await self._relocate(cs)
             return
         cs.refused_serial = None
+        cs.checks += 1
+        if cs.active and self.cfg.card_capacity is None and cs.checks % RESIZE_EVERY_CHECKS == 0:
+            await self._resize(cs)
         if not cs.active:
             if cs.taken_out_by_error and time.monotonic() - cs.inactive_since < IO_ERROR_COOLDOWN_S:
                 return
             cs.active = True
             cs.strikes = 0
             log.warning("card %s (%s) moved from inactive to active", cs.location, cs.serial)
+
+    async def _resize(self, cs: CardState) -> None:
+        """Follow the medium's free space (others write to shared filesystems too).
+
+        Capacity is what we hold plus what is free beyond the reserve: it
+        shrinks when others fill the filesystem and grows back when they
+        delete, so a card lowered by a full disk recovers without a restart.
+        """
+        try:
+            free = await cs.io.run(cs.card.free_bytes)
+        except OSError:
+            return
+        cs.capacity = max(0, cs.used + free - self.cfg.card_reserve)
+        self._evict_over_capacity(cs)
 
     async def _relocate(self, cs: CardState) -> None:
         """Look for the card's serial under the other locations its entry matches."""

@@ -7,13 +7,18 @@ PLAN: {"model_dir", "socket", "extra": {extra kv_connector_extra_config keys},
        "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}],
        "drain": {"expect_sets": N, "timeout": s, "settle": s} (optional),
        "frozen": {"gateway_pid", "requests": [...]} (optional: SIGSTOP the gateway, run these, SIGCONT),
+       "card_away": {"card", "moved_to", "requests": [...], "inactive_timeout": s,
+                     "requests_after": [...]} (optional: rename the gateway's card directory, run
+                     "requests" at once, wait until the gateway reports the card inactive, run
+                     "requests_after"; the test puts the directory back),
        "out": path}
 
 Builds the tiny random-weight Llama in model_dir when it is missing.  Each
 request is its own generate() call (in order), so its counters are its own.
 Writes to "out": per request the output token ids, num_cached_tokens and the
-external/local prefix-cache-hit counter deltas; and the gateway stats after
-the drain.
+external/local prefix-cache-hit counter deltas; the gateway's RAM-tier sets
+after the drain; and for "card_away" the gateway's card stats before, when it
+reported the card inactive, and at the end.
 """
 
 from __future__ import annotations
@@ -50,12 +55,42 @@ def counters(llm) -> dict[str, float]:
     return out
 
 
-def gateway_sets(socket_path: str) -> int:
+def gateway_stats(socket_path: str) -> dict:
     from kvgate.client import Client
 
     with Client.connect(socket_path, role="admin", want_shm=False, timeout=10) as c:
-        st = c.stats()
-    return int(st["tiers"]["ram"]["sets"])
+        return c.stats()
+
+
+def gateway_sets(socket_path: str) -> int:
+    return int(gateway_stats(socket_path)["tiers"]["ram"]["sets"])
+
+
+def card_away(llm, plan: dict, SamplingParams) -> tuple[list[dict], dict]:
+    """Take the gateway's (only) card away mid-run by renaming its directory.
+
+    Its storage_devices entry is a plain path, so the gateway cannot find it
+    under the new name: reads fail (CardUnavailable) and its health check
+    (once a second) fails; either takes the card out of service.
+    """
+    away = plan["card_away"]
+    info: dict = {"before": gateway_stats(plan["socket"])["cards"]}
+    os.rename(away["card"], away["moved_to"])
+    t0 = time.monotonic()
+    print("[engine] card directory renamed", flush=True)
+    results = run_requests(llm, away["requests"], SamplingParams)
+    deadline = t0 + away.get("inactive_timeout", 10)
+    while True:
+        cards = gateway_stats(plan["socket"])["cards"]
+        if not cards[0]["active"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    info["inactive_after_s"] = round(time.monotonic() - t0, 3) if not cards[0]["active"] else None
+    info["at_inactive"] = cards
+    print(f"[engine] card inactive after {info['inactive_after_s']} s", flush=True)
+    results += run_requests(llm, away.get("requests_after", []), SamplingParams)
+    info["after"] = gateway_stats(plan["socket"])["cards"]
+    return results, info
 
 
 def run_requests(llm, requests, SamplingParams) -> list[dict]:
@@ -144,7 +179,11 @@ def main() -> None:
         finally:
             if frozen.get("resume", True):
                 os.kill(frozen["gateway_pid"], signal.SIGCONT)
-    json.dump({"results": results, "gateway_sets": sets}, open(plan["out"], "w"), indent=1)
+    away = None
+    if plan.get("card_away"):
+        more, away = card_away(llm, plan, SamplingParams)
+        results += more
+    json.dump({"results": results, "gateway_sets": sets, "card_away": away}, open(plan["out"], "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from kvgate.protocol import (
     Error,
     Exists,
     Get,
+    GetReply,
     Hello,
     Lookup,
     Prewarm,
@@ -52,6 +53,7 @@ from kvgate.protocol import (
 )
 
 Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap
+_SCRATCH_BYTES = 64 << 10  # gaps between packed results are received into this much, and dropped
 
 
 class GatewayError(RuntimeError):
@@ -109,6 +111,7 @@ class Client:
         self._lock = threading.Lock()
         self._ids = 0
         self._pre = bytearray(PREAMBLE_SIZE)
+        self._scratch: memoryview | None = None
         self._regions: list[_Region] = []
         self._session: _Region | None = None
         self._session_mm: mmap.mmap | None = None
@@ -220,7 +223,14 @@ class Client:
 
     # ---- framing --------------------------------------------------------------------
 
-    def _call(self, msg, body: Sequence[Buffer] = ()) -> tuple[Any, bytearray | None]:
+    def _call(self, msg, body: Sequence[Buffer] = (), into: Sequence[memoryview] | None = None) -> tuple[Any, Any]:
+        """Send ``msg`` (and ``body``), return (reply, reply body).
+
+        The reply body is a ``bytearray``, or None when there is none; with
+        ``into`` (one byte view per key of a packed inline get) the results are
+        received straight into those views and the second value is what
+        ``_recv_packed_into`` returns.
+        """
         with self._lock:
             if self._broken:
                 raise ConnectionError("this client's connection is broken or closed; connect again")
@@ -229,7 +239,7 @@ class Client:
             body_len = sum(memoryview(b).nbytes for b in body)
             try:
                 self._send([encode_frame(msg, body_len), *body])
-                reply, rbody = self._recv()
+                reply, rbody = self._recv(msg.id, into)
             except BaseException:
                 self._broken = True  # the stream is out of step: never read another reply from it
                 raise
@@ -260,18 +270,58 @@ class Client:
                 raise ConnectionError("the gateway closed the connection")
             got += n
 
-    def _recv(self) -> tuple[Any, bytearray | None]:
+    def _skip(self, n: int) -> None:
+        """Receive ``n`` bytes and drop them."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        while n:
+            k = min(n, len(self._scratch))
+            self._recv_into(self._scratch[:k])
+            n -= k
+
+    def _recv(self, want_id: int, into: Sequence[memoryview] | None = None) -> tuple[Any, Any]:
         self._recv_into(memoryview(self._pre))
-        kind, hlen, blen = parse_preamble(bytes(self._pre), 1 << 62)
+        kind, hlen, blen = parse_preamble(self._pre, 1 << 62)
         if kind != KIND_REPLY:
             raise ConnectionError("the gateway sent a request frame")
         header = bytearray(hlen)
         self._recv_into(memoryview(header))
+        reply = decode_reply(header)
+        if into is not None and isinstance(reply, GetReply) and reply.id == want_id:
+            return reply, self._recv_packed_into(reply, blen, into)
         body = None
         if blen:
             body = bytearray(blen)
             self._recv_into(memoryview(body))
-        return decode_reply(header), body
+        return reply, body
+
+    def _recv_packed_into(self, reply: GetReply, blen: int, into: Sequence[memoryview]) -> list[int]:
+        """Receive a packed get reply's body straight into ``into`` (one byte view per key asked).
+
+        Each hit's bytes land in its own view; the gaps between results (a
+        slot the gateway reserved but did not fill) are dropped.  Returns the
+        reply's sizes, with TOO_SMALL where a view was too small for its hit
+        (those bytes are dropped too: the stream stays in step).
+        """
+        sizes = list(reply.sizes)
+        offsets = reply.offsets
+        if len(sizes) != len(into) or (offsets is None and any(s >= 0 for s in sizes)) or \
+                (offsets is not None and len(offsets) != len(into)):
+            raise ConnectionError(f"get reply of {len(sizes)} results to a get of {len(into)} keys")
+        pos = 0
+        for off, j in sorted((offsets[j], j) for j, s in enumerate(sizes) if s >= 0):
+            s = sizes[j]
+            if off < pos or off + s > blen:
+                raise ConnectionError(f"get reply places {s} bytes at {off}, outside its {blen}-byte body")
+            self._skip(off - pos)
+            if s > len(into[j]):
+                self._skip(s)
+                sizes[j] = TOO_SMALL
+            else:
+                self._recv_into(into[j][:s])
+            pos = off + s
+        self._skip(blen - pos)
+        return sizes
 
     # ---- regions --------------------------------------------------------------------
 
@@ -387,8 +437,9 @@ class Client:
 
         With ``into`` (one writable buffer per key), each hit is written into
         its buffer and the entry is a memoryview of the filled part; buffers
-        inside a registered region are filled by the gateway in place.
-        Without, each hit is returned as ``bytes``.
+        inside a registered region are filled by the gateway in place, and
+        over TCP each hit is received from the socket straight into its
+        buffer.  Without, each hit is returned as ``bytes``.
         """
         bkeys = as_keys(keys)
         if not bkeys:
@@ -398,18 +449,11 @@ class Client:
         if len(into) != len(bkeys):
             raise ValueError(f"{len(bkeys)} keys but {len(into)} destination buffers")
         if not self.local:
-            got = self._get_packed(bkeys, dialog)
-            out = []
-            for i, (data, dst) in enumerate(zip(got, into)):
-                if data is None:
-                    out.append(None)
-                    continue
-                view = memoryview(dst).cast("B")
-                if len(data) > len(view):
-                    raise ObjectTooLarge(i, len(data))
-                view[: len(data)] = data
-                out.append(view[: len(data)])
-            return out
+            views = [memoryview(b).cast("B") for b in into]
+            for i, v in enumerate(views):
+                if v.readonly:
+                    raise TypeError(f"destination buffer {i} is read-only")
+            return self._get_inline_into(bkeys, views, dialog)
         out = []
         placed = [self._locate(b) for b in into]
         for start, end in self._batches([memoryview(b).nbytes for b in into], placed):
@@ -448,6 +492,31 @@ class Client:
             if staged[i]:
                 np.copyto(_u8(dst[:s]), _u8(self._session.view[offsets[i] : offsets[i] + s]))
             out.append(dst[:s])
+        return out
+
+    def _get_inline_into(self, keys: list[bytes], into: list[memoryview], dialog: bytes | None) -> list:
+        """``get_many(into=...)`` over TCP: each hit is received straight into its buffer, never copied."""
+        out: list[memoryview | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        stalled = False
+        while todo:
+            reply, sizes = self._call(Get(keys=[keys[i] for i in todo], region=INLINE, dialog=dialog),
+                                      into=[into[i] for i in todo])
+            again = []
+            for j, (i, s) in enumerate(zip(todo, sizes)):
+                if s == NOT_DONE:
+                    again.append(i)
+                elif s == TOO_SMALL:
+                    raise ObjectTooLarge(i, reply.sizes[j])
+                elif s >= 0:
+                    out[i] = into[i][:s]
+            if len(again) == len(todo):
+                if stalled:
+                    raise GatewayError("TOO_LARGE", "an object is larger than the frame limit")
+                stalled = True  # or its size changed under the gateway (shared cards): ask once more
+            else:
+                stalled = False
+            todo = again
         return out
 
     def _get_packed(self, keys: list[bytes], dialog: bytes | None) -> list[bytes | None]:

@@ -28,6 +28,7 @@ from kvgate import __version__
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
+from kvgate.gateway.connection import Connection, accept_loop, tcp_listeners, unix_listener
 from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
 from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.protocol import (
@@ -136,7 +137,7 @@ class Gateway:
         self.budget: ByteBudget | None = None
         self.http: status_mod.HttpStatus | None = None
         self.tcp_port: int | None = None
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listeners: list[socket.socket] = []
         self._session_ids = itertools.count(1)
         self._connections = 0
         self._tasks: set[asyncio.Task] = set()
@@ -159,20 +160,21 @@ class Gateway:
             raise StartupError(str(e)) from None
         os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
         try:
-            unix = await asyncio.start_unix_server(self._on_unix, path=cfg.socket_path, limit=1 << 20)
+            unix = unix_listener(cfg.socket_path)
         except OSError as e:
             raise StartupError(f"config key 'socket': cannot listen on {cfg.socket_path}: {e.strerror}") from None
         self._socket_owned = True
         os.chmod(cfg.socket_path, 0o660)
-        self._servers.append(unix)
+        self._listen(unix, local=True)
         where = [f"socket {cfg.socket_path}"]
         if cfg.port:
             try:
-                tcp = await asyncio.start_server(self._on_tcp, host=cfg.bind_address, port=cfg.port, limit=1 << 20)
+                tcp = await tcp_listeners(cfg.bind_address, cfg.port)
             except OSError as e:
                 raise StartupError(f"config key 'port': cannot listen on {cfg.bind_address}:{cfg.port}: {e.strerror}") from None
-            self.tcp_port = tcp.sockets[0].getsockname()[1]
-            self._servers.append(tcp)
+            self.tcp_port = tcp[0].getsockname()[1]
+            for sock in tcp:
+                self._listen(sock, local=False)
             where.append(f"tcp {cfg.bind_address}:{self.tcp_port}")
         if cfg.metrics_port:
             try:
@@ -225,11 +227,13 @@ class Gateway:
         self._stopped.set()
 
     async def stop(self) -> None:
-        for s in self._servers:
-            s.close()
+        # the accept loops and every connection are tasks too: each connection cancels its requests, closes
+        # its session and its socket
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for s in self._listeners:
+            s.close()
         if self.http:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
         await self.store.stop()
@@ -262,76 +266,87 @@ class Gateway:
 
     # ---- connections ------------------------------------------------------------------
 
-    async def _on_unix(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid = uid = None
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        try:
-            await self._serve(reader, writer, local=True, pid=pid, uid=uid)
-        except asyncio.CancelledError:
-            pass  # stopping: asyncio 3.11 logs a cancelled connection callback as an ERROR with a traceback
+    def _listen(self, sock: socket.socket, local: bool) -> None:
+        self._listeners.append(sock)
 
-    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            await self._serve(reader, writer, local=False, pid=None, uid=None)
-        except asyncio.CancelledError:
-            pass  # see _on_unix
+        def on_connection(conn: socket.socket) -> None:
+            self._spawn(self._on_connection(conn, local))
 
-    async def _serve(self, reader, writer, local: bool, pid: int | None, uid: int | None) -> None:
+        self._spawn(accept_loop(sock, on_connection))
+
+    async def _on_connection(self, sock: socket.socket, local: bool) -> None:
+        try:
+            pid = uid = None
+            if local:
+                pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            else:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is already gone
+            sock.close()
+            return
+        await self._serve(Connection(sock), local=local, pid=pid, uid=uid)
+
+    async def _serve(self, conn: Connection, local: bool, pid: int | None, uid: int | None) -> None:
+        """Read requests until the client leaves; each one after hello runs as its own task.
+
+        A body is received straight into a ``bytearray`` of its length, taken
+        from the inline byte budget before a byte of it is read.
+        """
         self._connections += 1
         session: Session | None = None
         inflight: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(MAX_INFLIGHT_PER_CONNECTION)
         try:
             if self._connections > self.cfg.max_connections:
-                self._reply(writer, Error(code=ErrorCode.TOO_MANY_CONNECTIONS,
-                                          message=f"the gateway serves at most {self.cfg.max_connections} connections"))
+                await self._reply(conn, Error(code=ErrorCode.TOO_MANY_CONNECTIONS,
+                                              message=f"the gateway serves at most {self.cfg.max_connections} connections"))
                 return
             while True:
                 try:
-                    pre = await reader.readexactly(PREAMBLE_SIZE)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                    pre = await conn.readexactly(PREAMBLE_SIZE)
+                except (asyncio.IncompleteReadError, OSError):
                     return
                 try:
                     _kind, hlen, blen = parse_preamble(pre, self.cfg.max_frame_bytes)
                 except FrameError as e:
-                    self._reply(writer, Error(code=e.code, message=str(e)))
+                    await self._reply(conn, Error(code=e.code, message=str(e)))
                     return
                 try:
-                    header = await reader.readexactly(hlen)
-                    body = b""
+                    header = await conn.readexactly(hlen)
+                    body: bytes | bytearray = b""
                     if blen:
                         await self.budget.acquire(blen)
                         try:
-                            body = await reader.readexactly(blen)
+                            body = bytearray(blen)
+                            await conn.readinto(memoryview(body))
                         except BaseException:
                             await self.budget.release(blen)
                             raise
-                except (asyncio.IncompleteReadError, ConnectionError):
+                except (asyncio.IncompleteReadError, OSError):
                     return
                 try:
                     req = decode_request(header)
                 except RequestError as e:
                     await self._release(blen)
-                    self._reply(writer, Error(id=e.request_id, code=e.code, message=str(e)))
+                    await self._reply(conn, Error(id=e.request_id, code=e.code, message=str(e)))
                     continue
                 if session is None:
                     if not isinstance(req, Hello):
                         await self._release(blen)
-                        self._reply(writer, Error(id=req.id, code=ErrorCode.NO_SESSION, message="send hello first"))
+                        await self._reply(conn, Error(id=req.id, code=ErrorCode.NO_SESSION, message="send hello first"))
                         continue
-                    session = await self._hello(req, writer, local, pid, uid)
+                    session = await self._hello(req, conn, local, pid, uid)
                     await self._release(blen)
                     continue
                 await slots.acquire()
-                task = asyncio.get_running_loop().create_task(self._dispatch(session, req, body, blen, writer))
+                task = asyncio.get_running_loop().create_task(self._dispatch(session, req, body, blen, conn))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
                 task.add_done_callback(lambda _t: slots.release())
+        except asyncio.CancelledError:
+            for t in inflight:  # the gateway is stopping: so are this connection's requests
+                t.cancel()
+            raise
         except Exception:  # noqa: BLE001 - one connection must never take the gateway down
             log.exception("connection handler failed")
         finally:
@@ -340,23 +355,17 @@ class Gateway:
                 await asyncio.gather(*inflight, return_exceptions=True)
             if session is not None:
                 self._close_session(session)
-            try:
-                writer.close()
-            except Exception:  # noqa: BLE001
-                pass
+            conn.close()
 
     async def _release(self, n: int) -> None:
         if n:
             await self.budget.release(n)
 
-    def _reply(self, writer: asyncio.StreamWriter, msg, body: bytes | memoryview | None = None) -> None:
-        if writer.is_closing():
-            return
-        writer.write(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY))
-        if body is not None and len(body):
-            writer.write(body)
+    async def _reply(self, conn: Connection, msg, body: bytes | bytearray | memoryview | None = None) -> None:
+        """Send a reply frame; the body goes out from its buffer, uncopied."""
+        await conn.send(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY), body)
 
-    async def _dispatch(self, session: Session, req, body: bytes, blen: int, writer) -> None:
+    async def _dispatch(self, session: Session, req, body: bytes | bytearray, blen: int, conn: Connection) -> None:
         reply_body = None
         try:
             reply, reply_body = await self._handle(session, req, body)
@@ -372,43 +381,40 @@ class Gateway:
         finally:
             await self._release(blen)
         reply.id = req.id
-        self._reply(writer, reply, reply_body)
         try:
-            await writer.drain()
-        except ConnectionError:
-            pass
+            await self._reply(conn, reply, reply_body)
         finally:
             if reply_body is not None:
                 await self._release(len(reply_body))
 
     # ---- sessions -------------------------------------------------------------------
 
-    async def _hello(self, req: Hello, writer, local: bool, pid: int | None, uid: int | None) -> Session | None:
-        def refuse(code: str, message: str) -> None:
-            self._reply(writer, Error(id=req.id, code=code, message=message))
+    async def _hello(self, req: Hello, conn: Connection, local: bool, pid: int | None, uid: int | None) -> Session | None:
+        async def refuse(code: str, message: str) -> None:
+            await self._reply(conn, Error(id=req.id, code=code, message=message))
 
         if req.protocol != VERSION:
-            refuse(ErrorCode.BAD_VERSION, f"client speaks protocol {req.protocol}, gateway {VERSION}")
+            await refuse(ErrorCode.BAD_VERSION, f"client speaks protocol {req.protocol}, gateway {VERSION}")
             return None
         if not local and self.token is not None:
             if req.token is None or not hmac.compare_digest(req.token.encode(), self.token.encode()):
-                refuse(ErrorCode.NOT_AUTHORIZED, "a valid token is required on this listener")
+                await refuse(ErrorCode.NOT_AUTHORIZED, "a valid token is required on this listener")
                 return None
         sess = Session(next(self._session_ids), local, pid if local else None, uid, role=req.role)
         if req.role == "engine":
             try:
                 sess.namespace = encode_namespace(req.namespace)
             except BadKey as e:
-                refuse(ErrorCode.BAD_REQUEST, str(e))
+                await refuse(ErrorCode.BAD_REQUEST, str(e))
                 return None
             if self.cfg.refuse_unsalted and not req.salted:
-                refuse(ErrorCode.UNSALTED_REFUSED, "this gateway refuses sessions without a tenant salt")
+                await refuse(ErrorCode.UNSALTED_REFUSED, "this gateway refuses sessions without a tenant salt")
                 return None
             engine_id = req.engine_id or f"pid:{pid or req.pid}"
             if self.engine is not None and self.engine.engine_id != engine_id:
-                refuse(ErrorCode.ENGINE_BUSY,
-                       f"this gateway serves engine {self.engine.engine_id!r} (pid {self.engine.pid}); "
-                       "one engine per gateway: start another gateway for this engine")
+                await refuse(ErrorCode.ENGINE_BUSY,
+                             f"this gateway serves engine {self.engine.engine_id!r} (pid {self.engine.pid}); "
+                             "one engine per gateway: start another gateway for this engine")
                 return None
             if self.engine is None:
                 self.engine = EngineClaim(engine_id, pid or req.pid)
@@ -422,12 +428,12 @@ class Gateway:
                                              self.cfg.shared_memory_size)
             except RegionError as e:
                 self._release_engine(sess)
-                refuse(ErrorCode.INTERNAL, str(e))
+                await refuse(ErrorCode.INTERNAL, str(e))
                 return None
             sess.regions[SESSION_REGION] = region
             shm_path, shm_size = region.path, region.size
         self.sessions[sess.id] = sess
-        self._reply(writer, HelloReply(
+        await self._reply(conn, HelloReply(
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
             max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.long.fingerprint,
             placement=self.cfg.key_placement,

@@ -189,7 +189,7 @@ class Gateway:
         if cfg.status_file:
             self._spawn(self._status_file_loop())
         ram_mib = cfg.max_bytes / (1 << 20)
-        cards = ", ".join(f"{cs.location} ({cs.serial or 'unavailable'})" for cs in self.store.card_states())
+        cards = ", ".join(f"{cs.where} ({cs.serial or 'unavailable'})" for cs in self.store.card_states())
         log.info("kvgate %s ready: %s; RAM tier %.0f MiB; cards: %s", __version__, "; ".join(where), ram_mib, cards)
 
     def _check_bind(self) -> None:
@@ -622,7 +622,7 @@ class Gateway:
         cards = []
         for cs in st.card_states():
             cards.append({
-                "serial": cs.serial, "location": cs.location, "kind": cs.card.kind, "active": cs.active,
+                "serial": cs.serial, "location": cs.where, "kind": cs.card.kind, "active": cs.active,
                 "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
                 "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
                 "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,

@@ -109,6 +109,11 @@ class CardState:
     def name(self) -> str:
         return self.serial or self.location
 
+    @property
+    def where(self) -> str:
+        """The location as logs and status show it (a Redis password masked)."""
+        return getattr(self.card, "display_location", self.location)
+
 
 def default_slots(cfg: Config, cards_found: int) -> int:
     """``storage_slots``, or one slot per card found (a glob entry counts its matches)."""
@@ -163,7 +168,7 @@ class LongTier:
                 try:
                     cs.serial = await cs.io.run(cs.card.open)
                 except OSError as e:
-                    log.warning("card %s is not available at startup: %s", loc, e)
+                    log.warning("card %s is not available at startup: %s", cs.where, e)
                     self.pending.append(cs)
                     continue
                 if cs.serial in self._by_serial:
@@ -214,11 +219,11 @@ class LongTier:
             try:
                 free = await cs.io.run(cs.card.free_bytes)
             except OSError as e:
-                log.warning("card %s: cannot read free space (%s); capacity 0 until it can", cs.location, e)
+                log.warning("card %s: cannot read free space (%s); capacity 0 until it can", cs.where, e)
                 free = 0
             cs.capacity = max(0, free - self.cfg.card_reserve)
             if cs.capacity == 0:
-                log.warning("card %s has less free space than card_reserve; it will hold nothing", cs.location)
+                log.warning("card %s has less free space than card_reserve; it will hold nothing", cs.where)
         self._spawn(self._scan(cs))
 
     async def _scan(self, cs: CardState) -> None:
@@ -240,10 +245,10 @@ class LongTier:
                     cs.used += obj.stored_bytes
                     cs.policy.add(obj.full_key, obj.stored_bytes, obj.meta.dialog, obj.meta.position, LONG)
             cs.scanned = True
-            log.info("card %s (%s): %d objects, %d bytes indexed", cs.location, cs.serial, len(cs.index), cs.used)
+            log.info("card %s (%s): %d objects, %d bytes indexed", cs.where, cs.serial, len(cs.index), cs.used)
             self._evict_over_capacity(cs)
         except OSError as e:
-            log.warning("card %s: index scan stopped: %s", cs.location, e)
+            log.warning("card %s: index scan stopped: %s", cs.where, e)
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -379,7 +384,7 @@ class LongTier:
                 # for each such write would compound (0.9 ** n of a batch).
                 return
             cs.capacity = min(cs.capacity, int(cs.used * 0.9))
-            log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.location, cs.serial, cs.capacity)
+            log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.where, cs.serial, cs.capacity)
             self._evict_over_capacity(cs)
             return
         if isinstance(err, TimeoutError):  # our deadline, or the medium's own (a Redis socket timeout)
@@ -397,7 +402,7 @@ class LongTier:
         cs.active = False
         cs.inactive_since = time.monotonic()
         cs.taken_out_by_error = by_error
-        log.warning("card %s (%s) moved from active to inactive: %s", cs.location, cs.serial, why)
+        log.warning("card %s (%s) moved from active to inactive: %s", cs.where, cs.serial, why)
 
     async def _health_loop(self) -> None:
         while True:
@@ -420,7 +425,7 @@ class LongTier:
             return
         if serial != cs.serial:
             if cs.refused_serial != serial:
-                log.warning("card %s: the card at %s now has serial %s, not %s: not used", cs.serial, cs.location,
+                log.warning("card %s: the card at %s now has serial %s, not %s: not used", cs.serial, cs.where,
                             serial, cs.serial)
                 cs.refused_serial = serial
             if cs.active:
@@ -436,7 +441,7 @@ class LongTier:
                 return
             cs.active = True
             cs.strikes = 0
-            log.warning("card %s (%s) moved from inactive to active", cs.location, cs.serial)
+            log.warning("card %s (%s) moved from inactive to active", cs.where, cs.serial)
 
     async def _resize(self, cs: CardState) -> None:
         """Follow the medium's free space (others write to shared filesystems too).
@@ -476,7 +481,7 @@ class LongTier:
             cs.card, cs.location = probe, loc
             cs.active, cs.strikes, cs.refused_serial = True, 0, None
             log.warning("card %s (%s) reopened as %s", old, cs.serial, loc)
-            log.warning("card %s (%s) moved from inactive to active", cs.location, cs.serial)
+            log.warning("card %s (%s) moved from inactive to active", cs.where, cs.serial)
             return
 
     async def _retry_pending(self) -> None:

@@ -215,7 +215,7 @@ class TieredStore:
                 self.long.note_gone(cs, it.fkey)
         elif isinstance(r, ObjectCorrupt):
             c.corrupt += 1
-            log.warning("corrupt object on card %s removed: %s", cs.location, r)
+            log.warning("corrupt object on card %s removed: %s", cs.where, r)
             self.long.note_gone(cs, it.fkey)
         elif isinstance(r, ObjectMissing):
             self.long.note_gone(cs, it.fkey)

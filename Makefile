@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv services run test test-fast bench clean-var
+.PHONY: install vllm-venv services run test test-fast bench clean-var demo bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,16 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvgate bench $(ARGS)
+
+# vLLM (CPU) restarts and restores a long prompt from a kvgate gateway: TTFT computed vs
+# restored, external prefix-cache hits, same greedy output (random-weight model, ~1 min).
+demo: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python demo/vllm_restart.py $(ARGS)
+
+# TTFT of an 8K-token prompt: computed vs restored through kvgate vs vLLM's fs tier,
+# after engine restarts (~4 min). ARGS="--json out.json --engine-env OMP_WAIT_POLICY=PASSIVE".
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python benchmarks/vllm_ttft.py $(ARGS)
 
 clean-var:
 	rm -rf var

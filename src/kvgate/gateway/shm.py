@@ -11,12 +11,26 @@ Two kinds, both files under /dev/shm mapped by the gateway and the client:
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import os
 import secrets
 import stat
+import threading
 
 SHM_DIR = "/dev/shm"
+
+log = logging.getLogger("kvgate.shm")
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_STEP = 32 << 20
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL for the call
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise.restype = ctypes.c_int
+except (OSError, AttributeError):
+    _madvise = None
 
 
 class RegionError(ValueError):
@@ -30,6 +44,36 @@ class Region:
         self._mm = mm
         self.view = memoryview(mm)
         self.owned = owned
+        self._populate_lock = threading.Lock()
+        self._closed = False
+
+    def populate_async(self) -> None:
+        """Fault the whole mapping into this process's page tables, in the background.
+
+        A fresh mapping of a client's region (a restarted engine's CPU tier)
+        otherwise takes one page fault per 4 KiB page on its first transfer:
+        with several I/O threads faulting on one file that is most of the time
+        of a restore into fresh slots.  ``MADV_POPULATE_WRITE`` maps the pages
+        (allocating the ones the client has not touched yet) in 32 MiB steps
+        with the GIL released; close() waits for the step in progress.  Best
+        effort: an older kernel or a failure just stops it.
+        """
+        if _madvise is None or self.size == 0:
+            return
+        holder = ctypes.c_char.from_buffer(self._mm)
+        base = ctypes.addressof(holder)
+        del holder  # no buffer export left behind: close() must be able to unmap
+
+        def run() -> None:
+            for off in range(0, self.size, _POPULATE_STEP):
+                with self._populate_lock:
+                    if self._closed:
+                        return
+                    if _madvise(base + off, min(_POPULATE_STEP, self.size - off), _MADV_POPULATE_WRITE) != 0:
+                        log.debug("populating %s stopped at %d: errno %d", self.path, off, ctypes.get_errno())
+                        return
+
+        threading.Thread(target=run, name="kvgate-populate", daemon=True).start()
 
     def slice(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -37,6 +81,8 @@ class Region:
         return self.view[offset : offset + length]
 
     def close(self) -> None:
+        with self._populate_lock:
+            self._closed = True
         self.view.release()
         try:
             self._mm.close()
@@ -108,6 +154,8 @@ def map_client_region(path: str, peer_uid: int | None) -> Region:
         if st.st_size == 0:
             raise RegionError(f"{path}: empty file")
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return Region(real, st.st_size, mm, owned=False)
+        region = Region(real, st.st_size, mm, owned=False)
+        region.populate_async()
+        return region
     finally:
         os.close(fd)

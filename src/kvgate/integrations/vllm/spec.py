@@ -163,8 +163,10 @@ class KvgateOffloadingSpec(TieringOffloadingSpec):
             # a new list: never modify the user's config object
             self.secondary_tier_configs = [*self.secondary_tier_configs, tier_cfg]
         elif not configured:
+            others = [str(t.get("type")) for t in self.secondary_tier_configs]
             logger.warning("KvgateOffloadingSpec: no kvgate.socket / kvgate.address in kv_connector_extra_config "
-                           "and no KvgateTier in secondary_tiers: offloading to the CPU tier only")
+                           "and no KvgateTier in secondary_tiers: offloading to the CPU tier%s only",
+                           f" and secondary tiers {others}" if others else "")
         self._uses_kvgate = tier_cfg is not None or bool(configured)
         if self._uses_kvgate:
             _install_salt_probe()

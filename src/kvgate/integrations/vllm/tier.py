@@ -85,10 +85,11 @@ class _RateLimitedLog:
 class _Connection:
     """One lazily (re)connected gateway session, used by one background thread at a time."""
 
-    def __init__(self, tier: "KvgateTier", name: str, timeout: float):
+    def __init__(self, tier: "KvgateTier", name: str, timeout: float, bulk: bool = True):
         self._tier = tier
         self.name = name
         self.timeout = timeout
+        self.bulk = bulk  # False: no bytes travel here (lookups): the CPU tier is not registered
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._next_try = 0.0
@@ -129,6 +130,9 @@ class _Connection:
         client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
         if not client.local:
             logger.info("kvgate: connected to %s over TCP (%s): bytes travel inline", s.target, self.name)
+            return client
+        if not self.bulk:
+            logger.info("kvgate: connected to %s (%s)", s.target, self.name)
             return client
         path = t.region_path()
         if path:
@@ -267,7 +271,7 @@ class KvgateTier(SecondaryTierManager):
 
         self._store_conn = _Connection(self, "stores", self.settings.io_timeout)
         self._load_conn = _Connection(self, "loads", self.settings.io_timeout)
-        self._lookup_conn = _Connection(self, "lookups", self.settings.lookup_timeout)
+        self._lookup_conn = _Connection(self, "lookups", self.settings.lookup_timeout, bulk=False)
         self._load_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._store_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._threads = [
@@ -478,6 +482,13 @@ class KvgateTier(SecondaryTierManager):
         conn.drop()
 
     def _job_loop(self, q: "queue.SimpleQueue[TransferJob | None]", conn: _Connection, is_load: bool) -> None:
+        # Open the sessions now, not in the first request's lookup and load: connecting and
+        # registering the CPU tier cost the first restore after an engine start ~30 ms.
+        for c in (self._lookup_conn, conn) if is_load else (conn,):
+            try:
+                c.get()
+            except Exception:  # GatewayDown (logged): retried when a request needs it
+                pass
         while True:
             job = q.get()
             if job is None:

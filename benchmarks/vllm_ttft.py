@@ -1,0 +1,377 @@
+"""TTFT of a long prompt on vLLM (CPU build): computed vs restored through kvgate vs restored through vLLM's `fs` tier.
+
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py [--prompts 3] [--prompt-tokens 8200] [--json out.json]
+    make bench-vllm ARGS="--json var/bench-vllm/result.json"
+
+One random-weight Llama (8 layers, hidden 1024, 16 heads, 4 KV heads,
+vocab 32000, float32: an 8K-token prefill takes ~20 s on two cores) and N
+prompts of random token ids that share no block, so every restore is a fresh
+external hit.  Every engine has both secondary tiers (KvgateOffloadingSpec
+with secondary_tiers = [KvgateTier, fs], the card and the fs root being two
+directories of one filesystem); each restore request names its tier with
+vLLM's per-request tier filter (kv_transfer_params "kv_load_tiers": the
+kvgate tier is labelled locality REMOTE, the fs tier LOCAL, as routing labels
+only), so kvgate and fs restores alternate in the same engine and share its
+conditions.  Engines (each a new process, i.e. a restart):
+
+  1. compute  each prompt computed once (TTFT "computed"); after each one the
+              engine steps until both tiers hold all its chunks (drained)
+  2. restore  gateway still up: kvgate restores come from its RAM tier
+              ("kvgate, gateway RAM"), alternating with rounds from fs
+     -- the gateway is stopped and started again on the same card (RAM tier
+        empty: it reads the card) --
+  3. restore  "cold" rounds (the page cache dropped before each request) and
+              "warm" rounds (the files in the page cache), kvgate and fs
+
+A restore engine runs --repeats rounds over the prompts per tier (the tier
+order alternates between repeats) and empties its prefix cache and vLLM's CPU
+tier (reset_prefix_cache(reset_connector=True)) after each round, so every
+request is a fresh restore from a secondary tier; a short request before each
+one keeps the engine's code paths warm, and one unmeasured restore per tier
+at the start takes the engine's one-time costs of a first restore.  TTFT is vLLM's request metric
+(first_token_latency); rows report the median.
+
+Every restore must cover the prompt's full blocks with external prefix-cache
+hits (vllm:external_prefix_cache_hits) and give the same greedy output as the
+computed run.  The page cache is dropped with `echo 3 > /proc/sys/vm/drop_caches`
+(root only; without it "cold" is reported as not cold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_harness import (
+    BLOCK,
+    REPO,
+    EngineRunner,
+    Gateway,
+    drop_page_cache,
+    exit_on_sigterm,
+    log,
+    median,
+)
+
+BAR_VS_COMPUTED = 0.25
+BAR_VS_FS = 1.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=3, help="distinct prompts per configuration (median over them)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="restore rounds over the prompts per configuration (caches emptied in between)")
+    p.add_argument("--prompt-tokens", type=int, default=8200,
+                   help="prompt length (8200: 64 full 128-token blocks restorable, 8 tokens computed)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per request (compared)")
+    p.add_argument("--workdir", default=str(REPO / "var" / "bench-vllm"),
+                   help="model, gateway card, fs root, logs (card and fs data are wiped at start)")
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--skip-ram", action="store_true", help="skip engine 2 (restores from the gateway's RAM tier)")
+    p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the engine processes, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
+    p.add_argument("--engine-timeout", type=float, default=900.0)
+    return p.parse_args(argv)
+
+
+def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(1000 + seed)
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    t_start = time.monotonic()
+    loadavg_start = _loadavg()
+    work = Path(args.workdir).resolve()
+    model_dir = work / f"llama-l{args.layers}-h{args.hidden}-kv{args.kv_heads}-v{args.vocab}-{args.dtype}"
+    card = work / "card"
+    fs_root = work / "fs"
+    logs = work / "runs"
+    for d in (card, fs_root, logs):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in (work, card, fs_root, logs):
+        d.mkdir(parents=True, exist_ok=True)
+
+    head_dim = args.hidden // args.heads
+    elem = 4 if args.dtype == "float32" else 2
+    kv_bytes_per_token = args.layers * 2 * args.kv_heads * head_dim * elem
+    full_blocks = args.prompt_tokens // BLOCK
+    hit_tokens = full_blocks * BLOCK
+    if hit_tokens >= args.prompt_tokens:  # vLLM always computes at least the last token
+        full_blocks -= 1
+        hit_tokens -= BLOCK
+    max_model_len = max(9216, args.prompt_tokens + args.max_tokens + 16)
+    prompt_bytes = full_blocks * BLOCK * kv_bytes_per_token
+    kv_space_gib = max(1, math.ceil(2.5 * max_model_len * kv_bytes_per_token / (1 << 30)))
+    cpu_tier_bytes = max(256 << 20, int(prompt_bytes * (args.prompts + 1)))
+    gateway_ram = f"{max(512, math.ceil(prompt_bytes * (args.prompts + 1) / (1 << 20)))}M"
+
+    model = {"dir": str(model_dir), "dtype": args.dtype, "tokenizer": False, "config": {
+        "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": max(16384, max_model_len)}}
+    llm = {"max_model_len": max_model_len}
+    base_kv = {"spec_name": "KvgateOffloadingSpec", "spec_module_path": "kvgate.integrations.vllm",
+               "cpu_bytes_to_use": cpu_tier_bytes}
+    fs_tier = {"type": "fs", "root_dir": str(fs_root), "locality": "LOCAL"}
+    prompts = [prompt_ids(i, args.prompt_tokens, args.vocab) for i in range(args.prompts)]
+    names = [f"P{i + 1}" for i in range(args.prompts)]
+    only = {"kvgate": {"kv_load_tiers": [{"medium": "STORAGE", "locality": "REMOTE"}]},
+            "fs": {"kv_load_tiers": [{"medium": "STORAGE", "locality": "LOCAL"}]}}
+
+    def kv(gw: Gateway) -> dict[str, Any]:
+        kvgate_tier = {"type": "KvgateTier", "module_path": "kvgate.integrations.vllm", "socket": gw.socket,
+                       "locality": "REMOTE"}
+        return {**base_kv, "secondary_tiers": [kvgate_tier, fs_tier]}
+
+    def gen(i: int, tag: str, tier: str | None = None) -> dict[str, Any]:
+        step = {"op": "generate", "name": f"{tag}:{names[i]}", "prompt_token_ids": prompts[i],
+                "max_tokens": args.max_tokens}
+        if tier:
+            step["kv_transfer_params"] = only[tier]
+        return step
+
+    def rounds(kinds: dict[str, list[str]]) -> list[dict]:
+        """``kinds``: tier -> round kinds ("ram", "cold", "warm"), run in that order per tier; the
+        tier order alternates between repeats.  A cold request follows a page-cache drop."""
+        tiers = list(kinds)
+        # The first restore of an engine pays one-time costs (first touch of vLLM's CPU tier
+        # and of the code paths of a restore) whichever tier serves it: one unmeasured restore
+        # of P1 through each tier first.
+        steps: list[dict] = []
+        for tier in tiers:
+            steps += [{"op": "warmup"}, gen(0, f"first-restore-{tier}", tier), {"op": "reset_cache"}]
+        for rep in range(args.repeats):
+            for tier in (tiers if rep % 2 == 0 else tiers[::-1]):
+                for kind in kinds[tier]:
+                    for i in range(args.prompts):
+                        if kind == "cold":
+                            steps.append({"op": "drop_caches"})
+                        steps += [{"op": "warmup"}, gen(i, f"{tier}-{kind}", tier)]
+                    steps.append({"op": "reset_cache"})
+        return steps
+
+    engine_env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
+    for item in args.engine_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-env wants KEY=VALUE, got {item!r}")
+        engine_env[key] = value
+    runner = EngineRunner(logs, env=engine_env)
+    gw: Gateway | None = None
+    runs: dict[str, dict] = {}
+    timeline: list[tuple[str, float]] = []
+    can_drop = drop_page_cache()
+    if not can_drop:
+        log("cannot drop the page cache (not root?): the 'cold' rounds will not be cold")
+    log(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
+        f"vocab {args.vocab}, {args.dtype}; KV {kv_bytes_per_token // 1024} KiB/token, "
+        f"{prompt_bytes / (1 << 20):.0f} MiB per prompt ({full_blocks} chunks of {BLOCK} tokens)")
+    log(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.repeats} restore rounds; workdir {work}")
+    try:
+        gw = Gateway(work, card, name="gw", max_bytes=gateway_ram).start()
+        log(f"gateway up (pid {gw.proc.pid}, socket {gw.socket}, card {card}, RAM tier {gateway_ram})")
+
+        # 1. compute: every prompt computed once and stored in both tiers
+        steps: list[dict] = [{"op": "warmup"}]
+        for i in range(args.prompts):
+            steps += [gen(i, "computed"), {"op": "drain", "kvgate_socket": gw.socket,
+                                           "kvgate_sets": full_blocks * (i + 1), "fs_root": str(fs_root),
+                                           "fs_files": full_blocks * (i + 1), "timeout": 180, "settle": 0.5}]
+        t = time.monotonic()
+        log("engine 1: compute, store in kvgate and fs")
+        runs["compute"] = runner.run("1-compute", {"model": model, "llm": llm, "steps": steps, "kv": kv(gw)},
+                                     timeout=args.engine_timeout)
+        timeline.append(("engine 1: compute + store", time.monotonic() - t))
+        bad = [r for r in runs["compute"]["results"] if r["name"] == "drain" and not r["done"]]
+        if bad:
+            raise RuntimeError(f"stores did not drain: {bad}")
+
+        # 2. restart, gateway still up: kvgate restores come from its RAM tier
+        if not args.skip_ram:
+            t = time.monotonic()
+            log("engine 2: restart; restores from the running gateway (RAM) and from fs")
+            runs["ram"] = runner.run("2-restore-ram", {"model": model, "llm": llm, "kv": kv(gw),
+                                                       "steps": rounds({"kvgate": ["ram"], "fs": ["ram"]})},
+                                     timeout=args.engine_timeout)
+            timeline.append(("engine 2: kvgate RAM / fs", time.monotonic() - t))
+        gw_stats_1 = gw.stats()
+
+        # the gateway restarts: its RAM tier is empty, everything comes from the card
+        gw.stop()
+        gw = Gateway(work, card, name="gw", max_bytes=gateway_ram).start()
+        log(f"gateway restarted (pid {gw.proc.pid}): RAM tier empty, "
+            f"{sum(c['objects'] for c in gw.stats()['cards'])} objects on the card")
+
+        t = time.monotonic()
+        log("engine 3: restart; restores from the card and from fs, page cache dropped (cold) and warm")
+        runs["card"] = runner.run("3-restore-card", {"model": model, "llm": llm, "kv": kv(gw),
+                                                     "steps": rounds({"kvgate": ["cold", "warm"],
+                                                                      "fs": ["cold", "warm"]})},
+                                  timeout=args.engine_timeout)
+        timeline.append(("engine 3: kvgate card / fs, cold and warm", time.monotonic() - t))
+        gw_stats_2 = gw.stats()
+    finally:
+        runner.close()
+        if gw is not None:
+            gw.stop()
+
+    report = summarize(args, runs, prompts, names, hit_tokens, can_drop)
+    report["setup"] = {
+        "model": model["config"] | {"dtype": args.dtype}, "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts, "repeats": args.repeats, "restorable_tokens": hit_tokens,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_bytes_per_prompt": prompt_bytes, "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space_gib,
+        "cpu_bytes_to_use": cpu_tier_bytes, "gateway_max_bytes": gateway_ram, "page_cache_dropped": can_drop,
+        "engine_env": engine_env | {"VLLM_CPU_OMP_THREADS_BIND": runner.env.get("VLLM_CPU_OMP_THREADS_BIND")},
+        "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "engine_start_s": {k: v.get("engine_start_s") for k, v in runs.items()},
+        "loadavg_start": loadavg_start, "loadavg_end": _loadavg(),
+    }
+    report["gateway"] = {"first": _gw_summary(gw_stats_1), "restarted": _gw_summary(gw_stats_2)}
+    report["timeline_s"] = {k: round(v, 1) for k, v in timeline}
+    report["total_s"] = round(time.monotonic() - t_start, 1)
+    print_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        log(f"wrote {args.json}")
+    return 0 if report["checks_ok"] else 1
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _gw_summary(st: dict) -> dict:
+    return {tier: {k: v[k] for k in ("objects", "sets", "gets", "hits", "misses", "bytes_read")}
+            for tier, v in st["tiers"].items()}
+
+
+ROWS = [
+    ("computed", "computed (no cache)", "compute", "computed"),
+    ("kvgate_ram", "kvgate, gateway RAM", "ram", "kvgate-ram"),
+    ("fs_ram", "vLLM fs tier (same engine as kvgate RAM)", "ram", "fs-ram"),
+    ("kvgate_cold", "kvgate, card, page cache dropped", "card", "kvgate-cold"),
+    ("fs_cold", "vLLM fs tier, page cache dropped", "card", "fs-cold"),
+    ("kvgate_warm", "kvgate, card, page cache warm", "card", "kvgate-warm"),
+    ("fs_warm", "vLLM fs tier, page cache warm", "card", "fs-warm"),
+]
+
+
+def summarize(args, runs, prompts, names, hit_tokens, can_drop) -> dict[str, Any]:
+    computed_out = {}
+    for r in runs["compute"]["results"]:
+        if r["name"].startswith("computed:"):
+            computed_out[r["name"].split(":")[1]] = r["output_token_ids"]
+    rows: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, label, run, tag in ROWS:
+        if run not in runs:
+            continue
+        samples = [r for r in runs[run]["results"] if r["name"].startswith(tag + ":")]
+        ttfts = [r["ttft_s"] if r["ttft_s"] is not None else r["wall_s"] for r in samples]
+        restored = key != "computed"
+        hits_ok = all(r["external_prefix_cache_hits"] == (hit_tokens if restored else 0) for r in samples)
+        same = all(r["output_token_ids"] == computed_out.get(r["name"].split(":")[1]) for r in samples)
+        if not hits_ok:
+            problems.append(f"{label}: external hits {[r['external_prefix_cache_hits'] for r in samples]}, "
+                            f"expected {hit_tokens if restored else 0} each")
+        if not same:
+            problems.append(f"{label}: greedy output differs from the computed run")
+        rows[key] = {"label": label, "ttft_s": [round(x, 4) for x in ttfts], "median_s": round(median(ttfts), 4),
+                     "min_s": round(min(ttfts), 4), "max_s": round(max(ttfts), 4),
+                     "external_hits": [r["external_prefix_cache_hits"] for r in samples],
+                     "local_hits": [r["prefix_cache_hits"] for r in samples],
+                     "hits_ok": hits_ok, "same_output": same}
+    med = {k: v["median_s"] for k, v in rows.items()}
+
+    def ratio(a, b):
+        return round(med[a] / med[b], 4) if a in med and b in med and med[b] else None
+
+    ratios = {
+        "kvgate_cold/computed": ratio("kvgate_cold", "computed"),
+        "kvgate_warm/computed": ratio("kvgate_warm", "computed"),
+        "kvgate_ram/computed": ratio("kvgate_ram", "computed"),
+        "kvgate_ram/fs_ram": ratio("kvgate_ram", "fs_ram"),
+        "kvgate_cold/fs_cold": ratio("kvgate_cold", "fs_cold"),
+        "kvgate_warm/fs_warm": ratio("kvgate_warm", "fs_warm"),
+    }
+    bars = {
+        f"kvgate/computed <= {BAR_VS_COMPUTED}": all(
+            v is not None and v <= BAR_VS_COMPUTED for k, v in ratios.items() if k.endswith("/computed")),
+        f"kvgate/fs <= {BAR_VS_FS}": all(
+            v is not None and v <= BAR_VS_FS for k, v in ratios.items() if "/fs" in k),
+    }
+    first = {run: {r["name"].split(":")[0]: r["ttft_s"] for r in runs[run]["results"]
+                   if r["name"].startswith("first-restore-")} for run in runs if run != "compute"}
+    return {"rows": rows, "ratios": ratios, "bars": bars, "problems": problems, "first_restores_s": first,
+            "checks_ok": not problems, "cold_is_cold": can_drop}
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    s = rep["setup"]
+    m = s["model"]
+    print()
+    print(f"TTFT, {s['prompt_tokens']}-token prompt ({s['restorable_tokens']} tokens restorable), "
+          f"Llama {m['num_hidden_layers']} layers / hidden {m['hidden_size']} / {m['num_key_value_heads']} KV heads "
+          f"/ {m['dtype']}, random weights; vLLM 0.32 CPU, {s['cpus']} cores; "
+          f"{s['kv_bytes_per_prompt'] / (1 << 20):.0f} MiB of KV per prompt; median of {s['prompts']} prompts x {s['repeats']} rounds "
+          f"(computed: each prompt once); engine env {s['engine_env']}")
+    print()
+    comp = rep["rows"].get("computed", {}).get("median_s")
+    table = [("configuration", "TTFT median", "min - max", "vs computed", "external hits", "same output")]
+    for r in rep["rows"].values():
+        hits = "/".join(str(h) for h in sorted({int(h) for h in r["external_hits"]}))
+        table.append((r["label"], f"{r['median_s']:.3f} s", f"{r['min_s']:.3f} - {r['max_s']:.3f} s",
+                      f"{r['median_s'] / comp:.3f}" if comp else "-", hits, "yes" if r["same_output"] else "NO"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for n, row in enumerate(table):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("| " + " | ".join(cells) + " |")
+        if n == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print()
+    for k, v in rep["ratios"].items():
+        if v is not None:
+            print(f"  {k:<22} {v:.3f}")
+    for k, ok in rep["bars"].items():
+        print(f"  bar {k}: {'met' if ok else 'NOT met'}")
+    if not rep["cold_is_cold"]:
+        print("  note: the page cache could not be dropped; 'cold' rows are not cold")
+    for run, first in rep.get("first_restores_s", {}).items():
+        print(f"  unmeasured first restores of engine '{run}' (one-time costs): "
+              + ", ".join(f"{k.replace('first-restore-', '')} {v:.3f} s" for k, v in first.items() if v))
+    for p in rep["problems"]:
+        print(f"  PROBLEM: {p}")
+    print(f"  engine start (s): {s['engine_start_s']}; total {rep['total_s']} s; "
+          f"load average {s['loadavg_start']} at start, {s['loadavg_end']} at the end")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -91,6 +91,17 @@ def _u8(buf: Buffer) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+def _stalled(todo: list[int], again: list[int], stalled: bool) -> bool:
+    """One round of a packed get that made no progress may be a size that changed under the
+    gateway (another gateway rewrote the key on a shared card): ask once more.  Two in a row
+    means an object too large for the region or frame."""
+    if len(again) < len(todo):
+        return False
+    if stalled:
+        raise GatewayError("TOO_LARGE", "an object is larger than the shared-memory region or frame limit")
+    return True
+
+
 def _parse_target(target: str) -> tuple[str, Any]:
     if target.startswith("unix://"):
         return "unix", target[len("unix://"):]
@@ -510,12 +521,7 @@ class Client:
                     raise ObjectTooLarge(i, reply.sizes[j])
                 elif s >= 0:
                     out[i] = into[i][:s]
-            if len(again) == len(todo):
-                if stalled:
-                    raise GatewayError("TOO_LARGE", "an object is larger than the frame limit")
-                stalled = True  # or its size changed under the gateway (shared cards): ask once more
-            else:
-                stalled = False
+            stalled = _stalled(todo, again, stalled)
             todo = again
         return out
 
@@ -534,12 +540,7 @@ class Client:
                 elif s >= 0:
                     off = reply.offsets[j]
                     out[i] = bytes(src[off : off + s])
-            if len(again) == len(todo):
-                if stalled:
-                    raise GatewayError("TOO_LARGE", "an object is larger than the shared-memory region or frame limit")
-                stalled = True  # or its size changed under the gateway (shared cards): ask once more
-            else:
-                stalled = False
+            stalled = _stalled(todo, again, stalled)
             todo = again
         return out
 

@@ -155,7 +155,8 @@ def main(argv=None) -> int:
 
     def rounds(kinds: dict[str, list[str]]) -> list[dict]:
         """``kinds``: tier -> round kinds ("ram", "cold", "warm"), run in that order per tier; the
-        tier order alternates between repeats.  A cold request follows a page-cache drop."""
+        tier order alternates between repeats.  A cold request follows a page-cache drop, a
+        warm one a read of every card and fs file through the page cache."""
         tiers = list(kinds)
         # The first restore of an engine pays one-time costs (first touch of vLLM's CPU tier
         # and of the code paths of a restore) whichever tier serves it: one unmeasured restore
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
                     for i in range(args.prompts):
                         if kind == "cold":
                             steps.append({"op": "drop_caches"})
+                        elif kind == "warm":  # a cold request before may have dropped these files
+                            steps.append({"op": "warm_files", "dirs": [str(card), str(fs_root)]})
                         steps += [{"op": "warmup"}, gen(i, f"{tier}-{kind}", tier)]
                     steps.append({"op": "reset_cache"})
         return steps

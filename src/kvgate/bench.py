@@ -51,7 +51,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvgate.cards.objectformat import header_size
+from kvgate.cards.directio import is_aligned
+from kvgate.cards.objectformat import ALIGN, header_size, padded_size
 from kvgate.client import Client
 from kvgate.config import parse_size
 from kvgate.keys import encode_namespace, full_key, key_digest
@@ -272,6 +273,38 @@ def _read_files(items: Sequence[tuple[str, int, memoryview]]) -> None:
             raise BenchError(f"{path}: read {n} bytes, expected {hsize + len(dest)}")
 
 
+def _read_files_direct(items: Sequence[tuple[str, int, memoryview]]) -> None:
+    """As ``_read_files`` with ``O_DIRECT``: the device straight into the destination, the page cache
+    bypassed (the header block lands in aligned scratch; destinations must be page aligned)."""
+    scratch = mmap.mmap(-1, max((h for _, h, _ in items), default=0) or mmap.PAGESIZE)
+    hdr = memoryview(scratch)
+    try:
+        for path, hsize, dest in items:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                n = os.preadv(fd, [hdr[:hsize], dest], 0)
+            finally:
+                os.close(fd)
+            if n != hsize + len(dest):
+                raise BenchError(f"{path}: read {n} bytes, expected {hsize + len(dest)}")
+    finally:
+        hdr.release()
+        scratch.close()
+
+
+def _direct_ok(items: Sequence[tuple[str, int, memoryview]]) -> bool:
+    """Whether ``_read_files_direct`` can read these: aligned offsets, lengths and destinations."""
+    if not hasattr(os, "O_DIRECT") or not items:
+        return False
+    if any(h % ALIGN or len(d) % ALIGN or not is_aligned(d) for _, h, d in items):
+        return False
+    try:
+        _read_files_direct(items[:1])
+    except OSError:
+        return False
+    return True
+
+
 def _write_all(fd: int, parts: list[memoryview]) -> None:
     """pwritev until everything is written (a short write is legal)."""
     offset = 0
@@ -449,16 +482,28 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
+def _base_label(base: dict[str, Any], plain: str) -> str:
+    return "direct" if base["what"].endswith("O_DIRECT") else plain
+
+
 def _ratio(gw: Series, base: dict[str, Any]) -> dict[str, Any]:
     return {"kvgate": gw.to_json(), "baseline": base, "ratio": gw.best_gib_s / base["best_gib_s"],
             "ratio_median": gw.median_gib_s / base["median_gib_s"]}
 
 
 def _figure(series: dict[str, Series], name: str, thread_counts: Sequence[int], what: str) -> dict[str, Any]:
-    """``name`` against the fastest ``raw<n>`` series: the physical limit is the best the machine does."""
-    best = max(thread_counts, key=lambda n: series[f"raw{n}"].best_gib_s)
-    base = {**series[f"raw{best}"].to_json(), "what": what, "threads": best,
-            "by_threads": {str(n): series[f"raw{n}"].to_json() for n in thread_counts}}
+    """``name`` against the fastest raw series: the physical limit is the best the machine does.
+
+    Raw series are ``raw<n>`` (buffered reads or writes on n threads) and, for
+    cold reads, ``direct<n>`` (the same reads with ``O_DIRECT``).
+    """
+    raw = [(kind, n) for kind in ("raw", "direct") for n in thread_counts if f"{kind}{n}" in series]
+    kind, best = max(raw, key=lambda kn: series[f"{kn[0]}{kn[1]}"].best_gib_s)
+    base = {**series[f"{kind}{best}"].to_json(), "what": what + (" with O_DIRECT" if kind == "direct" else ""),
+            "threads": best, "by_threads": {str(n): series[f"raw{n}"].to_json() for n in thread_counts}}
+    direct = {str(n): series[f"direct{n}"].to_json() for n in thread_counts if f"direct{n}" in series}
+    if direct:
+        base["direct_by_threads"] = direct
     return _ratio(series[name], base)
 
 
@@ -591,6 +636,13 @@ class Bench:
                         after: Callable[[int], None] | None = None) -> list[Contender]:
         """One contender per thread count; ``pass_fn(round, threads)`` is one raw pass."""
         return [Contender(f"raw{n}", lambda r, n=n: pass_fn(r, n), before, after) for n in self._thread_counts]
+
+    def _direct_contenders(self, items: list[tuple[str, int, memoryview]]) -> list[Contender]:
+        """Cold reads with O_DIRECT, one contender per thread count (none where O_DIRECT cannot read these)."""
+        if not _direct_ok(items):
+            return []
+        return [Contender(f"direct{n}", lambda _r, n=n: _on_threads(self.pool, _read_files_direct, items, n),
+                          _drop_caches) for n in self._thread_counts]
 
     def _figure(self, series: dict[str, Series], what: str) -> dict[str, Any]:
         """kvgate against the faster raw thread count: the physical limit is the best the machine does."""
@@ -731,7 +783,8 @@ class Bench:
         """3. As 2, with the page cache dropped before every pass of either side; few passes, they are slow."""
         n = self.plan.cold_rounds
         s = measure([Contender("kvgate", card_get, _drop_caches),
-                     *self._raw_contenders(lambda _r, t: _on_threads(self.pool, _read_files, items, t), _drop_caches)],
+                     *self._raw_contenders(lambda _r, t: _on_threads(self.pool, _read_files, items, t), _drop_caches),
+                     *self._direct_contenders(items)],
                     self.plan.pass_bytes, budget_s=0.0, min_rounds=n, max_rounds=n, warmup=False)
         self.shm.array[: self.plan.pass_bytes] = 0
         _drop_caches()
@@ -753,8 +806,8 @@ class Bench:
 
         scratch = os.path.join(self.workdir, "raw-write")
         os.makedirs(scratch)
-        # A header as long as the card's, so both sides write files of the same size.
-        header = memoryview(bytes(header_size(full_key(self.ns, put_keys(0)[0]))))
+        # A header as long as the card's (padded to a block), so both sides write files of the same size.
+        header = memoryview(bytes(padded_size(header_size(full_key(self.ns, put_keys(0)[0])))))
 
         def raw_items(r: int) -> list[tuple[str, memoryview, memoryview]]:
             return [(os.path.join(scratch, f"{r}-{i}"), header, d) for i, d in enumerate(slices)]
@@ -1035,7 +1088,8 @@ class CardsBench(Bench):
         cold_timing: dict[str, Any] = {"budget_s": 0.0, "min_rounds": n, "max_rounds": n, "warmup": False}
         self.progress(f"{p}: single restore cold")
         if cold:
-            s = measure([Contender("kvgate", single, _drop_caches), *raw_single(_drop_caches)], ws, **cold_timing)
+            s = measure([Contender("kvgate", single, _drop_caches), *raw_single(_drop_caches),
+                         *self._direct_contenders(items[0])], ws, **cold_timing)
             figures["single_cold"] = _figure(s, "kvgate", self._thread_counts, what)
         else:
             figures["single_cold"] = None
@@ -1045,8 +1099,13 @@ class CardsBench(Bench):
         figures["concurrent_warm"] = _figure(s, "kvgate", [nr], conc_what)
         self.progress(f"{p}: {nr} restores cold")
         if cold:
-            s = measure([Contender("kvgate", concurrent, _drop_caches), Contender(f"raw{nr}", raw_concurrent, _drop_caches)],
-                        total, **cold_timing)
+            def direct_concurrent(_r: int) -> None:
+                for f in [rpool.submit(_read_files_direct, items[d]) for d in range(nr)]:
+                    f.result()
+
+            direct = [Contender(f"direct{nr}", direct_concurrent, _drop_caches)] if _direct_ok(items[0]) else []
+            s = measure([Contender("kvgate", concurrent, _drop_caches), Contender(f"raw{nr}", raw_concurrent, _drop_caches),
+                         *direct], total, **cold_timing)
             figures["concurrent_cold"] = _figure(s, "kvgate", [nr], conc_what)
             region[:total] = 0
             _drop_caches()
@@ -1146,7 +1205,8 @@ def _print_cards_table(result: dict[str, Any]) -> None:
                 t.add_row(p if i == 0 else "", labels[name], "[yellow]skipped[/]", "-", "-", where)
                 continue
             b = f["baseline"]
-            t.add_row(p if i == 0 else "", labels[name], gib(f["kvgate"]), gib(b, f"preadv x{b['threads']}, "),
+            t.add_row(p if i == 0 else "", labels[name], gib(f["kvgate"]),
+                      gib(b, f"{_base_label(b, 'preadv')} x{b['threads']}, "),
                       f"{f['ratio']:.2f}", where, end_section=i == len(CARDS_FIGURES) - 1)
     con.print(t)
     passes = [str(r["figures"][name]["kvgate"]["passes"]) if r["figures"][name] else "0"
@@ -1211,7 +1271,7 @@ def _print_table(result: dict[str, Any]) -> None:
             t.add_row(label, "[yellow]skipped[/]", "-", "-", "-")
             continue
         b = f["baseline"]
-        t.add_row(label, gib(f["kvgate"]), gib(b, f"{short[name]} x{b['threads']}, "), f"{f['ratio']:.2f}",
+        t.add_row(label, gib(f["kvgate"]), gib(b, f"{_base_label(b, short[name])} x{b['threads']}, "), f"{f['ratio']:.2f}",
                   bar(bars[name], limit) if limit else "-")
     f = figs["lookup"]
     t.add_row(f"lookup {f['keys']} keys", f"p50 {f['p50_ms']:.2f} ms\n[dim]p99 {f['p99_ms']:.2f}\nbest {f['best_ms']:.2f}[/]",

@@ -159,6 +159,8 @@ FIELDS: tuple[Field, ...] = (
     Field("max_connections", _parse_int, 256, "concurrent client connections", minimum=1),
     Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),
     Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
+    Field("direct_reads", _parse_bool, True,
+          "directory cards read what the page cache lacks with O_DIRECT, straight into the destination"),
     Field("log_level", _parse_str, "info", "log level", choices=("debug", "info", "warning", "error")),
 )
 
@@ -195,6 +197,7 @@ class Config:
     max_connections: int = 256
     refuse_unsalted: bool = False
     sync_writes: bool = False
+    direct_reads: bool = True
     log_level: str = "info"
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import multiprocessing
 import multiprocessing.sharedctypes
 import multiprocessing.synchronize
@@ -29,8 +30,9 @@ from kvgate.cards import (
     ObjectMissing,
     StoredObject,
 )
+from kvgate.cards.directio import SUPPORTED, cached_pages
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
-from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size
+from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
 
 P = CHECKSUM_PIECE
@@ -74,7 +76,7 @@ def test_round_trip_into_slice_of_bigger_buffer(card: DirectoryCard, size: int) 
     data = payload_for(k, size)
     meta = ObjectMeta(dialog=dialog_digest(b"d"), position=size, created_ns=123)
     stored = card.write(k, memoryview(data), meta)
-    assert stored == header_size(k) + size
+    assert stored == padded_size(header_size(k)) + size
     assert os.path.getsize(card.object_path(k)) == stored
 
     slack = 1000  # destination bigger than the payload
@@ -137,6 +139,130 @@ def test_interface(card: DirectoryCard) -> None:
         DirectoryCard("/nowhere", num_dbs=0)
 
 
+# ------------------------------------------------------------- direct reads
+
+
+def aligned(size: int) -> tuple[mmap.mmap, np.ndarray]:
+    """A page-aligned buffer, as vLLM's CPU tier and the RAM tier are."""
+    m = mmap.mmap(-1, max(size, 1))
+    return m, np.frombuffer(m, dtype=np.uint8)[:size]
+
+
+def evict(path: str) -> None:
+    """Push a file out of the page cache (no root needed: it is clean once synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def pages_cached(path: str) -> int | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return cached_pages(fd)
+    finally:
+        os.close(fd)
+
+
+needs_cachestat = pytest.mark.skipif(
+    not SUPPORTED or pages_cached(__file__) is None, reason="kernel without cachestat(2) or O_DIRECT")
+
+
+@needs_cachestat
+@pytest.mark.parametrize("size", [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, P + 1, (3 << 20) + 7])
+@pytest.mark.parametrize("slack", [0, 1000])
+def test_cold_read_is_direct_and_touches_nothing_past_the_payload(card: DirectoryCard, size: int,
+                                                                   slack: int) -> None:
+    k = key(f"cold-{size}")
+    data = payload_for(k, size)
+    card.write(k, memoryview(data), ObjectMeta(position=3))
+    path = card.object_path(k)
+    evict(path)
+    if pages_cached(path):
+        pytest.skip("this filesystem keeps the file cached")
+    m, buf = aligned(size + slack + GUARD)
+    buf[:] = GUARD_BYTE
+    h = card.read_into(k, memoryview(m)[: size + slack])
+    assert h.payload_len == size and h.meta.position == 3
+    assert np.array_equal(buf[:size], data)
+    assert (buf[size:] == GUARD_BYTE).all()
+    # Read around the page cache: it holds no more of the file than before.
+    assert pages_cached(path) == 0
+    assert card.direct_reads
+
+
+@needs_cachestat
+def test_cached_file_is_read_through_the_page_cache(card: DirectoryCard) -> None:
+    k = key("warm")
+    data = payload_for(k, 2 * P + 5)
+    card.write(k, memoryview(data), ObjectMeta())
+    path = card.object_path(k)
+    with open(path, "rb") as f:
+        f.read()
+    m, buf = aligned(len(data))
+    card.read_into(k, memoryview(m))
+    assert np.array_equal(buf, data)
+    assert pages_cached(path) == -(-os.path.getsize(path) // mmap.PAGESIZE)
+
+
+@needs_cachestat
+def test_direct_reads_off_reads_through_the_page_cache(tmp_path: Path) -> None:
+    c = DirectoryCard(str(tmp_path / "c"), direct_reads=False)
+    c.open()
+    k = key("buffered")
+    data = payload_for(k, P + 1)
+    c.write(k, memoryview(data), ObjectMeta())
+    evict(c.object_path(k))
+    m, buf = aligned(len(data))
+    c.read_into(k, memoryview(m))
+    assert np.array_equal(buf, data)
+    assert pages_cached(c.object_path(k))
+
+
+def test_filesystem_refusing_direct_io_falls_back_once(card: DirectoryCard, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    import kvgate.cards.directory as directory
+
+    monkeypatch.setattr(directory, "set_direct", lambda fd, on: not on)  # refuses O_DIRECT, allows clearing it
+    monkeypatch.setattr(directory, "fully_cached", lambda fd, size: False)
+    k = key("refused")
+    data = payload_for(k, P + 9)
+    card.write(k, memoryview(data), ObjectMeta())
+    m, buf = aligned(len(data))
+    with caplog.at_level("WARNING", logger="kvgate.cards.directory"):
+        card.read_into(k, memoryview(m))
+        card.read_into(k, memoryview(m))
+    assert np.array_equal(buf, data)
+    assert not card.direct_reads
+    assert sum("direct reads are off" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["unaligned-dest", "aligned-cold"])
+@pytest.mark.parametrize("size", [0, 5, P + 3])
+def test_unpadded_object_is_still_read(card: DirectoryCard, size: int, cold: bool) -> None:
+    """Objects written before payloads were padded to a block boundary keep reading right."""
+    k = key(f"old-{size}")
+    data = payload_for(k, size)
+    path = card.object_path(k)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(pack_header(k, size, payload_hash(memoryview(data)), ObjectMeta(position=4)))
+        f.write(data.tobytes())
+    if cold:
+        evict(path)
+        m, buf = aligned(size)
+        dest = memoryview(m)[:size]
+    else:
+        buf = np.zeros(size + 1, dtype=np.uint8)[1:]  # not aligned
+        dest = memoryview(buf)
+    h = card.read_into(k, dest)
+    assert h.payload_offset == header_size(k) and h.meta.position == 4
+    assert np.array_equal(buf[:size], data)
+    assert [o.stored_bytes for o in card.scan()] == [header_size(k) + size]
+
+
 # ------------------------------------------------------------ missing, delete
 
 
@@ -188,18 +314,20 @@ def _truncate(path: str, new_size: int) -> None:
 
 def _corruptions(k: bytes, size: int) -> dict[str, Callable[[str], None]]:
     hs = header_size(k)
+    po = padded_size(hs)  # where the payload starts
     return {
-        "payload-first-byte": lambda p: _flip(p, hs),
-        "payload-middle": lambda p: _flip(p, hs + size // 2),
-        "payload-last-byte": lambda p: _flip(p, hs + size - 1),
-        "payload-second-piece": lambda p: _flip(p, hs + P + 3),
+        "payload-first-byte": lambda p: _flip(p, po),
+        "payload-middle": lambda p: _flip(p, po + size // 2),
+        "payload-last-byte": lambda p: _flip(p, po + size - 1),
+        "payload-second-piece": lambda p: _flip(p, po + P + 3),
         "header-magic": lambda p: _flip(p, 0),
         "header-payload-len": lambda p: _flip(p, 16),
         "header-position": lambda p: _flip(p, 33),
         "header-payload-crc": lambda p: _flip(p, 57),
         "header-crc": lambda p: _flip(p, 65),
         "header-key": lambda p: _flip(p, hs - 1),
-        "truncate-one": lambda p: _truncate(p, hs + size - 1),
+        "truncate-one": lambda p: _truncate(p, po + size - 1),
+        "truncate-to-padding": lambda p: _truncate(p, po),
         "truncate-to-header": lambda p: _truncate(p, hs),
         "truncate-inside-header": lambda p: _truncate(p, hs - 5),
         "truncate-empty": lambda p: _truncate(p, 0),
@@ -210,15 +338,22 @@ def _corruptions(k: bytes, size: int) -> dict[str, Callable[[str], None]]:
 CORRUPTIONS = sorted(_corruptions(key(0), 10))
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("how", CORRUPTIONS)
-def test_corruption_is_detected_and_deleted(card: DirectoryCard, how: str) -> None:
+def test_corruption_is_detected_and_deleted(card: DirectoryCard, how: str, direct: bool) -> None:
     k = key("victim")
     size = 2 * P + 5
     card.write(k, memoryview(payload_for(k, size)), ObjectMeta())
     path = card.object_path(k)
     _corruptions(k, size)[how](path)
+    if direct:
+        evict(path)  # cold, into aligned memory: the O_DIRECT path where the kernel has it
+        m, _buf = aligned(size + 10)
+        dest = memoryview(m)
+    else:
+        dest = memoryview(np.zeros(size + 11, dtype=np.uint8)[1:])  # never aligned: buffered
     with pytest.raises(ObjectCorrupt):
-        card.read_into(k, memoryview(np.zeros(size + 10, dtype=np.uint8)))
+        card.read_into(k, dest)
     assert not os.path.exists(path)
     assert not card.exists(k)
     with pytest.raises(ObjectMissing):
@@ -352,7 +487,7 @@ def test_scan_reports_objects_with_meta(card: DirectoryCard) -> None:
         meta = ObjectMeta(dialog=dialog_digest(b"dialog-%d" % (i % 4)), position=i, created_ns=1000 + i)
         size = i * 1000
         card.write(k, memoryview(payload_for(k, size)), meta)
-        expected[k] = StoredObject(k, size, header_size(k) + size, meta)
+        expected[k] = StoredObject(k, size, padded_size(header_size(k)) + size, meta)
     found = list(card.scan())
     assert len(found) == len(expected)
     assert {o.full_key: o for o in found} == expected

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.cards.objectformat import (
+    ALIGN,
     FIXED_SIZE,
+    FLAG_PADDED,
     MAGIC,
     VERSION,
     BufferTooSmall,
@@ -21,6 +23,7 @@ from kvgate.cards.objectformat import (
     payload_hasher,
     header_size,
     pack_header,
+    padded_size,
     parse_header,
 )
 from kvgate.keys import NO_DIALOG, dialog_digest, full_key
@@ -34,11 +37,11 @@ _DOC_FIXED = struct.Struct("<4sHHIHHQQq16sQ")
 
 
 def _craft(key: bytes, *, magic: bytes = MAGIC, version: int = VERSION, hlen: int | None = None,
-           klen: int | None = None, plen: int = 10, pcrc: int = 0) -> bytes:
+           klen: int | None = None, plen: int = 10, pcrc: int = 0, flags: int = 0) -> bytes:
     """A header with a correct header hash but chosen (possibly wrong) fields."""
     hlen = FIXED_SIZE + len(key) if hlen is None else hlen
     klen = len(key) if klen is None else klen
-    fixed = _DOC_FIXED.pack(magic, version, 0, hlen, klen, 0, plen, 1, -1, NO_DIALOG, pcrc)
+    fixed = _DOC_FIXED.pack(magic, version, flags, hlen, klen, 0, plen, 1, -1, NO_DIALOG, pcrc)
     return fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed + key)) + key
 
 
@@ -142,6 +145,27 @@ def test_inconsistent_lengths(field: str) -> None:
         h = _craft(KEY, klen=len(KEY) + 1)
     with pytest.raises(ObjectCorrupt, match="length"):
         parse_header(h)
+
+
+@pytest.mark.parametrize("key", [KEY, full_key(b"t", b"k" * 5000)], ids=["short-key", "long-key"])
+def test_padded_header_puts_the_payload_on_a_block_boundary(key: bytes) -> None:
+    h = pack_header(key, 12345, 7, META, padded=True)
+    hsize = header_size(key)
+    assert len(h) == padded_size(hsize) == (4096 if hsize <= 4096 else 8192)
+    assert struct.unpack_from("<H", h, 6)[0] == FLAG_PADDED
+    assert h[hsize:] == bytes(len(h) - hsize)
+    parsed = parse_header(h, expect_key=key)
+    assert parsed.header_len == hsize
+    assert parsed.payload_offset == len(h) and parsed.payload_offset % ALIGN == 0
+    assert parsed.object_size == len(h) + 12345
+    plain = parse_header(pack_header(key, 12345, 7, META), expect_key=key)
+    assert plain.payload_offset == hsize and plain.meta == parsed.meta
+
+
+def test_unknown_flags_are_corrupt() -> None:
+    assert parse_header(_craft(KEY, flags=FLAG_PADDED)).payload_offset == ALIGN
+    with pytest.raises(ObjectCorrupt, match="flags"):
+        parse_header(_craft(KEY, flags=2))
 
 
 def test_crafted_header_is_accepted() -> None:

@@ -22,6 +22,7 @@ that no lookup ever opens and that ``scan`` reaps once it is old.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -40,6 +41,7 @@ from kvgate.cards.base import (
     new_label,
     parse_label,
 )
+from kvgate.cards.directio import SUPPORTED, Scratch, align_down, fully_cached, is_aligned, set_direct
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -51,9 +53,13 @@ from kvgate.cards.objectformat import (
     payload_hasher,
     header_size,
     pack_header,
+    padded_size,
     parse_header,
+    payload_hash,
 )
 from kvgate.keys import key_digest
+
+log = logging.getLogger("kvgate.cards.directory")
 
 LABEL_NAME = "kvgate-card.json"
 
@@ -131,11 +137,15 @@ class DirectoryCard(Card):
 
     kind = "directory"
 
-    def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False):
+    def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True):
         if num_dbs < 1:
             raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         super().__init__(location, num_dbs)
         self.sync_writes = sync_writes
+        # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
+        # kernels, some FUSE filesystems); reads then all go through the page cache.
+        self.direct_reads = direct_reads and SUPPORTED
+        self._scratch = Scratch()
         self._label_path = os.path.join(location, LABEL_NAME)
         self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
 
@@ -357,34 +367,34 @@ class DirectoryCard(Card):
             os.close(fd)
 
     def _read_verified(self, fd: int, full_key: bytes, view: memoryview) -> Header:
-        """Header and first piece in one preadv, then the rest piece by piece.
+        file_size = os.fstat(fd).st_size
+        if (self.direct_reads and is_aligned(view) and not fully_cached(fd, file_size)
+                and self._set_direct(fd)):
+            return self._read_direct(fd, full_key, view, file_size)
+        return self._read_buffered(fd, full_key, view, file_size)
+
+    def _read_buffered(self, fd: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
+        """Header and first piece in one ``preadv``, then the rest piece by piece.
 
         Each piece is checksummed right after it lands, while it is still in
         the CPU cache, so verification costs no second pass over memory.
         """
         hsize = header_size(full_key)
-        header_buf = bytearray(hsize)
-        file_size = os.fstat(fd).st_size
+        poff = padded_size(hsize)  # where our writes put the payload
+        head = self._scratch.head(poff)
         first = min(len(view), CHECKSUM_PIECE)
-        n = os.preadv(fd, [header_buf, view[:first]], 0)
-        if n < hsize:
-            raise ObjectCorrupt("object shorter than its header")
-        header = parse_header(header_buf, expect_key=full_key)
+        n = os.preadv(fd, [head, view[:first]], 0)
+        header = self._check_header(head, n, full_key, view, file_size)
         plen = header.payload_len
-        if file_size != hsize + plen:
-            raise ObjectCorrupt(f"object file is {file_size} bytes, its header says {hsize + plen}")
-        if plen > len(view):
-            raise BufferTooSmall(plen)
-        got = n - hsize
-        if got > plen:
-            raise ObjectCorrupt("object longer than its header says")
+        # An unpadded object (written before objects were padded): what landed in view is not its payload.
+        got = min(max(0, n - poff), plen) if header.payload_offset == poff else 0
         hasher = payload_hasher()
         if got:
             hasher.update(view[:got])
         off = got
         while off < plen:
             piece = view[off : off + min(CHECKSUM_PIECE, plen - off)]
-            k = os.preadv(fd, [piece], hsize + off)
+            k = os.preadv(fd, [piece], header.payload_offset + off)
             if k <= 0:
                 raise ObjectCorrupt("object shorter than its header says")
             hasher.update(piece[:k])
@@ -393,6 +403,65 @@ class DirectoryCard(Card):
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
+    def _read_direct(self, fd: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
+        """Header block and payload straight from the device (``fd`` has ``O_DIRECT`` on), then the checksum.
+
+        A direct read moves whole blocks, so only the payload's whole blocks
+        go straight into ``view``; its last partial block goes through a
+        scratch block, and no byte of ``view`` past the payload is touched.
+        """
+        hsize = header_size(full_key)
+        poff = padded_size(hsize)
+        head = self._scratch.head(poff)
+        body = align_down(min(len(view), max(0, file_size - poff)))
+        try:
+            n = os.preadv(fd, [head, view[:body]], 0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct_refused(f"O_DIRECT read: {exc.strerror}")
+            set_direct(fd, False)
+            return self._read_buffered(fd, full_key, view, file_size)
+        header = self._check_header(head, n, full_key, view, file_size)
+        if header.payload_offset != poff:  # unpadded: not at an aligned offset
+            set_direct(fd, False)
+            return self._read_buffered(fd, full_key, view, file_size)
+        plen = header.payload_len
+        if n != poff + body:
+            raise ObjectCorrupt("object shorter than its header says")
+        tail = plen - body  # < ALIGN: body took every whole block of a payload that fits view
+        if tail:
+            scratch = self._scratch.tail
+            if os.preadv(fd, [scratch], poff + body) != tail:
+                raise ObjectCorrupt("object shorter than its header says")
+            view[body:plen] = scratch[:tail]
+        if payload_hash(view[:plen]) != header.payload_hash:
+            raise ObjectCorrupt("payload checksum mismatch")
+        return header
+
+    @staticmethod
+    def _check_header(head: memoryview, n: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
+        hsize = header_size(full_key)
+        if n < hsize:
+            raise ObjectCorrupt("object shorter than its header")
+        header = parse_header(head[:hsize], expect_key=full_key)
+        if file_size != header.object_size:
+            raise ObjectCorrupt(f"object file is {file_size} bytes, its header says {header.object_size}")
+        if header.payload_len > len(view):
+            raise BufferTooSmall(header.payload_len)
+        return header
+
+    def _set_direct(self, fd: int) -> bool:
+        if set_direct(fd, True):
+            return True
+        self._direct_refused("fcntl(O_DIRECT) refused")
+        return False
+
+    def _direct_refused(self, why: str) -> None:
+        if self.direct_reads:
+            self.direct_reads = False
+            log.warning("card %s: direct reads are off (%s); reading through the page cache", self.location, why)
+
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
         view = byte_view(payload)
@@ -400,7 +469,8 @@ class DirectoryCard(Card):
         # pid + thread: concurrent writers of one key, in this process or
         # another on a shared card, each get their own temp file.
         tmp = f"{final}{_TEMP_MARK}{os.getpid()}.{threading.get_ident()}"
-        hsize = header_size(full_key)
+        # Padded: the payload at a block-aligned offset, for direct reads
+        poff = padded_size(header_size(full_key))
         plen = len(view)
         try:
             fd = self._create_temp(tmp)
@@ -411,10 +481,10 @@ class DirectoryCard(Card):
                         raise WriteAbandoned(self.location)
                     piece = view[off : off + CHECKSUM_PIECE]
                     hasher.update(piece)
-                    _pwrite_all(fd, piece, hsize + off)
-                header = pack_header(full_key, plen, hasher.intdigest(), meta)
-                if len(header) != hsize:  # pack_header and header_size must agree
-                    raise AssertionError(f"header is {len(header)} bytes, expected {hsize}")
+                    _pwrite_all(fd, piece, poff + off)
+                header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
+                if len(header) != poff:  # pack_header and padded_size must agree
+                    raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
                 _pwrite_all(fd, header, 0)
                 if self.sync_writes:
                     os.fsync(fd)
@@ -432,7 +502,7 @@ class DirectoryCard(Card):
             raise
         if self.sync_writes:
             _fsync_dir(os.path.dirname(final))
-        return hsize + plen
+        return poff + plen
 
     def _create_temp(self, tmp: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
@@ -547,15 +617,17 @@ class DirectoryCard(Card):
             return None
         try:
             size = os.fstat(fd).st_size
+            # A header is all scan wants: without this, readahead would pull ~128 KiB of
+            # every object into the page cache at start.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             buf = os.pread(fd, _SCAN_READ, 0)
             if len(buf) >= 12:
                 hlen = int.from_bytes(buf[8:12], "little")
                 if len(buf) < hlen <= _MAX_HEADER:
                     buf = os.pread(fd, hlen, 0)
             header = parse_header(buf, expect_key=None)
-            if size != header.header_len + header.payload_len:
-                raise ObjectCorrupt(f"object file is {size} bytes, its header says "
-                                    f"{header.header_len + header.payload_len}")
+            if size != header.object_size:
+                raise ObjectCorrupt(f"object file is {size} bytes, its header says {header.object_size}")
             if key_digest(header.full_key).hex() != name:
                 raise ObjectCorrupt("object file name does not match the key inside")
         except ObjectCorrupt:

@@ -5,7 +5,7 @@ An object is a header followed by the payload:
     offset  size  field
     0       4     magic  b"KVGO"
     4       2     format version (1)
-    6       2     flags (0)
+    6       2     flags (bit 0: payload padded to a 4 KiB boundary)
     8       4     header length (fixed part + full key)
     12      2     full key length
     14      2     reserved (0)
@@ -18,7 +18,10 @@ An object is a header followed by the payload:
     72      n     full key
 
 A reader knows the full key it asked for, so it knows the header length and
-can read header and payload in one ``preadv``.  A header that does not match
+can read header and payload in one ``preadv``.  With flag ``PADDED`` (set by
+directory cards) the payload starts at the first multiple of ``ALIGN`` after
+the header, zeros in between: the payload then sits at a block-aligned file
+offset, which an ``O_DIRECT`` read into page-aligned memory needs.  A header that does not match
 the key asked for, a bad header hash, a short object or a payload hash that
 fails are all the same thing to the caller: ``ObjectCorrupt``.
 
@@ -49,6 +52,17 @@ assert FIXED_SIZE == 72
 # it is written, while the piece is still in the CPU cache: one pass over
 # memory instead of two.
 CHECKSUM_PIECE = 256 << 10
+
+# Offset and memory alignment that O_DIRECT needs on every block device in use
+# (512 would do for most; 4 KiB also covers 4Kn disks and is the page size).
+ALIGN = 4096
+FLAG_PADDED = 1
+_KNOWN_FLAGS = FLAG_PADDED
+
+
+def padded_size(header_len: int) -> int:
+    """Where the payload of a ``PADDED`` object starts."""
+    return -(-header_len // ALIGN) * ALIGN
 
 
 class ObjectMissing(LookupError):
@@ -83,6 +97,11 @@ class Header:
     payload_hash: int
     meta: ObjectMeta
     full_key: bytes
+    payload_offset: int  # header_len, or padded_size(header_len) for a PADDED object
+
+    @property
+    def object_size(self) -> int:
+        return self.payload_offset + self.payload_len
 
 
 def header_size(full_key: bytes) -> int:
@@ -95,13 +114,17 @@ def _header_hash(fixed: bytes | memoryview, full_key: bytes) -> int:
     return h.intdigest()
 
 
-def pack_header(full_key: bytes, payload_len: int, payload_hash: int, meta: ObjectMeta) -> bytes:
+def pack_header(full_key: bytes, payload_len: int, payload_hash: int, meta: ObjectMeta,
+                padded: bool = False) -> bytes:
+    """The header; with ``padded``, followed by the zeros up to the payload's offset."""
     created = meta.created_ns or time.time_ns()
+    hlen = FIXED_SIZE + len(full_key)
     fixed = _FIXED.pack(
-        MAGIC, VERSION, 0, FIXED_SIZE + len(full_key), len(full_key), 0,
+        MAGIC, VERSION, FLAG_PADDED if padded else 0, hlen, len(full_key), 0,
         payload_len, created, meta.position, meta.dialog, payload_hash,
     )
-    return fixed + _HCHECK.pack(_header_hash(fixed, full_key)) + full_key
+    header = fixed + _HCHECK.pack(_header_hash(fixed, full_key)) + full_key
+    return header + bytes(padded_size(hlen) - hlen) if padded else header
 
 
 def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None = None) -> Header:
@@ -109,7 +132,7 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
     mv = memoryview(buf)
     if len(mv) < FIXED_SIZE:
         raise ObjectCorrupt("object shorter than its header")
-    (magic, version, _flags, hlen, klen, _res, plen, created, position, dialog, phash) = _FIXED.unpack_from(mv, 0)
+    (magic, version, flags, hlen, klen, _res, plen, created, position, dialog, phash) = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise ObjectCorrupt("bad magic")
     if version != VERSION:
@@ -120,9 +143,12 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
     (hcheck,) = _HCHECK.unpack_from(mv, _FIXED.size)
     if _header_hash(mv[: _FIXED.size], key) != hcheck:
         raise ObjectCorrupt("header checksum mismatch")
+    if flags & ~_KNOWN_FLAGS:
+        raise ObjectCorrupt(f"unknown object flags {flags:#x}")
     if expect_key is not None and key != expect_key:
         raise ObjectCorrupt("object holds another key")
-    return Header(hlen, plen, phash, ObjectMeta(bytes(dialog), position, created), key)
+    poff = padded_size(hlen) if flags & FLAG_PADDED else hlen
+    return Header(hlen, plen, phash, ObjectMeta(bytes(dialog), position, created), key, poff)
 
 
 def payload_hasher() -> "xxhash.xxh3_64":

@@ -513,7 +513,7 @@ class RedisCard(Card):
         """
         header = parse_header(value, expect_key=full_key)
         hlen, plen = header.header_len, header.payload_len
-        if hlen != header_size(full_key):  # parse_header checked it; be explicit
+        if hlen != header_size(full_key) or header.payload_offset != hlen:  # Redis objects are never padded
             raise ObjectCorrupt("bad header length")
         if len(value) != hlen + plen:
             raise ObjectCorrupt(f"object is {len(value)} bytes, its header says {hlen + plen}")
@@ -729,8 +729,8 @@ class RedisCard(Card):
                     with self._io():
                         buf = self._r.getrange(name, 0, hlen - 1)
             header = parse_header(buf, expect_key=None)
-            if size != header.header_len + header.payload_len:
-                raise ObjectCorrupt(f"object is {size} bytes, its header says {header.header_len + header.payload_len}")
+            if size != header.object_size:
+                raise ObjectCorrupt(f"object is {size} bytes, its header says {header.object_size}")
             parsed = self._parse_name(name)
             assert parsed is not None
             if key_digest(header.full_key).hex().encode() != parsed[1]:

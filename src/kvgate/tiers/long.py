@@ -127,7 +127,7 @@ def is_redis(location: str) -> bool:
 def make_card(location: str, cfg: Config) -> Card:
     if is_redis(location):
         return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms)
-    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes)
+    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads)
 
 
 def expand(pattern: str) -> list[str]:

@@ -1,0 +1,114 @@
+"""What a read with ``O_DIRECT`` needs: aligned memory, aligned offsets, a flag it can turn on.
+
+Why directory cards read with ``O_DIRECT`` at all: a buffered read of a cold
+file costs this host's CPU twice, once to fill the page cache and once to copy
+out of it, and on an inference host those cycles belong to the engine.  An
+``O_DIRECT`` read lets the device write the destination (vLLM's CPU tier, the
+gateway's RAM tier) with no copy and no page cache churn.  A file the page
+cache holds whole is still read the buffered way, which beats the device.
+
+Which case a file is in comes from ``cachestat(2)`` (Linux 6.5), which counts
+cached pages without doing any I/O.  ``preadv2(RWF_NOWAIT)`` cannot tell: on
+a miss it starts readahead before it says EAGAIN, and the direct read that
+follows would fetch the same bytes a second time.  Without ``cachestat``
+every read is direct, as vLLM's own file tier does.
+
+The flag is switched on the descriptor already open (``fcntl(F_SETFL)``)
+rather than by opening the path again, so the decision and the read concern
+the same inode even while a writer renames a new version over the name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import platform
+import sys
+import threading
+
+import numpy as np
+
+from kvgate.cards.objectformat import ALIGN
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+SUPPORTED = bool(O_DIRECT)
+PAGE = mmap.PAGESIZE
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64)
+                for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+# The syscall number is the same on every architecture that has it (the unified table).
+_NR_CACHESTAT = 451 if sys.platform.startswith("linux") and platform.machine() in (
+    "x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "s390x", "loongarch64") else None
+_libc = ctypes.CDLL(None, use_errno=True) if _NR_CACHESTAT is not None else None
+_cachestat_works = _NR_CACHESTAT is not None
+
+
+def cached_pages(fd: int) -> int | None:
+    """How many pages of the file the page cache holds; None where the kernel cannot say."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    rng, st = _CachestatRange(0, 0), _Cachestat()  # len 0: to the end of the file
+    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:  # type: ignore[union-attr]
+        return st.nr_cache
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # older kernel, or a seccomp filter
+        _cachestat_works = False
+    return None
+
+
+def fully_cached(fd: int, size: int) -> bool:
+    pages = cached_pages(fd)
+    return pages is not None and pages >= -(-size // PAGE)
+
+
+def align_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def is_aligned(view: memoryview) -> bool:
+    """Whether ``view`` starts on an ``ALIGN`` boundary (page-aligned mappings and RAM tier pages do)."""
+    if not len(view):
+        return True
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] % ALIGN == 0
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Turn ``O_DIRECT`` on or off for ``fd``; False when the filesystem refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    want = flags | O_DIRECT if on else flags & ~O_DIRECT
+    if want == flags:
+        return True
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, want)
+    except OSError:
+        return False
+    return True
+
+
+class Scratch(threading.local):
+    """Per-thread aligned buffers: the header block and the last partial block of a direct read.
+
+    Allocated once per thread (an anonymous mapping is page aligned) and grown
+    only for a header longer than one block, which takes a very long key.
+    """
+
+    def __init__(self) -> None:
+        self._head = mmap.mmap(-1, ALIGN)
+        self._tail = mmap.mmap(-1, ALIGN)
+        self.tail = memoryview(self._tail)
+
+    def head(self, size: int) -> memoryview:
+        if len(self._head) < size:
+            self._head = mmap.mmap(-1, size)
+        return memoryview(self._head)[:size]

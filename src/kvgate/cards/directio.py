@@ -29,8 +29,6 @@ import platform
 import sys
 import threading
 
-import numpy as np
-
 from kvgate.cards.objectformat import ALIGN
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -54,14 +52,24 @@ _libc = ctypes.CDLL(None, use_errno=True) if _NR_CACHESTAT is not None else None
 _cachestat_works = _NR_CACHESTAT is not None
 
 
+class _CachestatArgs(threading.local):
+    def __init__(self) -> None:
+        self.range = _CachestatRange(0, 0)  # len 0: to the end of the file
+        self.stat = _Cachestat()
+        self.range_ref, self.stat_ref = ctypes.byref(self.range), ctypes.byref(self.stat)
+
+
+_args = _CachestatArgs()
+
+
 def cached_pages(fd: int) -> int | None:
     """How many pages of the file the page cache holds; None where the kernel cannot say."""
     global _cachestat_works
     if not _cachestat_works:
         return None
-    rng, st = _CachestatRange(0, 0), _Cachestat()  # len 0: to the end of the file
-    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:  # type: ignore[union-attr]
-        return st.nr_cache
+    a = _args
+    if _libc.syscall(_NR_CACHESTAT, fd, a.range_ref, a.stat_ref, 0) == 0:  # type: ignore[union-attr]
+        return a.stat.nr_cache
     if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # older kernel, or a seccomp filter
         _cachestat_works = False
     return None
@@ -77,10 +85,13 @@ def align_down(n: int) -> int:
 
 
 def is_aligned(view: memoryview) -> bool:
-    """Whether ``view`` starts on an ``ALIGN`` boundary (page-aligned mappings and RAM tier pages do)."""
+    """Whether writable ``view`` starts on an ``ALIGN`` boundary (page-aligned mappings and RAM tier pages do)."""
     if not len(view):
         return True
-    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] % ALIGN == 0
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
+    except TypeError:  # read-only: never a read destination
+        return False
 
 
 def set_direct(fd: int, on: bool) -> bool:

@@ -61,6 +61,11 @@ from kvgate.keys import key_digest
 
 log = logging.getLogger("kvgate.cards.directory")
 
+# Buffered reads go piece by piece, each hashed while it is still in the CPU
+# cache; 1 MiB measured best here (256 KiB pays more calls, whole 2 MiB
+# objects fall out of a 2 MiB L2).
+READ_PIECE = 1 << 20
+
 LABEL_NAME = "kvgate-card.json"
 
 # A temp file this old cannot belong to a write still in progress: it is the
@@ -368,7 +373,7 @@ class DirectoryCard(Card):
 
     def _read_verified(self, fd: int, full_key: bytes, view: memoryview) -> Header:
         file_size = os.fstat(fd).st_size
-        if (self.direct_reads and is_aligned(view) and not fully_cached(fd, file_size)
+        if (self.direct_reads and not fully_cached(fd, file_size) and is_aligned(view)
                 and self._set_direct(fd)):
             return self._read_direct(fd, full_key, view, file_size)
         return self._read_buffered(fd, full_key, view, file_size)
@@ -382,7 +387,7 @@ class DirectoryCard(Card):
         hsize = header_size(full_key)
         poff = padded_size(hsize)  # where our writes put the payload
         head = self._scratch.head(poff)
-        first = min(len(view), CHECKSUM_PIECE)
+        first = min(len(view), READ_PIECE)
         n = os.preadv(fd, [head, view[:first]], 0)
         header = self._check_header(head, n, full_key, view, file_size)
         plen = header.payload_len
@@ -393,7 +398,7 @@ class DirectoryCard(Card):
             hasher.update(view[:got])
         off = got
         while off < plen:
-            piece = view[off : off + min(CHECKSUM_PIECE, plen - off)]
+            piece = view[off : off + min(READ_PIECE, plen - off)]
             k = os.preadv(fd, [piece], header.payload_offset + off)
             if k <= 0:
                 raise ObjectCorrupt("object shorter than its header says")

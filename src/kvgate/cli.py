@@ -127,6 +127,12 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def _read_rates(card: dict[str, Any]) -> str:
+    """A directory card's recent rates of reads copied from the page cache and of direct reads."""
+    rates = [card.get("cached_copy_bytes_per_second", 0), card.get("direct_read_bytes_per_second", 0)]
+    return " / ".join(f"{_size(r)}/s" if r else "-" for r in rates)
+
+
 def print_stats(snap: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -146,12 +152,13 @@ def print_stats(snap: dict[str, Any]) -> None:
                   str(v["evictions"]))
     con.print(t)
     t = Table(title="cards")
-    for col in ("serial", "location", "state", "objects", "used", "capacity", "hits", "misses", "errors", "read", "written"):
+    for col in ("serial", "location", "state", "objects", "used", "capacity", "hits", "misses", "errors", "read",
+                "written", "copy / direct"):
         t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
     for c in snap["cards"]:
         t.add_row(c["serial"] or "-", c["location"], "active" if c["active"] else "[red]inactive[/]", str(c["objects"]),
                   _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
-                  str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]))
+                  str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
     con.print(t)
     con.print(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, "
               f"io errors {snap['io_errors']}, io timeouts {snap['io_timeouts']}, "

@@ -107,6 +107,47 @@ def set_direct(fd: int, on: bool) -> bool:
     return True
 
 
+class CachedReadChoice:
+    """Whether a file the page cache holds whole is copied out of it or read around it.
+
+    The copy costs this host's CPU, a direct read costs device time.  With
+    cores to spare the copy is several times faster than the device; on a
+    small host whose cores the engine keeps busy (vLLM's CPU build on two
+    cores, measured) it is slower, and reading around the cache wins.  So
+    both are timed, wall time per byte of each object read and verified,
+    and the faster one serves cached files: direct reads of uncached files
+    keep the device's figure current, and while cached files go direct, one
+    in ``PROBE_EVERY`` is copied anyway to keep the copy's figure current.
+    Until the device has been timed at all, cached files are copied.
+    """
+
+    PROBE_EVERY = 16
+    WEIGHT = 0.2  # of the newest sample in each moving average
+
+    def __init__(self) -> None:
+        self.copy_rate: float | None = None  # bytes per second
+        self.direct_rate: float | None = None
+        self._cached_reads = 0
+
+    def direct_for_cached(self) -> bool:
+        if self.copy_rate is None or self.direct_rate is None or self.direct_rate <= self.copy_rate:
+            return False
+        self._cached_reads += 1
+        return self._cached_reads % self.PROBE_EVERY != 0
+
+    def note(self, direct: bool, nbytes: int, seconds: float) -> None:
+        """One object read both ways were open to: ``nbytes`` read and verified in ``seconds``."""
+        if nbytes < ALIGN or seconds <= 0:  # tiny objects time the call overhead, not the medium
+            return
+        rate = nbytes / seconds
+        old = self.direct_rate if direct else self.copy_rate
+        new = rate if old is None else old + self.WEIGHT * (rate - old)
+        if direct:
+            self.direct_rate = new
+        else:
+            self.copy_rate = new
+
+
 class Scratch(threading.local):
     """Per-thread aligned buffers: the header block and the last partial block of a direct read.
 

@@ -41,7 +41,15 @@ from kvgate.cards.base import (
     new_label,
     parse_label,
 )
-from kvgate.cards.directio import SUPPORTED, Scratch, align_down, fully_cached, is_aligned, set_direct
+from kvgate.cards.directio import (
+    SUPPORTED,
+    CachedReadChoice,
+    Scratch,
+    align_down,
+    fully_cached,
+    is_aligned,
+    set_direct,
+)
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -150,6 +158,7 @@ class DirectoryCard(Card):
         # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
         # kernels, some FUSE filesystems); reads then all go through the page cache.
         self.direct_reads = direct_reads and SUPPORTED
+        self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
         self._label_path = os.path.join(location, LABEL_NAME)
         self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
@@ -373,10 +382,18 @@ class DirectoryCard(Card):
 
     def _read_verified(self, fd: int, full_key: bytes, view: memoryview) -> Header:
         file_size = os.fstat(fd).st_size
-        if (self.direct_reads and not fully_cached(fd, file_size) and is_aligned(view)
-                and self._set_direct(fd)):
-            return self._read_direct(fd, full_key, view, file_size)
-        return self._read_buffered(fd, full_key, view, file_size)
+        if not (self.direct_reads and is_aligned(view)):
+            return self._read_buffered(fd, full_key, view, file_size)
+        t0 = time.perf_counter()
+        cached = fully_cached(fd, file_size)
+        if (not cached or self.cached_reads.direct_for_cached()) and self._set_direct(fd):
+            header = self._read_direct(fd, full_key, view, file_size)
+            self.cached_reads.note(True, header.payload_len, time.perf_counter() - t0)
+        else:
+            header = self._read_buffered(fd, full_key, view, file_size)
+            if cached:
+                self.cached_reads.note(False, header.payload_len, time.perf_counter() - t0)
+        return header
 
     def _read_buffered(self, fd: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
         """Header and first piece in one ``preadv``, then the rest piece by piece.

@@ -1,0 +1,103 @@
+"""The helpers of direct reads: alignment, cachestat, and the choice for cached files."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvgate.cards import DirectoryCard, ObjectMeta
+from kvgate.cards.directio import CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
+from kvgate.cards.objectformat import ALIGN
+from kvgate.keys import full_key
+
+
+def test_alignment_helpers() -> None:
+    m = mmap.mmap(-1, 4 * ALIGN)
+    v = memoryview(m)
+    assert is_aligned(v) and is_aligned(v[ALIGN:]) and not is_aligned(v[1:])
+    assert is_aligned(v[:0])
+    assert not is_aligned(memoryview(bytes(ALIGN)))  # read-only: never a destination
+    assert [align_down(n) for n in (0, 1, ALIGN - 1, ALIGN, 2 * ALIGN + 5)] == [0, 0, 0, ALIGN, 2 * ALIGN]
+
+
+def test_scratch_is_aligned_and_grows_for_long_headers() -> None:
+    s = Scratch()
+    assert is_aligned(s.head(100)) and len(s.head(100)) == 100
+    assert is_aligned(s.tail) and len(s.tail) == ALIGN
+    big = s.head(3 * ALIGN)
+    assert len(big) == 3 * ALIGN and is_aligned(big)
+
+
+def test_cached_pages_follows_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 * ALIGN))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_pages(fd) is None:
+            pytest.skip("kernel without cachestat(2)")
+        os.read(fd, 8 * ALIGN)
+        assert fully_cached(fd, 8 * ALIGN)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert cached_pages(fd) == 0 and not fully_cached(fd, 8 * ALIGN)
+    finally:
+        os.close(fd)
+
+
+def test_choice_copies_until_the_device_is_timed_and_faster() -> None:
+    c = CachedReadChoice()
+    assert not c.direct_for_cached()
+    c.note(False, 1 << 20, 0.001)  # copy: ~1 GB/s
+    assert not c.direct_for_cached()  # the device not timed yet
+    c.note(True, 1 << 20, 0.01)  # direct: ~100 MB/s
+    assert not c.direct_for_cached()
+    for _ in range(40):  # the copy slows down (a busy host): direct wins
+        c.note(False, 1 << 20, 0.1)
+    assert c.direct_rate is not None and c.copy_rate is not None and c.direct_rate > c.copy_rate
+    picks = [c.direct_for_cached() for _ in range(3 * CachedReadChoice.PROBE_EVERY)]
+    # mostly direct, with one copy in PROBE_EVERY to keep timing the copy
+    assert picks.count(False) == 3 and picks.count(True) == len(picks) - 3
+
+
+def test_choice_ignores_tiny_objects_and_moves_gradually() -> None:
+    c = CachedReadChoice()
+    c.note(False, 100, 1e-6)
+    assert c.copy_rate is None
+    c.note(False, 1 << 20, 1.0)
+    c.note(False, 1 << 20, 0.5)
+    assert (1 << 20) < c.copy_rate < (2 << 20)
+
+
+def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path) -> None:
+    card = DirectoryCard(str(tmp_path / "card"))
+    card.open()
+    if not card.direct_reads:
+        pytest.skip("no O_DIRECT here")
+    k = full_key(b"ns", b"cached")
+    data = np.random.default_rng(1).integers(0, 256, 3 * ALIGN + 7, dtype=np.uint8)
+    card.write(k, memoryview(data), ObjectMeta())
+    with open(card.object_path(k), "rb") as f:
+        f.read()
+    fd = os.open(card.object_path(k), os.O_RDONLY)
+    try:
+        if cached_pages(fd) is None or not fully_cached(fd, os.fstat(fd).st_size):
+            pytest.skip("cannot see the page cache here")
+    finally:
+        os.close(fd)
+    m = mmap.mmap(-1, len(data))
+    out = np.frombuffer(m, dtype=np.uint8)
+
+    card.cached_reads.copy_rate, card.cached_reads.direct_rate = 1.0, 1e15  # direct "faster"
+    card.read_into(k, memoryview(m))
+    assert np.array_equal(out, data)
+    assert card.cached_reads.copy_rate == 1.0 and card.cached_reads.direct_rate < 1e15  # timed the direct read
+
+    card.cached_reads.copy_rate, card.cached_reads.direct_rate = 1e15, 1.0  # copy faster
+    out[:] = 0
+    card.read_into(k, memoryview(m))
+    assert np.array_equal(out, data)
+    assert card.cached_reads.direct_rate == 1.0 and card.cached_reads.copy_rate < 1e15

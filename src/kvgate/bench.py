@@ -259,28 +259,18 @@ def _can_drop_caches() -> str | None:
 # ---- raw baselines ------------------------------------------------------------------
 
 
-def _read_files(items: Sequence[tuple[str, int, memoryview]]) -> None:
-    """The physical card read: open, one preadv of the whole file (header to scratch, payload in place), close."""
-    scratch = bytearray(max((h for _, h, _ in items), default=0))
-    hdr = memoryview(scratch)
-    for path, hsize, dest in items:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            n = os.preadv(fd, [hdr[:hsize], dest], 0)
-        finally:
-            os.close(fd)
-        if n != hsize + len(dest):
-            raise BenchError(f"{path}: read {n} bytes, expected {hsize + len(dest)}")
+def _read_files(items: Sequence[tuple[str, int, memoryview]], direct: bool = False) -> None:
+    """The physical card read: open, one preadv of the whole file (header to scratch, payload in place), close.
 
-
-def _read_files_direct(items: Sequence[tuple[str, int, memoryview]]) -> None:
-    """As ``_read_files`` with ``O_DIRECT``: the device straight into the destination, the page cache
-    bypassed (the header block lands in aligned scratch; destinations must be page aligned)."""
-    scratch = mmap.mmap(-1, max((h for _, h, _ in items), default=0) or mmap.PAGESIZE)
+    ``direct``: with ``O_DIRECT``, the device straight into the destination and
+    the page cache bypassed (destinations must then be page aligned).
+    """
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    scratch = mmap.mmap(-1, max((h for _, h, _ in items), default=0) or mmap.PAGESIZE)  # aligned for O_DIRECT
     hdr = memoryview(scratch)
     try:
         for path, hsize, dest in items:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(path, flags)
             try:
                 n = os.preadv(fd, [hdr[:hsize], dest], 0)
             finally:
@@ -290,6 +280,10 @@ def _read_files_direct(items: Sequence[tuple[str, int, memoryview]]) -> None:
     finally:
         hdr.release()
         scratch.close()
+
+
+def _read_files_direct(items: Sequence[tuple[str, int, memoryview]]) -> None:
+    _read_files(items, direct=True)
 
 
 def _direct_ok(items: Sequence[tuple[str, int, memoryview]]) -> bool:

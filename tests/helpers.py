@@ -279,3 +279,27 @@ class GatewayProcess:
 
     def __repr__(self) -> str:
         return f"<GatewayProcess {self.name} pid={self.proc.pid if self.proc else None} socket={self.socket}>"
+
+
+# ---- the page cache ---------------------------------------------------------------------
+
+
+def evict(path: str | os.PathLike) -> None:
+    """Push a file out of the page cache (no root needed: it is clean once synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def pages_cached(path: str | os.PathLike) -> int | None:
+    """Pages of the file in the page cache; None where the kernel cannot say (no cachestat)."""
+    from kvgate.cards.directio import cached_pages
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return cached_pages(fd)
+    finally:
+        os.close(fd)

@@ -30,10 +30,11 @@ from kvgate.cards import (
     ObjectMissing,
     StoredObject,
 )
-from kvgate.cards.directio import SUPPORTED, cached_pages
+from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.helpers import evict, pages_cached
 
 P = CHECKSUM_PIECE
 GUARD = 4096
@@ -146,24 +147,6 @@ def aligned(size: int) -> tuple[mmap.mmap, np.ndarray]:
     """A page-aligned buffer, as vLLM's CPU tier and the RAM tier are."""
     m = mmap.mmap(-1, max(size, 1))
     return m, np.frombuffer(m, dtype=np.uint8)[:size]
-
-
-def evict(path: str) -> None:
-    """Push a file out of the page cache (no root needed: it is clean once synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def pages_cached(path: str) -> int | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return cached_pages(fd)
-    finally:
-        os.close(fd)
 
 
 needs_cachestat = pytest.mark.skipif(

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvgate.bench import ShmRegion
-from kvgate.cards.directio import SUPPORTED, cached_pages
+from kvgate.cards.directio import SUPPORTED
 from kvgate.client import Client
+from tests.helpers import evict, pages_cached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -19,24 +20,7 @@ STEP = 1 << 20
 SIZES = [STEP] * 7 + [STEP - 100]  # the last one ends inside a block: its tail goes through scratch
 
 
-def _pages_cached(path: str) -> int | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return cached_pages(fd)
-    finally:
-        os.close(fd)
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-@pytest.mark.skipif(not SUPPORTED or _pages_cached(__file__) is None, reason="no O_DIRECT or cachestat(2)")
+@pytest.mark.skipif(not SUPPORTED or pages_cached(__file__) is None, reason="no O_DIRECT or cachestat(2)")
 def test_cold_get_into_a_registered_region_reads_around_the_page_cache(gateway_factory) -> None:
     gw = gateway_factory(["--max-bytes", "0"])  # no RAM tier: every get reads the card
     region = ShmRegion(len(SIZES) * STEP)
@@ -51,8 +35,8 @@ def test_cold_get_into_a_registered_region_reads_around_the_page_cache(gateway_f
             files = glob.glob(os.path.join(gw.card, "db*", "*", "*"))
             assert len(files) == len(SIZES)
             for f in files:
-                _evict(f)
-            if any(_pages_cached(f) for f in files):
+                evict(f)
+            if any(pages_cached(f) for f in files):
                 pytest.skip("this filesystem keeps the files cached")
             region.array[:] = 0
             got = c.get_many(keys, into=rows)
@@ -62,7 +46,7 @@ def test_cold_get_into_a_registered_region_reads_around_the_page_cache(gateway_f
                 start = i * STEP
                 assert np.array_equal(region.array[start : start + n], ref[start : start + n]), f"object {i}"
                 assert not region.array[start + n : (i + 1) * STEP].any(), f"bytes past object {i} were written"
-            assert all(_pages_cached(f) == 0 for f in files)
+            assert all(pages_cached(f) == 0 for f in files)
         with Client.connect(gw.socket, role="admin", want_shm=False, timeout=20) as admin:
             card = admin.stats()["cards"][0]
         assert card["direct_read_bytes_per_second"] > 0

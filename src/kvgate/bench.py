@@ -477,7 +477,7 @@ def _fmt_size(n: int) -> str:
 
 
 def _base_label(base: dict[str, Any], plain: str) -> str:
-    return "direct" if base["what"].endswith("O_DIRECT") else plain
+    return "direct" if base.get("o_direct") else plain
 
 
 def _ratio(gw: Series, base: dict[str, Any]) -> dict[str, Any]:
@@ -494,7 +494,8 @@ def _figure(series: dict[str, Series], name: str, thread_counts: Sequence[int], 
     raw = [(kind, n) for kind in ("raw", "direct") for n in thread_counts if f"{kind}{n}" in series]
     kind, best = max(raw, key=lambda kn: series[f"{kn[0]}{kn[1]}"].best_gib_s)
     base = {**series[f"{kind}{best}"].to_json(), "what": what + (" with O_DIRECT" if kind == "direct" else ""),
-            "threads": best, "by_threads": {str(n): series[f"raw{n}"].to_json() for n in thread_counts}}
+            "o_direct": kind == "direct", "threads": best,
+            "by_threads": {str(n): series[f"raw{n}"].to_json() for n in thread_counts}}
     direct = {str(n): series[f"direct{n}"].to_json() for n in thread_counts if f"direct{n}" in series}
     if direct:
         base["direct_by_threads"] = direct

@@ -101,3 +101,5 @@ def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path)
     card.read_into(k, memoryview(m))
     assert np.array_equal(out, data)
     assert card.cached_reads.direct_rate == 1.0 and card.cached_reads.copy_rate < 1e15
+    assert card.read_rates() == {"cached_copy_bytes_per_second": card.cached_reads.copy_rate,
+                                 "direct_read_bytes_per_second": 1.0}

@@ -143,6 +143,14 @@ class Card(ABC):
     def free_bytes(self) -> int:
         """Free space of the medium now."""
 
+    def read_rates(self) -> dict[str, float]:
+        """Rates (bytes/s) of the ways this card reads, for status; 0 where not timed yet.
+
+        Directory cards time copying cached files out of the page cache and
+        reading around it; other kinds have one way and report zeros.
+        """
+        return {"cached_copy_bytes_per_second": 0.0, "direct_read_bytes_per_second": 0.0}
+
     # Batched forms.  The store calls these with every object of one request
     # that lives on this card; kinds with a round trip per call (Redis)
     # override them with pipelines.  Errors are returned per object, never

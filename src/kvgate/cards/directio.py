@@ -5,7 +5,8 @@ file costs this host's CPU twice, once to fill the page cache and once to copy
 out of it, and on an inference host those cycles belong to the engine.  An
 ``O_DIRECT`` read lets the device write the destination (vLLM's CPU tier, the
 gateway's RAM tier) with no copy and no page cache churn.  A file the page
-cache holds whole is still read the buffered way, which beats the device.
+cache holds whole is copied out of it, or read around it when that has
+been timed faster (``CachedReadChoice``).
 
 Which case a file is in comes from ``cachestat(2)`` (Linux 6.5), which counts
 cached pages without doing any I/O.  ``preadv2(RWF_NOWAIT)`` cannot tell: on

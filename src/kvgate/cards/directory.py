@@ -714,6 +714,10 @@ class DirectoryCard(Card):
                 deleted += is_object
         return deleted
 
+    def read_rates(self) -> dict[str, float]:
+        return {"cached_copy_bytes_per_second": self.cached_reads.copy_rate or 0.0,
+                "direct_read_bytes_per_second": self.cached_reads.direct_rate or 0.0}
+
     def free_bytes(self) -> int:
         try:
             st = os.statvfs(self.location)

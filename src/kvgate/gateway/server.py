@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate import __version__
-from kvgate.cards import Card, ObjectMeta
+from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
 from kvgate.gateway.connection import Connection, accept_loop, tcp_listeners, unix_listener
@@ -626,7 +626,7 @@ class Gateway:
                 "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
                 "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
                 "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,
-                "scanned": cs.scanned, **_read_rates(cs.card),
+                "scanned": cs.scanned, **cs.card.read_rates(),
             })
         long_tier = {
             "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
@@ -660,13 +660,6 @@ class Gateway:
             "oldest_io_age_s": max(self.pool.oldest_age(), st.long.oldest_io_age()),
             "cards": cards,
         }
-
-
-def _read_rates(card: Card) -> dict[str, float]:
-    """A directory card's timing of its two ways to read a cached file (0: not timed yet)."""
-    choice = getattr(card, "cached_reads", None)
-    return {"cached_copy_bytes_per_second": (choice and choice.copy_rate) or 0.0,
-            "direct_read_bytes_per_second": (choice and choice.direct_rate) or 0.0}
 
 
 def _is_loopback(host: str) -> bool:

@@ -28,6 +28,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run_bench(cmd: list[str], cwd: Path) -> tuple[str, str, int]:
+    """Run a bench command to its end (240 s at most); it must succeed. -> (stdout, stderr, pid)"""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"bench did not finish in 240 s; stderr:\n{err}")
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err}"
+    return out, err, proc.pid
+
+
 def _check_side(side: dict, where: str) -> None:
     for key in ("best_gib_s", "median_gib_s"):
         assert isinstance(side[key], float) and side[key] > 0 and math.isfinite(side[key]), (where, key, side)
@@ -42,14 +55,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "kvgate", "bench", "--quick", "--json", "--object-size", "256K", "--batch", "8",
            "--dir", str(workdir)]
     # cwd is the empty tmp_path too, so a stray default ./var/bench would show up below.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"bench did not finish in 240 s; stderr:\n{err}")
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err}"
+    out, _err, pid = _run_bench(cmd, tmp_path)
 
     result = json.loads(out)  # exactly one JSON document on stdout, nothing else
     cfg = result["config"]
@@ -88,7 +94,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
     assert list(workdir.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]
-    assert not os.path.exists(f"/dev/shm/kvgate-bench-{proc.pid}")
+    assert not os.path.exists(f"/dev/shm/kvgate-bench-{pid}")
 
 
 def test_measure_alternates_and_gives_every_side_the_same_passes() -> None:
@@ -125,14 +131,7 @@ def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "kvgate", "bench", "--quick", "--json", "--cards", "3", "--placement", "both",
            "--object-size", "256K", "--blocks", str(blocks), "--restores", str(restores), "--threads", "2",
            "--dir", str(workdir)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"bench did not finish in 240 s; stderr:\n{err}")
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err}"
+    out, _err, pid = _run_bench(cmd, tmp_path)
 
     result = json.loads(out)
     assert result["mode"] == "cards"
@@ -182,7 +181,7 @@ def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
     # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
     assert list(workdir.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]
-    assert not os.path.exists(f"/dev/shm/kvgate-bench-{proc.pid}")
+    assert not os.path.exists(f"/dev/shm/kvgate-bench-{pid}")
 
 
 def test_placement_without_cards_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -161,6 +161,8 @@ FIELDS: tuple[Field, ...] = (
     Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
     Field("direct_reads", _parse_bool, True,
           "directory cards read what the page cache lacks with O_DIRECT, straight into the destination"),
+    Field("prepare_reads", _parse_bool, True,
+          "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)"),
     Field("log_level", _parse_str, "info", "log level", choices=("debug", "info", "warning", "error")),
 )
 
@@ -198,6 +200,7 @@ class Config:
     refuse_unsalted: bool = False
     sync_writes: bool = False
     direct_reads: bool = True
+    prepare_reads: bool = True
     log_level: str = "info"
 
     @property

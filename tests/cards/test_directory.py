@@ -140,6 +140,27 @@ def test_interface(card: DirectoryCard) -> None:
         DirectoryCard("/nowhere", num_dbs=0)
 
 
+def test_prepare_reads_looks_up_each_object_file_and_never_raises(card: DirectoryCard, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    k = key("here")
+    card.write(k, memoryview(payload_for(k, 5000)), ObjectMeta())
+    seen: list[str] = []
+    real_stat = os.stat
+
+    def stat(path, *a, **kw):
+        seen.append(os.fspath(path))
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", stat)
+    card.prepare_reads([k, key("absent")])
+    assert seen == [card.object_path(k), card.object_path(key("absent"))]
+    shutil.rmtree(card.location)  # a card that went away: still no exception
+    card.prepare_reads([k])
+    monkeypatch.undo()
+    with pytest.raises(CardUnavailable):
+        card.read_into(k, memoryview(bytearray(5000)))
+
+
 # ------------------------------------------------------------- direct reads
 
 

@@ -143,6 +143,16 @@ class Card(ABC):
     def free_bytes(self) -> int:
         """Free space of the medium now."""
 
+    def prepare_reads(self, full_keys: list[bytes]) -> None:
+        """A hint: these objects are likely to be read soon (a lookup just found them).
+
+        Kinds whose reads start with work that does not need the destination
+        buffer do that work now, so the read that follows is shorter.  The
+        default does nothing.  Runs on a card thread of its own, never on a
+        read's path; it must not raise and must not change what the card
+        holds.
+        """
+
     def read_rates(self) -> dict[str, float]:
         """Rates (bytes/s) of the ways this card reads, for status; 0 where not timed yet.
 

@@ -626,6 +626,7 @@ class Gateway:
                 "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
                 "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
                 "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,
+                "read_hints": cs.read_hints,
                 "scanned": cs.scanned, **cs.card.read_rates(),
             })
         long_tier = {

@@ -43,6 +43,7 @@ CARD_FIELDS = (
     ("bytes_read", "payload bytes read from the card", True),
     ("bytes_written", "bytes written to the card", True),
     ("evictions", "objects evicted from the card", True),
+    ("read_hints", "objects a lookup found on the card and passed on for their reads to be prepared", True),
     ("cached_copy_bytes_per_second", "directory card: recent rate of reads copied out of the page cache", False),
     ("direct_read_bytes_per_second", "directory card: recent rate of O_DIRECT reads (the faster one serves "
      "cached files)", False),

@@ -10,6 +10,10 @@ Card reads and writes and bulk copies run here, never on the event loop.
   stuck call goes on in its thread; its late result is dropped, and the work
   function is told through ``Abandon`` so it can refrain from publishing.
 
+A card also has one *hint* thread for best-effort work that speeds up reads
+to come (``CardIo.hint``): it never holds a thread a read could use, and
+callers never wait for it.
+
 Each call is tracked while in flight, so the gateway can export the age of
 the oldest one (a stuck card shows as a growing age long before anything
 else notices).
@@ -19,12 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvgate.io")
+
+# Hint calls that may wait for a card's hint thread; later ones are dropped.
+HINT_BACKLOG = 4
 
 
 class IoTimeout(TimeoutError):
@@ -113,6 +123,9 @@ class CardIo(IoPool):
     def __init__(self, threads: int, timeout_s: float, name: str):
         super().__init__(threads, name)
         self.timeout_s = timeout_s
+        self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-hint")
+        self._hint_slots = threading.BoundedSemaphore(HINT_BACKLOG)
+        self.hints_dropped = 0
         self._free = asyncio.Semaphore(threads)
         self._busy = 0
         self._progress = time.monotonic()  # last completion, or when the pool became busy
@@ -153,6 +166,38 @@ class CardIo(IoPool):
                 abandon.abandon()
             fut.add_done_callback(_swallow)
             raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
+
+
+    def hint(self, fn: Callable[..., object], *args) -> bool:
+        """Run ``fn(*args)`` on the card's hint thread, without waiting for it.
+
+        For work that only makes later reads faster: nothing waits for it, so
+        it has no deadline; a card that hangs ties up its hint thread alone,
+        and once ``HINT_BACKLOG`` calls are waiting, further ones are dropped
+        (False) rather than queued behind it.
+        """
+        if not self._hint_slots.acquire(blocking=False):
+            self.hints_dropped += 1
+            return False
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:  # a hint is best effort: the read itself reports errors
+                log.debug("read hint failed", exc_info=True)
+            finally:
+                self._hint_slots.release()
+
+        try:
+            self._hints.submit(run)
+        except RuntimeError:  # shut down
+            self._hint_slots.release()
+            return False
+        return True
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._hints.shutdown(wait=False, cancel_futures=True)
+        super().shutdown(wait)
 
 
 def _swallow(fut) -> None:

@@ -104,6 +104,7 @@ class CardState:
     reads_bytes: int = 0
     writes_bytes: int = 0
     evictions: int = 0
+    read_hints: int = 0  # objects passed to prepare_reads after lookups found them
 
     @property
     def name(self) -> str:
@@ -510,6 +511,18 @@ class LongTier:
                 break
 
     # ---- bulk I/O ---------------------------------------------------------------
+
+    def hint_reads(self, on_cards: dict[int, tuple[CardState, list[bytes]]]) -> None:
+        """Tell cards which of their objects a lookup just found (``Card.prepare_reads``).
+
+        An engine loads what its lookup found a moment later; whatever part
+        of those reads can run before the load arrives is then off its path.
+        Best effort, on each card's hint thread; a card under suspicion is
+        left alone.
+        """
+        for cs, fkeys in on_cards.values():
+            if cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys):
+                cs.read_hints += len(fkeys)
 
     async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
         """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline."""

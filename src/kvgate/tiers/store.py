@@ -235,18 +235,14 @@ class TieredStore:
         entry = self.long.indexed(cs, fkey) if cs is not None else None
         return entry.payload_len if entry is not None else None
 
-    def _known(self, fkey: bytes, dialog: bytes) -> bool:
-        if self.ram.contains(fkey):
-            return True
-        cs = self.long.card_for(fkey, dialog)
-        return cs is not None and self.long.indexed(cs, fkey) is not None
-
-    def _known_prefix(self, fkeys: list[bytes], dialog: bytes) -> int:
+    def _known_prefix(self, fkeys: list[bytes], dialog: bytes, on_cards: dict | None = None) -> int:
         """How many leading keys this gateway knows without touching a card.
 
-        ``_known`` in one loop with the bound methods hoisted: a lookup runs
-        this for 1,000s of keys on every engine step, and the per-key method
-        calls were most of its cost.  An empty RAM tier is not asked at all.
+        One loop with the bound methods hoisted: a lookup runs this for
+        1,000s of keys on every engine step, and per-key method calls were
+        most of its cost.  An empty RAM tier is not asked at all.
+        Keys found on a card only (not in RAM) are added to ``on_cards``
+        (id of card state -> (card state, keys)) when it is given.
         """
         in_ram = self.ram.contains if self.ram.entries else None
         indexed = self.long.indexed
@@ -255,19 +251,37 @@ class TieredStore:
             if in_ram is None or not in_ram(k):
                 if cs is None or indexed(cs, k) is None:
                     break
+                if on_cards is not None:
+                    on_cards.setdefault(id(cs), (cs, []))[1].append(k)
             n += 1
         return n
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes) -> int:
         """How many leading keys exist in any tier."""
         self.counters.lookups += 1
-        n = self._known_prefix(fkeys, dialog)
+        on_cards: dict | None = {} if self.cfg.prepare_reads else None
+        n = self._known_prefix(fkeys, dialog, on_cards)
+        if on_cards:
+            self.long.hint_reads(on_cards)
         if n < len(fkeys):
             n += await self.long.probe_prefix(fkeys[n:], dialog)
         return n
 
     async def exists(self, fkeys: list[bytes], dialog: bytes) -> list[bool]:
-        present = [self._known(k, dialog) for k in fkeys]
+        in_ram = self.ram.contains
+        indexed = self.long.indexed
+        on_cards: dict[int, tuple[CardState, list[bytes]]] = {}
+        present = []
+        for k, cs in zip(fkeys, self.long.cards_for(fkeys, dialog)):
+            if in_ram(k):
+                present.append(True)
+            elif cs is not None and indexed(cs, k) is not None:
+                present.append(True)
+                on_cards.setdefault(id(cs), (cs, []))[1].append(k)
+            else:
+                present.append(False)
+        if on_cards and self.cfg.prepare_reads:
+            self.long.hint_reads(on_cards)
         unknown = [i for i, p in enumerate(present) if not p]
         if unknown:
             found = await self.long.probe_each([fkeys[i] for i in unknown], dialog)

@@ -1,0 +1,72 @@
+"""CardIo's hint thread: best-effort work nobody waits for, which a stuck card cannot pile up."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvgate.tiers.io import HINT_BACKLOG, CardIo
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+def io():
+    pool = CardIo(2, 5.0, "test-card")
+    yield pool
+    pool.shutdown(wait=False)
+
+
+def test_a_hint_runs_without_the_caller_waiting(io: CardIo) -> None:
+    release, ran = threading.Event(), threading.Event()
+
+    def work(arg: str) -> None:
+        release.wait(5)
+        assert arg == "keys"
+        ran.set()
+
+    assert io.hint(work, "keys")  # returns while work() is still blocked
+    assert not ran.is_set()
+    release.set()
+    assert ran.wait(5)
+
+
+def test_hints_past_the_backlog_of_a_stuck_card_are_dropped(io: CardIo) -> None:
+    stuck = threading.Event()
+    done: list[int] = []
+    accepted = [io.hint(lambda i=i: (stuck.wait(5), done.append(i))) for i in range(HINT_BACKLOG + 3)]
+    assert accepted == [True] * HINT_BACKLOG + [False] * 3
+    assert io.hints_dropped == 3
+    stuck.set()
+    finished = threading.Event()
+    for _ in range(50):  # the backlog drains, after which hints are taken again
+        if io.hint(finished.set):
+            break
+        threading.Event().wait(0.05)
+    assert finished.wait(5)
+    assert sorted(done) == list(range(HINT_BACKLOG))
+
+
+def test_a_failing_hint_does_not_stop_later_ones(io: CardIo) -> None:
+    def boom() -> None:
+        raise OSError("card gone")
+
+    ok = threading.Event()
+    assert io.hint(boom)
+    assert io.hint(ok.set)
+    assert ok.wait(5)
+
+
+def test_reads_do_not_wait_for_a_stuck_hint(io: CardIo) -> None:
+    stuck = threading.Event()
+    assert io.hint(stuck.wait, 10)
+
+    async def read() -> int:
+        return await io.run(lambda: 7)
+
+    try:
+        assert asyncio.run(asyncio.wait_for(read(), 2)) == 7
+    finally:
+        stuck.set()

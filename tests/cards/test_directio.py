@@ -63,6 +63,21 @@ def test_choice_copies_until_the_device_is_timed_and_faster() -> None:
     assert picks.count(False) == 3 and picks.count(True) == len(picks) - 3
 
 
+def test_choice_weighs_stalled_copies_by_the_time_they_take() -> None:
+    """Most copies quick, one in three stalled (a contended host): on average a
+    byte takes longer than from the steady device, so cached files go direct,
+    although an average of the copies' rates would favour the quick ones."""
+    c = CachedReadChoice()
+    mib = 1 << 20
+    for cycle in range(20):
+        c.note(True, mib, 0.006)
+        for seconds in (0.0005, 0.0005, 0.040):
+            c.note(False, mib, seconds)
+            if cycle >= 5:  # past the first samples: at every point of the cycle
+                assert c.direct_rate > c.copy_rate
+    assert c.direct_for_cached()
+
+
 def test_choice_ignores_tiny_objects_and_moves_gradually() -> None:
     c = CachedReadChoice()
     c.note(False, 100, 1e-6)

@@ -116,22 +116,45 @@ class CachedReadChoice:
     small host whose cores the engine keeps busy (vLLM's CPU build on two
     cores, measured) it is slower, and reading around the cache wins.  So
     both are timed, wall time per byte of each object read and verified,
-    and the faster one serves cached files: direct reads of uncached files
+    and the cheaper one serves cached files: direct reads of uncached files
     keep the device's figure current, and while cached files go direct, one
     in ``PROBE_EVERY`` is copied anyway to keep the copy's figure current.
     Until the device has been timed at all, cached files are copied.
+
+    The moving averages are of *seconds per byte*, not of bytes per second:
+    a copy on a contended host is mostly quick with a few reads stalled for
+    many milliseconds, and an average of rates follows the quick ones while
+    the stalls are what a batch of reads waits for.
     """
 
     PROBE_EVERY = 16
     WEIGHT = 0.2  # of the newest sample in each moving average
 
     def __init__(self) -> None:
-        self.copy_rate: float | None = None  # bytes per second
-        self.direct_rate: float | None = None
+        self._copy_cost: float | None = None  # seconds per byte
+        self._direct_cost: float | None = None
         self._cached_reads = 0
 
+    @property
+    def copy_rate(self) -> float | None:
+        """Bytes per second of copies out of the page cache (None until timed)."""
+        return None if self._copy_cost is None else 1.0 / self._copy_cost
+
+    @copy_rate.setter
+    def copy_rate(self, rate: float | None) -> None:
+        self._copy_cost = None if rate is None else 1.0 / rate
+
+    @property
+    def direct_rate(self) -> float | None:
+        """Bytes per second of direct reads (None until timed)."""
+        return None if self._direct_cost is None else 1.0 / self._direct_cost
+
+    @direct_rate.setter
+    def direct_rate(self, rate: float | None) -> None:
+        self._direct_cost = None if rate is None else 1.0 / rate
+
     def direct_for_cached(self) -> bool:
-        if self.copy_rate is None or self.direct_rate is None or self.direct_rate <= self.copy_rate:
+        if self._copy_cost is None or self._direct_cost is None or self._direct_cost >= self._copy_cost:
             return False
         self._cached_reads += 1
         return self._cached_reads % self.PROBE_EVERY != 0
@@ -140,13 +163,13 @@ class CachedReadChoice:
         """One object read both ways were open to: ``nbytes`` read and verified in ``seconds``."""
         if nbytes < ALIGN or seconds <= 0:  # tiny objects time the call overhead, not the medium
             return
-        rate = nbytes / seconds
-        old = self.direct_rate if direct else self.copy_rate
-        new = rate if old is None else old + self.WEIGHT * (rate - old)
+        cost = seconds / nbytes
+        old = self._direct_cost if direct else self._copy_cost
+        new = cost if old is None else old + self.WEIGHT * (cost - old)
         if direct:
-            self.direct_rate = new
+            self._direct_cost = new
         else:
-            self.copy_rate = new
+            self._copy_cost = new
 
 
 class Scratch(threading.local):

@@ -303,3 +303,18 @@ def pages_cached(path: str | os.PathLike) -> int | None:
         return cached_pages(fd)
     finally:
         os.close(fd)
+
+
+def as_newer_format(obj: bytes, full_key: bytes) -> bytes:
+    """``obj`` (a whole stored object) as a newer kvgate would write it: the format
+    version one up, the header hash recomputed, so the header is whole."""
+    import struct
+
+    import xxhash
+
+    from kvgate.cards.objectformat import FIXED_SIZE, VERSION
+
+    out = bytearray(obj)
+    struct.pack_into("<H", out, 4, VERSION + 1)
+    struct.pack_into("<Q", out, FIXED_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(out[: FIXED_SIZE - 8]) + full_key))
+    return bytes(out)

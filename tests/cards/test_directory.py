@@ -28,13 +28,14 @@ from kvgate.cards import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
+    ObjectTooNew,
     StoredObject,
 )
 from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
-from tests.helpers import evict, pages_cached
+from tests.helpers import as_newer_format, evict, pages_cached
 
 P = CHECKSUM_PIECE
 GUARD = 4096
@@ -523,6 +524,25 @@ def test_scan_deletes_corrupt_and_skips_foreign(card: DirectoryCard) -> None:
     assert not os.path.exists(card.object_path(short))
     assert not os.path.exists(misnamed)
     assert os.path.exists(foreign)
+
+
+def test_an_object_a_newer_kvgate_wrote_is_a_miss_and_stays(card: DirectoryCard,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    k, ok = key("newer"), key("current")
+    for x in (k, ok):
+        card.write(x, memoryview(payload_for(x, 9000)), ObjectMeta())
+    path = card.object_path(k)
+    Path(path).write_bytes(as_newer_format(Path(path).read_bytes(), k))
+    for direct in (True, False):  # both read paths
+        card.direct_reads = direct
+        with pytest.raises(ObjectTooNew):
+            card.read_into(k, memoryview(aligned(9000)[0]))
+    assert os.path.exists(path)
+    with caplog.at_level("WARNING"):
+        assert [o.full_key for o in card.scan()] == [ok]
+        assert [o.full_key for o in card.scan()] == [ok]
+    assert os.path.exists(path)
+    assert sum("newer kvgate" in r.getMessage() for r in caplog.records) == 1  # said once per card
 
 
 # --------------------------------------------------------------------- crash

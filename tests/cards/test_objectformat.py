@@ -18,6 +18,8 @@ from kvgate.cards.objectformat import (
     VERSION,
     BufferTooSmall,
     ObjectCorrupt,
+    ObjectMissing,
+    ObjectTooNew,
     ObjectMeta,
     payload_hash,
     payload_hasher,
@@ -130,9 +132,23 @@ def test_bad_magic() -> None:
         parse_header(_craft(KEY, magic=b"KVGX"))
 
 
-def test_unknown_version() -> None:
+def test_a_whole_header_of_a_newer_version_is_too_new_not_corrupt() -> None:
+    with pytest.raises(ObjectTooNew, match="version"):
+        parse_header(_craft(KEY, version=VERSION + 1), expect_key=KEY)
+    # a newer version may carry fields after the key
+    longer = bytearray(_craft(KEY, version=VERSION + 1, hlen=FIXED_SIZE + len(KEY) + 16)) + bytes(16)
+    with pytest.raises(ObjectTooNew):
+        parse_header(longer)
     with pytest.raises(ObjectCorrupt, match="version"):
-        parse_header(_craft(KEY, version=VERSION + 1))
+        parse_header(_craft(KEY, version=0))
+    assert issubclass(ObjectTooNew, ObjectMissing) and not issubclass(ObjectTooNew, ObjectCorrupt)
+
+
+def test_a_flipped_version_bit_is_corrupt_not_too_new() -> None:
+    h = bytearray(pack_header(KEY, 1000, 1234, META))
+    h[4] ^= 0x02  # version 1 -> 3, the header hash no longer matches
+    with pytest.raises(ObjectCorrupt, match="checksum"):
+        parse_header(h, expect_key=KEY)
 
 
 @pytest.mark.parametrize("field", ["hlen-short", "hlen-long", "klen"])
@@ -162,9 +178,9 @@ def test_padded_header_puts_the_payload_on_a_block_boundary(key: bytes) -> None:
     assert plain.payload_offset == hsize and plain.meta == parsed.meta
 
 
-def test_unknown_flags_are_corrupt() -> None:
+def test_unknown_flags_in_a_whole_header_are_too_new() -> None:
     assert parse_header(_craft(KEY, flags=FLAG_PADDED)).payload_offset == ALIGN
-    with pytest.raises(ObjectCorrupt, match="flags"):
+    with pytest.raises(ObjectTooNew, match="flags"):
         parse_header(_craft(KEY, flags=2))
 
 

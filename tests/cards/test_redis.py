@@ -33,6 +33,7 @@ from kvgate.cards import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
+    ObjectTooNew,
     RedisCard,
     StoredObject,
 )
@@ -40,6 +41,7 @@ from kvgate.cards import redis as redis_card_module
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
 from kvgate.cards.redis import LABEL_KEY, UNLIMITED_FREE_BYTES, _Parts, _ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.helpers import as_newer_format
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -353,6 +355,23 @@ def test_corruption_is_detected_and_deleted(server: RedisServer, cards: list[Red
     assert card.exists(other)
     with pytest.raises(ObjectMissing):
         card.read_into(k, memoryview(np.zeros(size + 10, dtype=np.uint8)))
+    raw.close()
+
+
+def test_an_object_a_newer_kvgate_wrote_is_a_miss_and_stays(server: RedisServer, cards: list[RedisCard]) -> None:
+    card = open_card(cards, server.url)
+    k, ok = key("newer"), key("current")
+    for x in (k, ok):
+        card.write(x, memoryview(payload_for(x, 3000)), ObjectMeta())
+    raw = server.raw()
+    rk = card.object_key(k)
+    raw.set(rk, as_newer_format(raw.get(rk), k))
+    with pytest.raises(ObjectTooNew):
+        card.read_into(k, memoryview(np.zeros(3000, dtype=np.uint8)))
+    (res,) = card.read_many_into([(k, memoryview(np.zeros(3000, dtype=np.uint8)))])
+    assert isinstance(res, ObjectTooNew)
+    assert [o.full_key for o in card.scan()] == [ok]
+    assert raw.exists(rk)
     raw.close()
 
 

@@ -2,7 +2,7 @@
 
 from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
-from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
+from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.cards.redis import RedisCard
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ObjectCorrupt",
     "ObjectMeta",
     "ObjectMissing",
+    "ObjectTooNew",
     "RedisCard",
     "StoredObject",
     "WriteAbandoned",

@@ -8,7 +8,9 @@ Contract:
 - ``read_into`` writes the payload straight into the caller's buffer and
   verifies it (header key, lengths, hash) before returning.  A bad object is
   deleted and reported as ``ObjectCorrupt``: the caller must treat the
-  destination bytes as garbage.
+  destination bytes as garbage.  An object a newer kvgate wrote, in a format
+  this build cannot read, is ``ObjectTooNew`` (a miss) and stays; ``scan``
+  skips it.
 - ``write`` is atomic: a concurrent or later reader sees the whole new object
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.
@@ -19,13 +21,16 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Iterator
 
-from kvgate.cards.objectformat import Header, ObjectMeta
+from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
+
+log = logging.getLogger("kvgate.cards")
 
 
 class CardUnavailable(OSError):
@@ -142,6 +147,13 @@ class Card(ABC):
     @abstractmethod
     def free_bytes(self) -> int:
         """Free space of the medium now."""
+
+    def _skip_newer(self, where: str, exc: ObjectTooNew) -> None:
+        """Scan met an object in a newer format: it stays for the gateways that read it; said once per card."""
+        if not getattr(self, "_newer_seen", False):
+            self._newer_seen = True
+            log.warning("card %s holds objects written by a newer kvgate (%s, e.g. %s): left in place, "
+                        "read as misses here", getattr(self, "display_location", self.location), exc, where)
 
     def prepare_reads(self, full_keys: list[bytes]) -> None:
         """A hint: these objects are likely to be read soon (a lookup just found them).

@@ -58,6 +58,7 @@ from kvgate.cards.objectformat import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
+    ObjectTooNew,
     payload_hasher,
     header_size,
     pack_header,
@@ -663,6 +664,9 @@ class DirectoryCard(Card):
                 raise ObjectCorrupt(f"object file is {size} bytes, its header says {header.object_size}")
             if key_digest(header.full_key).hex() != name:
                 raise ObjectCorrupt("object file name does not match the key inside")
+        except ObjectTooNew as exc:
+            self._skip_newer(path, exc)
+            return None
         except ObjectCorrupt:
             self._discard(path, fd)
             return None

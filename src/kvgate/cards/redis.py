@@ -102,6 +102,7 @@ from kvgate.cards.objectformat import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
+    ObjectTooNew,
     payload_hash,
     payload_hasher,
     header_size,
@@ -735,6 +736,9 @@ class RedisCard(Card):
             assert parsed is not None
             if key_digest(header.full_key).hex().encode() != parsed[1]:
                 raise ObjectCorrupt("object key name does not match the key inside")
+        except ObjectTooNew as exc:
+            self._skip_newer(name.decode(errors="replace"), exc)
+            return None
         except ObjectCorrupt:
             self._discard(name, bytes(buf))
             return None

@@ -60,6 +60,9 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # this many I/Os: a read stuck past its deadline may still land later, and it
 # must land in memory of ours, not in a client buffer that has been reused.
 SUSPECT_IOS = 1000
+# Keys remembered as written by a newer kvgate, per card; past this the set
+# starts over (an upgrade in progress should not hold memory without bound).
+UNREADABLE_MAX = 65536
 REDIS_PREFIXES = ("redis://", "rediss://", "unix://")
 
 
@@ -105,6 +108,9 @@ class CardState:
     writes_bytes: int = 0
     evictions: int = 0
     read_hints: int = 0  # objects passed to prepare_reads after lookups found them
+    # Keys whose object on the card a newer kvgate wrote (ObjectTooNew): probes
+    # call them misses instead of offering what every read of it would refuse.
+    unreadable: set[bytes] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -310,6 +316,7 @@ class LongTier:
         return entry
 
     def note_written(self, cs: CardState, fkey: bytes, stored: int, payload_len: int, meta: ObjectMeta) -> None:
+        cs.unreadable.discard(fkey)
         old = cs.index.pop(fkey, None)
         if old is not None:
             cs.used -= old.stored_bytes
@@ -324,6 +331,13 @@ class LongTier:
         cs.reads_bytes += nbytes
         if fkey in cs.index:
             cs.policy.touch(fkey)
+
+    def note_unreadable(self, cs: CardState, fkey: bytes) -> None:
+        """The card holds the object in a format only a newer kvgate reads: a miss here, left in place."""
+        self.note_gone(cs, fkey)
+        if len(cs.unreadable) >= UNREADABLE_MAX:
+            cs.unreadable.clear()
+        cs.unreadable.add(fkey)
 
     def note_gone(self, cs: CardState, fkey: bytes) -> None:
         """The object is not (or no longer validly) on the card."""
@@ -592,13 +606,18 @@ class LongTier:
             run = [fkeys[n]]
             while n + len(run) < len(fkeys) and self.card_for(fkeys[n + len(run)], dialog) is cs:
                 run.append(fkeys[n + len(run)])
-            try:
-                found = await cs.io.run(_exists_prefix, cs.card, run)
-            except OSError as e:
-                self.note_result(cs, e)
-                break
+            unreadable = next((j for j, k in enumerate(run) if k in cs.unreadable), None)
+            if unreadable is not None:
+                run = run[:unreadable]  # the prefix ends there
+            found = 0
+            if run:
+                try:
+                    found = await cs.io.run(_exists_prefix, cs.card, run)
+                except OSError as e:
+                    self.note_result(cs, e)
+                    break
             n += found
-            if found < len(run):
+            if found < len(run) or unreadable is not None:
                 break
         return n
 
@@ -607,6 +626,9 @@ class LongTier:
         groups = self.group(fkeys, lambda k: k, lambda _k: dialog)
 
         async def one(cs: CardState, idx: list[int]) -> None:
+            idx = [i for i in idx if fkeys[i] not in cs.unreadable]
+            if not idx:
+                return
             try:
                 res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx])
             except OSError as e:

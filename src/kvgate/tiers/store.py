@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
+from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.config import Config
 from kvgate.protocol import MISS, TOO_SMALL
 from kvgate.tiers.eviction import LONG, SHORT
@@ -217,6 +217,8 @@ class TieredStore:
             c.corrupt += 1
             log.warning("corrupt object on card %s removed: %s", cs.where, r)
             self.long.note_gone(cs, it.fkey)
+        elif isinstance(r, ObjectTooNew):
+            self.long.note_unreadable(cs, it.fkey)
         elif isinstance(r, ObjectMissing):
             self.long.note_gone(cs, it.fkey)
 

@@ -87,6 +87,14 @@ def test_choice_ignores_tiny_objects_and_moves_gradually() -> None:
     assert (1 << 20) < c.copy_rate < (2 << 20)
 
 
+def timed(copy_rate: float, direct_rate: float) -> CachedReadChoice:
+    """A choice that has timed one read each way, at these rates."""
+    c = CachedReadChoice()
+    c.note(False, ALIGN, ALIGN / copy_rate)
+    c.note(True, ALIGN, ALIGN / direct_rate)
+    return c
+
+
 def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path) -> None:
     card = DirectoryCard(str(tmp_path / "card"))
     card.open()
@@ -106,12 +114,12 @@ def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path)
     m = mmap.mmap(-1, len(data))
     out = np.frombuffer(m, dtype=np.uint8)
 
-    card.cached_reads.copy_rate, card.cached_reads.direct_rate = 1.0, 1e15  # direct "faster"
+    card.cached_reads = timed(copy_rate=1.0, direct_rate=1e15)  # direct "faster"
     card.read_into(k, memoryview(m))
     assert np.array_equal(out, data)
     assert card.cached_reads.copy_rate == 1.0 and card.cached_reads.direct_rate < 1e15  # timed the direct read
 
-    card.cached_reads.copy_rate, card.cached_reads.direct_rate = 1e15, 1.0  # copy faster
+    card.cached_reads = timed(copy_rate=1e15, direct_rate=1.0)  # copy faster
     out[:] = 0
     card.read_into(k, memoryview(m))
     assert np.array_equal(out, data)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvgate.tiers.io import HINT_BACKLOG, CardIo
+from kvgate.tiers.io import HINT_BACKLOG, CardIo, IoPool
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -70,3 +70,29 @@ def test_reads_do_not_wait_for_a_stuck_hint(io: CardIo) -> None:
         assert asyncio.run(asyncio.wait_for(read(), 2)) == 7
     finally:
         stuck.set()
+
+
+def test_lookup_hints_go_only_to_card_kinds_that_prepare_reads(tmp_path) -> None:
+    from kvgate.cards import DirectoryCard
+    from kvgate.config import Config
+    from kvgate.tiers.long import CardState, LongTier
+
+    class NoPrep(DirectoryCard):
+        prepares_reads = False
+
+        def prepare_reads(self, full_keys: list[bytes]) -> None:
+            raise AssertionError("hinted a card kind that prepares nothing")
+
+    async def main() -> tuple[int, int]:
+        tier = LongTier(Config(storage_devices=[str(tmp_path / "a")]), IoPool(1))
+        states = []
+        for name, kind in (("a", DirectoryCard), ("b", NoPrep)):
+            cs = CardState(name, str(tmp_path / name), kind(str(tmp_path / name)), CardIo(1, 5.0, f"test-{name}"))
+            cs.active = True
+            states.append(cs)
+        tier.hint_reads({id(cs): (cs, [b"k1", b"k2"]) for cs in states})
+        for cs in states:
+            cs.io.shutdown(wait=True)
+        return states[0].read_hints, states[1].read_hints
+
+    assert asyncio.run(main()) == (2, 0)

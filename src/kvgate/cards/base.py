@@ -96,10 +96,14 @@ class StoredObject:
 
 class Card(ABC):
     kind: ClassVar[str]
+    # Whether prepare_reads does anything: lookups hand keys only to kinds that use them.
+    prepares_reads: ClassVar[bool] = False
 
     def __init__(self, location: str, num_dbs: int = 1):
         self.location = location
+        self.display_location = location  # as logs and status show it (kinds with secrets in it redact)
         self.num_dbs = num_dbs
+        self._newer_seen = False  # scan has met (and said so) an object of a newer format
         self.serial: str | None = None
 
     @abstractmethod
@@ -150,17 +154,17 @@ class Card(ABC):
 
     def _skip_newer(self, where: str, exc: ObjectTooNew) -> None:
         """Scan met an object in a newer format: it stays for the gateways that read it; said once per card."""
-        if not getattr(self, "_newer_seen", False):
+        if not self._newer_seen:
             self._newer_seen = True
             log.warning("card %s holds objects written by a newer kvgate (%s, e.g. %s): left in place, "
-                        "read as misses here", getattr(self, "display_location", self.location), exc, where)
+                        "read as misses here", self.display_location, exc, where)
 
     def prepare_reads(self, full_keys: list[bytes]) -> None:
         """A hint: these objects are likely to be read soon (a lookup just found them).
 
         Kinds whose reads start with work that does not need the destination
         buffer do that work now, so the read that follows is shorter.  The
-        default does nothing.  Runs on a card thread of its own, never on a
+        default does nothing (``prepares_reads`` False: no hints are sent).  Runs on a card thread of its own, never on a
         read's path; it must not raise and must not change what the card
         holds.
         """

@@ -138,20 +138,12 @@ class CachedReadChoice:
     @property
     def copy_rate(self) -> float | None:
         """Bytes per second of copies out of the page cache (None until timed)."""
-        return None if self._copy_cost is None else 1.0 / self._copy_cost
-
-    @copy_rate.setter
-    def copy_rate(self, rate: float | None) -> None:
-        self._copy_cost = None if rate is None else 1.0 / rate
+        return _rate(self._copy_cost)
 
     @property
     def direct_rate(self) -> float | None:
         """Bytes per second of direct reads (None until timed)."""
-        return None if self._direct_cost is None else 1.0 / self._direct_cost
-
-    @direct_rate.setter
-    def direct_rate(self, rate: float | None) -> None:
-        self._direct_cost = None if rate is None else 1.0 / rate
+        return _rate(self._direct_cost)
 
     def direct_for_cached(self) -> bool:
         if self._copy_cost is None or self._direct_cost is None or self._direct_cost >= self._copy_cost:
@@ -170,6 +162,10 @@ class CachedReadChoice:
             self._direct_cost = new
         else:
             self._copy_cost = new
+
+
+def _rate(cost: float | None) -> float | None:
+    return None if cost is None else 1.0 / cost
 
 
 class Scratch(threading.local):

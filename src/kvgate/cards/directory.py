@@ -150,6 +150,7 @@ class DirectoryCard(Card):
     """One directory as a card.  Holds no open files, so it needs no locking."""
 
     kind = "directory"
+    prepares_reads = True
 
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True):
         if num_dbs < 1:

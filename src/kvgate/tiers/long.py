@@ -119,7 +119,7 @@ class CardState:
     @property
     def where(self) -> str:
         """The location as logs and status show it (a Redis password masked)."""
-        return getattr(self.card, "display_location", self.location)
+        return self.card.display_location
 
 
 def default_slots(cfg: Config, cards_found: int) -> int:
@@ -535,7 +535,7 @@ class LongTier:
         left alone.
         """
         for cs, fkeys in on_cards.values():
-            if cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys):
+            if cs.card.prepares_reads and cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys):
                 cs.read_hints += len(fkeys)
 
     async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:

@@ -237,7 +237,8 @@ class TieredStore:
         entry = self.long.indexed(cs, fkey) if cs is not None else None
         return entry.payload_len if entry is not None else None
 
-    def _known_prefix(self, fkeys: list[bytes], dialog: bytes, on_cards: dict | None = None) -> int:
+    def _known_prefix(self, fkeys: list[bytes], dialog: bytes,
+                      on_cards: dict[int, tuple[CardState, list[bytes]]] | None = None) -> int:
         """How many leading keys this gateway knows without touching a card.
 
         One loop with the bound methods hoisted: a lookup runs this for
@@ -261,7 +262,7 @@ class TieredStore:
     async def lookup(self, fkeys: list[bytes], dialog: bytes) -> int:
         """How many leading keys exist in any tier."""
         self.counters.lookups += 1
-        on_cards: dict | None = {} if self.cfg.prepare_reads else None
+        on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         n = self._known_prefix(fkeys, dialog, on_cards)
         if on_cards:
             self.long.hint_reads(on_cards)
@@ -272,17 +273,18 @@ class TieredStore:
     async def exists(self, fkeys: list[bytes], dialog: bytes) -> list[bool]:
         in_ram = self.ram.contains
         indexed = self.long.indexed
-        on_cards: dict[int, tuple[CardState, list[bytes]]] = {}
+        on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         present = []
         for k, cs in zip(fkeys, self.long.cards_for(fkeys, dialog)):
             if in_ram(k):
                 present.append(True)
             elif cs is not None and indexed(cs, k) is not None:
                 present.append(True)
-                on_cards.setdefault(id(cs), (cs, []))[1].append(k)
+                if on_cards is not None:
+                    on_cards.setdefault(id(cs), (cs, []))[1].append(k)
             else:
                 present.append(False)
-        if on_cards and self.cfg.prepare_reads:
+        if on_cards:
             self.long.hint_reads(on_cards)
         unknown = [i for i, p in enumerate(present) if not p]
         if unknown:

@@ -142,7 +142,8 @@ def print_stats(snap: dict[str, Any]) -> None:
     engine = g["engine"]
     con.print(f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, "
               f"layout {g['fingerprint']} ({g['placement']}), sessions {g['sessions']}, "
-              f"engine {engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}")
+              f"engine {engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}, "
+              f"reads at {g['read_priority']} priority")
     t = Table(title="tiers")
     for col in ("tier", "objects", "used", "capacity", "sets", "gets", "hits", "misses", "read", "written", "evictions"):
         t.add_column(col, justify="right")

@@ -163,6 +163,10 @@ FIELDS: tuple[Field, ...] = (
           "directory cards read what the page cache lacks with O_DIRECT, straight into the destination"),
     Field("prepare_reads", _parse_bool, True,
           "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)"),
+    Field("read_priority", _parse_str, "realtime",
+          "realtime: the threads serving reads an engine waits on run at SCHED_RR 1 where permitted "
+          "(engines poll the CPUs while they wait); normal: the fair scheduler's share",
+          choices=("realtime", "normal")),
     Field("log_level", _parse_str, "info", "log level", choices=("debug", "info", "warning", "error")),
 )
 
@@ -201,6 +205,7 @@ class Config:
     sync_writes: bool = False
     direct_reads: bool = True
     prepare_reads: bool = True
+    read_priority: str = "realtime"
     log_level: str = "info"
 
     @property

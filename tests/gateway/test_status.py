@@ -166,6 +166,7 @@ def test_kvgate_stat(gateway_factory) -> None:
     assert re.search(r"\bram\b", out) and re.search(r"\blong\b", out)
     assert serial in out and "active" in out
     assert _fingerprint_from_log(gw.log()) in out
+    assert re.search(r"reads at (realtime|normal) priority", out)
 
     r = run_kvgate("stat", "--socket", gw.socket, "--json")
     assert r.returncode == 0, r.stderr

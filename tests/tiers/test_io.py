@@ -1,13 +1,15 @@
-"""CardIo's hint thread: best-effort work nobody waits for, which a stuck card cannot pile up."""
+"""IoPool and CardIo: urgent calls at real-time priority, and the hint thread (best-effort work
+nobody waits for, which a stuck card cannot pile up)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
 
-from kvgate.tiers.io import HINT_BACKLOG, CardIo, IoPool
+from kvgate.tiers.io import HINT_BACKLOG, CardIo, IoPool, realtime_permitted
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -96,3 +98,50 @@ def test_lookup_hints_go_only_to_card_kinds_that_prepare_reads(tmp_path) -> None
         return states[0].read_hints, states[1].read_hints
 
     assert asyncio.run(main()) == (2, 0)
+
+
+needs_rt = pytest.mark.skipif(not realtime_permitted(), reason="SCHED_RR is not permitted here")
+
+
+def _policies(pool: IoPool, calls: list[bool]) -> list[int]:
+    """The scheduling policy each call saw on its thread, for calls run in turn (urgent or not)."""
+    async def go() -> list[int]:
+        return [await pool.run(os.sched_getscheduler, 0, urgent=u) for u in calls]
+    return asyncio.run(go())
+
+
+@needs_rt
+@pytest.mark.parametrize("make", [lambda: IoPool(1, realtime=True), lambda: CardIo(1, 5.0, "rt", realtime=True)])
+def test_urgent_calls_run_at_sched_rr_and_others_go_back_to_normal(make) -> None:
+    pool = make()  # one thread: every call below runs on the same thread
+    try:
+        seen = _policies(pool, [False, True, True, False, True])
+    finally:
+        pool.shutdown()
+    assert seen == [os.SCHED_OTHER, os.SCHED_RR, os.SCHED_RR, os.SCHED_OTHER, os.SCHED_RR]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread is never touched
+
+
+def test_a_pool_without_realtime_leaves_urgent_calls_at_normal_priority() -> None:
+    pool = IoPool(1)
+    try:
+        assert _policies(pool, [True, True]) == [os.SCHED_OTHER, os.SCHED_OTHER]
+    finally:
+        pool.shutdown()
+
+
+@needs_rt
+def test_urgent_chunks_all_run_at_sched_rr() -> None:
+    pool = IoPool(3, realtime=True)
+
+    def work(chunk: list) -> list[int]:
+        return [os.sched_getscheduler(0)] * len(chunk)
+
+    async def go() -> list[list[int]]:
+        return await pool.map_chunks(work, list(range(9)), urgent=True)
+
+    try:
+        seen = asyncio.run(go())
+    finally:
+        pool.shutdown()
+    assert [p for chunk in seen for p in chunk] == [os.SCHED_RR] * 9

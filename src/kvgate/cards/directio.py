@@ -114,7 +114,8 @@ class CachedReadChoice:
     The copy costs this host's CPU, a direct read costs device time.  With
     cores to spare the copy is several times faster than the device; on a
     small host whose cores the engine keeps busy (vLLM's CPU build on two
-    cores, measured) it is slower, and reading around the cache wins.  So
+    cores, measured, with the reading threads at normal priority) it is
+    slower, and reading around the cache wins.  So
     both are timed, wall time per byte of each object read and verified,
     and the cheaper one serves cached files: direct reads of uncached files
     keep the device's figure current, and while cached files go direct, one

@@ -65,7 +65,7 @@ from kvgate.protocol import (
     encode_frame,
     parse_preamble,
 )
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import IoPool, realtime_permitted
 from kvgate.tiers.long import LayoutMismatch
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 
@@ -128,7 +128,7 @@ class ByteBudget:
 class Gateway:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.pool = IoPool(cfg.thread_pool_size)
+        self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
         self.store = TieredStore(cfg, self.pool)
         self.engine: EngineClaim | None = None
         self.sessions: dict[int, Session] = {}
@@ -143,6 +143,16 @@ class Gateway:
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._socket_owned = False  # only a gateway that bound the socket may remove it
+
+    @staticmethod
+    def _realtime_reads(cfg: Config) -> bool:
+        if cfg.read_priority != "realtime":
+            return False
+        if realtime_permitted():
+            return True
+        log.info("read_priority is realtime but this process may not use SCHED_RR (it needs CAP_SYS_NICE "
+                 "or an RLIMIT_RTPRIO of 1): reads run at normal priority")
+        return False
 
     # ---- life cycle ---------------------------------------------------------------
 
@@ -190,7 +200,8 @@ class Gateway:
             self._spawn(self._status_file_loop())
         ram_mib = cfg.max_bytes / (1 << 20)
         cards = ", ".join(f"{cs.where} ({cs.serial or 'unavailable'})" for cs in self.store.card_states())
-        log.info("kvgate %s ready: %s; RAM tier %.0f MiB; cards: %s", __version__, "; ".join(where), ram_mib, cards)
+        log.info("kvgate %s ready: %s; RAM tier %.0f MiB; reads at %s priority; cards: %s", __version__,
+                 "; ".join(where), ram_mib, "real-time" if self.pool.realtime else "normal", cards)
 
     def _check_bind(self) -> None:
         cfg = self.cfg
@@ -475,9 +486,9 @@ class Gateway:
         if isinstance(req, Get):
             return await self._get(sess, req, keys, dialog)
         if isinstance(req, Lookup):
-            return CountReply(count=await self.store.lookup(keys, dialog)), None
+            return CountReply(count=await self.store.lookup(keys, dialog, sess.local)), None
         if isinstance(req, Exists):
-            return ExistsReply(present=await self.store.exists(keys, dialog)), None
+            return ExistsReply(present=await self.store.exists(keys, dialog, sess.local)), None
         if isinstance(req, Delete):
             return CountReply(count=await self.store.delete(keys, dialog)), None
         if isinstance(req, Prewarm):
@@ -546,7 +557,7 @@ class Gateway:
             if req.capacities is None or len(req.capacities) != n or len(req.offsets) != n:
                 raise RequestError(ErrorCode.BAD_REQUEST, "a get into a region needs one offset and one capacity per key")
             dests = [region.slice(o, c) for o, c in zip(req.offsets, req.capacities)]
-            sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)])
+            sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)], sess.local)
             return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None), None
         return await self._get_packed(sess, req, keys, dialog)
 
@@ -555,7 +566,7 @@ class Gateway:
         hints = [self.store.size_hint(k, dialog) for k in keys]
         unknown = [i for i, h in enumerate(hints) if h is None]
         if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
-            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown])
+            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
             for i, s, need in zip(unknown, probe, needed):
                 hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
         if req.region == INLINE:
@@ -587,7 +598,7 @@ class Gateway:
             body = None
         try:
             got, _needed = await self.store.get([GetItem(keys[i], dialog, buf[offsets[i] : offsets[i] + hints[i]])
-                                                 for i in wanted])
+                                                 for i in wanted], sess.local)
         except BaseException:
             if body is not None:
                 await self.budget.release(cursor)
@@ -651,6 +662,7 @@ class Gateway:
                 "fingerprint": st.long.fingerprint, "placement": self.cfg.key_placement,
                 "socket": self.cfg.socket_path, "port": self.tcp_port, "sessions": len(self.sessions),
                 "connections": self._connections, "engine": engine, "shared_storage": self.cfg.shared_storage,
+                "read_priority": "realtime" if self.pool.realtime else "normal",
             },
             "tiers": {"ram": ram_tier, "long": long_tier},
             "lookups": c.lookups,

@@ -160,7 +160,8 @@ class LongTier:
 
     def _new_state(self, pattern: str, location: str) -> CardState:
         return CardState(pattern, location, make_card(location, self.cfg),
-                         CardIo(self.cfg.thread_pool_size, self.cfg.io_timeout_ms / 1000, "kvgate-card"))
+                         CardIo(self.cfg.thread_pool_size, self.cfg.io_timeout_ms / 1000, "kvgate-card",
+                                realtime=self.pool.realtime))
 
     # ---- start and stop ---------------------------------------------------
 
@@ -538,10 +539,15 @@ class LongTier:
             if cs.card.prepares_reads and cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys):
                 cs.read_hints += len(fkeys)
 
-    async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
-        """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline."""
+    async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]],
+                   urgent: bool = False) -> list[Header | BaseException]:
+        """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline.
+
+        ``urgent``: an engine waits on it (``IoPool.run``).
+        """
         suspect = cs.suspect > 0
-        return await self._chunked(cs, [self._read_chunk(cs, chunk, suspect) for chunk in split(items, cs.io.threads)])
+        return await self._chunked(cs, [self._read_chunk(cs, chunk, suspect, urgent)
+                                        for chunk in split(items, cs.io.threads)])
 
     async def _chunked(self, cs: CardState, chunk_calls: list) -> list:
         """Run one card's chunk calls at once and feed the outcomes to its health.
@@ -561,10 +567,10 @@ class LongTier:
             out += res
         return out
 
-    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool) -> list | BaseException:
+    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool, urgent: bool) -> list | BaseException:
         if not bounce:
             try:
-                return await cs.io.run(cs.card.read_many_into, chunk)
+                return await cs.io.run(cs.card.read_many_into, chunk, urgent=urgent)
             except OSError as e:
                 return _whole_chunk(e, len(chunk))
         abandon = Abandon()
@@ -582,7 +588,7 @@ class LongTier:
             return res
 
         try:
-            return await cs.io.run(bounced, abandon=abandon)
+            return await cs.io.run(bounced, abandon=abandon, urgent=urgent)
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 
@@ -596,7 +602,7 @@ class LongTier:
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 
-    async def probe_prefix(self, fkeys: list[bytes], dialog: bytes) -> int:
+    async def probe_prefix(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys exist on their cards (asks the cards themselves)."""
         n = 0
         while n < len(fkeys):
@@ -612,7 +618,7 @@ class LongTier:
             found = 0
             if run:
                 try:
-                    found = await cs.io.run(_exists_prefix, cs.card, run)
+                    found = await cs.io.run(_exists_prefix, cs.card, run, urgent=urgent)
                 except OSError as e:
                     self.note_result(cs, e)
                     break
@@ -621,7 +627,7 @@ class LongTier:
                 break
         return n
 
-    async def probe_each(self, fkeys: list[bytes], dialog: bytes) -> list[bool]:
+    async def probe_each(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         out = [False] * len(fkeys)
         groups = self.group(fkeys, lambda k: k, lambda _k: dialog)
 
@@ -630,7 +636,7 @@ class LongTier:
             if not idx:
                 return
             try:
-                res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx])
+                res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx], urgent=urgent)
             except OSError as e:
                 self.note_result(cs, e)
                 return

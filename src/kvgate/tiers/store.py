@@ -142,8 +142,11 @@ class TieredStore:
 
     # ---- get ------------------------------------------------------------------
 
-    async def get(self, items: list[GetItem]) -> tuple[list[int], list[int]]:
-        """Fill each item's dest; returns (sizes, needed) with MISS / TOO_SMALL in sizes."""
+    async def get(self, items: list[GetItem], urgent: bool = False) -> tuple[list[int], list[int]]:
+        """Fill each item's dest; returns (sizes, needed) with MISS / TOO_SMALL in sizes.
+
+        ``urgent``: an engine on this host waits on it (``IoPool.run``).
+        """
         c = self.counters
         sizes = [MISS] * len(items)
         needed = [0] * len(items)
@@ -172,7 +175,7 @@ class TieredStore:
 
         async def from_ram() -> None:
             try:
-                await self.pool.map_chunks(copy_work, ram_plans, min_chunk=2)
+                await self.pool.map_chunks(copy_work, ram_plans, min_chunk=2, urgent=urgent)
             finally:
                 for _i, _it, entry in ram_plans:
                     self.ram.unpin(entry)
@@ -182,7 +185,7 @@ class TieredStore:
                 c.ram.bytes_read += entry.size
 
         async def from_card(cs: CardState, idx: list[int]) -> None:
-            results = await self.long.read(cs, [(items[i].fkey, items[i].dest) for i in idx])
+            results = await self.long.read(cs, [(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
@@ -259,7 +262,7 @@ class TieredStore:
             n += 1
         return n
 
-    async def lookup(self, fkeys: list[bytes], dialog: bytes) -> int:
+    async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys exist in any tier."""
         self.counters.lookups += 1
         on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
@@ -267,10 +270,10 @@ class TieredStore:
         if on_cards:
             self.long.hint_reads(on_cards)
         if n < len(fkeys):
-            n += await self.long.probe_prefix(fkeys[n:], dialog)
+            n += await self.long.probe_prefix(fkeys[n:], dialog, urgent)
         return n
 
-    async def exists(self, fkeys: list[bytes], dialog: bytes) -> list[bool]:
+    async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         in_ram = self.ram.contains
         indexed = self.long.indexed
         on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
@@ -288,7 +291,7 @@ class TieredStore:
             self.long.hint_reads(on_cards)
         unknown = [i for i, p in enumerate(present) if not p]
         if unknown:
-            found = await self.long.probe_each([fkeys[i] for i in unknown], dialog)
+            found = await self.long.probe_each([fkeys[i] for i in unknown], dialog, urgent)
             for i, f in zip(unknown, found):
                 present[i] = f
         return present

@@ -145,3 +145,18 @@ def test_urgent_chunks_all_run_at_sched_rr() -> None:
     finally:
         pool.shutdown()
     assert [p for chunk in seen for p in chunk] == [os.SCHED_RR] * 9
+
+
+@needs_rt
+def test_an_urgent_hint_runs_at_sched_rr_and_a_background_one_at_normal() -> None:
+    io = CardIo(1, 5.0, "rt", realtime=True)
+    seen: list[int] = []
+    done = threading.Event()
+    try:
+        assert io.hint(lambda: seen.append(os.sched_getscheduler(0)), urgent=True)
+        assert io.hint(lambda: seen.append(os.sched_getscheduler(0)))
+        assert io.hint(done.set)
+        assert done.wait(5)
+    finally:
+        io.shutdown()
+    assert seen == [os.SCHED_RR, os.SCHED_OTHER]

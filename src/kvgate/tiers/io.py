@@ -20,7 +20,7 @@ else notices).
 
 Urgent calls.  The reads an engine on this host waits on (gets and lookups
 over the local socket, the card reads and RAM-tier copies they make) are
-marked ``urgent``; in a pool
+marked ``urgent``, as are the read hints of those lookups; in a pool
 made with ``realtime=True`` they run at real-time priority (``SCHED_RR``
 1) and every other call (writes, scans, deletes, health checks) at normal
 priority, switched per thread only when the class changes.  Why: an engine
@@ -238,7 +238,7 @@ class CardIo(IoPool):
             raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
 
 
-    def hint(self, fn: Callable[..., object], *args) -> bool:
+    def hint(self, fn: Callable[..., object], *args, urgent: bool = False) -> bool:
         """Run ``fn(*args)`` on the card's hint thread, without waiting for it.
 
         For work that only makes later reads faster: nothing waits for it, so
@@ -252,7 +252,10 @@ class CardIo(IoPool):
 
         def run() -> None:
             try:
-                fn(*args)
+                if self.realtime:
+                    _in_class(urgent, fn, *args)
+                else:
+                    fn(*args)
             except Exception:  # a hint is best effort: the read itself reports errors
                 log.debug("read hint failed", exc_info=True)
             finally:

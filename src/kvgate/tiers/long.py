@@ -527,7 +527,7 @@ class LongTier:
 
     # ---- bulk I/O ---------------------------------------------------------------
 
-    def hint_reads(self, on_cards: dict[int, tuple[CardState, list[bytes]]]) -> None:
+    def hint_reads(self, on_cards: dict[int, tuple[CardState, list[bytes]]], urgent: bool = False) -> None:
         """Tell cards which of their objects a lookup just found (``Card.prepare_reads``).
 
         An engine loads what its lookup found a moment later; whatever part
@@ -536,7 +536,7 @@ class LongTier:
         left alone.
         """
         for cs, fkeys in on_cards.values():
-            if cs.card.prepares_reads and cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys):
+            if cs.card.prepares_reads and cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys, urgent=urgent):
                 cs.read_hints += len(fkeys)
 
     async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]],

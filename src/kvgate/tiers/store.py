@@ -268,7 +268,7 @@ class TieredStore:
         on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         n = self._known_prefix(fkeys, dialog, on_cards)
         if on_cards:
-            self.long.hint_reads(on_cards)
+            self.long.hint_reads(on_cards, urgent)
         if n < len(fkeys):
             n += await self.long.probe_prefix(fkeys[n:], dialog, urgent)
         return n
@@ -288,7 +288,7 @@ class TieredStore:
             else:
                 present.append(False)
         if on_cards:
-            self.long.hint_reads(on_cards)
+            self.long.hint_reads(on_cards, urgent)
         unknown = [i for i, p in enumerate(present) if not p]
         if unknown:
             found = await self.long.probe_each([fkeys[i] for i in unknown], dialog, urgent)

@@ -149,6 +149,15 @@ class Gateway:
         with Client.connect(self.socket, role="admin", want_shm=False, timeout=timeout) as c:
             return c.stats()
 
+    def wait_scanned(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Stats once every card's start-up scan is done (the index then answers lookups by itself)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.stats()
+            if all(c["scanned"] for c in snap["cards"]) or time.monotonic() > deadline:
+                return snap
+            time.sleep(0.05)
+
     def stop(self) -> int | None:
         if self.proc is None:
             return None

@@ -160,3 +160,18 @@ def test_an_urgent_hint_runs_at_sched_rr_and_a_background_one_at_normal() -> Non
     finally:
         io.shutdown()
     assert seen == [os.SCHED_RR, os.SCHED_OTHER]
+
+
+def test_a_refused_priority_switch_still_runs_the_call(monkeypatch, caplog) -> None:
+    def refuse(*_a) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    pool = IoPool(1, realtime=True)
+    try:
+        async def go() -> list[int]:
+            return [await pool.run(lambda x: x * 2, 21, urgent=True), await pool.run(lambda: 7, urgent=True)]
+        assert asyncio.run(go()) == [42, 7]
+    finally:
+        pool.shutdown()
+    assert "cannot switch an I/O thread's scheduling class" in caplog.text

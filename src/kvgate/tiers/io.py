@@ -115,14 +115,28 @@ class _ThreadClass(threading.local):
 _thread_class = _ThreadClass()
 
 
+_refused_logged = False
+
+
 def _in_class(urgent: bool, fn: Callable[..., T], *args) -> T:
-    """Run ``fn(*args)`` on this thread at the priority of its class (see "Urgent calls")."""
+    """Run ``fn(*args)`` on this thread at the priority of its class (see "Urgent calls").
+
+    A refused switch (the process moved to a cgroup without real-time
+    runtime, say) leaves the thread where it is and is logged once: the
+    call itself runs either way, since a priority is never worth a failed read.
+    """
+    global _refused_logged
     if _thread_class.urgent != urgent:
-        if urgent:
-            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(REALTIME_PRIORITY))
-        else:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        _thread_class.urgent = urgent
+        try:
+            if urgent:
+                os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(REALTIME_PRIORITY))
+            else:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            _thread_class.urgent = urgent
+        except OSError as e:
+            if not _refused_logged:
+                _refused_logged = True
+                log.warning("cannot switch an I/O thread's scheduling class (%s): it stays as it is", e)
     return fn(*args)
 
 

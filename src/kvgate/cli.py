@@ -157,7 +157,8 @@ def print_stats(snap: dict[str, Any]) -> None:
                 "written", "copy / direct"):
         t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
     for c in snap["cards"]:
-        t.add_row(c["serial"] or "-", c["location"], "active" if c["active"] else "[red]inactive[/]", str(c["objects"]),
+        state = ("[yellow]read-only[/]" if c["read_only"] else "active") if c["active"] else "[red]inactive[/]"
+        t.add_row(c["serial"] or "-", c["location"], state, str(c["objects"]),
                   _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
                   str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
     con.print(t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import multiprocessing
@@ -10,6 +11,7 @@ import multiprocessing.synchronize
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -783,3 +785,21 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(card: DirectoryCa
     assert reads_ok[0] > 0
     leftovers = os.listdir(os.path.dirname(card.object_path(k)))
     assert leftovers == [os.path.basename(card.object_path(k))]  # no temp left behind
+
+
+def test_write_probe_leaves_nothing_and_fails_on_a_read_only_mount(card: DirectoryCard, tmp_path: Path) -> None:
+    before = sorted(os.listdir(card.location))
+    card.check_writable()
+    assert sorted(os.listdir(card.location)) == before
+    if os.geteuid() != 0:
+        return  # root ignores permission bits: only a read-only mount refuses it
+    loc = card.location
+    assert subprocess.run(["mount", "--bind", loc, loc]).returncode == 0
+    try:
+        assert subprocess.run(["mount", "-o", "remount,bind,ro", loc]).returncode == 0
+        with pytest.raises(CardUnavailable) as e:
+            card.check_writable()
+        assert e.value.errno == errno.EROFS
+    finally:
+        subprocess.run(["umount", loc])
+    card.check_writable()

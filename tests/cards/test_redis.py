@@ -39,7 +39,7 @@ from kvgate.cards import (
 )
 from kvgate.cards import redis as redis_card_module
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
-from kvgate.cards.redis import LABEL_KEY, UNLIMITED_FREE_BYTES, _Parts, _ZeroCopyPacker
+from kvgate.cards.redis import LABEL_KEY, PROBE_KEY, UNLIMITED_FREE_BYTES, _Parts, _ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.helpers import as_newer_format
 
@@ -879,3 +879,27 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(server: RedisServ
         t.join(60)
     assert errors == []
     assert reads_ok[0] > 0
+
+
+def test_a_replica_refuses_writes_as_read_only_and_still_serves_reads(server: RedisServer, cards) -> None:
+    """A server turned into a replica answers READONLY: EROFS, which the gateway keeps serving reads from."""
+    c = open_card(cards, server.url)
+    payload = np.random.default_rng(7).integers(0, 256, 10_000, dtype=np.uint8)
+    c.write(key(1), memoryview(payload), ObjectMeta())
+    c.check_writable()
+    r = server.raw()
+    r.execute_command("CONFIG", "SET", "repl-diskless-load", "disabled")
+    r.execute_command("REPLICAOF", "127.0.0.1", "1")  # nothing listens there: it stays a replica with its data
+    try:
+        with pytest.raises(CardUnavailable) as e:
+            c.write(key(2), memoryview(payload), ObjectMeta())
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(CardUnavailable) as e:
+            c.check_writable()
+        assert e.value.errno == errno.EROFS
+        _h, got = read_back(c, key(1), 20_000)
+        assert np.array_equal(got, payload)
+    finally:
+        r.execute_command("REPLICAOF", "NO", "ONE")
+    c.check_writable()
+    assert len(object_keys(server)) == 1 and not r.exists(PROBE_KEY)  # the probe leaves nothing behind

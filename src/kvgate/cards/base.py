@@ -115,6 +115,10 @@ class Card(ABC):
         """Cheap health probe (read the label).  Returns the serial found now."""
 
     @abstractmethod
+    def check_writable(self) -> None:
+        """Write and remove a small probe; raises ``CardUnavailable`` (EROFS) while the card takes no writes."""
+
+    @abstractmethod
     def read_into(self, full_key: bytes, dest: memoryview) -> Header:
         """Read and verify the payload into ``dest[:payload_len]``.
 

@@ -183,6 +183,14 @@ class DirectoryCard(Card):
         assert serial is not None
         return serial
 
+    def check_writable(self) -> None:
+        probe = f"{self._label_path}{_TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError as exc:
+            raise CardUnavailable(exc.errno, f"card takes no writes: {exc.strerror}", self.location) from exc
+        _unlink_quiet(probe)
+
     def _read_label(self, missing_ok: bool) -> str | None:
         """One open + read: the health probe runs often, on every card."""
         path = self._label_path

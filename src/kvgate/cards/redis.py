@@ -114,6 +114,7 @@ from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 log = logging.getLogger("kvgate.cards.redis")
 
 LABEL_KEY = b"kvgate:card-label"
+PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
 OBJECT_PREFIX = b"kvgate:o:"
 OBJECT_MATCH = OBJECT_PREFIX + b"*"
 
@@ -369,6 +370,11 @@ class RedisCard(Card):
                 raise CardUnavailable(errno.ENOENT, "card label is missing (not a kvgate card, or never opened)",
                                       self.display_location)
             return self._restore_label(self.serial)
+
+    def check_writable(self) -> None:
+        with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)
+            self._r.set(PROBE_KEY, b"1", px=1000)
+            self._r.delete(PROBE_KEY)
 
     def _get_label(self) -> bytes | None:
         try:

@@ -634,6 +634,7 @@ class Gateway:
         for cs in st.card_states():
             cards.append({
                 "serial": cs.serial, "location": cs.where, "kind": cs.card.kind, "active": cs.active,
+                "read_only": cs.read_only,
                 "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
                 "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
                 "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,

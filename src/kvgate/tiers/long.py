@@ -15,7 +15,12 @@ Health (SPEC 5): a check of each card's label every second;
 ``io_timeout_strikes`` I/Os in a row that fail or pass the deadline take a
 card out of service; out of service, its lookups are misses and its writes
 fail at once.  A card that answers again comes back at once, or after
-``IO_ERROR_COOLDOWN_S`` when I/O errors took it out.  A card is known by the
+``IO_ERROR_COOLDOWN_S`` when I/O errors took it out.  A card that refuses
+writes as read-only (EROFS: a filesystem remounted read-only after errors, a
+read-only export, a Redis replica) is not taken out: it goes on serving
+reads, takes no writes, and is tried for writability every
+``READ_ONLY_RECHECK_S``; taking it out would lose every conversation it
+holds, and bringing it back would only fail its next write.  A card is known by the
 serial on its label: found again under another path that its
 ``storage_devices`` entry matches (a glob), it is taken back there; a
 different card at its old path is never used in its place.
@@ -55,6 +60,7 @@ log = logging.getLogger("kvgate.long")
 SCAN_BATCH = 10_000
 CHECK_INTERVAL_S = 1.0
 IO_ERROR_COOLDOWN_S = 10.0
+READ_ONLY_RECHECK_S = 10.0
 RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # After a deadline passed on a card, its reads go through gateway buffers for
 # this many I/Os: a read stuck past its deadline may still land later, and it
@@ -96,6 +102,8 @@ class CardState:
     taken_out_by_error: bool = False
     suspect: int = 0
     scanned: bool = False
+    read_only: bool = False  # refused a write with EROFS: serves reads, takes no writes
+    read_only_since: float = 0.0
     refused_serial: str | None = None  # the other card last seen at our path
     deleting: int = 0  # eviction batches whose deletes have not finished yet
     checks: int = 0  # health checks passed
@@ -403,6 +411,15 @@ class LongTier:
             log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.where, cs.serial, cs.capacity)
             self._evict_over_capacity(cs)
             return
+        if isinstance(err, OSError) and err.errno == errno.EROFS:
+            cs.errors += 1
+            self.io_errors += 1
+            cs.strikes = 0  # it answered: the card works, for reads
+            if not cs.read_only:
+                cs.read_only, cs.read_only_since = True, time.monotonic()
+                log.warning("card %s (%s) is read-only: it goes on serving reads and takes no writes; "
+                            "writes are tried again every %.0f s", cs.where, cs.serial, READ_ONLY_RECHECK_S)
+            return
         if isinstance(err, TimeoutError):  # our deadline, or the medium's own (a Redis socket timeout)
             cs.timeouts += 1
             self.io_timeouts += 1
@@ -450,6 +467,8 @@ class LongTier:
             return
         cs.refused_serial = None
         cs.checks += 1
+        if cs.read_only and time.monotonic() - cs.read_only_since >= READ_ONLY_RECHECK_S:
+            await self._recheck_writable(cs)
         if cs.active and self.cfg.card_capacity is None and cs.checks % RESIZE_EVERY_CHECKS == 0:
             await self._resize(cs)
         if not cs.active:
@@ -458,6 +477,17 @@ class LongTier:
             cs.active = True
             cs.strikes = 0
             log.warning("card %s (%s) moved from inactive to active", cs.where, cs.serial)
+
+    async def _recheck_writable(self, cs: CardState) -> None:
+        try:
+            await cs.io.run(cs.card.check_writable)
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                log.warning("card %s (%s): write probe failed: %s", cs.where, cs.serial, e)
+            cs.read_only_since = time.monotonic()
+            return
+        cs.read_only = False
+        log.warning("card %s (%s) takes writes again", cs.where, cs.serial)
 
     async def _resize(self, cs: CardState) -> None:
         """Follow the medium's free space (others write to shared filesystems too).
@@ -593,6 +623,8 @@ class LongTier:
             return _whole_chunk(e, len(chunk))
 
     async def write(self, cs: CardState, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
+        if cs.read_only:  # known to refuse: fail at once, no I/O (the health check tries it again)
+            return [OSError(errno.EROFS, "card is read-only", cs.where) for _ in items]
         return await self._chunked(cs, [self._write_chunk(cs, chunk) for chunk in split(items, cs.io.threads)])
 
     async def _write_chunk(self, cs: CardState, chunk: list) -> list | BaseException:

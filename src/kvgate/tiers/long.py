@@ -20,8 +20,9 @@ writes as read-only (EROFS: a filesystem remounted read-only after errors, a
 read-only export, a Redis replica) is not taken out: it goes on serving
 reads, takes no writes, and is tried for writability every
 ``READ_ONLY_RECHECK_S``; taking it out would lose every conversation it
-holds, and bringing it back would only fail its next write.  A card is known by the
-serial on its label: found again under another path that its
+holds, and bringing it back would only fail its next write.
+
+A card is known by the serial on its label: found again under another path that its
 ``storage_devices`` entry matches (a glob), it is taken back there; a
 different card at its old path is never used in its place.
 """
@@ -566,7 +567,9 @@ class LongTier:
         left alone.
         """
         for cs, fkeys in on_cards.values():
-            if cs.card.prepares_reads and cs.active and not cs.suspect and cs.io.hint(cs.card.prepare_reads, fkeys, urgent=urgent):
+            if not (cs.card.prepares_reads and cs.active and not cs.suspect):
+                continue
+            if cs.io.hint(cs.card.prepare_reads, fkeys, urgent=urgent):
                 cs.read_hints += len(fkeys)
 
     async def read(self, cs: CardState, items: list[tuple[bytes, memoryview]],

@@ -4,6 +4,7 @@ does (`read_priority`, tiers/io.py "Urgent calls"): seen from /proc, per thread 
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -72,3 +73,18 @@ def test_reads_for_clients_on_other_hosts_stay_at_normal_priority(gateway_factor
     with gw.client(namespace="rt") as c:  # the same gateway, over its local socket
         assert all(g is not None for g in c.get_many(keys))
     assert _realtime_threads(gw.pid) >= 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops CAP_SYS_NICE with setpriv (root)")
+def test_without_cap_sys_nice_reads_run_at_normal_priority_and_the_gateway_says_so(gateway_factory) -> None:
+    gw = gateway_factory(["--max-bytes", "0"], start=False)
+    gw.argv = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", *gw.argv]
+    gw.start()
+    assert gw.stats()["gateway"]["read_priority"] == "normal"
+    assert "may not use SCHED_RR" in gw.log()
+    keys, vals = _objects()
+    with gw.client(namespace="rt") as c:
+        assert all(c.put_many(keys, vals, retention="long"))
+        got = c.get_many(keys)
+        assert all(g is not None and bytes(g) == v.tobytes() for g, v in zip(got, vals))
+    assert _realtime_threads(gw.pid) == 0

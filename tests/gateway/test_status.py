@@ -59,6 +59,7 @@ def test_status_file(gateway_factory, tmp_path) -> None:
     serial = _serial(gw.card)
     fp = _fingerprint_from_log(gw.log())
     assert f'kvgate_storage_group_active{{group="{serial}"}} 1.0' in text
+    assert f'kvgate_storage_group_read_only{{group="{serial}"}} 0.0' in text
     assert re.search(r"^kvgate_storage_groups_active 1\.0$", text, re.M)
     assert f'kvgate_key_layout_info{{fingerprint="{fp}"}} 1.0' in text
     assert 'kvgate_key_placement_info{placement="dialog"} 1.0' in text

@@ -33,7 +33,8 @@ TIER_COUNTERS = (
     ("bytes_written", "payload bytes written"),
     ("evictions", "objects evicted"),
 )
-CARD_FIELDS = (
+CARD_FIELDS = (  # the value of each is a number or a bool (1 / 0)
+    ("read_only", "1 when the card refuses writes as read-only (it still serves reads)", False),
     ("used_bytes", "bytes the card holds (headers included)", False),
     ("capacity_bytes", "bytes the card may hold", False),
     ("objects", "objects indexed on the card", False),
@@ -79,12 +80,6 @@ class _SnapshotCollector:
         for card in s["cards"]:
             active.add_metric([card["serial"] or card["location"]], 1 if card["active"] else 0)
         yield active
-        read_only = GaugeMetricFamily("kvgate_storage_group_read_only",
-                                      "1 when the card refuses writes as read-only (it still serves reads)",
-                                      labels=["group"])
-        for card in s["cards"]:
-            read_only.add_metric([card["serial"] or card["location"]], 1 if card["read_only"] else 0)
-        yield read_only
         yield GaugeMetricFamily("kvgate_storage_groups_active", "cards in service",
                                 value=sum(1 for c in s["cards"] if c["active"]))
         for name, doc, counter in CARD_FIELDS:

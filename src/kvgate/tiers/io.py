@@ -155,10 +155,9 @@ class IoPool:
         return ticket
 
     def _submit(self, fn: Callable[..., T], args: tuple, urgent: bool) -> "asyncio.Future[T]":
-        loop = asyncio.get_running_loop()
-        if self.realtime:
-            return loop.run_in_executor(self._executor, _in_class, urgent, fn, *args)
-        return loop.run_in_executor(self._executor, fn, *args)
+        # A pool without realtime never asks for the urgent class, so its threads never switch.
+        return asyncio.get_running_loop().run_in_executor(self._executor, _in_class, urgent and self.realtime,
+                                                          fn, *args)
 
     async def run(self, fn: Callable[..., T], *args, urgent: bool = False) -> T:
         """Run ``fn(*args)`` in the pool; the loop stays free meanwhile.
@@ -266,10 +265,7 @@ class CardIo(IoPool):
 
         def run() -> None:
             try:
-                if self.realtime:
-                    _in_class(urgent, fn, *args)
-                else:
-                    fn(*args)
+                _in_class(urgent and self.realtime, fn, *args)
             except Exception:  # a hint is best effort: the read itself reports errors
                 log.debug("read hint failed", exc_info=True)
             finally:

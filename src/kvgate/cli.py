@@ -102,11 +102,21 @@ def cmd_fingerprint(args) -> int:
     return 0
 
 
+class Unreachable(Exception):
+    """The gateway could not be reached at the address the command tried."""
+
+
 def _admin_client(args):
     from kvgate.client import Client
 
     target, token = _target(args)
-    return Client.connect(target, role="admin", token=token, want_shm=False, timeout=10)
+    try:
+        return Client.connect(target, role="admin", token=token, want_shm=False, timeout=10)
+    except (ConnectionError, FileNotFoundError, TimeoutError) as e:
+        # The default socket depends on XDG_RUNTIME_DIR and --port: name the one tried.
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise Unreachable(f"cannot reach the gateway at {target}: {why} (is it running? pass --socket PATH "
+                          "or --address HOST:PORT)") from None
 
 
 def cmd_stat(args) -> int:
@@ -196,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args)
     except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    except Unreachable as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
     except (ConnectionError, FileNotFoundError) as e:

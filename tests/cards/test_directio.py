@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvgate.cards import DirectoryCard, ObjectMeta
-from kvgate.cards.directio import CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
+from kvgate.cards.directio import READ_PIECE, CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
 from kvgate.cards.objectformat import ALIGN
 from kvgate.keys import full_key
 
@@ -27,7 +27,7 @@ def test_alignment_helpers() -> None:
 def test_scratch_is_aligned_and_grows_for_long_headers() -> None:
     s = Scratch()
     assert is_aligned(s.head(100)) and len(s.head(100)) == 100
-    assert is_aligned(s.tail) and len(s.tail) == ALIGN
+    assert is_aligned(s.piece) and len(s.piece) == READ_PIECE
     big = s.head(3 * ALIGN)
     assert len(big) == 3 * ALIGN and is_aligned(big)
 

@@ -5,12 +5,19 @@ Contract:
   calls them only from its I/O thread pool, never from the event loop; health
   and deadlines (``io_timeout_ms``) are enforced above this layer.
 - Methods are safe to call from several threads at once.
-- ``read_into`` writes the payload straight into the caller's buffer and
-  verifies it (header key, lengths, hash) before returning.  A bad object is
-  deleted and reported as ``ObjectCorrupt``: the caller must treat the
-  destination bytes as garbage.  An object a newer kvgate wrote, in a format
-  this build cannot read, is ``ObjectTooNew`` (a miss) and stays; ``scan``
-  skips it.
+- ``read_into`` reads into memory the card owns (a per-thread scratch, a
+  reply buffer), verifies it there (header key, lengths, hash) and hands the
+  payload to the caller's buffer only through ``guard.copy``; it never
+  writes, reads or hashes the destination itself.  Why: the destination may
+  be a client's shared memory (shrunk under its mapping, a store there is a
+  SIGBUS; ``guard.copy`` turns that into ``MemoryFault``), and the call runs
+  in a pool thread that may outlive its deadline: the caller (the event
+  loop, in ``CardIo.run``) abandons the guard before it answers the client,
+  after which ``guard.copy`` raises ``ReadAbandoned`` and no byte lands in a
+  buffer the client may have reused.  A bad object is deleted and reported
+  as ``ObjectCorrupt``: the caller must treat the destination bytes as
+  garbage.  An object a newer kvgate wrote, in a format this build cannot
+  read, is ``ObjectTooNew`` (a miss) and stays; ``scan`` skips it.
 - ``write`` is atomic: a concurrent or later reader sees the whole new object
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.
@@ -29,6 +36,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
+from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards")
 
@@ -119,11 +127,14 @@ class Card(ABC):
         """Write and remove a small probe; raises ``CardUnavailable`` (EROFS) while the card takes no writes."""
 
     @abstractmethod
-    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
-        """Read and verify the payload into ``dest[:payload_len]``.
+    def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
+        """Read and verify the payload, and deliver it into ``dest[:payload_len]`` through ``guard.copy``.
 
+        ``guard``: the caller's (see the module contract); None delivers
+        through a guard nobody abandons, for callers with no deadline.
         Raises ObjectMissing, ObjectCorrupt, BufferTooSmall (nothing usable
-        was written to dest) or CardUnavailable.
+        was written to dest) or CardUnavailable; ``ReadAbandoned`` once the
+        guard is abandoned, ``MemoryFault`` when dest's memory is gone.
         """
 
     @abstractmethod
@@ -186,11 +197,14 @@ class Card(ABC):
     # override them with pipelines.  Errors are returned per object, never
     # raised, so one bad object does not fail its neighbours.
 
-    def read_many_into(self, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
+    def read_many_into(self, items: list[tuple[bytes, memoryview]],
+                       guard: Abandon | None = None) -> list[Header | BaseException]:
+        """``read_into`` of each item, all delivering through one ``guard``."""
+        guard = guard or Abandon()
         out: list[Header | BaseException] = []
         for full_key, dest in items:
             try:
-                out.append(self.read_into(full_key, dest))
+                out.append(self.read_into(full_key, dest, guard))
             except (LookupError, ValueError, OSError) as e:
                 out.append(e)
         return out

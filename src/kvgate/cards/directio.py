@@ -35,6 +35,10 @@ from kvgate.cards.objectformat import ALIGN
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 SUPPORTED = bool(O_DIRECT)
 PAGE = mmap.PAGESIZE
+# Reads go piece by piece through a scratch buffer, each piece hashed while
+# it is still in the CPU cache; 1 MiB measured best here (256 KiB pays more
+# calls, whole 2 MiB objects fall out of a 2 MiB L2).  A multiple of ALIGN.
+READ_PIECE = 1 << 20
 
 
 class _CachestatRange(ctypes.Structure):
@@ -83,6 +87,10 @@ def fully_cached(fd: int, size: int) -> bool:
 
 def align_down(n: int) -> int:
     return n - n % ALIGN
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def is_aligned(view: memoryview) -> bool:
@@ -170,16 +178,19 @@ def _rate(cost: float | None) -> float | None:
 
 
 class Scratch(threading.local):
-    """Per-thread aligned buffers: the header block and the last partial block of a direct read.
+    """Per-thread aligned buffers every read of a directory card lands in: the header block and one piece.
 
-    Allocated once per thread (an anonymous mapping is page aligned) and grown
-    only for a header longer than one block, which takes a very long key.
+    Reads land here, never in the destination: the bytes are hashed here and
+    handed over through the caller's guard (the contract in ``cards.base``).
+    Allocated once per thread (an anonymous mapping is page aligned, as
+    ``O_DIRECT`` wants) and grown only for a header longer than one block,
+    which takes a very long key.
     """
 
     def __init__(self) -> None:
         self._head = mmap.mmap(-1, ALIGN)
-        self._tail = mmap.mmap(-1, ALIGN)
-        self.tail = memoryview(self._tail)
+        self._piece = mmap.mmap(-1, READ_PIECE)
+        self.piece = memoryview(self._piece)
 
     def head(self, size: int) -> memoryview:
         if len(self._head) < size:

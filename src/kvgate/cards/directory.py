@@ -42,12 +42,12 @@ from kvgate.cards.base import (
     parse_label,
 )
 from kvgate.cards.directio import (
+    READ_PIECE,
     SUPPORTED,
     CachedReadChoice,
     Scratch,
-    align_down,
+    align_up,
     fully_cached,
-    is_aligned,
     set_direct,
 )
 from kvgate.cards.objectformat import (
@@ -64,16 +64,11 @@ from kvgate.cards.objectformat import (
     pack_header,
     padded_size,
     parse_header,
-    payload_hash,
 )
 from kvgate.keys import key_digest
+from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.directory")
-
-# Buffered reads go piece by piece, each hashed while it is still in the CPU
-# cache; 1 MiB measured best here (256 KiB pays more calls, whole 2 MiB
-# objects fall out of a 2 MiB L2).
-READ_PIECE = 1 << 20
 
 LABEL_NAME = "kvgate-card.json"
 
@@ -360,7 +355,7 @@ class DirectoryCard(Card):
 
     # ------------------------------------------------------------------- I/O
 
-    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
+    def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
         view = byte_view(dest)
         path = self.object_path(full_key)
         try:
@@ -377,7 +372,7 @@ class DirectoryCard(Card):
             raise
         try:
             try:
-                return self._read_verified(fd, full_key, view)
+                return self._read_verified(fd, full_key, view, guard or Abandon())
             except ObjectCorrupt as exc:
                 exc.add_note(f"deleted corrupt object {path}")
                 self._discard(path, fd)
@@ -390,84 +385,93 @@ class DirectoryCard(Card):
         finally:
             os.close(fd)
 
-    def _read_verified(self, fd: int, full_key: bytes, view: memoryview) -> Header:
+    def _read_verified(self, fd: int, full_key: bytes, view: memoryview, guard: Abandon) -> Header:
         file_size = os.fstat(fd).st_size
-        if not (self.direct_reads and is_aligned(view)):
-            return self._read_buffered(fd, full_key, view, file_size)
+        if not self.direct_reads:
+            return self._read_buffered(fd, full_key, view, file_size, guard)
         t0 = time.perf_counter()
         cached = fully_cached(fd, file_size)
         if (not cached or self.cached_reads.direct_for_cached()) and self._set_direct(fd):
-            header = self._read_direct(fd, full_key, view, file_size)
+            header = self._read_direct(fd, full_key, view, file_size, guard)
             self.cached_reads.note(True, header.payload_len, time.perf_counter() - t0)
         else:
-            header = self._read_buffered(fd, full_key, view, file_size)
+            header = self._read_buffered(fd, full_key, view, file_size, guard)
             if cached:
                 self.cached_reads.note(False, header.payload_len, time.perf_counter() - t0)
         return header
 
-    def _read_buffered(self, fd: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
-        """Header and first piece in one ``preadv``, then the rest piece by piece.
+    def _read_buffered(self, fd: int, full_key: bytes, view: memoryview, file_size: int, guard: Abandon) -> Header:
+        """Header and first piece in one ``preadv``, then the rest piece by piece, all into the scratch.
 
         Each piece is checksummed right after it lands, while it is still in
-        the CPU cache, so verification costs no second pass over memory.
+        the CPU cache, then handed to ``view`` through ``guard``.
         """
         hsize = header_size(full_key)
         poff = padded_size(hsize)  # where our writes put the payload
         head = self._scratch.head(poff)
-        first = min(len(view), READ_PIECE)
-        n = os.preadv(fd, [head, view[:first]], 0)
+        piece = self._scratch.piece
+        n = os.preadv(fd, [head, piece[: min(len(view), READ_PIECE)]], 0)
         header = self._check_header(head, n, full_key, view, file_size)
         plen = header.payload_len
-        # An unpadded object (written before objects were padded): what landed in view is not its payload.
+        # An unpadded object (written before objects were padded): what landed in the piece is not its payload.
         got = min(max(0, n - poff), plen) if header.payload_offset == poff else 0
         hasher = payload_hasher()
         if got:
-            hasher.update(view[:got])
+            hasher.update(piece[:got])
+            guard.copy(view[:got], piece[:got])
         off = got
         while off < plen:
-            piece = view[off : off + min(READ_PIECE, plen - off)]
-            k = os.preadv(fd, [piece], header.payload_offset + off)
+            k = os.preadv(fd, [piece[: min(READ_PIECE, plen - off)]], header.payload_offset + off)
             if k <= 0:
                 raise ObjectCorrupt("object shorter than its header says")
             hasher.update(piece[:k])
+            guard.copy(view[off : off + k], piece[:k])
             off += k
         if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
-    def _read_direct(self, fd: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
-        """Header block and payload straight from the device (``fd`` has ``O_DIRECT`` on), then the checksum.
+    def _read_direct(self, fd: int, full_key: bytes, view: memoryview, file_size: int, guard: Abandon) -> Header:
+        """Header block and payload from the device (``fd`` has ``O_DIRECT`` on), piece by piece into the scratch.
 
-        A direct read moves whole blocks, so only the payload's whole blocks
-        go straight into ``view``; its last partial block goes through a
-        scratch block, and no byte of ``view`` past the payload is touched.
+        The device writes the aligned scratch, whole blocks at a time (the
+        last one past the payload's end reads short at the end of the file);
+        each piece is hashed there and handed to ``view`` through ``guard``,
+        so no byte of ``view`` past the payload is touched.
         """
         hsize = header_size(full_key)
         poff = padded_size(hsize)
         head = self._scratch.head(poff)
-        body = align_down(min(len(view), max(0, file_size - poff)))
+        piece = self._scratch.piece
+        first = align_up(min(len(view), max(0, file_size - poff), READ_PIECE))
         try:
-            n = os.preadv(fd, [head, view[:body]], 0)
+            n = os.preadv(fd, [head, piece[:first]], 0)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             self._direct_refused(f"O_DIRECT read: {exc.strerror}")
             set_direct(fd, False)
-            return self._read_buffered(fd, full_key, view, file_size)
+            return self._read_buffered(fd, full_key, view, file_size, guard)
         header = self._check_header(head, n, full_key, view, file_size)
         if header.payload_offset != poff:  # unpadded: not at an aligned offset
             set_direct(fd, False)
-            return self._read_buffered(fd, full_key, view, file_size)
+            return self._read_buffered(fd, full_key, view, file_size, guard)
         plen = header.payload_len
-        if n != poff + body:
-            raise ObjectCorrupt("object shorter than its header says")
-        tail = plen - body  # < ALIGN: body took every whole block of a payload that fits view
-        if tail:
-            scratch = self._scratch.tail
-            if os.preadv(fd, [scratch], poff + body) != tail:
+        hasher = payload_hasher()
+        got = min(n - poff, plen)
+        off = 0
+        while True:
+            if got < min(READ_PIECE, plen - off):
                 raise ObjectCorrupt("object shorter than its header says")
-            view[body:plen] = scratch[:tail]
-        if payload_hash(view[:plen]) != header.payload_hash:
+            if got:
+                hasher.update(piece[:got])
+                guard.copy(view[off : off + got], piece[:got])
+            off += got
+            if off >= plen:
+                break
+            # off is a whole number of pieces here, so the file offset stays aligned
+            got = min(os.preadv(fd, [piece[: align_up(min(READ_PIECE, plen - off))]], poff + off), plen - off)
+        if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 

@@ -79,7 +79,6 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
 import redis
 import redis.exceptions as rexc
 from redis.backoff import NoBackoff
@@ -110,6 +109,7 @@ from kvgate.cards.objectformat import (
     parse_header,
 )
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
+from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.redis")
 
@@ -491,8 +491,8 @@ class RedisCard(Card):
         except (rexc.RedisError, OSError):
             pass
 
-    def _finish_read(self, rkey: bytes, full_key: bytes, value: Any, view: memoryview) -> Header:
-        """Check one GET reply and copy its payload into ``view``."""
+    def _finish_read(self, rkey: bytes, full_key: bytes, value: Any, view: memoryview, guard: Abandon) -> Header:
+        """Check one GET reply and deliver its payload into ``view`` through ``guard``."""
         if value is None:
             raise ObjectMissing(f"no object {rkey.decode()}")
         if isinstance(value, rexc.ResponseError):
@@ -503,20 +503,20 @@ class RedisCard(Card):
                 raise exc
             raise self._map_error(value)
         try:
-            return self._verify_into(full_key, value, view)
+            return self._verify_into(full_key, value, view, guard)
         except ObjectCorrupt as exc:
             exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
             self._discard(rkey, value)
             raise
 
     @staticmethod
-    def _verify_into(full_key: bytes, value: bytes, view: memoryview) -> Header:
-        """Header, lengths and hash of ``value``, then its payload into ``view``.
+    def _verify_into(full_key: bytes, value: bytes, view: memoryview, guard: Abandon) -> Header:
+        """Header, lengths and hash of ``value``, then its payload into ``view`` through ``guard``.
 
-        The payload is checked and copied piece by piece: each piece is copied
-        right after its hash, while it is still in the CPU cache.  A hash that
-        fails leaves the destination partly written, which the contract
-        allows (the caller treats it as garbage).
+        The payload is checked and delivered piece by piece: each piece is
+        copied right after its hash, while it is still in the CPU cache.  A
+        hash that fails leaves the destination partly written, which the
+        contract allows (the caller treats it as garbage).
         """
         header = parse_header(value, expect_key=full_key)
         hlen, plen = header.header_len, header.payload_len
@@ -530,21 +530,19 @@ class RedisCard(Card):
             if header.payload_hash != payload_hash(b""):
                 raise ObjectCorrupt("payload checksum mismatch")
             return header
-        src_view = memoryview(value)[hlen:]
-        src = np.frombuffer(value, dtype=np.uint8, count=plen, offset=hlen)
-        dst = np.frombuffer(view, dtype=np.uint8, count=plen)
+        src = memoryview(value)[hlen:]
         hasher = payload_hasher()
         for off in range(0, plen, CHECKSUM_PIECE):
             end = min(off + CHECKSUM_PIECE, plen)
-            hasher.update(src_view[off:end])
-            np.copyto(dst[off:end], src[off:end])
+            hasher.update(src[off:end])
+            guard.copy(view[off:end], src[off:end])
         if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
 
     # ------------------------------------------------------------------- I/O
 
-    def read_into(self, full_key: bytes, dest: memoryview) -> Header:
+    def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
         view = byte_view(dest)
         rkey = self.object_key(full_key)
         with self._io():
@@ -552,14 +550,19 @@ class RedisCard(Card):
                 value = self._r.get(rkey)
             except rexc.ResponseError as exc:  # WRONGTYPE and friends: judged like a pipelined reply
                 value = exc
-        return self._finish_read(rkey, full_key, value, view)
+        return self._finish_read(rkey, full_key, value, view, guard or Abandon())
 
-    def read_many_into(self, items: list[tuple[bytes, memoryview]]) -> list[Header | BaseException]:
+    def read_many_into(self, items: list[tuple[bytes, memoryview]],
+                       guard: Abandon | None = None) -> list[Header | BaseException]:
         """Pipelined GETs (up to ``_READ_PIPELINE_BYTES`` of destinations per round trip).
+
+        Replies land in redis-py's buffers, which are ours; payloads reach the
+        destinations only through ``guard`` (the contract in ``base``).
 
         Results are per object; a connection failure fails the objects of
         that pipeline and every later one at once (no waiting out each).
         """
+        guard = guard or Abandon()
         out: list[Header | BaseException | None] = [None] * len(items)
         views = [byte_view(dest) for _, dest in items]
         rkeys = [self.object_key(k) for k, _ in items]
@@ -583,7 +586,7 @@ class RedisCard(Card):
                 continue
             for i, value in zip(chunk, values):
                 try:
-                    out[i] = self._finish_read(rkeys[i], items[i][0], value, views[i])
+                    out[i] = self._finish_read(rkeys[i], items[i][0], value, views[i], guard)
                 except (LookupError, ValueError, OSError) as exc:
                     out[i] = exc
             del values

@@ -31,6 +31,7 @@ from kvgate.gateway import status as status_mod
 from kvgate.gateway.connection import Connection, accept_loop, tcp_listeners, unix_listener
 from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
 from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
+from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
@@ -65,7 +66,7 @@ from kvgate.protocol import (
     encode_frame,
     parse_preamble,
 )
-from kvgate.tiers.io import IoPool, realtime_permitted
+from kvgate.tiers.io import ByteBudget, IoPool, realtime_permitted
 from kvgate.tiers.long import LayoutMismatch
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 
@@ -104,25 +105,6 @@ class EngineClaim:
     engine_id: str
     pid: int
     connections: int = 0
-
-
-class ByteBudget:
-    """Bounds the inline bytes held for all connections at once."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.used + n <= self.limit or self.used == 0)
-            self.used += n
-
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
 
 
 class Gateway:
@@ -384,6 +366,12 @@ class Gateway:
             reply = Error(id=req.id, code=e.code, message=str(e))
         except (BadKey, RegionError) as e:
             reply = Error(id=req.id, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except MemoryFault as e:  # the client shrank a region it shares with us: its request fails, nothing else
+            region = session.regions.get(getattr(req, "region", INLINE)) if session is not None else None
+            where = f"region {req.region} ({region.path})" if region is not None else "a shared region"
+            reply = Error(id=req.id, code=ErrorCode.BAD_REQUEST,
+                          message=f"{where} is shorter than when it was mapped ({e.strerror}): keep region files "
+                                  "at their size while the gateway has them")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001

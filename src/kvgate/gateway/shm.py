@@ -7,6 +7,12 @@ Two kinds, both files under /dev/shm mapped by the gateway and the client:
   CPU tier in ``/dev/shm/vllm_offload_<engine_id>.mmap``) and registers, so
   the gateway reads and writes them in place.  Only a regular file under
   /dev/shm owned by the connecting process's uid (SO_PEERCRED) is accepted.
+
+Either file stays the client's to shrink: the gateway never loads or stores
+region memory from user space.  Every copy in or out goes through
+``kvgate.memcopy``, so a region shrunk under its mapping fails the request
+that touched it (``MemoryFault``, a BAD_REQUEST naming the region) instead
+of killing the gateway with SIGBUS.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ Card reads and writes and bulk copies run here, never on the event loop.
   (``io_timeout_ms``) that includes waiting for a free thread: the caller
   gets ``IoTimeout`` in time even when the thread itself stays stuck.  The
   stuck call goes on in its thread; its late result is dropped, and the work
-  function is told through ``Abandon`` so it can refrain from publishing.
+  function is told through ``Abandon`` so it can refrain from publishing:
+  ``run`` abandons it before it returns or raises for any reason other than
+  the call's own end (deadline, cancellation), so once the caller has its
+  answer nothing more goes through it.
 
 A card also has one *hint* thread for best-effort work that speeds up reads
 to come (``CardIo.hint``): it never holds a thread a read could use, and
@@ -47,6 +50,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from kvgate.memcopy import Abandon
+
 T = TypeVar("T")
 
 log = logging.getLogger("kvgate.io")
@@ -57,33 +62,6 @@ HINT_BACKLOG = 4
 
 class IoTimeout(TimeoutError):
     """A card I/O ran past its deadline (the thread may still be running it)."""
-
-
-class Abandon:
-    """Set by the loop when it stops waiting; checked by the worker before it publishes.
-
-    The lock makes "check, then publish" atomic with respect to "abandon":
-    once ``abandon()`` returns, no publish that checked before it is still
-    writing into memory the client may now reuse.
-    """
-
-    __slots__ = ("_lock", "abandoned")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.abandoned = False
-
-    def abandon(self) -> None:
-        with self._lock:
-            self.abandoned = True
-
-    def __enter__(self) -> bool:
-        """``with abandon as gone: if not gone: publish()``"""
-        self._lock.acquire()
-        return self.abandoned
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
 
 
 REALTIME_PRIORITY = 1  # the lowest SCHED_RR priority: above every normal thread, below the kernel's own
@@ -140,6 +118,29 @@ def _in_class(urgent: bool, fn: Callable[..., T], *args) -> T:
     return fn(*args)
 
 
+class ByteBudget:
+    """Bounds bytes held at once (inline frames of all connections, staged puts).
+
+    One holder may exceed the limit alone (``used == 0``): an object larger
+    than the budget still goes, one at a time.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit or self.used == 0)
+            self.used += n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
 class IoPool:
     def __init__(self, threads: int, name: str = "kvgate-io", realtime: bool = False):
         """``realtime``: run urgent calls at ``SCHED_RR`` (the caller checked ``realtime_permitted``)."""
@@ -178,7 +179,13 @@ class IoPool:
         chunks = split(items, self.threads, min_chunk)
         if len(chunks) == 1:
             return [await self.run(fn, chunks[0], urgent=urgent)]
-        return list(await asyncio.gather(*(self.run(fn, c, urgent=urgent) for c in chunks)))
+        # Every chunk ends before this returns or raises: a chunk still
+        # copying after the caller answered would write buffers it reuses.
+        results = await asyncio.gather(*(self.run(fn, c, urgent=urgent) for c in chunks), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return results
 
     def oldest_age(self) -> float:
         """Seconds the oldest in-flight call has been running (0 when idle)."""
@@ -245,10 +252,14 @@ class CardIo(IoPool):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
         except (asyncio.TimeoutError, TimeoutError):
-            if abandon is not None:
-                abandon.abandon()
             fut.add_done_callback(_swallow)
             raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
+        except asyncio.CancelledError:  # the request went away: its buffers may be reused or unmapped
+            fut.add_done_callback(_swallow)
+            raise
+        finally:
+            if abandon is not None:  # after the call's own end this changes nothing
+                abandon.abandon()
 
 
     def hint(self, fn: Callable[..., object], *args, urgent: bool = False) -> bool:

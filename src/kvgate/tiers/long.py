@@ -52,6 +52,7 @@ from kvgate.cards import (
 )
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
+from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
 from kvgate.tiers.io import Abandon, CardIo, IoPool, split
@@ -63,9 +64,8 @@ CHECK_INTERVAL_S = 1.0
 IO_ERROR_COOLDOWN_S = 10.0
 READ_ONLY_RECHECK_S = 10.0
 RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
-# After a deadline passed on a card, its reads go through gateway buffers for
-# this many I/Os: a read stuck past its deadline may still land later, and it
-# must land in memory of ours, not in a client buffer that has been reused.
+# After a deadline passed on a card, lookups send it no read hints for this
+# many I/Os: its hint thread may be stuck with the rest.
 SUSPECT_IOS = 1000
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
@@ -576,11 +576,17 @@ class LongTier:
                    urgent: bool = False) -> list[Header | BaseException]:
         """Read ``(full key, dest)`` pairs from one card, in parallel chunks, each with a deadline.
 
-        ``urgent``: an engine waits on it (``IoPool.run``).
+        ``urgent``: an engine waits on it (``IoPool.run``).  Once this returns
+        or raises, no byte of the read lands in any ``dest`` (each chunk's
+        guard is abandoned first), however long the card takes.  Raises
+        ``MemoryFault`` when a ``dest`` is memory that is gone (a client's
+        region shrunk under its mapping): the client's doing, not the card's.
         """
-        suspect = cs.suspect > 0
-        return await self._chunked(cs, [self._read_chunk(cs, chunk, suspect, urgent)
-                                        for chunk in split(items, cs.io.threads)])
+        out = await self._chunked(cs, [self._read_chunk(cs, chunk, urgent) for chunk in split(items, cs.io.threads)])
+        fault = next((r for r in out if isinstance(r, MemoryFault)), None)
+        if fault is not None:
+            raise fault
+        return out
 
     async def _chunked(self, cs: CardState, chunk_calls: list) -> list:
         """Run one card's chunk calls at once and feed the outcomes to its health.
@@ -595,33 +601,18 @@ class LongTier:
                 self.note_result(cs, res)
                 out += [res] * res.n_items  # type: ignore[attr-defined]
                 continue
-            failed = next((r for r in res if isinstance(r, OSError)), None)
+            failed = next((r for r in res if isinstance(r, OSError) and not isinstance(r, MemoryFault)), None)
             self.note_result(cs, failed)
             out += res
         return out
 
-    async def _read_chunk(self, cs: CardState, chunk: list, bounce: bool, urgent: bool) -> list | BaseException:
-        if not bounce:
-            try:
-                return await cs.io.run(cs.card.read_many_into, chunk, urgent=urgent)
-            except OSError as e:
-                return _whole_chunk(e, len(chunk))
-        abandon = Abandon()
-
-        def bounced() -> list:
-            # Read into our own buffers; hand the bytes over only while the
-            # loop still waits, so a late read never writes client memory.
-            mine = [(k, memoryview(bytearray(len(d)))) for k, d in chunk]
-            res = cs.card.read_many_into(mine)
-            with abandon as gone:
-                if not gone:
-                    for (_k, dest), (_k2, buf), r in zip(chunk, mine, res):
-                        if isinstance(r, Header):
-                            dest[: r.payload_len] = buf[: r.payload_len]
-            return res
-
+    async def _read_chunk(self, cs: CardState, chunk: list, urgent: bool) -> list | BaseException:
+        # The card reads into its own memory and delivers through the guard,
+        # which CardIo.run abandons before it gives up on the call: a read
+        # that ends after its deadline writes nothing into the destinations.
+        guard = Abandon()
         try:
-            return await cs.io.run(bounced, abandon=abandon, urgent=urgent)
+            return await cs.io.run(cs.card.read_many_into, chunk, guard, abandon=guard, urgent=urgent)
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 

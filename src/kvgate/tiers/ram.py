@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kvgate import memcopy
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
 
@@ -341,40 +342,30 @@ class RamTier:
             free.extend(range(start + n - 1, start - 1, -1))
 
 
-def _u8(buf: memoryview | bytes | bytearray | np.ndarray) -> np.ndarray:
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
 def copy_into(dst_views: Sequence[memoryview], src: memoryview | bytes | bytearray) -> None:
     """Scatter ``src`` into ``dst_views`` (a reservation's views), in order.
 
-    ``numpy.copyto`` releases the GIL for the copy, so two pool threads copy
-    in parallel; memoryview slice assignment would hold it.  ``src`` must be
+    ``src`` may be a client's region: the copy is ``memcopy.copy``, so a
+    region shrunk under its mapping is a ``MemoryFault``, not a SIGBUS; it
+    releases the GIL, so pool threads copy in parallel.  ``src`` must be
     exactly as long as the views together.
     """
-    s = _u8(src)
     total = sum(v.nbytes for v in dst_views)
-    if s.size != total:
-        raise ValueError(f"source is {s.size} bytes, destination views hold {total}")
-    offset = 0
-    for view in dst_views:
-        n = view.nbytes
-        np.copyto(_u8(view), s[offset : offset + n])
-        offset += n
+    size = memoryview(src).nbytes
+    if size != total:
+        raise ValueError(f"source is {size} bytes, destination views hold {total}")
+    memcopy.copy(list(dst_views), src)
 
 
 def copy_out(src_views: Sequence[memoryview], dst: memoryview | bytearray) -> int:
     """Gather ``src_views`` (a pinned entry's views) into the start of ``dst``.
 
     Returns the number of bytes copied; ``dst`` may be longer, never shorter.
+    ``dst`` may be a client's region: see ``copy_into``.
     """
-    d = _u8(dst)
     total = sum(v.nbytes for v in src_views)
+    d = np.frombuffer(dst, dtype=np.uint8)  # counts bytes whatever the format of dst
     if d.size < total:
         raise ValueError(f"destination is {d.size} bytes, the object is {total}")
-    offset = 0
-    for view in src_views:
-        n = view.nbytes
-        np.copyto(d[offset : offset + n], _u8(view))
-        offset += n
+    memcopy.copy(d[:total], list(src_views))
     return total

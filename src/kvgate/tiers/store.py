@@ -20,11 +20,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvgate import memcopy
 from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.config import Config
 from kvgate.protocol import MISS, TOO_SMALL
 from kvgate.tiers.eviction import LONG, SHORT
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.long import CardState, LongTier, expired
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 
@@ -66,6 +67,44 @@ class GetItem:
     dest: memoryview
 
 
+class Staging:
+    """Buffers of ours that card writes of items without a RAM copy read from (see ``TieredStore.put``).
+
+    Puts hold at most ``limit`` bytes of them at once, as inline frames do;
+    puts beyond it wait their turn.  Given-back buffers are kept for reuse up
+    to ``KEEP`` bytes: fresh memory fills at about 0.5 GiB/s here (a page
+    fault and a zeroing per 4 KiB, see ``RamTier``), which made a fresh
+    buffer per put cost more than the card write itself.
+    """
+
+    KEEP = 64 << 20
+
+    def __init__(self, limit: int):
+        self.budget = ByteBudget(limit)
+        self._free: dict[int, list[memoryview]] = {}
+        self._kept = 0
+
+    async def take(self, sizes: list[int]) -> list[memoryview]:
+        await self.budget.acquire(sum(sizes))
+        out = []
+        for n in sizes:
+            free = self._free.get(n)
+            if free:
+                out.append(free.pop())
+                self._kept -= n
+            else:
+                out.append(memoryview(bytearray(n)))
+        return out
+
+    async def give_back(self, buffers: list[memoryview]) -> None:
+        for buf in buffers:
+            n = len(buf)
+            if self._kept + n <= self.KEEP:
+                self._free.setdefault(n, []).append(buf)
+                self._kept += n
+        await self.budget.release(sum(len(b) for b in buffers))
+
+
 class TieredStore:
     def __init__(self, cfg: Config, pool: IoPool):
         self.cfg = cfg
@@ -73,6 +112,8 @@ class TieredStore:
         self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy)
         self.long = LongTier(cfg, pool)
         self.counters = StoreCounters()
+        self.staging = Staging(2 * cfg.max_frame_bytes)
+        memcopy.check()
 
     async def start(self) -> None:
         await self.long.start()
@@ -88,7 +129,12 @@ class TieredStore:
         The RAM copy is made first and pinned while the card write runs from
         it: the card then writes bytes the gateway owns, so a write that runs
         past its deadline can never publish a client buffer that was reused
-        after the client got its (failed) answer.
+        after the client got its (failed) answer.  An item with no RAM copy
+        in one piece (tier off or full, object larger than it, pages not
+        contiguous) is staged in a buffer of ours first, within the staging
+        budget: no card ever reads client memory, which the client may shrink
+        under us.  Copies out of client memory are ``memcopy`` copies:
+        ``MemoryFault`` when the client shrank it, and nothing is stored then.
         """
         if retention == "none" or not items:
             return [False] * len(items)
@@ -101,7 +147,12 @@ class TieredStore:
             for it, res in chunk:
                 copy_into(res.views(), it.src)
 
-        await self.pool.map_chunks(copy_work, copies, min_chunk=2)
+        try:
+            await self.pool.map_chunks(copy_work, copies, min_chunk=2)
+        except BaseException:
+            for _it, res in copies:
+                self.ram.abort(res)
+            raise
         pinned = []
         for it, res in copies:
             self.ram.commit(res)
@@ -112,12 +163,13 @@ class TieredStore:
         if klass != LONG:
             return [res is not None for res in reservations]
 
-        source = {id(it): it.src for it in items}
+        source: dict[int, memoryview] = {}
         for (it, _res), entry in zip(copies, pinned):
             views = entry.views() if entry is not None else []
             if len(views) == 1:
                 source[id(it)] = views[0]
-        groups = self.long.group(items, lambda it: it.fkey, lambda it: it.meta.dialog)
+        staged = [it for it in items if id(it) not in source]
+        staged_bytes = sum(len(it.src) for it in staged)
         card_ok = [False] * len(items)
 
         async def one_card(cs: CardState, idx: list[int]) -> None:
@@ -132,9 +184,16 @@ class TieredStore:
                 else:
                     log.debug("write to card %s failed: %s", cs.location, r)
 
+        buffers = await self.staging.take([len(it.src) for it in staged]) if staged else []
         try:
+            if staged:
+                await self.pool.map_chunks(_stage, list(zip(buffers, staged)), min_chunk=2)
+                source.update((id(it), buf) for it, buf in zip(staged, buffers))
+            groups = self.long.group(items, lambda it: it.fkey, lambda it: it.meta.dialog)
             await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
         finally:
+            if staged:
+                await self.staging.give_back(buffers)
             for entry in pinned:
                 if entry is not None:
                     self.ram.unpin(entry)
@@ -190,7 +249,13 @@ class TieredStore:
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
         groups = self.long.group(misses, lambda i: items[i].fkey, lambda i: items[i].dialog)
-        await asyncio.gather(from_ram(), *(from_card(cs, [misses[j] for j in idx]) for cs, idx in groups.values()))
+        # Every part ends before the answer: one that failed (a shrunk region)
+        # must not leave others still writing the destinations.
+        done = await asyncio.gather(from_ram(), *(from_card(cs, [misses[j] for j in idx])
+                                                  for cs, idx in groups.values()), return_exceptions=True)
+        failed = next((r for r in done if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
         return sizes, needed
 
     def _account_read(self, cs: CardState, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:
@@ -371,3 +436,7 @@ class TieredStore:
         return self.long.cards
 
 
+def _stage(chunk: list[tuple[memoryview, PutItem]]) -> None:
+    """Copy items' sources into staging buffers of ours (``memcopy``: a shrunk region is a ``MemoryFault``)."""
+    for buf, it in chunk:
+        memcopy.copy(buf, it.src)

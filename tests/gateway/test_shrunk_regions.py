@@ -1,0 +1,112 @@
+"""A client that shrinks a shared-memory file the gateway maps gets an error; the gateway lives on.
+
+Its session region or a registered /dev/shm file, truncated with ``ftruncate``,
+then used for puts and gets: served from the RAM tier and from the card, with
+the RAM tier on and off.  Before, the gateway's copies touched the vanished
+pages and died of SIGBUS.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from kvgate.client import GatewayError
+from kvgate.protocol import SESSION_REGION, Get, Put
+
+pytestmark = pytest.mark.timeout(90)
+
+SMALL = 64 << 10  # fits the 1 MiB RAM tier
+BIG = 2 << 20  # does not: on the card only, and staged for its card write
+# "1M": small objects come from RAM, big ones from the card; "0": everything from the card.
+RAM = pytest.mark.parametrize("ram", ["1M", "0"])
+
+
+def _payload(seed: int, size: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _refused(excinfo: pytest.ExceptionInfo, path: str) -> None:
+    err = excinfo.value
+    assert err.code == "BAD_REQUEST", err
+    assert path in str(err), err
+
+
+def _still_serves(gw, stored: dict[bytes, bytes]) -> None:
+    """The gateway is alive and a new client gets every byte right and stores anew."""
+    assert gw.alive(), gw.log()
+    with gw.client() as c:
+        assert c.get_many(list(stored)) == list(stored.values())
+        fresh = _payload(9, SMALL)
+        assert c.put_many([b"after"], [fresh]) == [True]
+        assert c.get_many([b"after"]) == [fresh]
+    assert "Traceback" not in gw.log()
+
+
+@RAM
+def test_a_client_that_shrinks_its_session_region_gets_an_error(gateway_factory, ram: str) -> None:
+    gw = gateway_factory(["--max-bytes", ram])
+    stored = {b"small": _payload(1, SMALL), b"big": _payload(2, BIG)}
+    with gw.client() as c:
+        assert c.put_many(list(stored), list(stored.values())) == [True, True]
+    with gw.client() as c:
+        (path,) = glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")  # this client's session region
+        os.truncate(path, 0)
+        # Raw requests: the client library would itself touch the vanished pages.
+        with pytest.raises(GatewayError) as e:
+            c._call(Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]))
+        _refused(e, path)
+        with pytest.raises(GatewayError) as e:
+            c._call(Put(keys=[b"new-big"], sizes=[BIG], region=SESSION_REGION, offsets=[0]))
+        _refused(e, path)
+        for key, size in ((b"small", SMALL), (b"big", BIG)):
+            with pytest.raises(GatewayError) as e:
+                c._call(Get(keys=[key], region=SESSION_REGION, offsets=[0], capacities=[size]))
+            _refused(e, path)
+        with pytest.raises(GatewayError) as e:  # both at once, packed by the gateway
+            c._call(Get(keys=[b"small", b"big"], region=SESSION_REGION))
+        _refused(e, path)
+        assert c.exists_many([b"new", b"new-big"]) == [False, False]  # a refused put stores nothing
+    _still_serves(gw, stored)
+
+
+@RAM
+def test_a_client_that_shrinks_a_registered_region_gets_an_error(gateway_factory, ram: str) -> None:
+    gw = gateway_factory(["--max-bytes", ram])
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    size = 4 << 20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        small, big = memoryview(mm)[:SMALL], memoryview(mm)[1 << 20 : (1 << 20) + BIG]
+        stored = {b"small": _payload(3, SMALL), b"big": _payload(4, BIG)}
+        small[:], big[:] = stored[b"small"], stored[b"big"]
+        with gw.client() as c:
+            c.register_region(path, mm)
+            assert c.put_many(list(stored), [small, big]) == [True, True]  # in place, from the region
+            os.ftruncate(fd, 0)
+            # From here on this process must not touch those pages either: the
+            # client passes buffers inside the region by offset, untouched.
+            with pytest.raises(GatewayError) as e:
+                c.put_many([b"new"], [small])
+            _refused(e, path)
+            with pytest.raises(GatewayError) as e:
+                c.put_many([b"new-big"], [big])
+            _refused(e, path)
+            with pytest.raises(GatewayError) as e:
+                c.get_many([b"small"], into=[small])
+            _refused(e, path)
+            with pytest.raises(GatewayError) as e:
+                c.get_many([b"big"], into=[big])
+            _refused(e, path)
+            assert c.exists_many([b"new", b"new-big"]) == [False, False]
+        _still_serves(gw, stored)
+    finally:
+        os.close(fd)
+        os.unlink(path)

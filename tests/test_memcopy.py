@@ -1,0 +1,108 @@
+"""The safe copy: right bytes, scatter and gather, and a shrunk shared file is MemoryFault, not SIGBUS."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from kvgate import memcopy
+from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
+
+
+def _bytes(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_copies_one_buffer_and_streams_of_pieces() -> None:
+    src = _bytes(1, 3 << 20)
+    dst = bytearray(len(src))
+    memcopy.copy(dst, src)
+    assert bytes(dst) == src.tobytes()
+    # Pieces cut differently on each side, one of them empty: the streams line up.
+    cuts_dst = [0, 5, 5, 4096, 1 << 20, len(src)]
+    cuts_src = [0, 1000, 2 << 20, len(src)]
+    out = np.zeros(len(src), np.uint8)
+    memcopy.copy([out[a:b] for a, b in zip(cuts_dst, cuts_dst[1:])], [src[a:b] for a, b in zip(cuts_src, cuts_src[1:])])
+    assert np.array_equal(out, src)
+    with pytest.raises(ValueError):
+        memcopy.copy(bytearray(3), b"four")
+
+
+def test_more_pieces_than_one_call_takes() -> None:
+    n = 3 * memcopy.IOV_MAX + 7
+    src = _bytes(2, n * 16)
+    out = np.zeros_like(src)
+    memcopy.copy([out[i * 16 : (i + 1) * 16] for i in range(n)], src)
+    assert np.array_equal(out, src)
+
+
+@pytest.fixture
+def shm_file():
+    path = f"/dev/shm/kvgate-memcopy-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_shrunk_mapping_is_a_memory_fault_both_ways(shm_file: int) -> None:
+    size = 4 << 20
+    os.ftruncate(shm_file, size)
+    mm = mmap.mmap(shm_file, size)
+    view = memoryview(mm)
+    src = _bytes(3, size)
+    memcopy.copy(view, src)
+    assert view[: 1 << 20] == src[: 1 << 20].tobytes()
+    os.ftruncate(shm_file, 1 << 20)  # the last 3 MiB of the mapping are gone
+    with pytest.raises(MemoryFault) as e:
+        memcopy.copy(view, src)
+    assert e.value.errno == errno.EFAULT
+    with pytest.raises(MemoryFault):
+        memcopy.copy(np.zeros(size, np.uint8), view)  # reading it too
+    # One call takes IOV_MAX pieces: the first call's 1 MiB is there, the second call's is gone.
+    pieces = [view[i << 10 : (i + 1) << 10] for i in range(2 * memcopy.IOV_MAX)]
+    with pytest.raises(MemoryFault):
+        memcopy.copy(pieces, src[: 2 << 20])
+    assert view[: 1 << 20] == src[: 1 << 20].tobytes()
+    for p in pieces:
+        p.release()
+    os.ftruncate(shm_file, 0)
+    with pytest.raises(MemoryFault):
+        memcopy.copy(view[:4096], src[:4096])
+    assert memcopy.check()
+
+
+def test_abandon_copies_until_abandoned_and_never_after() -> None:
+    guard = Abandon()
+    dst = bytearray(8)
+    guard.copy(dst, b"abcdefgh")
+    assert dst == b"abcdefgh"
+    guard.abandon()
+    with pytest.raises(ReadAbandoned):
+        guard.copy(dst, b"ZZZZZZZZ")
+    assert dst == b"abcdefgh"
+
+
+def test_refused_syscall_falls_back_and_says_so(monkeypatch, caplog) -> None:
+    def refused(*_args) -> int:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(memcopy, "_vm_writev", refused)
+    monkeypatch.setattr(memcopy, "_safe", None)
+    monkeypatch.setattr(memcopy, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="kvgate.memcopy"):
+        assert not memcopy.check()
+    assert "can crash the gateway" in caplog.text
+    dst = bytearray(5)
+    memcopy.copy(dst, b"hello")  # plain copies from now on
+    assert dst == b"hello"

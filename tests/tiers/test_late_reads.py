@@ -1,0 +1,187 @@
+"""A card read that ends after its deadline writes nothing into the destination.
+
+The caller has its answer (a miss) by then and may have reused the buffer: a
+client's region, the session region, an aborted RAM reservation now holding
+another object.  Real cards (a directory on a real file, a real redis-server
+stalled with SIGSTOP), in process, with a short deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
+from kvgate.config import Config
+from kvgate.tiers.io import CardIo, IoPool, IoTimeout
+from kvgate.tiers.long import CardState, LongTier
+from kvgate.tiers.store import GetItem, PutItem, TieredStore
+from tests.cards.test_redis import REDIS_SERVER, server_factory  # noqa: F401 - a fixture
+from tests.helpers import evict, pages_cached
+
+pytestmark = pytest.mark.timeout(60)
+
+DEADLINE_S = 0.2
+SLOW_S = 1.0  # how long the slowed read waits before it reads: well past the deadline
+SIZE = (3 << 20) + 100  # several read pieces, the last one partial
+
+
+def _payload(seed: int, size: int = SIZE) -> bytes:
+    return np.random.default_rng(seed).integers(1, 256, size, dtype=np.uint8).tobytes()
+
+
+class Slowed:
+    """Wraps a card's read method: sleeps past the deadline, then reads; records how the read ended."""
+
+    def __init__(self, obj: object, name: str):
+        self.obj, self.name = obj, name
+        self.inner = getattr(obj, name)
+        self.done = threading.Event()
+        self.calls = 0
+        self.outcome: object = None
+        setattr(obj, name, self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        time.sleep(SLOW_S)
+        try:
+            self.outcome = self.inner(*args)
+            return self.outcome
+        except BaseException as e:
+            self.outcome = e
+            raise
+        finally:
+            self.done.set()
+
+    def undo(self) -> None:
+        setattr(self.obj, self.name, self.inner)
+
+
+async def _read_late(tier: LongTier, cs: CardState, key: bytes, dest: memoryview, slowed: Slowed) -> None:
+    """Read with a deadline that passes; dest must be untouched at the answer and after the read ended."""
+    (res,) = await tier.read(cs, [(key, dest)])
+    assert isinstance(res, IoTimeout), res  # the answer: a miss
+    assert not any(dest), "bytes landed before the answer"
+    assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
+    await asyncio.sleep(0.1)
+    assert slowed.calls == 1
+    assert not any(dest), "bytes landed after the answer"
+    assert not isinstance(slowed.outcome, Header), "the late read went on to deliver"
+
+
+@pytest.mark.parametrize("way", ["buffered", "direct"])
+def test_a_directory_read_past_its_deadline_writes_nothing(tmp_path, way: str) -> None:
+    loc = str(tmp_path / "card")
+    os.mkdir(loc)
+    card = DirectoryCard(loc, direct_reads=way == "direct")
+    card.open()
+    key = b"late-" + way.encode()
+    card.write(key, memoryview(_payload(1)), ObjectMeta())
+    if way == "direct":
+        (path,) = glob.glob(os.path.join(loc, "db*", "*", "*"))
+        evict(path)
+        if pages_cached(path):
+            pytest.skip("this filesystem keeps the file cached")
+    slowed = Slowed(card, "_read_direct" if way == "direct" else "_read_buffered")
+    dest = memoryview(mmap.mmap(-1, SIZE))  # page aligned, as a direct read into it wants
+
+    async def main() -> None:
+        tier = LongTier(Config(storage_devices=[loc]), IoPool(1))
+        cs = CardState(loc, loc, card, CardIo(1, DEADLINE_S, "late"))
+        cs.active = True
+        try:
+            await _read_late(tier, cs, key, dest, slowed)
+        finally:
+            cs.io.shutdown(wait=True)
+
+    asyncio.run(main())
+    # The card itself is fine: an unhurried read gets every byte.
+    slowed.undo()
+    assert card.read_into(key, dest).payload_len == SIZE
+    assert dest.tobytes() == _payload(1)
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_a_redis_read_stalled_past_its_deadline_writes_nothing(server_factory) -> None:  # noqa: F811
+    srv = server_factory()
+    # The card's own socket timeout is long: the stalled read is still waiting when the deadline passes.
+    card = RedisCard(srv.url, io_timeout_ms=20_000)
+    card.open()
+    key = b"late-redis"
+    card.write(key, memoryview(_payload(2)), ObjectMeta())
+    inner = card.read_many_into
+    done = threading.Event()
+
+    def read_many_into(*args):
+        try:
+            return inner(*args)
+        finally:
+            done.set()
+
+    card.read_many_into = read_many_into
+    dest = memoryview(bytearray(SIZE))
+
+    async def main() -> None:
+        tier = LongTier(Config(storage_devices=[srv.url]), IoPool(1))
+        cs = CardState(srv.url, srv.url, card, CardIo(1, DEADLINE_S, "late"))
+        cs.active = True
+        try:
+            srv.pause()
+            try:
+                (res,) = await tier.read(cs, [(key, dest)])
+                assert isinstance(res, IoTimeout), res
+                assert not any(dest), "bytes landed before the answer"
+            finally:
+                srv.resume()
+            assert await asyncio.to_thread(done.wait, 30), "the stalled read never ended"
+            await asyncio.sleep(0.1)
+            assert not any(dest), "bytes landed after the answer"
+        finally:
+            cs.io.shutdown(wait=True)
+
+    try:
+        asyncio.run(main())
+        assert card.read_into(key, dest).payload_len == SIZE  # the server answers again, whole
+        assert dest.tobytes() == _payload(2)
+    finally:
+        card.close()
+
+
+def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tmp_path) -> None:
+    """Prewarm reads into a RAM reservation; when its deadline passes the reservation is aborted and its
+    pages go to the next object: the late read must not overwrite that object."""
+    loc = str(tmp_path / "card")
+    os.mkdir(loc)
+    cfg = Config(storage_devices=[loc], max_bytes=8 << 20, io_timeout_ms=int(DEADLINE_S * 1000),
+                 thread_pool_size=1)
+    meta = ObjectMeta()
+    old, new = _payload(3), _payload(4)
+
+    async def main() -> None:
+        store = TieredStore(cfg, IoPool(1))
+        await store.start()
+        try:
+            assert await store.put([PutItem(b"old", memoryview(old), meta)], "long") == [True]
+            store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
+            slowed = Slowed(store.long.cards[0].card, "_read_buffered")
+            assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
+            assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
+            # The next object of the same size gets the same pages.
+            assert await store.put([PutItem(b"new", memoryview(new), meta)], "short") == [True]
+            assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
+            await asyncio.sleep(0.1)
+            dest = memoryview(bytearray(SIZE))
+            sizes, _ = await store.get([GetItem(b"new", meta.dialog, dest)])
+            assert sizes == [SIZE]
+            assert dest.tobytes() == new, "the late read overwrote the object now in its pages"
+        finally:
+            await store.stop()
+
+    asyncio.run(main())

@@ -245,15 +245,16 @@ class DirectoryCard(Card):
         fd = self._lock_fd
         if fd is None:
             try:
-                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = self._open_lock_file(shared)
             except OSError as exc:
                 if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    # A card that takes no writes cannot be cleaned or written by anyone either.
+                    # A card that takes no writes cannot be cleaned or written by this gateway either.
                     log.warning("card %s: cannot open its lock file (%s); used without a claim, so another "
                                 "gateway on it is not detected", self.location, exc.strerror)
                     self.claimed = shared
                     return
-                raise CardUnavailable(exc.errno, f"cannot open card lock file: {exc.strerror}", self._lock_path) from exc
+                raise CardUnavailable(exc.errno, f"cannot open card lock file: {exc.strerror}",
+                                      self._lock_path) from exc
         want = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
         try:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(want, os.SEEK_SET, 0, 0, 0))
@@ -280,6 +281,15 @@ class DirectoryCard(Card):
             _pwrite_all(fd, doc, 0)
         except OSError:
             pass  # only a hint
+
+    def _open_lock_file(self, shared: bool) -> int:
+        """Read-write (a write lock needs it, and the holder is noted); a read lock also takes read-only."""
+        try:
+            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if not shared or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            return os.open(self._lock_path, os.O_RDONLY)
 
     @staticmethod
     def _held_shared(fd: int) -> bool:
@@ -756,10 +766,11 @@ class DirectoryCard(Card):
         mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
         if mine:
             return  # a write of this process, in progress
-        if self.claimed is False:  # alone on the card: no one else writes here
+        if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
             _unlink_quiet(entry.path)
             return
-        if owner is not None and owner[1] == HOST_TAG[:8] and (owner[2] != HOST_TAG[9:] or not pid_alive(int(owner[3]))):
+        this_host, this_boot = HOST_TAG.split("-")
+        if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
             _unlink_quiet(entry.path)  # this host's, of an earlier boot or a dead process
             return
         try:  # another host's (or a reused pid's): only age tells

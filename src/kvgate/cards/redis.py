@@ -315,7 +315,7 @@ class RedisCard(Card):
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
-        self._lease_field = f"{uuid.uuid4().hex}".encode()  # this card object's claim among the card's holders
+        self._lease_field = uuid.uuid4().hex.encode()  # this card object's claim among the card's holders
 
     # ---------------------------------------------------------------- errors
 
@@ -393,14 +393,25 @@ class RedisCard(Card):
                                       self.display_location)
             else:
                 serial = self._restore_label(self.serial)
-            if self.claimed is not None:
-                self._take_lease(self.claimed)
+        if self.claimed is not None:
+            self._renew_lease(self.claimed)
         return serial
 
     def claim(self, shared: bool) -> None:
-        with self._io():
-            self._take_lease(shared)
+        self._renew_lease(shared)
         self.claimed = shared
+
+    def _renew_lease(self, shared: bool) -> None:
+        """``_take_lease``, except on a read-only server (a replica): it serves reads and no gateway can
+        write or clean it through that server, so it is used without a lease."""
+        try:
+            with self._io():
+                self._take_lease(shared)
+        except CardUnavailable as exc:
+            if exc.errno != errno.EROFS or isinstance(exc, CardInUse):
+                raise
+            if self.claimed is None:
+                log.warning("redis card %s is read-only: used without a lease", self.display_location)
 
     def _take_lease(self, shared: bool) -> None:
         """Add or renew this card object's field in the lease, unless a live holder does not mix with ``shared``."""

@@ -299,8 +299,8 @@ class LongTier:
         # Counted also when the scan stopped: what it deleted is gone either way.
         corrupt = cs.card.scan_corrupt - corrupt0
         if corrupt:
-            log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or misnamed)",
-                        cs.where, cs.serial, corrupt)
+            log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or "
+                        "misnamed)", cs.where, cs.serial, corrupt)
             if self.on_corrupt is not None:
                 self.on_corrupt(corrupt)
 
@@ -567,7 +567,7 @@ class LongTier:
                 try:
                     await cs.io.run(cs.card.claim, self.cfg.shared_storage)
                 except OSError:
-                    pass  # the old path is gone anyway; the card stays out until it is claimed somewhere
+                    pass  # best effort: the old path failed its check, which is why we looked elsewhere
                 continue
             old = cs.location
             cs.card, cs.location = probe, loc

@@ -310,7 +310,7 @@ class Card(ABC):
         return out
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources; the card may be opened again."""
+        """Release resources and the claim; the card may be opened again."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, serial={self.serial!r})"

@@ -12,6 +12,7 @@ Unix socket accepts a connection.  The ``gateway_factory`` fixture in
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -54,6 +55,10 @@ def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _is_redis(location: str) -> bool:
+    return location.startswith(("redis://", "rediss://", "unix://"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -87,12 +92,16 @@ class GatewayProcess:
     ``workdir``: where the card (``card`` unless given), the log and (when the
     path is short enough) the socket live.  ``args``: extra ``serve`` flags;
     a flag given here replaces the default of the same name.
+    ``create_cards``: ``start`` creates the directories of the plain
+    ``--storage-devices`` paths first (a gateway creates no configured card
+    directory itself); off, a test sees what a missing one does.
     """
 
     _count = 0
 
     def __init__(self, workdir: str | os.PathLike, args: Sequence[str] = (), *, card: str | os.PathLike | None = None,
-                 socket_path: str | os.PathLike | None = None, defaults: bool = True, name: str | None = None):
+                 socket_path: str | os.PathLike | None = None, defaults: bool = True, name: str | None = None,
+                 create_cards: bool = True):
         GatewayProcess._count += 1
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +121,8 @@ class GatewayProcess:
             flags[flag] = values
         if "--storage-devices" in flags:
             self.card = flags["--storage-devices"][0]
+        self.card_dirs = [p for p in flags.get("--storage-devices", []) if not _is_redis(p) and not glob.has_magic(p)]
+        self.create_cards = create_cards
         self.argv = [sys.executable, "-m", "kvgate", "serve"] + [x for f, v in flags.items() for x in (f, *v)]
         self.log_path = self.workdir / f"{self.name}.stderr.log"
         self.out_path = self.workdir / f"{self.name}.stdout.log"
@@ -121,6 +132,9 @@ class GatewayProcess:
     # ---- life cycle ------------------------------------------------------------
 
     def start(self, timeout: float = 20.0) -> "GatewayProcess":
+        if self.create_cards:
+            for d in self.card_dirs:
+                (self.workdir / d).mkdir(parents=True, exist_ok=True)  # relative paths: the gateway's cwd
         with open(self.log_path, "ab") as err, open(self.out_path, "ab") as out:
             self.proc = subprocess.Popen(self.argv, env=kvgate_env(), stdout=out, stderr=err,
                                          cwd=str(self.workdir), start_new_session=True)

@@ -122,9 +122,16 @@ class Field:
     many: bool = False  # flag takes one or more values
 
 
+# The card of a gateway started without storage_devices (``make run``); the
+# only card directory created when it is missing unless create_card_dirs says so.
+DEFAULT_CARD = "./var/kvgate/card0"
+
 FIELDS: tuple[Field, ...] = (
-    Field("storage_devices", _parse_str_list, ["./var/kvgate/card0"],
+    Field("storage_devices", _parse_str_list, [DEFAULT_CARD],
           "cards of the long tier: directories (absolute or relative paths)", metavar="DIR", many=True),
+    Field("create_card_dirs", _parse_bool, False,
+          "create card directories that do not exist (off: a missing one waits, logged, until it is created "
+          f"or mounted; {DEFAULT_CARD} is always created)"),
     Field("storage_slots", _parse_int, None,
           "slots of the key distribution (default: number of cards found at start; 16 per card recommended)",
           minimum=1, optional=True),
@@ -175,7 +182,8 @@ FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 
 @dataclass(frozen=True)
 class Config:
-    storage_devices: list[str] = field(default_factory=lambda: ["./var/kvgate/card0"])
+    storage_devices: list[str] = field(default_factory=lambda: [DEFAULT_CARD])
+    create_card_dirs: bool = False
     storage_slots: int | None = None
     num_dbs: int = 1
     key_placement: str = "dialog"

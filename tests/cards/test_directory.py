@@ -24,6 +24,7 @@ import pytest
 from kvgate.cards import (
     BufferTooSmall,
     Card,
+    CardInUse,
     CardUnavailable,
     DirectoryCard,
     Header,
@@ -33,6 +34,7 @@ from kvgate.cards import (
     ObjectTooNew,
     StoredObject,
 )
+from kvgate.cards.base import HOST_TAG
 from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
@@ -803,3 +805,96 @@ def test_write_probe_leaves_nothing_and_fails_on_a_read_only_mount(card: Directo
     finally:
         subprocess.run(["umount", loc])
     card.check_writable()
+
+
+# ---- claims, missing directories, leftovers ---------------------------------------------
+
+
+def test_claim_alone_refuses_every_other_claim_until_closed(tmp_path) -> None:
+    loc = str(tmp_path / "card")
+    first = DirectoryCard(loc)
+    first.open()
+    first.claim(False)
+    second = DirectoryCard(loc)
+    second.open()
+    for shared in (False, True):
+        with pytest.raises(CardInUse) as ei:
+            second.claim(shared)
+        msg = str(ei.value)
+        assert loc in msg and f"pid {os.getpid()}" in msg and "holding it exclusively" in msg, msg
+        assert ei.value.errno == errno.EBUSY and isinstance(ei.value, CardUnavailable)
+    first.close()
+    second.claim(False)  # released with the file description
+    second.close()
+
+
+def test_shared_claims_mix_only_with_shared_ones(tmp_path) -> None:
+    loc = str(tmp_path / "card")
+    a, b, c = DirectoryCard(loc), DirectoryCard(loc), DirectoryCard(loc)
+    for x in (a, b, c):
+        x.open()
+    a.claim(True)
+    b.claim(True)
+    with pytest.raises(CardInUse) as ei:
+        c.claim(False)
+    assert ei.value.held_shared and "holding it shared" in str(ei.value)
+    a.close()
+    with pytest.raises(CardInUse):
+        c.claim(False)  # b still holds it
+    b.close()
+    c.claim(False)
+    c.close()
+
+
+def test_a_killed_holder_releases_its_claim(tmp_path) -> None:
+    loc = str(tmp_path / "card")
+    DirectoryCard(loc).open()
+    code = ("import sys, time; from kvgate.cards import DirectoryCard; c = DirectoryCard(sys.argv[1]); c.open(); "
+            "c.claim(False); print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, loc], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        mine = DirectoryCard(loc)
+        with pytest.raises(CardInUse, match=f"pid {proc.pid} "):
+            mine.claim(False)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    mine.claim(False)
+    mine.close()
+
+
+def test_a_missing_directory_is_not_created_unless_asked(tmp_path) -> None:
+    loc = tmp_path / "mnt" / "kv"
+    with pytest.raises(CardUnavailable) as ei:
+        DirectoryCard(str(loc), create_missing=False).open()
+    assert ei.value.errno == errno.ENOENT and "create the directory or mount its filesystem" in str(ei.value)
+    assert not loc.parent.exists()
+    assert DirectoryCard(str(loc)).open()  # the default for library use creates it
+    assert DirectoryCard(str(loc), create_missing=False).open()  # and an existing one is opened
+
+
+def test_scan_during_own_writes_keeps_their_temp_files(card: DirectoryCard) -> None:
+    """A card held alone: every temp file but this process's is garbage, and this process may be writing."""
+    card.claim(False)
+    k = key(1)
+    card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta())
+    final = card.object_path(k)
+    own = f"{final}.tmp.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
+    other = f"{final}.tmp.{HOST_TAG}.{os.getpid() + 1}.1"
+    for p in (own, other):
+        Path(p).write_bytes(b"partial")
+    assert [o.full_key for o in card.scan()] == [k]
+    assert os.path.exists(own) and not os.path.exists(other)
+
+
+def test_scan_counts_what_it_deletes_as_corrupt(card: DirectoryCard) -> None:
+    keys = [key(i) for i in range(3)]
+    for k in keys:
+        card.write(k, memoryview(payload_for(k, 5000)), ObjectMeta())
+    os.truncate(card.object_path(keys[0]), 100)
+    Path(card.object_path(keys[1])).write_bytes(b"not an object at all")
+    assert card.scan_corrupt == 0
+    assert [o.full_key for o in card.scan()] == [keys[2]]
+    assert card.scan_corrupt == 2

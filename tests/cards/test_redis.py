@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +29,7 @@ import redis
 from kvgate.cards import (
     BufferTooSmall,
     Card,
+    CardInUse,
     CardUnavailable,
     Header,
     ObjectCorrupt,
@@ -38,8 +40,17 @@ from kvgate.cards import (
     StoredObject,
 )
 from kvgate.cards import redis as redis_card_module
+from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
-from kvgate.cards.redis import LABEL_KEY, PROBE_KEY, UNLIMITED_FREE_BYTES, _Parts, _ZeroCopyPacker
+from kvgate.cards.redis import (
+    LABEL_KEY,
+    LEASE_KEY,
+    LEASE_TTL_MS,
+    PROBE_KEY,
+    UNLIMITED_FREE_BYTES,
+    _Parts,
+    _ZeroCopyPacker,
+)
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.helpers import as_newer_format
 
@@ -884,6 +895,7 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(server: RedisServ
 def test_a_replica_refuses_writes_as_read_only_and_still_serves_reads(server: RedisServer, cards) -> None:
     """A server turned into a replica answers READONLY: EROFS, which the gateway keeps serving reads from."""
     c = open_card(cards, server.url)
+    c.claim(False)
     payload = np.random.default_rng(7).integers(0, 256, 10_000, dtype=np.uint8)
     c.write(key(1), memoryview(payload), ObjectMeta())
     c.check_writable()
@@ -899,7 +911,77 @@ def test_a_replica_refuses_writes_as_read_only_and_still_serves_reads(server: Re
         assert e.value.errno == errno.EROFS
         _h, got = read_back(c, key(1), 20_000)
         assert np.array_equal(got, payload)
+        # its lease cannot be renewed there, and need not be: the health check passes, reads go on
+        assert c.check() == c.serial
+        c.claim(False)
     finally:
         r.execute_command("REPLICAOF", "NO", "ONE")
     c.check_writable()
     assert len(object_keys(server)) == 1 and not r.exists(PROBE_KEY)  # the probe leaves nothing behind
+
+
+# ---- the lease -----------------------------------------------------------------------------
+
+
+def lease_doc(host: str, pid: int, mode: str = "exclusive", expires_in_ms: int = 60_000, boot: str = "b") -> bytes:
+    return json.dumps({"host": host, "boot": boot, "pid": pid, "mode": mode,
+                       "expires": int(time.time() * 1000) + expires_in_ms}).encode()
+
+
+def test_lease_alone_refuses_others_until_closed(server: RedisServer, cards: list[RedisCard]) -> None:
+    first = open_card(cards, server.url)
+    first.claim(False)
+    second = open_card(cards, server.url)
+    for shared in (False, True):
+        with pytest.raises(CardInUse) as ei:
+            second.claim(shared)
+        assert f"pid {os.getpid()}" in str(ei.value) and server.url in str(ei.value)
+    first.close()  # gives the lease back at once
+    second.claim(False)
+    assert len(server.raw().hgetall(LEASE_KEY)) == 1
+
+
+def test_shared_leases_mix_only_with_shared_ones(server: RedisServer, cards: list[RedisCard]) -> None:
+    a, b, c = (open_card(cards, server.url) for _ in range(3))
+    a.claim(True)
+    b.claim(True)
+    with pytest.raises(CardInUse) as ei:
+        c.claim(False)
+    assert ei.value.held_shared
+    assert len(server.raw().hgetall(LEASE_KEY)) == 2
+
+
+def test_lease_of_a_dead_or_expired_holder_is_taken_over(server: RedisServer, cards: list[RedisCard]) -> None:
+    r = server.raw()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    r.hset(LEASE_KEY, b"killed-here", lease_doc(HOST, dead.pid, boot=BOOT_ID))  # this host, pid gone
+    r.hset(LEASE_KEY, b"earlier-boot", lease_doc(HOST, os.getpid(), boot="another boot"))
+    r.hset(LEASE_KEY, b"ran-out", lease_doc("elsewhere", 1, expires_in_ms=-1))
+    c = open_card(cards, server.url)
+    c.claim(False)
+    assert set(r.hgetall(LEASE_KEY)) == {c._lease_field}
+    # a live holder on another host is waited out (its lease has not run out)
+    c.close()
+    r.hset(LEASE_KEY, b"live-elsewhere", lease_doc("elsewhere", 1))
+    with pytest.raises(CardInUse, match="pid 1 on host elsewhere"):
+        open_card(cards, server.url).claim(True)
+
+
+def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, cards: list[RedisCard]) -> None:
+    c = open_card(cards, server.url)
+    c.claim(False)
+    r = server.raw()
+    before = json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"]
+    time.sleep(0.05)
+    c.check()
+    assert json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"] > before
+    assert 0 < r.pttl(LEASE_KEY) <= LEASE_TTL_MS
+    # Lost (as after a stall longer than the lease) and taken by another gateway: the card is not ours now.
+    r.delete(LEASE_KEY)
+    r.hset(LEASE_KEY, b"usurper", lease_doc("elsewhere", 7))
+    with pytest.raises(CardInUse):
+        c.check()
+    # A server restarted empty loses the lease with everything else; the next check takes it again.
+    server.restart_empty()
+    assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease_field)

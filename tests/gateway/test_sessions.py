@@ -264,7 +264,8 @@ def test_clean_without_shared_storage_deletes_everything(gateway_factory) -> Non
         assert c.lookup(KEYS[:4]) == 0
     st = gw.stats()
     assert st["cards"][0]["objects"] == 0 and st["tiers"]["ram"]["objects"] == 0
-    objects = [f for _, _, files in os.walk(gw.card) for f in files if f != "kvgate-card.json"]
+    label_and_lock = ("kvgate-card.json", "kvgate-card.lock")
+    objects = [f for _, _, files in os.walk(gw.card) for f in files if f not in label_and_lock]
     assert objects == []
 
 

@@ -24,6 +24,7 @@ from kvgate.tiers.long import CardState, LongTier, make_card
 
 def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:
     async def main() -> None:
+        (tmp_path / "card").mkdir()  # a configured card directory is never created by the gateway
         cfg = Config(storage_devices=[str(tmp_path / "card")], card_capacity=1 << 30)
         tier = LongTier(cfg, IoPool(1))
         cs = CardState(str(tmp_path / "card"), str(tmp_path / "card"), make_card(str(tmp_path / "card"), cfg),

@@ -1,6 +1,6 @@
 """Cards: the media of the long tier, one interface for every kind."""
 
-from kvgate.cards.base import Card, CardUnavailable, StoredObject, WriteAbandoned
+from kvgate.cards.base import Card, CardInUse, CardUnavailable, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.cards.redis import RedisCard
@@ -8,6 +8,7 @@ from kvgate.cards.redis import RedisCard
 __all__ = [
     "BufferTooSmall",
     "Card",
+    "CardInUse",
     "CardUnavailable",
     "DirectoryCard",
     "Header",

@@ -22,13 +22,19 @@ Contract:
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.
 - A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
+- ``claim`` takes the card for this process's life, exclusively or shared
+  with other ``shared_storage`` gateways; a card another gateway holds in a
+  way that does not mix is ``CardInUse`` and must not be used.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
+import os
+import socket
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -43,6 +49,78 @@ log = logging.getLogger("kvgate.cards")
 
 class CardUnavailable(OSError):
     """The card cannot be used now (missing, unreadable, not a card, wrong serial)."""
+
+
+class CardInUse(CardUnavailable):
+    """Another gateway holds the card, exclusively, or shared while this one wants it exclusively.
+
+    ``str()`` is the whole one-line message: the card, who holds it (where
+    known) and the fix.
+    """
+
+    def __init__(self, where: str, holder: str, held_shared: bool, want_shared: bool):
+        self.where, self.holder, self.held_shared, self.want_shared = where, holder, held_shared, want_shared
+        how = "shared (shared_storage: true)" if held_shared else "exclusively"
+        mine = "shared" if want_shared else "exclusively (shared_storage is false)"
+        msg = (f"card {where} is in use by another gateway ({holder}, holding it {how}) and this gateway would use "
+               f"it {mine}: set shared_storage: true on every gateway of this card, or give this gateway another card")
+        super().__init__(errno.EBUSY, msg, where)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: no boot id
+        return ""
+
+
+# Who this process is, as card locks, leases and temp names record it: a pid
+# means something only on the same host (a container's own host name) in the
+# same boot, and every process of an earlier boot is dead.
+HOST = socket.gethostname()
+BOOT_ID = _boot_id()
+# Short, filename-safe form of both (8 + 8 hex digits), for temp names.
+HOST_TAG = (hashlib.blake2b(HOST.encode(), digest_size=4).hexdigest() + "-"
+            + hashlib.blake2b(BOOT_ID.encode(), digest_size=4).hexdigest())
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs here now (one of another user counts as running)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_doc(shared: bool) -> dict[str, Any]:
+    """What a lock file or lease says about the gateway that holds it."""
+    return {"host": HOST, "boot": BOOT_ID, "pid": os.getpid(), "mode": "shared" if shared else "exclusive"}
+
+
+def describe_holder(doc: Any) -> str:
+    """``pid N on host H`` from a holder document; "holder unknown" when it says nothing usable."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int):
+        return "holder unknown"
+    return f"pid {doc['pid']} on host {doc.get('host', '?')}"
+
+
+def holder_dead(doc: Any) -> bool:
+    """True only when the holder is known to be gone: this host, this boot, its pid not running, or an earlier boot."""
+    if not isinstance(doc, dict) or doc.get("host") != HOST or not BOOT_ID:
+        return False
+    if doc.get("boot") != BOOT_ID:
+        return True
+    pid = doc.get("pid")
+    return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
 
 
 class WriteAbandoned(OSError):
@@ -113,6 +191,10 @@ class Card(ABC):
         self.num_dbs = num_dbs
         self._newer_seen = False  # scan has met (and said so) an object of a newer format
         self.serial: str | None = None
+        # Objects scan found broken (bad header, truncated, misnamed) and deleted:
+        # the long tier adds them to the corrupt-objects counter after each scan.
+        self.scan_corrupt = 0
+        self.claimed: bool | None = None  # None: not claimed; else whether shared
 
     @abstractmethod
     def open(self) -> str:
@@ -121,6 +203,19 @@ class Card(ABC):
     @abstractmethod
     def check(self) -> str:
         """Cheap health probe (read the label).  Returns the serial found now."""
+
+    @abstractmethod
+    def claim(self, shared: bool) -> None:
+        """Take the card for as long as this process uses it (until ``close``).
+
+        ``shared``: with other gateways that claim it shared too
+        (``shared_storage``); otherwise for this gateway alone.  Raises
+        ``CardInUse`` when another gateway holds it in a way that does not mix
+        with ``shared``.  A holder that died releases it at once where the
+        medium allows (directory locks, a lease whose pid on this host is
+        dead), else when its lease runs out.  Call after ``open``; calling
+        again renews the claim.
+        """
 
     @abstractmethod
     def check_writable(self) -> None:
@@ -229,7 +324,7 @@ class Card(ABC):
         return out
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources; the card may be opened again."""
+        """Release resources and the claim; the card may be opened again."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, serial={self.serial!r})"

@@ -3,6 +3,7 @@
 Layout::
 
     <location>/kvgate-card.json           label: serial, format, creation time
+    <location>/kvgate-card.lock           claim: an advisory lock, and who took it last
     <location>/db<NN>/<hh>/<digest hex>   one object per file (header + payload)
 
 Objects are named by the digest of their full key, so the name is fixed-size
@@ -16,30 +17,50 @@ Atomicity comes from ``rename``: an object is written whole under a temporary
 name in its final directory and only then renamed over its final name.  A
 reader that opened the old file keeps reading the old inode, so it sees one
 whole object or the other, never a mix; a crash leaves only a ``.tmp.`` file
-that no lookup ever opens and that ``scan`` reaps once it is old.
+that no lookup ever opens.  Temp names carry the writer's host, boot and pid
+(``<digest>.tmp.<host>-<boot>.<pid>.<thread>``), so ``scan`` knows which are
+leftovers: on a card this gateway holds exclusively, every temp file not its
+own; on a shared card, those of this host whose process is dead (or of an
+earlier boot), and those of other hosts once they are ``STALE_TEMP_SECONDS``
+old.
+
+Claims: ``claim`` takes an open file description lock (``F_OFD_SETLK``) on
+``kvgate-card.lock``, a write lock for a gateway alone on the card and a read
+lock for ``shared_storage``, held until ``close``.  The kernel drops it when
+the process dies, however it dies, so a killed gateway can restart at once;
+these locks work across hosts on NFSv4 too.  A filesystem without locks
+(some FUSE ones) is used without, and says so.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import logging
 import os
 import re
 import stat
+import struct
 import threading
 import time
 import uuid
 from typing import Callable, Iterator
 
 from kvgate.cards.base import (
+    HOST_TAG,
     LABEL_MAX,
     Card,
+    CardInUse,
     CardUnavailable,
     StoredObject,
     WriteAbandoned,
     byte_view,
+    describe_holder,
+    holder_doc,
     new_label,
     parse_label,
+    pid_alive,
 )
 from kvgate.cards.directio import (
     READ_PIECE,
@@ -71,12 +92,25 @@ from kvgate.memcopy import Abandon
 log = logging.getLogger("kvgate.cards.directory")
 
 LABEL_NAME = "kvgate-card.json"
+LOCK_NAME = "kvgate-card.lock"
+# struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = struct.Struct("hhqqi4x")
+_HOLDER_MAX = 4096
+# A filesystem without advisory locks answers with one of these.
+_NO_LOCK_ERRNOS = frozenset(
+    e for e in (errno.ENOLCK, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", None),
+                getattr(errno, "EOPNOTSUPP", None))
+    if e is not None
+)
 
 # A temp file this old cannot belong to a write still in progress: it is the
-# leftover of a crash, and nothing but scan will ever remove it.
+# leftover of a crash.  Only for temp files of other hosts on a shared card,
+# whose writers this gateway cannot see; the others are known dead or alive.
 STALE_TEMP_SECONDS = 3600.0
 
 _TEMP_MARK = ".tmp."
+# <host>-<boot>.<pid>.<thread> after the mark (see the module doc)
+_TEMP_OWNER_RE = re.compile(r"([0-9a-f]{8})-([0-9a-f]{8})\.([0-9]+)\.[0-9]+")
 _DB_RE = re.compile(r"db[0-9]{2,}")
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 _OBJECT_RE = re.compile(r"[0-9a-f]{32}")
@@ -142,12 +176,19 @@ def _fsync_dir(path: str) -> None:
 
 
 class DirectoryCard(Card):
-    """One directory as a card.  Holds no open files, so it needs no locking."""
+    """One directory as a card.  Holds no open file but its claim's lock file, so it needs no locking.
+
+    ``create_missing``: ``open`` creates a directory that does not exist.
+    Off, a missing directory is ``CardUnavailable`` (ENOENT) until someone
+    creates it or mounts its filesystem: a card whose mount is missing would
+    otherwise fill the filesystem underneath.
+    """
 
     kind = "directory"
     prepares_reads = True
 
-    def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True):
+    def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
+                 create_missing: bool = True):
         if num_dbs < 1:
             raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         super().__init__(location, num_dbs)
@@ -158,11 +199,18 @@ class DirectoryCard(Card):
         self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
         self._label_path = os.path.join(location, LABEL_NAME)
+        self._lock_path = os.path.join(location, LOCK_NAME)
+        self._lock_fd: int | None = None
+        self.create_missing = create_missing
         self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
 
     # ------------------------------------------------------------------ label
 
     def open(self) -> str:
+        if not os.path.lexists(self.location) and not self.create_missing:
+            raise CardUnavailable(errno.ENOENT, "card directory does not exist and is not created (it would fill "
+                                  "the filesystem underneath a missing mount): create the directory or mount its "
+                                  "filesystem, or set create_card_dirs: true", self.location)
         try:
             os.makedirs(self.location, exist_ok=True)
         except OSError as exc:
@@ -185,6 +233,80 @@ class DirectoryCard(Card):
         except OSError as exc:
             raise CardUnavailable(exc.errno, f"card takes no writes: {exc.strerror}", self.location) from exc
         _unlink_quiet(probe)
+
+    # ------------------------------------------------------------------ claim
+
+    def claim(self, shared: bool) -> None:
+        fd = self._lock_fd
+        if fd is None:
+            try:
+                fd = self._open_lock_file(shared)
+            except OSError as exc:
+                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    # A card that takes no writes cannot be cleaned or written by this gateway either.
+                    log.warning("card %s: cannot open its lock file (%s); used without a claim, so another "
+                                "gateway on it is not detected", self.location, exc.strerror)
+                    self.claimed = shared
+                    return
+                raise CardUnavailable(exc.errno, f"cannot open card lock file: {exc.strerror}",
+                                      self._lock_path) from exc
+        want = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(want, os.SEEK_SET, 0, 0, 0))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                held_shared = self._held_shared(fd)
+                holder = self._read_holder(fd)
+                if fd != self._lock_fd:
+                    os.close(fd)
+                raise CardInUse(self.location, holder, held_shared, shared) from None
+            if fd != self._lock_fd:
+                os.close(fd)
+            if exc.errno in _NO_LOCK_ERRNOS:
+                log.warning("card %s: its filesystem has no advisory locks (%s); used without a claim, so "
+                            "another gateway on it is not detected", self.location, exc.strerror)
+                self.claimed = shared
+                return
+            raise CardUnavailable(exc.errno, f"cannot lock card: {exc.strerror}", self._lock_path) from exc
+        self._lock_fd, self.claimed = fd, shared
+        # Who holds it, for the message of a gateway that is refused (the lock itself says nothing).
+        doc = (json.dumps(holder_doc(shared)) + "\n").encode()
+        try:
+            os.ftruncate(fd, 0)
+            _pwrite_all(fd, doc, 0)
+        except OSError:
+            pass  # only a hint
+
+    def _open_lock_file(self, shared: bool) -> int:
+        """Read-write (a write lock needs it, and the holder is noted); a read lock also takes read-only."""
+        try:
+            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if not shared or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            return os.open(self._lock_path, os.O_RDONLY)
+
+    @staticmethod
+    def _held_shared(fd: int) -> bool:
+        """Whether the lock that conflicts with a write lock is a read lock (holders with shared_storage)."""
+        try:
+            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        except OSError:
+            return False
+        return _FLOCK.unpack(got)[0] == fcntl.F_RDLCK
+
+    @staticmethod
+    def _read_holder(fd: int) -> str:
+        try:
+            return describe_holder(json.loads(os.pread(fd, _HOLDER_MAX, 0)))
+        except (OSError, ValueError):
+            return "holder unknown"
+
+    def close(self) -> None:
+        """Release the claim: the lock goes with the file description."""
+        fd, self._lock_fd, self.claimed = self._lock_fd, None, None
+        if fd is not None:
+            os.close(fd)
 
     def _read_label(self, missing_ok: bool) -> str | None:
         """One open + read: the health probe runs often, on every card."""
@@ -502,9 +624,10 @@ class DirectoryCard(Card):
               still_wanted: Callable[[], bool] | None = None) -> int:
         view = byte_view(payload)
         final = self.object_path(full_key)
-        # pid + thread: concurrent writers of one key, in this process or
-        # another on a shared card, each get their own temp file.
-        tmp = f"{final}{_TEMP_MARK}{os.getpid()}.{threading.get_ident()}"
+        # host + boot + pid + thread: concurrent writers of one key, in this
+        # process or another on a shared card, each get their own temp file,
+        # and a scan can tell a dead writer's leftover from a write in progress.
+        tmp = f"{final}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
         # Padded: the payload at a block-aligned offset, for direct reads
         poff = padded_size(header_size(full_key))
         plen = len(view)
@@ -624,6 +747,7 @@ class DirectoryCard(Card):
                     yield fan.path
 
     def scan(self) -> Iterator[StoredObject]:
+        """Every whole object; removes leftover temp files and broken objects (counted in ``scan_corrupt``)."""
         now = time.time()
         relocated: set[str] = set()
         for leaf in self._leaf_dirs():
@@ -641,7 +765,19 @@ class DirectoryCard(Card):
                     yield found
 
     def _reap_temp(self, entry: os.DirEntry[str], now: float) -> None:
-        try:
+        """Remove a temp file whose write is known to be over (see the module doc)."""
+        owner = _TEMP_OWNER_RE.fullmatch(entry.name.rpartition(_TEMP_MARK)[2])
+        mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
+        if mine:
+            return  # a write of this process, in progress
+        if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
+            _unlink_quiet(entry.path)
+            return
+        this_host, this_boot = HOST_TAG.split("-")
+        if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
+            _unlink_quiet(entry.path)  # this host's, of an earlier boot or a dead process
+            return
+        try:  # another host's (or a reused pid's): only age tells
             if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(entry.path)
         except OSError:
@@ -682,6 +818,7 @@ class DirectoryCard(Card):
             return None
         except ObjectCorrupt:
             self._discard(path, fd)
+            self.scan_corrupt += 1
             return None
         except OSError as exc:
             unavailable = self._card_error(exc)

@@ -59,6 +59,16 @@ policies (kvgate sets no TTLs, so those never evict) and about
 ``allkeys-random`` (which may evict the label, after which the card is
 refused until its objects are cleaned).
 
+Claims: a gateway holds the card through a lease, one field per gateway in
+the hash ``kvgate:card-lease`` naming its host, boot id, pid, mode
+(exclusive, or shared for ``shared_storage``) and when it runs out by the
+server's clock.  ``claim`` adds the field in a WATCH/MULTI transaction
+after checking the others, so two gateways racing for the card cannot both
+win; the health check renews it every second (``check``), and a gateway
+that did not renew for ``LEASE_TTL_MS`` has lost it.  A field of this host
+and boot whose pid is dead, or of an earlier boot, is the leftover of a
+killed gateway: it is dropped at once instead of waited out.
+
 Copies: a write sends the header and the caller's payload buffer to the
 socket as separate buffers of one RESP argument (a small command packer
 replaces redis-py's, which with hiredis copies a payload twice), so the only
@@ -72,6 +82,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -86,10 +97,14 @@ from redis.retry import Retry
 
 from kvgate.cards.base import (
     Card,
+    CardInUse,
     CardUnavailable,
     StoredObject,
     WriteAbandoned,
     byte_view,
+    describe_holder,
+    holder_dead,
+    holder_doc,
     new_label,
     parse_label,
 )
@@ -115,6 +130,11 @@ log = logging.getLogger("kvgate.cards.redis")
 
 LABEL_KEY = b"kvgate:card-label"
 PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
+LEASE_KEY = b"kvgate:card-lease"  # outside OBJECT_PREFIX too
+# Renewed every second by the health check: 15 missed renewals (a gateway
+# killed on another host, or cut off from the server) free the card.  A
+# gateway on this host that was killed frees it at once (its pid is dead).
+LEASE_TTL_MS = 15_000
 OBJECT_PREFIX = b"kvgate:o:"
 OBJECT_MATCH = OBJECT_PREFIX + b"*"
 
@@ -295,6 +315,7 @@ class RedisCard(Card):
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
+        self._lease_field = uuid.uuid4().hex.encode()  # this card object's claim among the card's holders
 
     # ---------------------------------------------------------------- errors
 
@@ -362,14 +383,69 @@ class RedisCard(Card):
         return serial
 
     def check(self) -> str:
+        """The serial on the label; renews the lease of a claimed card (``CardInUse`` once it is lost)."""
         with self._io():
             raw = self._get_label()
             if raw is not None:
-                return self._parse_label(raw)
-            if self.serial is None:
+                serial = self._parse_label(raw)
+            elif self.serial is None:
                 raise CardUnavailable(errno.ENOENT, "card label is missing (not a kvgate card, or never opened)",
                                       self.display_location)
-            return self._restore_label(self.serial)
+            else:
+                serial = self._restore_label(self.serial)
+        if self.claimed is not None:
+            self._renew_lease(self.claimed)
+        return serial
+
+    def claim(self, shared: bool) -> None:
+        self._renew_lease(shared)
+        self.claimed = shared
+
+    def _renew_lease(self, shared: bool) -> None:
+        """``_take_lease``, except on a read-only server (a replica): it serves reads and no gateway can
+        write or clean it through that server, so it is used without a lease."""
+        try:
+            with self._io():
+                self._take_lease(shared)
+        except CardUnavailable as exc:
+            if exc.errno != errno.EROFS or isinstance(exc, CardInUse):
+                raise
+            if self.claimed is None:
+                log.warning("redis card %s is read-only: used without a lease", self.display_location)
+
+    def _take_lease(self, shared: bool) -> None:
+        """Add or renew this card object's field in the lease, unless a live holder does not mix with ``shared``."""
+        with self._r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(LEASE_KEY)
+                    sec, usec = pipe.time()
+                    now_ms = int(sec) * 1000 + int(usec) // 1000
+                    gone = []
+                    for field, raw in pipe.hgetall(LEASE_KEY).items():
+                        if field == self._lease_field:
+                            continue
+                        try:
+                            doc = json.loads(raw)
+                        except ValueError:
+                            doc = None
+                        if (not isinstance(doc, dict) or not isinstance(doc.get("expires"), int)
+                                or doc["expires"] < now_ms or holder_dead(doc)):
+                            gone.append(field)
+                            continue
+                        held_shared = doc.get("mode") == "shared"
+                        if not (shared and held_shared):
+                            raise CardInUse(self.display_location, describe_holder(doc), held_shared, shared)
+                    mine = {**holder_doc(shared), "expires": now_ms + LEASE_TTL_MS}
+                    pipe.multi()
+                    if gone:
+                        pipe.hdel(LEASE_KEY, *gone)
+                    pipe.hset(LEASE_KEY, self._lease_field, json.dumps(mine))
+                    pipe.pexpire(LEASE_KEY, LEASE_TTL_MS)
+                    pipe.execute()
+                    return
+                except rexc.WatchError:
+                    continue  # another holder changed the lease meanwhile: look again
 
     def check_writable(self) -> None:
         with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)
@@ -786,7 +862,13 @@ class RedisCard(Card):
         return max(0, maxmemory - int(info.get("used_memory", 0)))
 
     def close(self) -> None:
-        """Close every connection; the pool reconnects if the card is used again."""
+        """Give up the claim and close every connection; the pool reconnects if the card is used again."""
+        if self.claimed is not None:
+            self.claimed = None
+            try:
+                self._r.hdel(LEASE_KEY, self._lease_field)
+            except (rexc.RedisError, OSError):
+                pass  # it runs out by itself
         try:
             self._pool.disconnect()
         except (rexc.RedisError, OSError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate import __version__
-from kvgate.cards import ObjectMeta
+from kvgate.cards import CardInUse, ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
 from kvgate.gateway.connection import Connection, accept_loop, tcp_listeners, unix_listener
@@ -148,7 +148,7 @@ class Gateway:
             log.info("removed %d shared-memory regions left by gateways that died", reaped)
         try:
             await self.store.start()
-        except LayoutMismatch as e:
+        except (LayoutMismatch, CardInUse) as e:
             raise StartupError(str(e)) from None
         os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
         try:

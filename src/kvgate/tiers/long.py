@@ -25,6 +25,18 @@ holds, and bringing it back would only fail its next write.
 A card is known by the serial on its label: found again under another path that its
 ``storage_devices`` entry matches (a glob), it is taken back there; a
 different card at its old path is never used in its place.
+
+Claims: every card is claimed (``Card.claim``) before it is used, exclusively
+or, with ``shared_storage``, shared.  At start a card another gateway holds
+in a way that does not mix refuses the start (``CardInUse``, one line with
+the fix); a card that appears later (pending, relocated) and is held so is
+not used, and logged.
+
+A configured card directory that does not exist is not created (unless
+``create_card_dirs``, or it is the default ``./var/kvgate/card0``): it is
+logged and pending, and taken as soon as it exists, labelled or not, as at
+start; what it must not be is a directory the gateway made itself on the
+filesystem under a missing mount.
 """
 
 from __future__ import annotations
@@ -37,11 +49,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvgate.cards import (
     BufferTooSmall,
     Card,
+    CardInUse,
     CardUnavailable,
     DirectoryCard,
     Header,
@@ -50,7 +63,7 @@ from kvgate.cards import (
     ObjectMissing,
     RedisCard,
 )
-from kvgate.config import Config
+from kvgate.config import DEFAULT_CARD, Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
@@ -143,7 +156,8 @@ def is_redis(location: str) -> bool:
 def make_card(location: str, cfg: Config) -> Card:
     if is_redis(location):
         return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms)
-    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads)
+    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,
+                         create_missing=cfg.create_card_dirs or location == DEFAULT_CARD)
 
 
 def expand(pattern: str) -> list[str]:
@@ -154,8 +168,11 @@ def expand(pattern: str) -> list[str]:
 
 
 class LongTier:
-    def __init__(self, cfg: Config, pool: IoPool):
+    """``on_corrupt(n)``: the start-up scan of a card deleted ``n`` broken objects (to count them)."""
+
+    def __init__(self, cfg: Config, pool: IoPool, on_corrupt: Callable[[int], None] | None = None):
         self.cfg = cfg
+        self.on_corrupt = on_corrupt
         self.pool = pool  # for work that is not one card's (globbing)
         self.cards: list[CardState] = []
         self.pending: list[CardState] = []  # entries with no readable card yet
@@ -166,6 +183,7 @@ class LongTier:
         self._tasks: set[asyncio.Task] = set()
         self.io_errors = 0
         self.io_timeouts = 0
+        self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
 
     def _new_state(self, pattern: str, location: str) -> CardState:
         return CardState(pattern, location, make_card(location, self.cfg),
@@ -191,6 +209,17 @@ class LongTier:
                 if cs.serial in self._by_serial:
                     log.warning("card %s carries serial %s, already in use at %s: ignored", loc, cs.serial,
                                 self._by_serial[cs.serial].location)
+                    continue
+                try:
+                    await cs.io.run(cs.card.claim, self.cfg.shared_storage)
+                except CardInUse:
+                    cs.io.shutdown(wait=False)
+                    await self.stop()  # release the cards claimed so far
+                    raise
+                except OSError as e:
+                    log.warning("card %s is not available at startup: %s", cs.where, e)
+                    cs.card.close()
+                    self.pending.append(cs)
                     continue
                 cs.active = True
                 self.cards.append(cs)
@@ -249,6 +278,7 @@ class LongTier:
         Scans run in the general pool: a slow scan must not hold the card's
         threads, and it has no deadline.
         """
+        corrupt0 = cs.card.scan_corrupt
         try:
             it = await self.pool.run(cs.card.scan)
             while True:
@@ -266,6 +296,13 @@ class LongTier:
             self._evict_over_capacity(cs)
         except OSError as e:
             log.warning("card %s: index scan stopped: %s", cs.where, e)
+        # Counted also when the scan stopped: what it deleted is gone either way.
+        corrupt = cs.card.scan_corrupt - corrupt0
+        if corrupt:
+            log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or "
+                        "misnamed)", cs.where, cs.serial, corrupt)
+            if self.on_corrupt is not None:
+                self.on_corrupt(corrupt)
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -524,6 +561,14 @@ class LongTier:
                 await cs.io.run(probe.open)
             except OSError:
                 continue
+            # The old claim goes first: the card moved is the same lock file, which our own old lock would hold.
+            cs.card.close()
+            if not await self._claim_later(cs, probe, loc):
+                try:
+                    await cs.io.run(cs.card.claim, self.cfg.shared_storage)
+                except OSError:
+                    pass  # best effort: the old path failed its check, which is why we looked elsewhere
+                continue
             old = cs.location
             cs.card, cs.location = probe, loc
             cs.active, cs.strikes, cs.refused_serial = True, 0, None
@@ -531,21 +576,37 @@ class LongTier:
             log.warning("card %s (%s) moved from inactive to active", cs.where, cs.serial)
             return
 
+    async def _claim_later(self, cs: CardState, probe: Card, loc: str) -> bool:
+        """Claim a card found after start; one another gateway holds is not used, and logged once."""
+        try:
+            await cs.io.run(probe.claim, self.cfg.shared_storage)
+        except OSError as e:
+            probe.close()
+            if self._refusals.get(loc) != str(e):
+                self._refusals[loc] = str(e)
+                log.warning("card %s is not used: %s", probe.display_location, e)
+            return False
+        self._refusals.pop(loc, None)
+        return True
+
     async def _retry_pending(self) -> None:
-        """Entries with no card at start: take a labelled card as soon as one is there."""
+        """Entries with no card at start: take the card as soon as one is there.
+
+        A directory is taken labelled or not, as at start: what was missing
+        then (a directory not created, a filesystem not mounted) is there now
+        because someone made it so.  A directory this gateway would have had
+        to create itself is never taken (``DirectoryCard.create_missing``).
+        """
         for cs in list(self.pending):
             for loc in await self.pool.run(expand, cs.pattern):
                 if any(c.location == loc for c in self.cards):
                     continue
                 probe = make_card(loc, self.cfg)
                 try:
-                    # A directory must already be labelled: an empty mount
-                    # point is not a card.  A Redis server may be new.
-                    serial = await cs.io.run(probe.open if is_redis(loc) else probe.check)
-                    await cs.io.run(probe.open)
+                    serial = await cs.io.run(probe.open)
                 except OSError:
                     continue
-                if serial in self._by_serial:
+                if serial in self._by_serial or not await self._claim_later(cs, probe, loc):
                     continue
                 self.pending.remove(cs)
                 cs.card, cs.location, cs.serial, cs.active = probe, loc, serial, True

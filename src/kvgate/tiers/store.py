@@ -110,13 +110,16 @@ class TieredStore:
         self.cfg = cfg
         self.pool = pool
         self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy)
-        self.long = LongTier(cfg, pool)
         self.counters = StoreCounters()
+        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()
 
     async def start(self) -> None:
         await self.long.start()
+
+    def _count_corrupt(self, n: int) -> None:
+        self.counters.corrupt += n
 
     async def stop(self) -> None:
         await self.long.stop()

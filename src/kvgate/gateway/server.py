@@ -272,8 +272,9 @@ class Gateway:
             where.append(f"tcp {cfg.bind_address}:{self.tcp_port}")
         if cfg.metrics_port:
             try:
-                self.http = status_mod.HttpStatus(self, asyncio.get_running_loop(), cfg.metrics_bind_address,
-                                                  cfg.metrics_port)
+                self.http = status_mod.HttpStatus(
+                    self, asyncio.get_running_loop(), cfg.metrics_bind_address, cfg.metrics_port,
+                    token=None if _is_loopback(cfg.metrics_bind_address) else self.token)
             except OSError as e:
                 raise StartupError(
                     f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
@@ -302,6 +303,11 @@ class Gateway:
             raise StartupError(
                 f"config key 'bind_address': {cfg.bind_address} is not loopback; set auth_token_file so "
                 "clients on other hosts must present a token"
+            )
+        if cfg.metrics_port and not _is_loopback(cfg.metrics_bind_address) and not self.token:
+            raise StartupError(
+                f"config key 'metrics_bind_address': {cfg.metrics_bind_address} is not loopback; set auth_token_file "
+                "so HTTP clients on other hosts must present it (Authorization: Bearer <token>; /healthz needs none)"
             )
 
     async def _check_socket_free(self, path: str) -> None:

@@ -254,6 +254,23 @@ def test_unknown_op_and_requests_before_hello(target: Target, transport: str) ->
         assert read_reply(s) is None
 
 
+def _nested(levels: int, rid: int) -> bytes:
+    """A lookup whose keys are a list nested ``levels`` deep."""
+    return b"\x83\xa2op\xa6lookup\xa2id" + bytes([rid]) + b"\xa4keys" + b"\x91" * levels + b"\xc0"
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_deeply_nested_headers_are_bad_requests(target: Target, transport: str) -> None:
+    # the length-prefixed header keeps the stream in step: answered with its id, and the connection goes on
+    with target.connect(transport) as s:
+        expect_error(s, _nested(60_000, rid=21), ErrorCode.BAD_REQUEST)  # before hello: within 64 KiB
+        hello(s)
+        reply = expect_error(s, _nested(900_000, rid=22), ErrorCode.BAD_REQUEST)
+        assert reply.id == 22 and "nested" in reply.message
+        still_works(s)
+    assert "Traceback" not in target.gw.log()
+
+
 def test_clean_before_hello_deletes_nothing(target: Target) -> None:
     with Client.connect(target.gw.socket, namespace="keep", engine_id="fuzzer") as c:
         assert c.put_many([b"survivor"], [b"still here"]) == [True]

@@ -517,3 +517,31 @@ def test_a_put_over_the_frame_limit_is_answered_and_the_session_goes_on(gateway_
             c.put_many([b"huge"], [bytes(MAX_FRAME + 1)])
         assert ei.value.code == ErrorCode.TOO_LARGE
         assert c.get_many([b"fits"]) == [b"hello"]
+
+
+def test_announced_headers_after_hello_are_not_allocated_past_the_budget(gateway_factory, token_file) -> None:
+    gw, _port = _hostile_gateway(gateway_factory, token_file)
+    with gw.client("n", engine_id="engine") as c:  # warm the paths, then the baseline
+        assert c.put_many([b"w"], [b"x" * 1000]) == [True]
+    base = gw.rss_kib()
+    sessions = []
+    try:
+        for _ in range(24):  # 24 x 4 MiB announced, 1 byte sent: each would be a 4 MiB buffer
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(gw.socket)
+            sessions.append(s)
+            s.sendall(frame({"op": "hello", "id": 1, "role": "admin"}))
+            assert isinstance(read_reply(s), HelloReply)
+            s.sendall(PREAMBLE.pack(MAGIC, VERSION, 0, MAX_FRAME - 1, 0) + b"\x83")
+        time.sleep(0.5)
+        grown = gw.rss_kib() - base
+        # at most two frames' worth (the Unix socket's budget) is held, not 24 x 4 MiB
+        assert grown < (2 * MAX_FRAME + (16 << 20)) // 1024, f"RSS grew by {grown} KiB"
+        with gw.client("n", engine_id="engine") as c:  # engines work meanwhile (through shared memory)
+            assert _timed("a local put", c.put_many, [b"k"], [b"v" * 5000]) == [True]
+            assert c.get_many([b"k"]) == [b"v" * 5000]
+    finally:
+        for s in sessions:
+            s.close()
+    assert "Traceback" not in gw.log()

@@ -43,9 +43,9 @@ from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
+    MAX_HEADER_BYTES,
     MISS,
     NOT_DONE,
-    MAX_HEADER_BYTES,
     PREAMBLE_SIZE,
     SESSION_REGION,
     TOO_SMALL,

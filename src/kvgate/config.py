@@ -165,9 +165,13 @@ FIELDS: tuple[Field, ...] = (
     Field("max_connections", _parse_int, 256,
           "concurrent client connections of each listener: the Unix socket, and all TCP listeners together",
           minimum=1),
+    # A client says hello in its first frame, right after connecting: 10 s is far beyond a loaded host's
+    # delay, and is all an idle connection can hold a slot for.
     Field("hello_timeout", parse_duration, 10.0,
           "time a new connection has to have its hello accepted; until then it holds no inline bytes",
           minimum=0.1),
+    # An announced frame holds its share of the inline byte budget until it is in: a 256 MiB frame may
+    # take 10 s + 64 s, a client below 4 MiB/s (32 Mbit/s) is too slow to feed an engine anyway.
     Field("frame_timeout", parse_duration, 10.0,
           "time an announced header and body may take to arrive, plus 1 s per 4 MiB of them", minimum=0.1),
     Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),

@@ -47,6 +47,11 @@ def test_unknown_key_names_it_and_suggests():
     ("shared_storage", "maybe", "'shared_storage'"),
     ("key_layout_fingerprint", "XYZ", "'key_layout_fingerprint'"),
     ("storage_devices", 5, "'storage_devices'"),
+    ("port", 70000, "'port': must be at most 65535"),
+    ("metrics_port", "70000", "'metrics_port': must be at most 65535"),
+    ("socket", "/tmp/" + "s" * 200 + ".sock", "'socket': /tmp/"),
+    ("hello_timeout", "soon", "'hello_timeout'"),
+    ("frame_timeout", 0, "'frame_timeout': must be at least"),
 ])
 def test_bad_values_name_the_key(key, value, fragment):
     with pytest.raises(ConfigError) as e:
@@ -75,6 +80,16 @@ def test_yaml_errors(tmp_path):
         load(str(f))
     with pytest.raises(ConfigError, match="No such file"):
         load(str(tmp_path / "missing.yaml"))
+    f.write_bytes(b"max_bytes: 1G\nsocket: /tmp/caf\xe9.sock\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8 text \(byte 30\)"):
+        load(str(f))
+
+
+def test_socket_path_limit_is_the_kernels():
+    longest = "/tmp/" + "s" * (config.SOCKET_PATH_MAX - len("/tmp/"))
+    assert from_mapping({"socket": longest}).socket_path == longest
+    with pytest.raises(ConfigError, match=f"is {config.SOCKET_PATH_MAX + 1} bytes long"):
+        from_mapping({"socket": longest + "x"})
 
 
 def test_every_key_is_a_flag():

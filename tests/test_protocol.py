@@ -45,3 +45,31 @@ def test_unknown_op_and_bad_fields_keep_the_id():
     with pytest.raises(p.RequestError) as e:
         p.decode_request(b"\xc1garbage")
     assert e.value.code == p.ErrorCode.BAD_REQUEST
+
+
+def _nested(levels: int, rid: bytes = b"\x2a") -> bytes:
+    """{"op": "lookup", "id": 42, "keys": [[[...]]]}, ``levels`` deep."""
+    return b"\x83\xa2op\xa6lookup\xa2id" + rid + b"\xa4keys" + b"\x91" * levels + b"\xc0"
+
+
+@pytest.mark.parametrize("header, rid", [
+    (_nested(1_000_000), 42),
+    (_nested(5000, rid=b"\xcd\x01\x05"), 261),  # a uint16 id
+    (b"\x81\xa1x" * 100_000 + b"\xc0", 0),  # maps all the way down: no id to read
+    (b"\x91" * 100_000 + b"\xc0", 0),
+])
+def test_a_deeply_nested_header_is_a_bad_request_not_a_recursion_error(header, rid):
+    with pytest.raises(p.RequestError) as e:
+        p.decode_request(header)
+    assert e.value.code == p.ErrorCode.BAD_REQUEST and e.value.request_id == rid
+    assert "nested" in str(e.value)
+
+
+def test_a_frame_over_the_limit_says_how_to_skip_it():
+    with pytest.raises(p.FrameTooLarge) as e:
+        p.parse_preamble(p.PREAMBLE.pack(b"KG", 1, 0, 100, 2 << 20), 1 << 20)
+    assert (e.value.code, e.value.header_len, e.value.body_len) == (p.ErrorCode.TOO_LARGE, 100, 2 << 20)
+    assert "max_frame_bytes" in str(e.value)
+    with pytest.raises(p.FrameError) as e:  # a header over the header limit cannot be skipped
+        p.parse_preamble(p.PREAMBLE.pack(b"KG", 1, 0, p.MAX_HEADER_BYTES + 1, 0), 1 << 30)
+    assert not isinstance(e.value, p.FrameTooLarge)

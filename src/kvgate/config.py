@@ -35,6 +35,9 @@ _SIZE_UNITS = {
 _SIZE_UNITS.update({"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
+_PORT_MAX = 65535
+SOCKET_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes, one of them the terminating NUL
+
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -117,6 +120,7 @@ class Field:
     help: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None
+    maximum: float | None = None
     optional: bool = False  # `null` / absent is a valid value
     metavar: str | None = None
     many: bool = False  # flag takes one or more values
@@ -145,10 +149,12 @@ FIELDS: tuple[Field, ...] = (
     Field("io_timeout_strikes", _parse_int, 3, "I/Os in a row past the deadline or failing that take a card out of service",
           minimum=1),
     Field("status_file", _parse_str, None, "Prometheus text file rewritten every second", optional=True),
-    Field("port", _parse_int, 5557, "TCP port of the gateway (0 disables the TCP listener)", minimum=0),
+    Field("port", _parse_int, 5557, "TCP port of the gateway (0 disables the TCP listener)", minimum=0,
+          maximum=_PORT_MAX),
     Field("bind_address", _parse_str, "127.0.0.1", "TCP bind address; anything but loopback needs auth_token_file"),
     Field("socket", _parse_str, None, "Unix socket path (default: derived from the port)", optional=True),
-    Field("metrics_port", _parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)", minimum=0),
+    Field("metrics_port", _parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)", minimum=0,
+          maximum=_PORT_MAX),
     Field("metrics_bind_address", _parse_str, "127.0.0.1", "HTTP bind address of /metrics"),
     Field("shared_memory_size", parse_size, 256 << 20, "shared-memory region given to each local session",
           minimum=1 << 20),
@@ -163,7 +169,18 @@ FIELDS: tuple[Field, ...] = (
     Field("auth_token_file", _parse_str, None, "file holding the token TCP clients must present", optional=True),
     Field("max_frame_bytes", parse_size, 256 << 20, "largest message a client may send (inline bytes included)",
           minimum=1 << 16),
-    Field("max_connections", _parse_int, 256, "concurrent client connections", minimum=1),
+    Field("max_connections", _parse_int, 256,
+          "concurrent client connections of each listener: the Unix socket, and all TCP listeners together",
+          minimum=1),
+    # A client says hello in its first frame, right after connecting: 10 s is far beyond a loaded host's
+    # delay, and is all an idle connection can hold a slot for.
+    Field("hello_timeout", parse_duration, 10.0,
+          "time a new connection has to have its hello accepted; until then it holds no inline bytes",
+          minimum=0.1),
+    # An announced frame holds its share of the inline byte budget until it is in: a 256 MiB frame may
+    # take 10 s + 64 s, a client below 4 MiB/s (32 Mbit/s) is too slow to feed an engine anyway.
+    Field("frame_timeout", parse_duration, 10.0,
+          "time an announced header and body may take to arrive, plus 1 s per 4 MiB of them", minimum=0.1),
     Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),
     Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
     Field("direct_reads", _parse_bool, True,
@@ -209,6 +226,8 @@ class Config:
     auth_token_file: str | None = None
     max_frame_bytes: int = 256 << 20
     max_connections: int = 256
+    hello_timeout: float = 10.0
+    frame_timeout: float = 10.0
     refuse_unsalted: bool = False
     sync_writes: bool = False
     direct_reads: bool = True
@@ -244,6 +263,8 @@ def _check(f: Field, raw: Any) -> Any:
         raise ConfigError(f"config key '{f.name}': expected one of {', '.join(f.choices)}, got {value!r}")
     if f.minimum is not None and value < f.minimum:
         raise ConfigError(f"config key '{f.name}': must be at least {f.minimum:g}, got {raw!r}")
+    if f.maximum is not None and value > f.maximum:
+        raise ConfigError(f"config key '{f.name}': must be at most {f.maximum:g}, got {raw!r}")
     return value
 
 
@@ -278,6 +299,10 @@ def _check_combination(cfg: Config) -> None:
         raise ConfigError("config key 'key_layout_fingerprint': expected 16 lowercase hex digits")
     if cfg.max_bytes and cfg.max_bytes < cfg.ram_page_size:
         raise ConfigError("config key 'max_bytes': must be 0 or at least ram_page_size")
+    socket_bytes = len(os.fsencode(cfg.socket_path))
+    if socket_bytes > SOCKET_PATH_MAX:
+        raise ConfigError(f"config key 'socket': {cfg.socket_path} is {socket_bytes} bytes long; a Unix socket path "
+                          f"has at most {SOCKET_PATH_MAX}: choose a shorter one")
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -288,6 +313,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -14,12 +14,16 @@ requests and the gateway may answer them out of order.
 Errors: a frame that cannot be parsed (bad magic, wrong version, oversized
 lengths) gets an ``Error`` and the connection is closed, since the stream
 cannot be resynchronised.  A well-framed request that is wrong (unknown op,
-bad fields) gets an ``Error`` and the connection goes on.
+bad fields, nested too deep) gets an ``Error`` and the connection goes on.
+A frame over the frame limit whose header fits is the one exception to the
+first rule on an established session: the gateway reads its header, answers
+``TOO_LARGE`` with its id, drops the body and goes on (``FrameTooLarge``).
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Literal, Union
 
 import msgspec
@@ -191,6 +195,15 @@ class FrameError(Exception):
         self.code = code
 
 
+class FrameTooLarge(FrameError):
+    """A well-formed preamble announcing more than the frame limit; its lengths let a reader skip it."""
+
+    def __init__(self, message: str, header_len: int, body_len: int):
+        super().__init__(ErrorCode.TOO_LARGE, message)
+        self.header_len = header_len
+        self.body_len = body_len
+
+
 class RequestError(Exception):
     """A well-framed but wrong request: reply with ``code`` and go on."""
 
@@ -218,15 +231,82 @@ def parse_preamble(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, 
     if header_len == 0 or header_len > MAX_HEADER_BYTES:
         raise FrameError(ErrorCode.TOO_LARGE, f"header of {header_len} bytes (limit {MAX_HEADER_BYTES})")
     if header_len + body_len > max_frame_bytes:
-        raise FrameError(ErrorCode.TOO_LARGE, f"frame of {header_len + body_len} bytes (limit {max_frame_bytes})")
+        raise FrameTooLarge(f"frame of {header_len + body_len} bytes (limit {max_frame_bytes}, max_frame_bytes)",
+                            header_len, body_len)
     return kind, header_len, body_len
 
 
 def decode_request(header: bytes | memoryview) -> Request:
+    """The request in ``header``; raises RequestError (never anything else) for a wrong one."""
     try:
         return _request_decoder.decode(header)
     except msgspec.DecodeError as e:
         raise _explain(header, e) from None
+    except RecursionError:
+        # msgspec recurses per nesting level (skipped fields too) and stops at the interpreter's recursion
+        # limit: that is the depth bound; the length-prefixed frame keeps the stream in step, so the
+        # connection goes on
+        raise _too_deep(header) from None
+
+
+def _too_deep(header: bytes | memoryview) -> RequestError:
+    return RequestError(ErrorCode.BAD_REQUEST,
+                        f"header nested deeper than {sys.getrecursionlimit()} levels; requests are a few levels deep",
+                        _peek_id(header))
+
+
+_MSGPACK_INT = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_PEEK_ENTRIES = 16
+
+
+def _peek_id(header: bytes | memoryview) -> int:
+    """The ``id`` of a map header, read without decoding nested values (0 when not found first).
+
+    Only top-level entries with scalar values are read, and the scan stops at
+    the first container: the id of an undecodable header is worth a few
+    steps, never a walk over what made it undecodable.  Encoders put ``op``
+    and ``id`` first.
+    """
+    buf = bytes(header[: 1 << 10])
+
+    def read_str(i: int) -> tuple[bytes, int] | None:
+        b = buf[i] if i < len(buf) else None
+        if b is None:
+            return None
+        if 0xA0 <= b <= 0xBF:
+            n, i = b - 0xA0, i + 1
+        elif b == 0xD9 and i + 1 < len(buf):
+            n, i = buf[i + 1], i + 2
+        else:
+            return None
+        return buf[i : i + n], i + n
+
+    if not buf or not 0x81 <= buf[0] <= 0x8F:
+        return 0
+    i = 1
+    for _ in range(min(buf[0] - 0x80, _PEEK_ENTRIES)):
+        key = read_str(i)
+        if key is None or key[1] >= len(buf):
+            return 0
+        name, i = key
+        b = buf[i]
+        if b <= 0x7F:
+            value, i = b, i + 1
+        elif b >= 0xE0:
+            value, i = b - 0x100, i + 1
+        elif b in _MSGPACK_INT:
+            fmt = _MSGPACK_INT[b]
+            size = struct.calcsize(fmt)
+            if i + 1 + size > len(buf):
+                return 0
+            value, i = struct.unpack_from(fmt, buf, i + 1)[0], i + 1 + size
+        elif (s := read_str(i)) is not None:
+            value, i = s
+        else:
+            return 0
+        if name == b"id":
+            return value if isinstance(value, int) and value >= 0 else 0
+    return 0
 
 
 def _explain(header: bytes | memoryview, err: msgspec.DecodeError) -> RequestError:
@@ -235,6 +315,8 @@ def _explain(header: bytes | memoryview, err: msgspec.DecodeError) -> RequestErr
         loose = _loose_decoder.decode(header)
     except msgspec.DecodeError:
         return RequestError(ErrorCode.BAD_REQUEST, f"header is not valid MessagePack: {err}")
+    except RecursionError:
+        return _too_deep(header)
     if not isinstance(loose, dict):
         return RequestError(ErrorCode.BAD_REQUEST, "header must be a map")
     rid = loose.get("id", 0)

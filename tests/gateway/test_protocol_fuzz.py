@@ -240,13 +240,35 @@ def test_unknown_op_and_requests_before_hello(target: Target, transport: str) ->
         for i, op in enumerate(REQUEST_OPS):
             if op == "hello":
                 continue
-            expect_error(s, {"op": op, "id": 100 + i, "keys": [b"k"], "sizes": [1]}, ErrorCode.NO_SESSION,
-                         body=b"x" if op == "put" else b"")
+            expect_error(s, {"op": op, "id": 100 + i, "keys": [b"k"], "sizes": [1]}, ErrorCode.NO_SESSION)
         still_works(s)  # NO_SESSION again, but answered
         hello(s)
         expect_error(s, {"op": "frobnicate", "id": 11}, ErrorCode.UNKNOWN_OP)
         expect_error(s, {"op": "hello", "id": 12, "namespace": "again"}, ErrorCode.BAD_REQUEST)  # second hello
         still_works(s)
+    # before hello nothing is held for a peer: a frame with a body is answered with its id, then closed
+    with target.connect(transport) as s:
+        s.sendall(frame({"op": "put", "id": 13, "keys": [b"k"], "sizes": [1]}, b"x"))
+        reply = read_reply(s)
+        assert isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION and reply.id == 13, reply
+        assert read_reply(s) is None
+
+
+def _nested(levels: int, rid: int) -> bytes:
+    """A lookup whose keys are a list nested ``levels`` deep."""
+    return b"\x83\xa2op\xa6lookup\xa2id" + bytes([rid]) + b"\xa4keys" + b"\x91" * levels + b"\xc0"
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_deeply_nested_headers_are_bad_requests(target: Target, transport: str) -> None:
+    # the length-prefixed header keeps the stream in step: answered with its id, and the connection goes on
+    with target.connect(transport) as s:
+        expect_error(s, _nested(60_000, rid=21), ErrorCode.BAD_REQUEST)  # before hello: within 64 KiB
+        hello(s)
+        reply = expect_error(s, _nested(900_000, rid=22), ErrorCode.BAD_REQUEST)
+        assert reply.id == 22 and "nested" in reply.message
+        still_works(s)
+    assert "Traceback" not in target.gw.log()
 
 
 def test_clean_before_hello_deletes_nothing(target: Target) -> None:
@@ -428,7 +450,10 @@ def test_truncated_messages(target: Target, transport: str) -> None:
             s = target.connect(transport)
             if with_session:
                 hello(s)
-            s.sendall(full[:cut])
+            try:
+                s.sendall(full[:cut])
+            except (BrokenPipeError, ConnectionResetError):
+                assert not with_session  # before hello a frame with a body is answered and closed at its preamble
             s.close()
     _wait_connections(target, 0)
     # each truncated body held part of the 2 MiB inline byte budget while it was read: none may be leaked,
@@ -441,6 +466,7 @@ def test_truncated_messages(target: Target, transport: str) -> None:
         assert isinstance(reply, PutReply) and reply.stored == [True], reply
     # half-closing (EOF) mid-frame: the gateway closes its side too
     with target.connect(transport) as s:
+        hello(s)
         s.sendall(full[: header_end + 5])
         s.shutdown(socket.SHUT_WR)
         assert read_reply(s) is None
@@ -556,13 +582,23 @@ def test_random_well_framed_garbage_on_reused_connections(target: Target, transp
     @given(reqs=st.lists(garbage_request(), min_size=1, max_size=20), hello_first=st.booleans())
     def run(reqs: list[tuple[bytes, bytes]], hello_first: bool) -> None:
         with target.connect(transport) as s:
+            session = False
             if hello_first:
                 reply = call(s, {"op": "hello", "id": 1, "namespace": "fuzz-ns", "engine_id": "fuzzer"})
                 assert isinstance(reply, (HelloReply, Error))
+                session = isinstance(reply, HelloReply)
             for header, body in reqs:
                 data = frame(header, body)
+                if body and not session:  # before hello a frame with a body is answered, then closed
+                    s.sendall(data)
+                    reply = read_reply(s)
+                    assert isinstance(reply, Error) and reply.code == ErrorCode.NO_SESSION, reply
+                    assert read_reply(s) is None
+                    return
                 s.sendall(data)
-                _check_reply(read_reply(s), data)
+                reply = read_reply(s)
+                _check_reply(reply, data)
+                session = session or isinstance(reply, HelloReply)
             still_works(s, strict=False)
 
     run()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -239,3 +241,124 @@ def test_prewarm_while_the_startup_scan_runs(gateway_factory, tmp_path) -> None:
         assert st["tiers"]["ram"]["objects"] == 3
         assert c.get_many(targets) == [bytes([i]) * 5000 for i in range(3)]
         assert c.stats()["tiers"]["ram"]["hits"] == 3
+
+
+# ---- bad input at the HTTP listener and at start ----------------------------------------------------------
+
+
+def _http(port: int, method: str, path: str, body: bytes | None = None, token: str | None = None):
+    """-> (status, JSON body or text); never raises for an HTTP error status."""
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            status, data = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, data = e.code, e.read()
+    try:
+        return status, json.loads(data)
+    except ValueError:
+        return status, data.decode()
+
+
+def test_prewarm_with_bad_keys_is_a_400_naming_the_key(gateway_factory) -> None:
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport)])
+    cases = [
+        ({"namespace": NS, "keys": [""]}, "empty"),
+        ({"namespace": NS, "keys": ["ok", "k" * 5000]}, "5000"),
+        ({"namespace": NS, "keys_hex": ["zz"]}, "hexadecimal"),
+        ({"namespace": "n" * 300, "keys": ["a"]}, "namespace"),
+    ]
+    for req, fragment in cases:
+        status, answer = _http(mport, "POST", "/v1/cache/prewarm", json.dumps(req).encode())
+        assert status == 400, (req, status, answer)
+        assert fragment in answer["error"], answer
+    status, answer = _http(mport, "POST", "/v1/cache/prewarm", json.dumps({"namespace": NS, "keys": ["a"]}).encode())
+    assert status == 200 and answer == {"in_ram": 0, "asked": 1}
+    assert gw.alive() and "Traceback" not in gw.log(), gw.log()
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_idle_http_connections_are_bounded(gateway_factory) -> None:
+    from kvgate.gateway.status import MAX_HTTP_CONNECTIONS
+
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport)])
+    before = _threads(gw.pid)
+    idle = []
+    try:
+        for _ in range(200):
+            idle.append(socket.create_connection(("127.0.0.1", mport), timeout=10))
+        # the ones past the cap are answered 503 and closed at once
+        refused = 0
+        for s in idle[MAX_HTTP_CONNECTIONS + 8:]:
+            data = s.recv(4096)
+            assert data.startswith(b"HTTP/1.0 503"), data
+            refused += 1
+        assert refused == 200 - MAX_HTTP_CONNECTIONS - 8
+        threads = _threads(gw.pid)
+        assert threads <= before + MAX_HTTP_CONNECTIONS, (before, threads)
+        status, answer = _http(mport, "GET", "/healthz")
+        assert status == 503 and "too many HTTP connections" in answer["error"]
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while _http(mport, "GET", "/healthz")[0] != 200:  # the slots come back as the idle ones close
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert gw.alive() and "Traceback" not in gw.log(), gw.log()
+
+
+def test_http_beyond_loopback_needs_the_token(gateway_factory, tmp_path) -> None:
+    r = run_kvgate("serve", "--storage-devices", str(tmp_path / "card"), "--port", "0", "--metrics-port",
+                   str(free_port()), "--metrics-bind-address", "0.0.0.0", "--socket", str(tmp_path / "s.sock"))
+    assert r.returncode == 2, r.stderr
+    assert "metrics_bind_address" in r.stderr and "auth_token_file" in r.stderr and "Traceback" not in r.stderr
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport), "--metrics-bind-address", "0.0.0.0",
+                          "--auth-token-file", str(token_file)])
+    assert _http(mport, "GET", "/healthz") == (200, {"ok": True})
+    prewarm = json.dumps({"namespace": NS, "keys": ["a"]}).encode()
+    for token in (None, "wrong", "s3cret-token-and-more", ""):
+        status, answer = _http(mport, "GET", "/metrics", token=token)
+        assert status == 401 and "Authorization: Bearer" in answer["error"], (token, status, answer)
+        assert _http(mport, "POST", "/v1/cache/prewarm", prewarm, token=token)[0] == 401
+    status, text = _http(mport, "GET", "/metrics", token="s3cret-token")
+    assert status == 200 and "kvgate_storage_groups_active 1.0" in text
+    assert _http(mport, "POST", "/v1/cache/prewarm", prewarm, token="s3cret-token") == (200, {"in_ram": 0, "asked": 1})
+    assert gw.alive()
+
+
+@pytest.mark.parametrize(
+    "flags, yaml_bytes, named",
+    [
+        (["--port", "70000"], None, "'port'"),
+        (["--metrics-port", "70000"], None, "'metrics_port'"),
+        (["--port", "-1"], None, "'port'"),
+        ([], b"max_bytes: 64M\nsocket: /tmp/caf\xe9.sock\n", "kvgate.yaml: not UTF-8"),
+        (["--socket", "/tmp/" + "s" * 120 + ".sock"], None, "'socket'"),
+    ],
+)
+def test_bad_start_input_is_one_line_and_exit_code_2(tmp_path, flags, yaml_bytes, named) -> None:
+    args = ["serve", "--storage-devices", str(tmp_path / "card"), "--port", "0", "--metrics-port", "0",
+            "--socket", str(tmp_path / "s.sock"), *flags]
+    if yaml_bytes is not None:
+        cfg = tmp_path / "kvgate.yaml"
+        cfg.write_bytes(yaml_bytes)
+        args += ["--config", str(cfg)]
+    r = run_kvgate(*args, timeout=20)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
+    assert named in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "card"), "a refused config must not touch the card"

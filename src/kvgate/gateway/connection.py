@@ -17,6 +17,9 @@ in between:
 - a reply is sent from the caller's buffer with ``loop.sock_sendall``, which
   returns once the socket took all of it; replies of concurrent requests go
   out one whole frame at a time.
+
+Every read and send may take a deadline (``loop.time()`` based): the wait
+past it raises ``TimeoutError`` (a send past it gives up and sends no more).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SMALL_REPLY_BYTES = 64 << 10  # a reply body up to this size goes out in one sen
 LISTEN_BACKLOG = 100  # what asyncio.start_server used
 _ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_SCRATCH = memoryview(bytearray(STAGE_BYTES))  # bytes read to be dropped go here (never read back: one is enough)
 
 
 class Connection:
@@ -114,8 +118,8 @@ class Connection:
             if self._hi == len(self._stage) and not self._lo:
                 self._pause()
 
-    async def _wait(self) -> None:
-        """Until ``_on_readable`` wakes us; raises at end of stream or on a socket error."""
+    async def _wait(self, deadline: float | None) -> None:
+        """Until ``_on_readable`` wakes us; raises at end of stream, on a socket error, or past ``deadline``."""
         if self._error is not None:
             raise self._error
         if self._eof:
@@ -125,29 +129,34 @@ class Connection:
         self._resume()
         self._waiter = self._loop.create_future()
         try:
-            await self._waiter
+            if deadline is None:
+                await self._waiter
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await self._waiter
         finally:
             self._waiter = None
 
-    async def readexactly(self, n: int) -> bytes | bytearray:
-        """The next ``n`` bytes; raises ``asyncio.IncompleteReadError`` at end of stream, OSError on a broken one."""
+    async def readexactly(self, n: int, deadline: float | None = None) -> bytes | bytearray:
+        """The next ``n`` bytes; raises ``asyncio.IncompleteReadError`` at end of stream, OSError on a broken one,
+        TimeoutError past ``deadline``.  Over ``STAGE_BYTES`` it allocates ``n`` bytes: the caller bounds them."""
         if n > len(self._stage):
             buf = bytearray(n)
-            await self.readinto(memoryview(buf))
+            await self.readinto(memoryview(buf), deadline)
             return buf
         while self._hi - self._lo < n:
             if self._lo + n > len(self._stage):  # no room for the rest behind the unread bytes
                 self._compact()
             self._need = n
             try:
-                await self._wait()
+                await self._wait(deadline)
             finally:
                 self._need = 0
         out = bytes(self._stage[self._lo : self._lo + n])
         self._consume(n)
         return out
 
-    async def readinto(self, view: memoryview) -> None:
+    async def readinto(self, view: memoryview, deadline: float | None = None) -> None:
         """Fill ``view`` (a byte view): first from the staging buffer, then straight from the socket."""
         n = len(view)
         done = min(n, self._hi - self._lo)
@@ -159,9 +168,16 @@ class Connection:
         self._target, self._filled = view, done
         try:
             while self._target is not None:
-                await self._wait()
+                await self._wait(deadline)
         finally:
             self._target = None
+
+    async def discard(self, n: int, deadline: float | None = None) -> None:
+        """Read and drop the next ``n`` bytes through a fixed scratch buffer: nothing of their size is allocated."""
+        while n:
+            chunk = min(n, len(_SCRATCH))
+            await self.readinto(_SCRATCH[:chunk], deadline)
+            n -= chunk
 
     def _compact(self) -> None:
         """Move the unread staged bytes to the front (at most a staging buffer's worth)."""
@@ -177,11 +193,18 @@ class Connection:
 
     # ---- writing --------------------------------------------------------------------------
 
-    async def send(self, head: bytes, body: bytes | bytearray | memoryview | None = None) -> None:
+    @property
+    def send_failed(self) -> bool:
+        """A send failed or passed its deadline: nothing more goes out on this connection."""
+        return self._send_failed
+
+    async def send(self, head: bytes, body: bytes | bytearray | memoryview | None = None,
+                   deadline: float | None = None) -> None:
         """Send one frame whole, from the callers' buffers.
 
         A peer that went away is not an error here: the frame is dropped, and
-        so is every later one, and the reader sees the connection end.
+        so is every later one, and the reader sees the connection end.  So is
+        a peer that does not take the frame by ``deadline`` (it is not reading).
         """
         if body is not None and len(body) <= SMALL_REPLY_BYTES:
             head, body = (head + body if len(body) else head), None  # one segment; copying a little is cheaper
@@ -189,11 +212,18 @@ class Connection:
             if self._send_failed or self._closed:
                 return
             try:
-                await self._loop.sock_sendall(self.sock, head)
-                if body is not None:
-                    await self._loop.sock_sendall(self.sock, body)
-            except OSError:
+                if deadline is None:
+                    await self._sendall(head, body)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        await self._sendall(head, body)
+            except (OSError, TimeoutError):
                 self._send_failed = True
+
+    async def _sendall(self, head: bytes, body: bytes | bytearray | memoryview | None) -> None:
+        await self._loop.sock_sendall(self.sock, head)
+        if body is not None:
+            await self._loop.sock_sendall(self.sock, body)
 
     def close(self) -> None:
         if not self._closed:

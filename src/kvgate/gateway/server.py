@@ -8,6 +8,15 @@ client may pipeline, and a slow card read never holds up a lookup.
 Nothing a client sends can stop the gateway: a broken frame closes that
 connection, a wrong request gets an ``Error`` reply, and any unexpected
 exception in a handler is logged and answered with ``INTERNAL``.
+
+Nor can a peer hold what others need.  Until its hello is accepted a
+connection holds only its staging buffer: frames without a body, headers
+that fit the staging buffer, ``hello_timeout`` to be accepted, and at most
+``PENDING_PER_PEER`` such connections per peer (a TCP source address, a
+local process).  Each listener (the Unix socket; all TCP listeners) has its
+own ``max_connections`` and its own inline byte budget, so TCP peers never
+lock out a local engine.  Once announced, a header and body must arrive
+within ``frame_timeout`` (plus their size at ``FRAME_MIN_RATE``).
 """
 
 from __future__ import annotations
@@ -28,13 +37,14 @@ from kvgate import __version__
 from kvgate.cards import CardInUse, ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
-from kvgate.gateway.connection import Connection, accept_loop, tcp_listeners, unix_listener
+from kvgate.gateway.connection import STAGE_BYTES, Connection, accept_loop, tcp_listeners, unix_listener
 from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
 from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
+    MAX_HEADER_BYTES,
     MISS,
     NOT_DONE,
     PREAMBLE_SIZE,
@@ -49,6 +59,7 @@ from kvgate.protocol import (
     Exists,
     ExistsReply,
     FrameError,
+    FrameTooLarge,
     Get,
     GetReply,
     Hello,
@@ -66,7 +77,7 @@ from kvgate.protocol import (
     encode_frame,
     parse_preamble,
 )
-from kvgate.tiers.io import ByteBudget, IoPool, realtime_permitted
+from kvgate.tiers.io import IoPool, realtime_permitted
 from kvgate.tiers.long import LayoutMismatch
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 
@@ -74,6 +85,15 @@ log = logging.getLogger("kvgate.gateway")
 
 MAX_KEYS_PER_REQUEST = 65536
 MAX_INFLIGHT_PER_CONNECTION = 64
+# Connections one peer may have waiting for their hello on a listener: a client pool connecting at once
+# gets in, one host or process holding idle connections does not fill the listener.
+PENDING_PER_PEER = 16
+# A refused connection is answered to its hello (with the hello's id, so a client reads a clear refusal);
+# a peer that sends nothing gets the refusal after this long.  At most MAX_REFUSING are waited on at once,
+# the rest are answered at once.
+REFUSAL_WAIT_S = 1.0
+MAX_REFUSING = 64
+FRAME_MIN_RATE = 4 << 20  # bytes/s an announced header and body must at least arrive at, beyond frame_timeout
 _EMPTY = memoryview(bytearray(0))
 _PEERCRED = struct.Struct("3i")
 
@@ -88,6 +108,7 @@ class Session:
     local: bool
     pid: int | None
     uid: int | None
+    inline: InlineShare  # this connection's part of its listener's inline byte budget
     role: str = ""
     namespace: bytes = b""
     engine_id: str = ""
@@ -107,6 +128,84 @@ class EngineClaim:
     connections: int = 0
 
 
+class InlineBudget:
+    """Bounds the inline bytes (bodies, headers over the staging buffer, inline get replies) that the
+    sessions of one listener hold at once: ``limit`` in all, ``share`` per connection, so one connection
+    never holds all of it.  A taker that holds nothing may always take (one frame of any allowed size
+    must get through); see ``InlineShare``."""
+
+    def __init__(self, limit: int, share: int):
+        self.limit = limit
+        self.share = share
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, taker: "InlineShare", n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: (self.used + n <= self.limit or self.used == 0)
+                                      and (taker.held + n <= self.share or taker.held == 0))
+            self.used += n
+            taker.held += n
+
+    async def release(self, taker: "InlineShare", n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            taker.held -= n
+            self._cond.notify_all()
+
+
+class InlineShare:
+    """One session's part of its listener's ``InlineBudget``."""
+
+    def __init__(self, budget: InlineBudget):
+        self.budget = budget
+        self.held = 0
+
+    async def acquire(self, n: int) -> None:
+        if n:
+            await self.budget.acquire(self, n)
+
+    async def release(self, n: int) -> None:
+        if n:
+            await self.budget.release(self, n)
+
+
+@dataclass
+class ListenerLimits:
+    """Connections of one listener (the Unix socket, or all TCP listeners): open ones, and per peer those
+    still waiting for their hello."""
+
+    name: str
+    limit: int
+    budget: InlineBudget
+    open: int = 0
+    pending: dict[Any, int] = field(default_factory=dict)
+
+    def refusal(self, peer: Any) -> str | None:
+        """Why a new connection from ``peer`` is refused, or None."""
+        if self.open >= self.limit:
+            return f"the {self.name} serves at most {self.limit} connections (max_connections); try again later"
+        if self.pending.get(peer, 0) >= PENDING_PER_PEER:
+            return (f"{peer} already has {PENDING_PER_PEER} connections to the {self.name} waiting for their "
+                    "hello; say hello on those first")
+        return None
+
+    def admit(self, peer: Any) -> None:
+        self.open += 1
+        self.pending[peer] = self.pending.get(peer, 0) + 1
+
+    def done_waiting(self, peer: Any) -> None:
+        """A connection of the peer had its hello accepted, or left without: it no longer waits."""
+        n = self.pending[peer] - 1
+        if n:
+            self.pending[peer] = n
+        else:
+            del self.pending[peer]
+
+    def leave(self) -> None:
+        self.open -= 1
+
+
 class Gateway:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -116,12 +215,13 @@ class Gateway:
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
         self.token: str | None = None
-        self.budget: ByteBudget | None = None
+        self.limits: dict[bool, ListenerLimits] = {}  # by local: the Unix socket (True), the TCP listeners
         self.http: status_mod.HttpStatus | None = None
         self.tcp_port: int | None = None
         self._listeners: list[socket.socket] = []
         self._session_ids = itertools.count(1)
-        self._connections = 0
+        self._refusing = 0
+        self.refused_connections = 0
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._socket_owned = False  # only a gateway that bound the socket may remove it
@@ -140,7 +240,10 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.budget = ByteBudget(2 * cfg.max_frame_bytes)
+        # a listener's sessions hold at most two frames' worth of inline bytes, one connection one frame's worth
+        for local, name in ((True, "Unix socket"), (False, "TCP listener")):
+            budget = InlineBudget(2 * cfg.max_frame_bytes, cfg.max_frame_bytes)
+            self.limits[local] = ListenerLimits(name, cfg.max_connections, budget)
         self._check_bind()
         await self._check_socket_free(cfg.socket_path)
         reaped = await self.pool.run(reap_dead_regions)
@@ -154,7 +257,7 @@ class Gateway:
         try:
             unix = unix_listener(cfg.socket_path)
         except OSError as e:
-            raise StartupError(f"config key 'socket': cannot listen on {cfg.socket_path}: {e.strerror}") from None
+            raise StartupError(f"config key 'socket': cannot listen on {cfg.socket_path}: {e.strerror or e}") from None
         self._socket_owned = True
         os.chmod(cfg.socket_path, 0o660)
         self._listen(unix, local=True)
@@ -170,8 +273,9 @@ class Gateway:
             where.append(f"tcp {cfg.bind_address}:{self.tcp_port}")
         if cfg.metrics_port:
             try:
-                self.http = status_mod.HttpStatus(self, asyncio.get_running_loop(), cfg.metrics_bind_address,
-                                                  cfg.metrics_port)
+                self.http = status_mod.HttpStatus(
+                    self, asyncio.get_running_loop(), cfg.metrics_bind_address, cfg.metrics_port,
+                    token=None if _is_loopback(cfg.metrics_bind_address) else self.token)
             except OSError as e:
                 raise StartupError(
                     f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
@@ -200,6 +304,11 @@ class Gateway:
             raise StartupError(
                 f"config key 'bind_address': {cfg.bind_address} is not loopback; set auth_token_file so "
                 "clients on other hosts must present a token"
+            )
+        if cfg.metrics_port and not _is_loopback(cfg.metrics_bind_address) and not self.token:
+            raise StartupError(
+                f"config key 'metrics_bind_address': {cfg.metrics_bind_address} is not loopback; set auth_token_file "
+                "so HTTP clients on other hosts must present it (Authorization: Bearer <token>; /healthz needs none)"
             )
 
     async def _check_socket_free(self, path: str) -> None:
@@ -272,70 +381,144 @@ class Gateway:
             pid = uid = None
             if local:
                 pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                peer: Any = f"process {pid}"
             else:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peer = sock.getpeername()[0]
         except OSError:  # the peer is already gone
             sock.close()
             return
-        await self._serve(Connection(sock), local=local, pid=pid, uid=uid)
+        limits = self.limits[local]
+        conn = Connection(sock)
+        why = limits.refusal(peer)
+        if why is not None:
+            await self._refuse_connection(conn, why)
+            return
+        limits.admit(peer)
+        try:
+            await self._serve(conn, limits, peer, local=local, pid=pid, uid=uid)
+        finally:
+            limits.leave()
 
-    async def _serve(self, conn: Connection, local: bool, pid: int | None, uid: int | None) -> None:
+    async def _refuse_connection(self, conn: Connection, why: str) -> None:
+        """Answer TOO_MANY_CONNECTIONS to the connection's first request (its hello), with its id, and close."""
+        self.refused_connections += 1
+        rid = 0
+        try:
+            if self._refusing < MAX_REFUSING:
+                self._refusing += 1
+                try:
+                    deadline = asyncio.get_running_loop().time() + REFUSAL_WAIT_S
+                    pre = await conn.readexactly(PREAMBLE_SIZE, deadline)
+                    _kind, hlen, blen = parse_preamble(pre, STAGE_BYTES)
+                    rid = _request_id(await conn.readexactly(hlen, deadline))
+                except (FrameError, asyncio.IncompleteReadError, OSError):
+                    pass  # TimeoutError included: refused with id 0
+                finally:
+                    self._refusing -= 1
+            deadline = asyncio.get_running_loop().time() + REFUSAL_WAIT_S
+            await self._reply(conn, Error(id=rid, code=ErrorCode.TOO_MANY_CONNECTIONS, message=why), deadline=deadline)
+        finally:
+            conn.close()
+
+    async def _serve(self, conn: Connection, limits: ListenerLimits, peer: Any, local: bool, pid: int | None,
+                     uid: int | None) -> None:
         """Read requests until the client leaves; each one after hello runs as its own task.
 
-        A body is received straight into a ``bytearray`` of its length, taken
-        from the inline byte budget before a byte of it is read.
+        Before the hello is accepted the connection may send only frames without a body whose header fits
+        the staging buffer, and must be accepted within ``hello_timeout``; a peer that does not read what
+        it is answered is closed then too.  After it, a body (and a header over the staging buffer) is taken
+        from the listener's inline byte budget, within the session's share, before a byte of it is read,
+        and is received straight into a ``bytearray`` of its length.
         """
-        self._connections += 1
+        loop = asyncio.get_running_loop()
         session: Session | None = None
+        share = InlineShare(limits.budget)
+        hello_deadline: float | None = loop.time() + self.cfg.hello_timeout
         inflight: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(MAX_INFLIGHT_PER_CONNECTION)
         try:
-            if self._connections > self.cfg.max_connections:
-                await self._reply(conn, Error(code=ErrorCode.TOO_MANY_CONNECTIONS,
-                                              message=f"the gateway serves at most {self.cfg.max_connections} connections"))
-                return
             while True:
+                if conn.send_failed:
+                    return
                 try:
-                    pre = await conn.readexactly(PREAMBLE_SIZE)
+                    pre = await conn.readexactly(PREAMBLE_SIZE, hello_deadline)
+                except TimeoutError:
+                    await self._reply(conn, Error(code=ErrorCode.NO_SESSION,
+                                                  message=f"no hello within {self.cfg.hello_timeout:g} s "
+                                                          "(hello_timeout); closing"), deadline=loop.time() + 1.0)
+                    return
                 except (asyncio.IncompleteReadError, OSError):
                     return
                 try:
                     _kind, hlen, blen = parse_preamble(pre, self.cfg.max_frame_bytes)
+                except FrameTooLarge as e:
+                    if session is None or e.header_len > min(MAX_HEADER_BYTES, self.cfg.max_frame_bytes):
+                        await self._reply(conn, Error(code=e.code, message=str(e)), deadline=hello_deadline)
+                        return
+                    if not await self._skip_frame(conn, share, e):
+                        return
+                    continue
                 except FrameError as e:
-                    await self._reply(conn, Error(code=e.code, message=str(e)))
+                    await self._reply(conn, Error(code=e.code, message=str(e)), deadline=hello_deadline)
                     return
+                if session is None and hlen > STAGE_BYTES:
+                    await self._reply(conn, Error(code=ErrorCode.TOO_LARGE, message=(
+                        f"a {hlen}-byte header before hello (limit {STAGE_BYTES} until a hello is accepted)")),
+                                      deadline=hello_deadline)
+                    return
+                if session is None and blen:  # answered with its id (the header is in the staging buffer), closed
+                    rid = _request_id(await conn.readexactly(hlen, hello_deadline))
+                    await self._reply(conn, Error(id=rid, code=ErrorCode.NO_SESSION, message=(
+                        f"a frame with a {blen}-byte body before hello: send hello first")), deadline=hello_deadline)
+                    return
+                # a header over the staging buffer is allocated for its length: it counts as inline bytes too
+                big_header = hlen if hlen > STAGE_BYTES else 0
+                await share.acquire(big_header + blen)
+                deadline = hello_deadline or loop.time() + self.cfg.frame_timeout + (hlen + blen) / FRAME_MIN_RATE
                 try:
-                    header = await conn.readexactly(hlen)
+                    header = await conn.readexactly(hlen, deadline)
                     body: bytes | bytearray = b""
                     if blen:
-                        await self.budget.acquire(blen)
-                        try:
-                            body = bytearray(blen)
-                            await conn.readinto(memoryview(body))
-                        except BaseException:
-                            await self.budget.release(blen)
-                            raise
-                except (asyncio.IncompleteReadError, OSError):
+                        body = bytearray(blen)
+                        await conn.readinto(memoryview(body), deadline)
+                except TimeoutError:
+                    await share.release(big_header + blen)
+                    await self._reply(conn, Error(code=ErrorCode.BAD_FRAME,
+                                                  message=self._late_frame(hlen, blen, session is None)),
+                                      deadline=loop.time() + 1.0)
                     return
+                except BaseException:
+                    await share.release(big_header + blen)
+                    raise
                 try:
                     req = decode_request(header)
                 except RequestError as e:
-                    await self._release(blen)
-                    await self._reply(conn, Error(id=e.request_id, code=e.code, message=str(e)))
+                    req = e
+                del header  # not held past its budget
+                await share.release(big_header)
+                if isinstance(req, RequestError):
+                    await share.release(blen)
+                    await self._reply(conn, Error(id=req.request_id, code=req.code, message=str(req)),
+                                      deadline=hello_deadline)
                     continue
                 if session is None:
                     if not isinstance(req, Hello):
-                        await self._release(blen)
-                        await self._reply(conn, Error(id=req.id, code=ErrorCode.NO_SESSION, message="send hello first"))
+                        await self._reply(conn, Error(id=req.id, code=ErrorCode.NO_SESSION, message="send hello first"),
+                                          deadline=hello_deadline)
                         continue
-                    session = await self._hello(req, conn, local, pid, uid)
-                    await self._release(blen)
+                    session = await self._hello(req, conn, local, pid, uid, share, hello_deadline)
+                    if session is not None:
+                        limits.done_waiting(peer)
+                        hello_deadline = None
                     continue
                 await slots.acquire()
-                task = asyncio.get_running_loop().create_task(self._dispatch(session, req, body, blen, conn))
+                task = loop.create_task(self._dispatch(session, req, body, blen, conn))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
                 task.add_done_callback(lambda _t: slots.release())
+        except (asyncio.IncompleteReadError, OSError):
+            return  # the peer left mid-frame
         except asyncio.CancelledError:
             for t in inflight:  # the gateway is stopping: so are this connection's requests
                 t.cancel()
@@ -343,20 +526,51 @@ class Gateway:
         except Exception:  # noqa: BLE001 - one connection must never take the gateway down
             log.exception("connection handler failed")
         finally:
-            self._connections -= 1
+            if session is None:
+                limits.done_waiting(peer)  # no longer waiting either way
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
             if session is not None:
                 self._close_session(session)
             conn.close()
 
-    async def _release(self, n: int) -> None:
-        if n:
-            await self.budget.release(n)
+    def _late_frame(self, hlen: int, blen: int, pending: bool) -> str:
+        if pending:
+            return f"no hello within {self.cfg.hello_timeout:g} s (hello_timeout); closing"
+        return (f"a frame of {hlen} + {blen} bytes did not arrive within frame_timeout ({self.cfg.frame_timeout:g} s) "
+                f"plus 1 s per {FRAME_MIN_RATE >> 20} MiB; closing")
 
-    async def _reply(self, conn: Connection, msg, body: bytes | bytearray | memoryview | None = None) -> None:
+    async def _skip_frame(self, conn: Connection, share: "InlineShare", e: FrameTooLarge) -> bool:
+        """A session's frame over max_frame_bytes: answer TOO_LARGE with its id and drop its body, unallocated.
+
+        -> whether the connection is still in step (False: it is to be closed).
+        """
+        loop = asyncio.get_running_loop()
+        hlen, blen = e.header_len, e.body_len
+        big_header = hlen if hlen > STAGE_BYTES else 0
+        await share.acquire(big_header)
+        deadline = loop.time() + self.cfg.frame_timeout + (hlen + blen) / FRAME_MIN_RATE
+        try:
+            rid = _request_id(await conn.readexactly(hlen, deadline))
+        except TimeoutError:
+            await self._reply(conn, Error(code=ErrorCode.BAD_FRAME, message=self._late_frame(hlen, blen, False)),
+                              deadline=loop.time() + 1.0)
+            return False
+        finally:
+            await share.release(big_header)
+        await self._reply(conn, Error(id=rid, code=ErrorCode.TOO_LARGE, message=str(e)))
+        try:
+            await conn.discard(blen, deadline)
+        except TimeoutError:
+            await self._reply(conn, Error(code=ErrorCode.BAD_FRAME, message=self._late_frame(hlen, blen, False)),
+                              deadline=loop.time() + 1.0)
+            return False
+        return True
+
+    async def _reply(self, conn: Connection, msg, body: bytes | bytearray | memoryview | None = None,
+                     deadline: float | None = None) -> None:
         """Send a reply frame; the body goes out from its buffer, uncopied."""
-        await conn.send(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY), body)
+        await conn.send(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY), body, deadline)
 
     async def _dispatch(self, session: Session, req, body: bytes | bytearray, blen: int, conn: Connection) -> None:
         reply_body = None
@@ -378,19 +592,21 @@ class Gateway:
             log.exception("request %s failed", type(req).__name__)
             reply = Error(id=req.id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
         finally:
-            await self._release(blen)
+            await session.inline.release(blen)
         reply.id = req.id
         try:
             await self._reply(conn, reply, reply_body)
         finally:
             if reply_body is not None:
-                await self._release(len(reply_body))
+                await session.inline.release(len(reply_body))
 
     # ---- sessions -------------------------------------------------------------------
 
-    async def _hello(self, req: Hello, conn: Connection, local: bool, pid: int | None, uid: int | None) -> Session | None:
+    async def _hello(self, req: Hello, conn: Connection, local: bool, pid: int | None, uid: int | None,
+                     inline: InlineShare, deadline: float | None) -> Session | None:
+        """The session of an accepted hello (replied to by ``deadline``), or None (refused, and answered why)."""
         async def refuse(code: str, message: str) -> None:
-            await self._reply(conn, Error(id=req.id, code=code, message=message))
+            await self._reply(conn, Error(id=req.id, code=code, message=message), deadline=deadline)
 
         if req.protocol != VERSION:
             await refuse(ErrorCode.BAD_VERSION, f"client speaks protocol {req.protocol}, gateway {VERSION}")
@@ -399,7 +615,7 @@ class Gateway:
             if req.token is None or not hmac.compare_digest(req.token.encode(), self.token.encode()):
                 await refuse(ErrorCode.NOT_AUTHORIZED, "a valid token is required on this listener")
                 return None
-        sess = Session(next(self._session_ids), local, pid if local else None, uid, role=req.role)
+        sess = Session(next(self._session_ids), local, pid if local else None, uid, inline, role=req.role)
         if req.role == "engine":
             try:
                 sess.namespace = encode_namespace(req.namespace)
@@ -436,7 +652,7 @@ class Gateway:
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
             max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.long.fingerprint,
             placement=self.cfg.key_placement,
-        ))
+        ), deadline=deadline)
         return sess
 
     def _release_engine(self, sess: Session) -> None:
@@ -578,7 +794,7 @@ class Gateway:
             wanted.append(i)
             cursor += h
         if req.region == INLINE:
-            await self.budget.acquire(cursor)
+            await sess.inline.acquire(cursor)
             buf = memoryview(bytearray(cursor))
             body = buf
         else:
@@ -589,7 +805,7 @@ class Gateway:
                                                  for i in wanted], sess.local)
         except BaseException:
             if body is not None:
-                await self.budget.release(cursor)
+                await sess.inline.release(cursor)
             raise
         for i, s in zip(wanted, got):
             sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
@@ -650,7 +866,8 @@ class Gateway:
                 "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
                 "fingerprint": st.long.fingerprint, "placement": self.cfg.key_placement,
                 "socket": self.cfg.socket_path, "port": self.tcp_port, "sessions": len(self.sessions),
-                "connections": self._connections, "engine": engine, "shared_storage": self.cfg.shared_storage,
+                "connections": sum(lim.open for lim in self.limits.values()),
+                "refused_connections": self.refused_connections, "engine": engine, "shared_storage": self.cfg.shared_storage,
                 "read_priority": "realtime" if self.pool.realtime else "normal",
             },
             "tiers": {"ram": ram_tier, "long": long_tier},
@@ -662,6 +879,14 @@ class Gateway:
             "oldest_io_age_s": max(self.pool.oldest_age(), st.long.oldest_io_age()),
             "cards": cards,
         }
+
+
+def _request_id(header: bytes | bytearray) -> int:
+    """The id of the request in ``header``, wrong or not (0 where it has none that can be read)."""
+    try:
+        return decode_request(header).id
+    except RequestError as e:
+        return e.request_id
 
 
 def _is_loopback(host: str) -> bool:

@@ -8,9 +8,11 @@ same dict answers the ``stats`` op that ``kvgate stat`` uses.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,15 @@ if TYPE_CHECKING:
     from kvgate.gateway.server import Gateway
 
 log = logging.getLogger("kvgate.status")
+
+# Each HTTP connection has a thread: at most this many at once (scrapes and prewarms are short), each
+# closed after HTTP_TIMEOUT_S without a byte from its peer; beyond the cap a connection gets a 503 at once.
+MAX_HTTP_CONNECTIONS = 32
+HTTP_TIMEOUT_S = 10.0
+MAX_PREWARM_BODY = 4 << 20
+_BUSY_BODY = b'{"error": "too many HTTP connections (%d at most); try again later"}' % MAX_HTTP_CONNECTIONS
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 TIER_COUNTERS = (
     ("sets", "objects stored"),
@@ -110,15 +121,60 @@ def write_status_file(path: str, text: bytes) -> None:
     os.replace(tmp, path)
 
 
-class HttpStatus:
-    """/metrics, /healthz and POST /v1/cache/prewarm, served from a thread."""
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_HTTP_CONNECTIONS of them; the rest are answered 503 and closed."""
 
-    def __init__(self, gateway: "Gateway", loop: asyncio.AbstractEventLoop, host: str, port: int):
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 leaves a burst of connections in SYN retries for seconds
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)  # this runs on the accepting thread: never wait long on one peer
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        """A peer that stalled or went away mid-request is a line at debug level, not a traceback on stderr."""
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            log.debug("http: connection from %s ended: %s: %s", client_address, type(err).__name__, err)
+        else:
+            log.error("http: request from %s failed", client_address, exc_info=err)
+
+
+class HttpStatus:
+    """/metrics, /healthz and POST /v1/cache/prewarm, served from threads.
+
+    ``token``: when set, every path but /healthz needs ``Authorization: Bearer <token>`` (the gateway
+    sets it for a listener beyond loopback).  A bad request gets a 400 with a JSON ``error``.
+    """
+
+    def __init__(self, gateway: "Gateway", loop: asyncio.AbstractEventLoop, host: str, port: int,
+                 token: str | None = None):
         self.gateway = gateway
         self.loop = loop
+        self.token = token.encode() if token is not None else None
         handler = self._handler_class()
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
+        self.server = _BoundedHTTPServer((host, port), handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="kvgate-http", daemon=True)
 
     @property
@@ -139,39 +195,70 @@ class HttpStatus:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HTTP_TIMEOUT_S  # a socket timeout: an idle or dribbling peer does not keep its thread
+
             def log_message(self, fmt, *args):  # route to logging, quietly
                 log.debug("http: " + fmt, *args)
 
-            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            def _send(self, code: int, body: bytes, ctype: str = "application/json",
+                      headers: dict[str, str] | None = None) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+                self._send(code, json.dumps({"error": message}).encode(), headers=headers)
+
+            def _authorized(self) -> bool:
+                """True, or the request was answered 401."""
+                if outer.token is None:
+                    return True
+                scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), outer.token):
+                    return True
+                self._error(401, "this listener needs 'Authorization: Bearer <token>' (the token of auth_token_file)",
+                            {"WWW-Authenticate": 'Bearer realm="kvgate"'})
+                return False
+
             def do_GET(self):
-                if self.path.split("?")[0] == "/metrics":
+                path = self.path.split("?")[0]
+                if path == "/healthz":
+                    self._send(200, b'{"ok": true}')
+                elif not self._authorized():
+                    return
+                elif path == "/metrics":
                     snap = outer._call(outer.gateway.snapshot_async())
                     self._send(200, render(snap), CONTENT_TYPE_LATEST)
-                elif self.path == "/healthz":
-                    self._send(200, b'{"ok": true}')
                 else:
-                    self._send(404, b'{"error": "not found"}')
+                    self._error(404, "not found")
 
             def do_POST(self):
+                if not self._authorized():
+                    return
                 if self.path != "/v1/cache/prewarm":
-                    self._send(404, b'{"error": "not found"}')
+                    self._error(404, "not found")
                     return
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
-                    if length > (4 << 20):
-                        raise ValueError("request body over 4 MiB")
+                    if not 0 <= length <= MAX_PREWARM_BODY:
+                        raise ValueError(f"Content-Length {length}: a prewarm body has 0 to {MAX_PREWARM_BODY} bytes")
                     req = json.loads(self.rfile.read(length) or b"{}")
                     namespace, keys, dialog = _parse_prewarm(req)
+                    # a bad namespace or key (BadKey) is the client's error too
+                    n = outer._call(outer.gateway.prewarm(namespace, keys, dialog))
                 except (ValueError, TypeError) as e:
-                    self._send(400, json.dumps({"error": str(e)}).encode())
+                    self._error(400, str(e))
                     return
-                n = outer._call(outer.gateway.prewarm(namespace, keys, dialog))
+                except OSError:
+                    raise  # the peer is gone or stalled (the socket timeout): nothing to answer
+                except Exception as e:  # noqa: BLE001 - a request never takes the listener down
+                    log.warning("prewarm over HTTP failed: %s: %s", type(e).__name__, e)
+                    self._error(500, f"{type(e).__name__}: {e}")
+                    return
                 self._send(200, json.dumps({"in_ram": n, "asked": len(keys)}).encode())
 
         return Handler

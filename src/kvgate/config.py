@@ -162,8 +162,11 @@ FIELDS: tuple[Field, ...] = (
     Field("max_bytes", parse_size, 1 << 30, "size of the RAM tier (preallocated at start)", minimum=0),
     Field("ram_page_size", parse_size, 256 << 10, "allocation unit of the RAM tier", minimum=4096),
     Field("card_capacity", parse_size, None,
-          "bytes each card may hold (default: free space at start minus card_reserve)", optional=True),
-    Field("card_reserve", parse_size, 1 << 30, "free space left on a card's filesystem when card_capacity is not set"),
+          "bytes each card may hold (default: what it holds plus its free space, less card_reserve on a "
+          "filesystem; a Redis card: what fits under its maxmemory)", optional=True),
+    Field("card_reserve", parse_size, 1 << 30,
+          "free space left on a directory card's filesystem when card_capacity is not set (not used for Redis "
+          "cards: they keep a share of maxmemory for the server)"),
     Field("eviction_policy", _parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru")),
     Field("ttl", parse_duration, None, "objects older than this are misses and are deleted", optional=True),
     Field("auth_token_file", _parse_str, None, "file holding the token TCP clients must present", optional=True),

@@ -53,11 +53,12 @@ label back) is seen at once, deleted again and reported as
 ``CardUnavailable``, instead of leaving an unlabelled object that would make
 the card unrecoverable.
 
-The server must evict by itself when full (``maxmemory-policy allkeys-lru``
-or ``allkeys-lfu``): ``open()`` warns about ``noeviction`` and volatile
-policies (kvgate sets no TTLs, so those never evict) and about
-``allkeys-random`` (which may evict the label, after which the card is
-refused until its objects are cleaned).
+The server must not evict by itself (``maxmemory-policy noeviction``): the
+gateway keeps the card within its capacity (``free_bytes``) and evicts what
+it chooses; a server that evicts on its own drops objects the gateway has
+acknowledged, and may drop the label.  ``open()`` warns about any other
+policy.  A write the full server refuses (OOM) is ENOSPC: the gateway lowers
+the card's capacity and evicts.
 
 Claims: a gateway holds the card through a lease, one field per gateway in
 the hash ``kvgate:card-lease`` naming its host, boot id, pid, mode
@@ -156,8 +157,16 @@ _READ_PIPELINE_BYTES = 1 << 20
 # Command arguments longer than this are sent as their own buffers (never
 # joined into a bigger bytes object); redis-py uses the same cutoff.
 _BUFFER_CUTOFF = 6000
-# No free-memory limit (maxmemory 0): the server evicts by itself or grows.
+# No free-memory limit (maxmemory 0): the server grows until the machine is full.
 UNLIMITED_FREE_BYTES = 1 << 60
+# What an object costs in used_memory per byte of it: jemalloc rounds each
+# allocation up to a size class (4 per doubling).  Measured (redis 7,
+# jemalloc 5.3): 1 MiB + header takes 1.25 MiB, a payload of exactly 1 MiB
+# 1.27 MiB, 256 KiB + header 1.25x, 64 KiB 1.18x.
+MEMORY_PER_OBJECT_BYTE = 1.3
+# Share of maxmemory left to the server itself: client and replication
+# buffers, fragmentation, the keys' own overhead.
+SERVER_RESERVE = 0.05
 
 _HEX = frozenset(b"0123456789abcdef")
 # Deletes a corrupt object only if it still starts with the bytes that were
@@ -521,15 +530,10 @@ class RedisCard(Card):
             return
         policy = _decode({_decode(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
         self.maxmemory_policy = policy
-        loc = self.display_location
-        if policy == "noeviction":
-            log.warning("redis card %s: maxmemory-policy is noeviction; a card must evict (set allkeys-lru)", loc)
-        elif isinstance(policy, str) and policy.startswith("volatile-"):
-            log.warning("redis card %s: maxmemory-policy is %s, which never evicts kvgate objects (they have no "
-                        "TTL); a card must evict (set allkeys-lru)", loc, policy)
-        elif policy == "allkeys-random":
-            log.warning("redis card %s: maxmemory-policy is allkeys-random, which may evict the card label; "
-                        "set allkeys-lru", loc)
+        if policy is not None and policy != "noeviction":
+            log.warning("redis card %s: maxmemory-policy is %s: the server may drop objects the gateway has "
+                        "acknowledged, and the card label; set maxmemory-policy noeviction (the gateway keeps the "
+                        "card within its capacity itself)", self.display_location, policy)
 
     # --------------------------------------------------------------- helpers
 
@@ -853,13 +857,21 @@ class RedisCard(Card):
         return deleted
 
     def free_bytes(self) -> int:
-        """maxmemory - used_memory; a server without maxmemory reports ``UNLIMITED_FREE_BYTES``."""
+        """Object bytes (header + payload, as ``write`` counts them) that still fit under maxmemory.
+
+        What is free beyond the server's own reserve (``SERVER_RESERVE`` of
+        maxmemory), divided by what an object byte costs in used_memory
+        (``MEMORY_PER_OBJECT_BYTE``); the gateway adds what the card holds
+        and applies no ``card_reserve``.  A server without maxmemory reports
+        ``UNLIMITED_FREE_BYTES``.
+        """
         with self._io():
             info = self._r.info("memory")
         maxmemory = int(info.get("maxmemory", 0))
         if maxmemory <= 0:
             return UNLIMITED_FREE_BYTES
-        return max(0, maxmemory - int(info.get("used_memory", 0)))
+        free = maxmemory * (1 - SERVER_RESERVE) - int(info.get("used_memory", 0))
+        return max(0, int(free / MEMORY_PER_OBJECT_BYTE))
 
     def close(self) -> None:
         """Give up the claim and close every connection; the pool reconnects if the card is used again."""

@@ -11,6 +11,20 @@ lookups without touching the card.  A key missing from the index is probed on
 the card, since other gateways sharing it, or objects not yet indexed after a
 restart, may hold it.
 
+Where a key is (``find``), one rule for every lookup, exists, get, prewarm
+and delete: a key is wherever an active card's index holds it, whatever
+dialog the request names (its placement card is asked first); a key no index
+holds is probed on its placement card for the request's dialog (the dialog's
+card, or the key's own card when the request names none).  With ``ttl``, an
+object the index knows to be older is a miss, and is deleted.
+
+Capacity: what a card may hold is what it holds plus what its medium has
+free beyond the reserve of its kind (``card_reserve`` for a filesystem; a
+Redis card keeps its own, see ``RedisCard.free_bytes``), or ``card_capacity``
+when set.  What a card holds at start counts exactly as it does later, so a
+restart evicts only from a card that really is over its capacity, and says
+so.  A card that can hold nothing is warned about, and long puts to it fail.
+
 Health (SPEC 5): a check of each card's label every second;
 ``io_timeout_strikes`` I/Os in a row that fail or pass the deadline take a
 card out of service; out of service, its lookups are misses and its writes
@@ -90,11 +104,16 @@ class LayoutMismatch(RuntimeError):
     """The configured key_layout_fingerprint differs from the cards found."""
 
 
+class TooLarge(OSError):
+    """A write refused before any I/O: the object is larger than the card's capacity (0 for a card that holds nothing)."""
+
+
 @dataclass(slots=True)
 class IndexEntry:
     stored_bytes: int
     payload_len: int
     created_ns: int
+    expiring: bool = False  # past the ttl: a miss, its delete is under way
 
 
 @dataclass
@@ -121,6 +140,7 @@ class CardState:
     refused_serial: str | None = None  # the other card last seen at our path
     deleting: int = 0  # eviction batches whose deletes have not finished yet
     checks: int = 0  # health checks passed
+    warned_empty: bool = False  # said that it can hold nothing (said again only after it could hold some)
     # counters
     hits: int = 0
     misses: int = 0
@@ -168,9 +188,11 @@ def expand(pattern: str) -> list[str]:
 
 
 class LongTier:
-    """``on_corrupt(n)``: the start-up scan of a card deleted ``n`` broken objects (to count them)."""
+    """``on_corrupt(n)``: the start-up scan of a card deleted ``n`` broken objects (to count them);
+    ``on_expired(n)``: it found ``n`` objects past the ttl (deleted too)."""
 
-    def __init__(self, cfg: Config, pool: IoPool, on_corrupt: Callable[[int], None] | None = None):
+    def __init__(self, cfg: Config, pool: IoPool, on_corrupt: Callable[[int], None] | None = None,
+                 on_expired: Callable[[int], None] = lambda n: None):
         self.cfg = cfg
         self.on_corrupt = on_corrupt
         self.pool = pool  # for work that is not one card's (globbing)
@@ -184,6 +206,7 @@ class LongTier:
         self.io_errors = 0
         self.io_timeouts = 0
         self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
+        self.on_expired = on_expired
 
     def _new_state(self, pattern: str, location: str) -> CardState:
         return CardState(pattern, location, make_card(location, self.cfg),
@@ -260,17 +283,40 @@ class LongTier:
         """Size a card that is now in the map, and index what it holds in the background."""
         cs.policy = make_policy(self.cfg.eviction_policy)
         if self.cfg.card_capacity is not None:
-            cs.capacity = self.cfg.card_capacity
+            self._set_capacity(cs, self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
         else:
+            # Free space only, for now: the scan adds what the card already
+            # holds as it indexes it, and sizes the card again at its end.
             try:
                 free = await cs.io.run(cs.card.free_bytes)
             except OSError as e:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", cs.where, e)
                 free = 0
-            cs.capacity = max(0, free - self.cfg.card_reserve)
-            if cs.capacity == 0:
-                log.warning("card %s has less free space than card_reserve; it will hold nothing", cs.where)
+            cs.capacity = max(0, free - self._reserve(cs))
         self._spawn(self._scan(cs))
+
+    def _reserve(self, cs: CardState) -> int:
+        """Free space the gateway leaves on the card's medium (a Redis card's free_bytes keeps its own)."""
+        return 0 if isinstance(cs.card, RedisCard) else self.cfg.card_reserve
+
+    def _set_capacity(self, cs: CardState, capacity: int, why_empty: str) -> None:
+        """Set what the card may hold; say loudly when that becomes nothing (``why_empty``: cause and fix)."""
+        cs.capacity = max(0, capacity)
+        if cs.capacity == 0 and not cs.warned_empty:
+            cs.warned_empty = True
+            log.warning("card %s (%s) can hold nothing: %s; long puts to it fail until it can", cs.where, cs.serial,
+                        why_empty)
+        elif cs.capacity > 0 and cs.warned_empty:
+            cs.warned_empty = False
+            log.warning("card %s (%s) can hold objects again: capacity %d bytes", cs.where, cs.serial, cs.capacity)
+
+    def _why_empty(self, cs: CardState, free: int) -> str:
+        if isinstance(cs.card, RedisCard):
+            return (f"the server's maxmemory leaves {free} bytes for objects after its own reserve and what it "
+                    "holds; raise maxmemory (or delete what else the server holds)")
+        return (f"its filesystem has {free} bytes free beside the {cs.used} bytes of objects it holds, and "
+                f"card_reserve keeps {self.cfg.card_reserve} bytes free; make room on the filesystem or lower "
+                "card_reserve")
 
     async def _scan(self, cs: CardState) -> None:
         """Rebuild the index of what the card already holds, in batches off the loop.
@@ -279,21 +325,43 @@ class LongTier:
         threads, and it has no deadline.
         """
         corrupt0 = cs.card.scan_corrupt
+        by_free_space = self.cfg.card_capacity is None
+        ttl = self.cfg.ttl
+        n_expired = 0
         try:
             it = await self.pool.run(cs.card.scan)
             while True:
                 batch = await self.pool.run(lambda: list(islice(it, SCAN_BATCH)))
                 if not batch:
                     break
+                too_old = []
                 for obj in batch:
                     if obj.full_key in cs.index:
                         continue  # written since start: newer than what the scan saw
+                    if ttl is not None and expired(obj.meta.created_ns, ttl):
+                        too_old.append(obj.full_key)
+                        continue
                     cs.index[obj.full_key] = IndexEntry(obj.stored_bytes, obj.payload_len, obj.meta.created_ns)
                     cs.used += obj.stored_bytes
+                    if by_free_space:  # the free space measured before the scan did not count these bytes
+                        cs.capacity += obj.stored_bytes
                     cs.policy.add(obj.full_key, obj.stored_bytes, obj.meta.dialog, obj.meta.position, LONG)
+                if too_old:
+                    n_expired += len(too_old)
+                    self.on_expired(len(too_old))
+                    self._spawn(self._delete_quietly(cs, too_old))
+            evictions, used = cs.evictions, cs.used
+            if by_free_space:
+                await self._resize(cs)
+            else:
+                self._evict_over_capacity(cs)
             cs.scanned = True
-            log.info("card %s (%s): %d objects, %d bytes indexed", cs.where, cs.serial, len(cs.index), cs.used)
-            self._evict_over_capacity(cs)
+            log.info("card %s (%s): %d objects, %d bytes indexed, capacity %d bytes%s", cs.where, cs.serial,
+                     len(cs.index), cs.used, cs.capacity,
+                     f"; {n_expired} objects past the ttl deleted" if n_expired else "")
+            if cs.evictions > evictions:
+                log.warning("card %s (%s) held more than its capacity of %d bytes at start: %d objects (%d bytes) "
+                            "evicted", cs.where, cs.serial, cs.capacity, cs.evictions - evictions, used - cs.used)
         except OSError as e:
             log.warning("card %s: index scan stopped: %s", cs.where, e)
         # Counted also when the scan stopped: what it deleted is gone either way.
@@ -356,22 +424,63 @@ class LongTier:
 
     # ---- index ------------------------------------------------------------
 
-    def indexed(self, cs: CardState, fkey: bytes) -> IndexEntry | None:
-        entry = cs.index.get(fkey)
-        if entry is not None and self.cfg.ttl is not None and expired(entry.created_ns, self.cfg.ttl):
-            return None
-        return entry
+    def find(self, fkey: bytes, home: CardState | None) -> tuple[CardState | None, IndexEntry | None]:
+        """Where ``fkey`` is by the module's rule; ``home``: its placement card for the request (``card_for``).
 
-    def note_written(self, cs: CardState, fkey: bytes, stored: int, payload_len: int, meta: ObjectMeta) -> None:
+        ``(card, entry)``: an active card's index holds it (``home``'s
+        first); ``(home, None)``: no index holds it, ask ``home``; ``(None,
+        None)``: a miss without asking (no card serves it, or the index knows
+        it is past the ttl).  Hot path: a lookup calls this for 1,000s of keys.
+        """
+        entry = home.index.get(fkey) if home is not None else None
+        if entry is None:
+            for cs in self.cards:
+                if cs is not home and cs.active:
+                    entry = cs.index.get(fkey)
+                    if entry is not None:
+                        home = cs
+                        break
+            else:
+                return home, None
+        if self.cfg.ttl is not None and (entry.expiring or expired(entry.created_ns, self.cfg.ttl)):
+            self._expire(home, fkey, entry)
+            return None, None
+        return home, entry
+
+    def _expire(self, cs: CardState, fkey: bytes, entry: IndexEntry) -> None:
+        """Delete an object past the ttl; its entry stays (a miss, never probed) until the delete is done."""
+        if entry.expiring:
+            return
+        entry.expiring = True
+        self.on_expired(1)
+
+        def done(_t: asyncio.Task) -> None:
+            if cs.index.get(fkey) is entry:
+                self.note_gone(cs, fkey)
+
+        self._spawn(self._delete_quietly(cs, [fkey])).add_done_callback(done)
+
+    def note_written(self, cs: CardState, fkey: bytes, stored: int, payload_len: int, meta: ObjectMeta) -> bool:
+        """Index an object just written to ``cs``; False when it did not stay there (evicted by its own write).
+
+        A copy on any other card is deleted: the key is now on ``cs``, and a
+        stale copy elsewhere must not answer for it (``find``).
+        """
         cs.unreadable.discard(fkey)
         old = cs.index.pop(fkey, None)
         if old is not None:
             cs.used -= old.stored_bytes
-        cs.index[fkey] = IndexEntry(stored, payload_len, meta.created_ns or time.time_ns())
+        entry = IndexEntry(stored, payload_len, meta.created_ns or time.time_ns())
+        cs.index[fkey] = entry
         cs.used += stored
         cs.writes_bytes += stored
         cs.policy.add(fkey, stored, meta.dialog, meta.position, LONG)
+        for other in self.cards:
+            if other is not cs and fkey in other.index:
+                self.note_gone(other, fkey)
+                self._spawn(self._delete_quietly(other, [fkey]))
         self._evict_over_capacity(cs)
+        return cs.index.get(fkey) is entry
 
     def note_hit(self, cs: CardState, fkey: bytes, nbytes: int) -> None:
         cs.hits += 1
@@ -445,8 +554,10 @@ class LongTier:
                 # this write raced that and tells nothing new.  Shrinking again
                 # for each such write would compound (0.9 ** n of a batch).
                 return
-            cs.capacity = min(cs.capacity, int(cs.used * 0.9))
-            log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.where, cs.serial, cs.capacity)
+            log.warning("card %s (%s) is full; capacity lowered to %d bytes", cs.where, cs.serial,
+                        min(cs.capacity, int(cs.used * 0.9)))
+            self._set_capacity(cs, min(cs.capacity, int(cs.used * 0.9)),
+                               "its medium refused a write as full while it held nothing of ours; make room there")
             self._evict_over_capacity(cs)
             return
         if isinstance(err, OSError) and err.errno == errno.EROFS:
@@ -538,7 +649,7 @@ class LongTier:
             free = await cs.io.run(cs.card.free_bytes)
         except OSError:
             return
-        cs.capacity = max(0, cs.used + free - self.cfg.card_reserve)
+        self._set_capacity(cs, cs.used + free - self._reserve(cs), self._why_empty(cs, free))
         self._evict_over_capacity(cs)
 
     async def _relocate(self, cs: CardState) -> None:
@@ -678,9 +789,28 @@ class LongTier:
             return _whole_chunk(e, len(chunk))
 
     async def write(self, cs: CardState, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
+        """Write ``(full key, payload, meta)`` items to one card: bytes stored, or the error, per item.
+
+        An object whose payload alone is not smaller than the card's
+        capacity is refused without I/O (``TooLarge``): the card could only
+        evict it again.
+        """
         if cs.read_only:  # known to refuse: fail at once, no I/O (the health check tries it again)
             return [OSError(errno.EROFS, "card is read-only", cs.where) for _ in items]
-        return await self._chunked(cs, [self._write_chunk(cs, chunk) for chunk in split(items, cs.io.threads)])
+        out: list[int | BaseException | None] = [None] * len(items)
+        fit = []
+        for i, it in enumerate(items):
+            if len(it[1]) >= cs.capacity:
+                out[i] = TooLarge(errno.ENOSPC, f"object of {len(it[1])} bytes does not fit the card's capacity "
+                                  f"of {cs.capacity} bytes", cs.where)
+            else:
+                fit.append(i)
+        if fit:
+            done = await self._chunked(cs, [self._write_chunk(cs, chunk)
+                                            for chunk in split([items[i] for i in fit], cs.io.threads)])
+            for i, r in zip(fit, done):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
     async def _write_chunk(self, cs: CardState, chunk: list) -> list | BaseException:
         abandon = Abandon()
@@ -689,15 +819,15 @@ class LongTier:
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 
-    async def probe_prefix(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
-        """How many leading keys exist on their cards (asks the cards themselves)."""
+    async def probe_prefix(self, fkeys: list[bytes], homes: list[CardState | None], urgent: bool = False) -> int:
+        """How many leading keys exist on their ``homes`` (the cards themselves are asked)."""
         n = 0
         while n < len(fkeys):
-            cs = self.card_for(fkeys[n], dialog)
+            cs = homes[n]
             if cs is None:
                 break
             run = [fkeys[n]]
-            while n + len(run) < len(fkeys) and self.card_for(fkeys[n + len(run)], dialog) is cs:
+            while n + len(run) < len(fkeys) and homes[n + len(run)] is cs:
                 run.append(fkeys[n + len(run)])
             unreadable = next((j for j, k in enumerate(run) if k in cs.unreadable), None)
             if unreadable is not None:
@@ -714,9 +844,13 @@ class LongTier:
                 break
         return n
 
-    async def probe_each(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
+    async def probe_each(self, fkeys: list[bytes], homes: list[CardState | None], urgent: bool = False) -> list[bool]:
+        """Whether each key exists on its home card (the cards themselves are asked; no home: False)."""
         out = [False] * len(fkeys)
-        groups = self.group(fkeys, lambda k: k, lambda _k: dialog)
+        groups: dict[int, tuple[CardState, list[int]]] = {}
+        for i, cs in enumerate(homes):
+            if cs is not None:
+                groups.setdefault(id(cs), (cs, []))[1].append(i)
 
         async def one(cs: CardState, idx: list[int]) -> None:
             idx = [i for i in idx if fkeys[i] not in cs.unreadable]
@@ -733,12 +867,14 @@ class LongTier:
         await asyncio.gather(*(one(cs, idx) for cs, idx in groups.values()))
         return out
 
-    async def delete(self, pairs: Iterable[tuple[bytes, bytes]]) -> int:
-        """Delete (full key, dialog) pairs from their cards; returns how many were there."""
+    async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
+        """Delete keys from every card ``find`` could answer from; returns how many objects were there."""
         per_card: dict[int, tuple[CardState, list[bytes]]] = {}
-        for k, d in pairs:
-            cs = self.card_for(k, d)
-            if cs is not None:
+        for k, home in zip(fkeys, self.cards_for(fkeys, dialog)):
+            targets = [cs for cs in self.cards if cs.active and k in cs.index]
+            if home is not None and home not in targets:
+                targets.append(home)
+            for cs in targets:
                 self.note_gone(cs, k)
                 per_card.setdefault(id(cs), (cs, []))[1].append(k)
 

@@ -16,7 +16,8 @@ uniform workloads keep one extent (one ``memcpy``) per object.
 from __future__ import annotations
 
 import mmap
-from typing import Iterator, Sequence
+import time
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -107,14 +108,21 @@ class RamTier:
 
     ``capacity`` is rounded down to whole pages; 0 (or less than a page)
     disables the tier: every ``reserve`` returns None.
+
+    ``ttl`` (seconds, None: none): an entry whose ``meta.created_ns`` is
+    older is a miss for ``pin``, ``contains`` and ``size_of``, which drop it
+    on the spot (and tell ``on_expired``), so every way of asking agrees.
     """
 
-    def __init__(self, capacity: int, page_size: int = 256 << 10, policy: str = "prefix"):
+    def __init__(self, capacity: int, page_size: int = 256 << 10, policy: str = "prefix", ttl: float | None = None,
+                 on_expired: Callable[[int], None] = lambda n: None):
         if capacity < 0:
             raise ValueError("capacity cannot be negative")
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.page_size = page_size
+        self.ttl_ns = None if ttl is None else int(ttl * 1e9)
+        self.on_expired = on_expired
         self.total_pages = capacity // page_size
         self.policy: EvictionPolicy = make_policy(policy)
         if self.total_pages:
@@ -224,7 +232,7 @@ class RamTier:
         The caller copies out of ``entry.views()`` (in any thread) and then
         calls ``unpin(entry)`` from the bookkeeping thread.
         """
-        entry = self._visible.get(full_key)
+        entry = self._live(full_key)
         if entry is None:
             return None
         if entry.pins == 0:
@@ -249,13 +257,22 @@ class RamTier:
 
     def contains(self, full_key: bytes) -> bool:
         """Whether a visible entry exists; does not count as a use."""
-        return full_key in self._visible
+        return self._live(full_key) is not None
 
     __contains__ = contains
 
     def size_of(self, full_key: bytes) -> int | None:
-        entry = self._visible.get(full_key)
+        entry = self._live(full_key)
         return None if entry is None else entry.size
+
+    def _live(self, full_key: bytes) -> Entry | None:
+        """The visible entry of a key, None when there is none or it outlived the ttl (then dropped)."""
+        entry = self._visible.get(full_key)
+        if entry is not None and self.ttl_ns is not None and entry.meta.created_ns + self.ttl_ns < time.time_ns():
+            self._unlink(entry)
+            self.on_expired(1)
+            return None
+        return entry
 
     def iter_entries(self) -> Iterator[Entry]:
         """Visible entries, for stats and tests (do not mutate while iterating)."""

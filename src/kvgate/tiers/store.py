@@ -8,9 +8,16 @@ pinned for the duration.  Bulk operations are split into at most
 a handful of thread hand-offs, not 32.
 
 Writes are write-through: a put of retention ``long`` is acknowledged once
-the object is in the RAM tier *and* on its card, so what was acknowledged
-survives a gateway restart.  ``short`` stays in RAM only; ``none`` is not
-stored at all.
+the object is in the RAM tier *and* on its card, and still there when the
+put answers (not evicted by its own batch, not larger than the card's
+capacity), so what was acknowledged survives a gateway restart.  ``short``
+stays in RAM only; ``none`` is not stored at all.
+
+Reads answer by one rule, the same for lookup, exists, get, prewarm and
+delete: a key is present when the RAM tier holds it, else where
+``LongTier.find`` says (any card's index, whatever the dialog; else a probe
+of its placement card for the request's dialog).  With ``ttl``, an object
+older than that is a miss in every one of them.
 """
 
 from __future__ import annotations
@@ -109,11 +116,15 @@ class TieredStore:
     def __init__(self, cfg: Config, pool: IoPool):
         self.cfg = cfg
         self.pool = pool
-        self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy)
         self.counters = StoreCounters()
-        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt)
+        self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
+                           on_expired=self._count_expired)
+        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt, on_expired=self._count_expired)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()
+
+    def _count_expired(self, n: int) -> None:
+        self.counters.expired += n
 
     async def start(self) -> None:
         await self.long.start()
@@ -180,12 +191,13 @@ class TieredStore:
             for i, r in zip(idx, results):
                 it = items[i]
                 if isinstance(r, int):
-                    card_ok[i] = True
-                    self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
+                    card_ok[i] = self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
                     c.long.sets += 1
                     c.long.bytes_written += len(it.src)
                 else:
                     log.debug("write to card %s failed: %s", cs.location, r)
+            for i in idx:  # a later object of this batch may have evicted an earlier one
+                card_ok[i] = card_ok[i] and items[i].fkey in cs.index
 
         buffers = await self.staging.take([len(it.src) for it in staged]) if staged else []
         try:
@@ -216,11 +228,6 @@ class TieredStore:
         misses: list[int] = []
         for i, it in enumerate(items):
             entry = self.ram.pin(it.fkey)
-            if entry is not None and self.cfg.ttl is not None and expired(entry.meta.created_ns, self.cfg.ttl):
-                self.ram.unpin(entry)
-                self.ram.delete(it.fkey)
-                c.expired += 1
-                entry = None
             c.ram.gets += 1
             if entry is None:
                 c.ram.misses += 1
@@ -251,11 +258,16 @@ class TieredStore:
             for i, r in zip(idx, results):
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
-        groups = self.long.group(misses, lambda i: items[i].fkey, lambda i: items[i].dialog)
+        groups: dict[int, tuple[CardState, list[int]]] = {}
+        for i in misses:
+            it = items[i]
+            cs, _entry = self.long.find(it.fkey, self.long.card_for(it.fkey, it.dialog))
+            if cs is not None:
+                groups.setdefault(id(cs), (cs, []))[1].append(i)
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
-        done = await asyncio.gather(from_ram(), *(from_card(cs, [misses[j] for j in idx])
-                                                  for cs, idx in groups.values()), return_exceptions=True)
+        done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
+                                    return_exceptions=True)
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
@@ -266,6 +278,7 @@ class TieredStore:
         c.long.gets += 1
         if isinstance(r, Header):
             if self.cfg.ttl is not None and expired(r.meta.created_ns, self.cfg.ttl):
+                # not indexed (or not yet known to be this old): the header told
                 c.expired += 1
                 c.long.misses += 1
                 self._spawn_delete(cs, it.fkey)
@@ -304,13 +317,15 @@ class TieredStore:
         size = self.ram.size_of(fkey)
         if size is not None:
             return size
-        cs = self.long.card_for(fkey, dialog)
-        entry = self.long.indexed(cs, fkey) if cs is not None else None
+        _cs, entry = self.long.find(fkey, self.long.card_for(fkey, dialog))
         return entry.payload_len if entry is not None else None
 
-    def _known_prefix(self, fkeys: list[bytes], dialog: bytes,
-                      on_cards: dict[int, tuple[CardState, list[bytes]]] | None = None) -> int:
-        """How many leading keys this gateway knows without touching a card.
+    def _known_prefix(self, fkeys: list[bytes], homes: list[CardState | None], start: int,
+                      on_cards: dict[int, tuple[CardState, list[bytes]]] | None = None,
+                      ) -> tuple[int, list[CardState]]:
+        """From ``start``: how far the leading keys are known present without touching a card, and
+        the home cards of the run of keys after that which no tier knows (to probe), up to the next
+        key that is known present or known missing.
 
         One loop with the bound methods hoisted: a lookup runs this for
         1,000s of keys on every engine step, and per-key method calls were
@@ -319,76 +334,97 @@ class TieredStore:
         (id of card state -> (card state, keys)) when it is given.
         """
         in_ram = self.ram.contains if self.ram.entries else None
-        indexed = self.long.indexed
-        n = 0
-        for k, cs in zip(fkeys, self.long.cards_for(fkeys, dialog)):
+        find = self.long.find
+        total = len(fkeys)
+        n = start
+        while n < total:
+            k = fkeys[n]
             if in_ram is None or not in_ram(k):
-                if cs is None or indexed(cs, k) is None:
+                cs, entry = find(k, homes[n])
+                if entry is None:
                     break
                 if on_cards is not None:
                     on_cards.setdefault(id(cs), (cs, []))[1].append(k)
             n += 1
-        return n
+        unknown: list[CardState] = []
+        for k, home in zip(fkeys[n:], homes[n:]):
+            if in_ram is not None and in_ram(k):
+                break
+            cs, entry = find(k, home)
+            if cs is None or entry is not None:
+                break
+            unknown.append(cs)
+        return n, unknown
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
-        """How many leading keys exist in any tier."""
+        """How many leading keys are present (the module's rule)."""
         self.counters.lookups += 1
-        on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
-        n = self._known_prefix(fkeys, dialog, on_cards)
-        if on_cards:
-            self.long.hint_reads(on_cards, urgent)
-        if n < len(fkeys):
-            n += await self.long.probe_prefix(fkeys[n:], dialog, urgent)
-        return n
+        homes = self.long.cards_for(fkeys, dialog)
+        n = 0
+        while True:
+            on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
+            n, unknown = self._known_prefix(fkeys, homes, n, on_cards)
+            if on_cards:
+                self.long.hint_reads(on_cards, urgent)
+            if not unknown:
+                return n
+            found = await self.long.probe_prefix(fkeys[n : n + len(unknown)], unknown, urgent)
+            n += found
+            if found < len(unknown):
+                return n
 
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
+        """Whether each key is present (the module's rule)."""
         in_ram = self.ram.contains
-        indexed = self.long.indexed
+        find = self.long.find
         on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         present = []
-        for k, cs in zip(fkeys, self.long.cards_for(fkeys, dialog)):
+        unknown: list[int] = []
+        unknown_homes: list[CardState | None] = []
+        for i, (k, home) in enumerate(zip(fkeys, self.long.cards_for(fkeys, dialog))):
             if in_ram(k):
                 present.append(True)
-            elif cs is not None and indexed(cs, k) is not None:
-                present.append(True)
+                continue
+            cs, entry = find(k, home)
+            present.append(entry is not None)
+            if entry is not None:
                 if on_cards is not None:
                     on_cards.setdefault(id(cs), (cs, []))[1].append(k)
-            else:
-                present.append(False)
+            elif cs is not None:
+                unknown.append(i)
+                unknown_homes.append(cs)
         if on_cards:
             self.long.hint_reads(on_cards, urgent)
-        unknown = [i for i, p in enumerate(present) if not p]
         if unknown:
-            found = await self.long.probe_each([fkeys[i] for i in unknown], dialog, urgent)
+            found = await self.long.probe_each([fkeys[i] for i in unknown], unknown_homes, urgent)
             for i, f in zip(unknown, found):
                 present[i] = f
         return present
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         n_ram = sum(self.ram.delete(k) for k in fkeys)
-        n_long = await self.long.delete((k, dialog) for k in fkeys)
+        n_long = await self.long.delete(fkeys, dialog)
         return max(n_ram, n_long)
 
     async def prewarm(self, fkeys: list[bytes], dialog: bytes) -> int:
-        """Pull the leading run of keys present on cards into the RAM tier; returns how many are in RAM."""
+        """Pull the leading run of present keys (the module's rule) into the RAM tier; returns how many are in RAM."""
         plans = []
         in_ram = 0
-        for k in fkeys:
+        for k, home in zip(fkeys, self.long.cards_for(fkeys, dialog)):
             if self.ram.contains(k):
                 in_ram += 1
                 continue
-            cs = self.long.card_for(k, dialog)
-            entry = self.long.indexed(cs, k) if cs is not None else None
+            cs, entry = self.long.find(k, home)
+            if cs is None:
+                break
             if entry is not None:
-                size, created_ns = entry.payload_len, entry.created_ns
-            elif cs is not None and not cs.scanned:
-                # the start-up scan has not indexed it yet: ask the card (as get and lookup do)
-                size, created_ns = await self._unindexed_size(cs, k), time.time_ns()
+                size = entry.payload_len
+            else:  # no index holds it: ask its card (as lookup and get do)
+                size = await self._unindexed_size(cs, k)
                 if size is None:
                     break
-            else:
-                break
-            res = self.ram.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=created_ns), LONG)
+            # The meta is the header's once read (its creation time counts for the ttl in RAM too).
+            res = self.ram.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=time.time_ns()), LONG)
             if res is None:
                 break
             plans.append((k, cs, res, size))
@@ -402,9 +438,15 @@ class TieredStore:
             done = 0
             for (k, _cs, res, size), dest, r in zip(group, dests, results):
                 if isinstance(r, Header) and r.payload_len == size:
+                    if self.cfg.ttl is not None and expired(r.meta.created_ns, self.cfg.ttl):
+                        self.ram.abort(res)
+                        self.counters.expired += 1
+                        self._spawn_delete(cs, k)
+                        continue
                     views = res.views()
                     if len(views) != 1:
                         await self.pool.run(copy_into, views, dest)
+                    res.meta = r.meta
                     self.ram.commit(res)
                     self.long.note_hit(cs, k, size)
                     self.counters.long.bytes_read += size

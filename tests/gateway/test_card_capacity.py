@@ -1,0 +1,222 @@
+"""What a card may hold, with real gateways, real filesystems and a real Redis.
+
+A card sized by its free space counts what it already holds, at start as
+later: a restart never evicts from a card that is not over its capacity.  A
+long put is acknowledged only when the object is on its card and stays
+there; a card that can hold nothing says so and takes no puts.  A Redis
+card is sized from its maxmemory, not from ``card_reserve``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from tests.cards.test_redis import REDIS_SERVER, RedisServer
+from tests.helpers import DEFAULT_FLAGS, GatewayProcess
+
+MiB = 1 << 20
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+def free_space_flags(*extra: str) -> list[str]:
+    """The test defaults without ``--card-capacity``: cards are sized by their free space."""
+    flags = [x for f, v in DEFAULT_FLAGS.items() if f != "--card-capacity" for x in (f, *v)]
+    return flags + list(extra)
+
+
+def payload(i: int, size: int = MiB) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def wait_log(gw: GatewayProcess, pattern: str, timeout: float = 30.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, gw.log())
+        if m:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"no log line matching {pattern!r} within {timeout} s:\n{gw.log()}")
+
+
+def restart(gw: GatewayProcess) -> None:
+    """Stop, start again with the same flags, and wait for the card's start-up scan to finish."""
+    gw.stop()
+    gw.log_path.write_text("")
+    gw.start()
+    gw.wait_scanned()
+
+
+def object_files(card: Path) -> list[Path]:
+    """The objects on a directory card (named by the key digest, in hex)."""
+    return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """``mount(size) -> Path``: a fresh tmpfs of that size, unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        d = tmp_path / f"tmpfs{len(mounted)}"
+        d.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@needs_root
+@pytest.mark.parametrize("reserve", ["0", "20M"])
+def test_restart_keeps_what_a_fairly_full_card_holds(tmp_path: Path, tmpfs, gateway_factory, reserve: str) -> None:
+    """40 acknowledged 1 MiB objects on a 64 MiB card are all there after a restart."""
+    card = tmpfs("64m") / "card"
+    gw = gateway_factory(free_space_flags("--card-reserve", reserve), card=card, defaults=False)
+    keys = [b"obj-%02d" % i for i in range(40)]
+    with gw.client() as c:
+        assert c.put_many(keys, [payload(i) for i in range(40)]) == [True] * 40
+    restart(gw)
+    assert "evicted" not in gw.log()
+    with gw.client() as c:
+        assert c.lookup(keys) == 40
+        got = c.get_many(keys)
+    assert [bytes(g) if g is not None else None for g in got] == [payload(i) for i in range(40)]
+    assert len(object_files(card)) == 40
+
+
+def test_card_over_its_capacity_at_start_evicts_and_says_how_many(tmp_path: Path, gateway_factory) -> None:
+    gw = gateway_factory(["--card-capacity", "1G"])
+    keys = [b"obj-%02d" % i for i in range(10)]
+    with gw.client() as c:
+        assert c.put_many(keys, [payload(i) for i in range(10)]) == [True] * 10
+    gw.stop()
+    gw.argv[gw.argv.index("--card-capacity") + 1] = "5M"
+    gw.log_path.write_text("")
+    gw.start()
+    m = wait_log(gw, r"held more than its capacity of (\d+) bytes at start: (\d+) objects \((\d+) bytes\) evicted")
+    assert int(m.group(1)) == 5 * MiB
+    evicted = int(m.group(2))
+    with gw.client() as c:
+        kept = sum(g is not None for g in c.get_many(keys))
+    assert 0 < evicted < 10 and kept == 10 - evicted
+    assert kept == 4, "5 MiB holds four objects of 1 MiB and a header"
+
+
+@needs_root
+def test_card_below_its_reserve_takes_no_puts_and_says_so(tmp_path: Path, tmpfs, gateway_factory) -> None:
+    card = tmpfs("16m") / "card"
+    gw = gateway_factory(free_space_flags("--card-reserve", "32M"), card=card, defaults=False)
+    line = wait_log(gw, r"WARNING.*card \S+ \(\w+\) can hold nothing: .*card_reserve.*long puts to it fail").group(0)
+    assert "lower card_reserve" in line
+    keys = [b"a", b"b"]
+    with gw.client() as c:
+        assert c.put_many(keys, [payload(1), b""]) == [False, False]
+    time.sleep(0.5)  # a delete of an object written and evicted at once would be under way
+    assert object_files(card) == []
+    restart(gw)
+    with gw.client() as c:
+        assert c.get_many(keys) == [None, None]
+        assert c.lookup(keys) == 0
+
+
+def test_object_larger_than_the_card_is_not_acknowledged(tmp_path: Path, gateway_factory) -> None:
+    gw = gateway_factory(["--card-capacity", "3M", "--max-bytes", "0"])
+    with gw.client() as c:
+        small, big = payload(1), payload(2, 4 * MiB)
+        assert c.put_many([b"small", b"big"], [small, big]) == [True, False]
+        # Four more objects of 1 MiB and a header on a 3 MiB card, which holds two:
+        # the batch evicts some of its own objects.
+        keys = [b"x%d" % i for i in range(4)]
+        ok = c.put_many(keys, [payload(10 + i) for i in range(4)])
+        assert c.exists_many(keys) == ok, "a put answers True exactly for the objects that stayed"
+        assert [g is not None for g in c.get_many(keys)] == ok
+        assert 1 <= ok.count(True) <= 2
+        assert c.get_many([b"big"]) == [None]
+    time.sleep(0.5)
+    assert len(object_files(Path(gw.card))) == 2
+
+
+# ------------------------------------------------------------------ Redis cards
+
+
+@pytest.fixture
+def redis_server():
+    """``start(*extra) -> RedisServer`` with maxmemory-policy noeviction; all killed at teardown."""
+    if not REDIS_SERVER:
+        pytest.skip("redis-server is not installed")
+    servers: list[RedisServer] = []
+
+    def start(*extra: str) -> RedisServer:
+        import tempfile
+
+        s = RedisServer(tempfile.mkdtemp(prefix="kvr", dir="/tmp"), "noeviction", extra)
+        servers.append(s)
+        return s.start()
+
+    yield start
+    for s in servers:
+        s.kill()
+
+
+def test_redis_card_with_256mb_holds_and_keeps_objects(tmp_path: Path, redis_server, gateway_factory) -> None:
+    srv = redis_server("--maxmemory", "256mb")
+    # card_reserve (default 1 GiB) is a filesystem's: it must not apply here.
+    gw = gateway_factory(free_space_flags("--card-reserve", "1G"), card=srv.url, defaults=False)
+    keys = [b"obj-%03d" % i for i in range(64)]
+    with gw.client() as c:
+        assert c.put_many(keys, [payload(i) for i in range(64)]) == [True] * 64
+    restart(gw)
+    with gw.client() as c:
+        got = c.get_many(keys)
+    assert [bytes(g) if g is not None else None for g in got] == [payload(i) for i in range(64)]
+    cap = int(wait_log(gw, r"objects, \d+ bytes indexed, capacity (\d+) bytes").group(1))
+    assert 150 * MiB < cap < 256 * MiB, cap
+    assert "maxmemory-policy" not in gw.log(), "noeviction is what a card should run with"
+
+
+def test_redis_card_within_its_capacity_never_runs_out_of_memory(tmp_path: Path, redis_server,
+                                                               gateway_factory) -> None:
+    """More than maxmemory put through a 256 MiB server: the gateway evicts before Redis refuses a write."""
+    srv = redis_server("--maxmemory", "256mb")
+    gw = gateway_factory(free_space_flags("--max-bytes", "0"), card=srv.url, defaults=False)
+    wait_log(gw, r"bytes indexed")
+    with gw.client() as c:
+        for start in range(0, 320, 32):
+            keys = [b"obj-%03d" % i for i in range(start, start + 32)]
+            assert c.put_many(keys, [payload(i) for i in range(start, start + 32)]) == [True] * 32
+    card = gw.stats()["cards"][0]
+    assert card["errors"] == 0 and card["evictions"] > 0
+    assert card["objects"] > 150, "the card holds what fits, about 180 objects of 1 MiB"
+    used = int(redis.Redis(unix_socket_path=srv.sock).info("memory")["used_memory"])
+    assert used < 256 * MiB
+
+
+def test_redis_card_that_can_hold_nothing_warns_and_refuses_puts(tmp_path: Path, redis_server,
+                                                                 gateway_factory) -> None:
+    srv = redis_server("--maxmemory", "8mb")
+    raw = redis.Redis(unix_socket_path=srv.sock)
+    i = 0
+    with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+        while i < 10_000:  # someone else's keys fill the server
+            raw.set(b"other:%d" % i, b"x" * 65536)
+            i += 1
+    raw.close()
+    gw = gateway_factory(free_space_flags(), card=srv.url, defaults=False)
+    line = wait_log(gw, r"WARNING.*card \S+ \(\w+\) can hold nothing: .*maxmemory.*long puts to it fail").group(0)
+    assert "raise maxmemory" in line
+    with gw.client() as c:
+        assert c.put_many([b"k"], [payload(1)]) == [False]
+    raw = redis.Redis(unix_socket_path=srv.sock)
+    assert raw.keys(b"kvgate:o:*") == []
+    raw.close()

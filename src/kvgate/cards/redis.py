@@ -411,16 +411,26 @@ class RedisCard(Card):
         self.claimed = shared
 
     def _renew_lease(self, shared: bool) -> None:
-        """``_take_lease``, except on a read-only server (a replica): it serves reads and no gateway can
-        write or clean it through that server, so it is used without a lease."""
+        """``_take_lease``, except on a read-only server (a replica) or one out of memory.
+
+        A replica serves reads and no gateway can write or clean it through
+        that server, so it is used without a lease.  A server at its
+        ``maxmemory`` (filled by others) refuses even the lease's few bytes;
+        the holders were checked before that write, so no gateway it would
+        conflict with holds it now: it is used without a lease (it holds
+        nothing new anyway) and the next health check takes the lease once
+        there is room.
+        """
         try:
             with self._io():
                 self._take_lease(shared)
-        except CardUnavailable as exc:
-            if exc.errno != errno.EROFS or isinstance(exc, CardInUse):
+        except OSError as exc:  # CardUnavailable(EROFS) for a replica, a plain OSError(ENOSPC) when out of memory
+            if exc.errno not in (errno.EROFS, errno.ENOSPC) or isinstance(exc, CardInUse):
                 raise
             if self.claimed is None:
-                log.warning("redis card %s is read-only: used without a lease", self.display_location)
+                why = "read-only" if exc.errno == errno.EROFS else "out of memory (at its maxmemory)"
+                log.warning("redis card %s is %s: used without a lease until it takes one", self.display_location,
+                            why)
 
     def _take_lease(self, shared: bool) -> None:
         """Add or renew this card object's field in the lease, unless a live holder does not mix with ``shared``."""

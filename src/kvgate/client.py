@@ -717,6 +717,9 @@ class Client:
             for k, (j, s) in enumerate(zip(idx, reply.sizes)):
                 if s == TOO_SMALL:
                     raise ObjectTooLarge(batch[j], reply.needed[k] if reply.needed else -1)
+                if s > views[batch[j]].nbytes:
+                    self._broken = True
+                    raise ConnectionError(f"get reply of {s} bytes for a destination of {views[batch[j]].nbytes}")
                 sizes[j] = s
         for j, s in enumerate(sizes):
             if s < 0:
@@ -773,6 +776,9 @@ class Client:
                     again.append(i)
                 elif s >= 0:
                     off = reply.offsets[j]
+                    if off < 0 or off + s > len(src):
+                        self._broken = True
+                        raise ConnectionError(f"get reply places {s} bytes at {off}, outside its {len(src)} bytes")
                     out[i] = bytes(src[off : off + s])
             progress = len(again) < len(todo)
             if not progress and not inline:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import signal
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -157,6 +159,38 @@ def test_threads_sharing_a_client_read_their_own_bytes(gateway_factory, path: st
     finally:
         if slices is not None:
             slices.close()
+
+
+def test_abort_wakes_the_thread_in_a_call_and_the_one_waiting_for_the_client(gateway_factory) -> None:
+    gw = gateway_factory(GATEWAY_ARGS)
+    c = gw.client(NAMESPACE, engine_id=ENGINE)
+    assert c.put_many([b"k"], [b"v"]) == [True]
+    results: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        try:
+            results[name] = c.get_many([b"k"])
+        except Exception as e:  # noqa: BLE001 - what abort gave this thread
+            results[name] = e
+
+    os.kill(gw.pid, signal.SIGSTOP)  # no reply will come: one thread waits in the call, one for the client
+    try:
+        threads = [threading.Thread(target=call, args=(name,)) for name in ("first", "second")]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        assert results == {}, "a call returned from a stopped gateway"
+        c.abort()
+        for th in threads:
+            th.join(timeout=20)
+        assert not any(th.is_alive() for th in threads), "abort did not wake a thread"
+        assert all(isinstance(results[name], ConnectionError) for name in ("first", "second")), results
+        assert c.broken
+    finally:
+        os.kill(gw.pid, signal.SIGCONT)
+        c.close()
+    with gw.client(NAMESPACE, engine_id=ENGINE) as c2:
+        assert c2.get_many([b"k"]) == [b"v"]
 
 
 # ---- several processes, each with its own client ----------------------------------------------

@@ -204,43 +204,65 @@ def proc_key(p: int, rnd: int, obj: int) -> bytes:
     return f"p{p}/r{rnd}/o{obj}".encode()  # written once: readable by every process once written
 
 
-def proc_worker(target: str, p: int) -> tuple[int, int]:
-    """Write this process's rounds, read them back, and read whatever the others wrote so far."""
+def proc_content(p: int, rnd: int, obj: int) -> np.ndarray:
+    return content(p, rnd, obj, size_of(p, rnd, obj, 64 * KIB, 512 * KIB))
+
+
+def proc_worker(target: str, p: int, written, results) -> None:
+    """Write this process's rounds and read them back; after each round, read whatever the others wrote.
+
+    ``written``: a barrier every process passes once its first round is stored, so every process
+    reads the others' objects while they write more.
+    """
     own = others = 0
-    with Client.connect(target, namespace=NAMESPACE, engine_id=ENGINE, timeout=60) as c:
-        for r in range(PROC_ROUNDS):
-            keys = [proc_key(p, r, o) for o in range(PROC_OBJECTS)]
-            sizes = [size_of(p, r, o, 64 * KIB, 512 * KIB) for o in range(PROC_OBJECTS)]
-            wants = [content(p, r, o, s) for o, s in enumerate(sizes)]
-            assert c.put_many(keys, wants, retention="short") == [True] * PROC_OBJECTS
-            for o, g in enumerate(c.get_many(keys, into=[bytearray(s) for s in sizes])):
-                check(g, wants[o], f"process {p} round {r} object {o} (into)")
-            for o, g in enumerate(c.get_many(keys)):
-                check(g, wants[o], f"process {p} round {r} object {o} (packed)")
-            own += 2 * PROC_OBJECTS
-            for q in range(PROCESSES):  # the others' rounds so far: a miss (not written yet) or their bytes
-                if q == p:
-                    continue
-                qkeys = [proc_key(q, qr, o) for qr in range(r + 1) for o in range(PROC_OBJECTS)]
-                for (qr, o), g in zip([(qr, o) for qr in range(r + 1) for o in range(PROC_OBJECTS)],
-                                      c.get_many(qkeys)):
-                    if g is not None:
-                        check(g, content(q, qr, o, size_of(q, qr, o, 64 * KIB, 512 * KIB)),
-                              f"process {p} reading process {q} round {qr} object {o}")
-                        others += 1
-    return own, others
+    try:
+        with Client.connect(target, namespace=NAMESPACE, engine_id=ENGINE, timeout=60) as c:
+            for r in range(PROC_ROUNDS):
+                keys = [proc_key(p, r, o) for o in range(PROC_OBJECTS)]
+                wants = [proc_content(p, r, o) for o in range(PROC_OBJECTS)]
+                assert c.put_many(keys, wants, retention="short") == [True] * PROC_OBJECTS
+                if r == 0:
+                    written.wait(timeout=60)
+                for o, g in enumerate(c.get_many(keys, into=[bytearray(w.nbytes) for w in wants])):
+                    check(g, wants[o], f"process {p} round {r} object {o} (into)")
+                for o, g in enumerate(c.get_many(keys)):
+                    check(g, wants[o], f"process {p} round {r} object {o} (packed)")
+                own += 2 * PROC_OBJECTS
+                for q in range(PROCESSES):  # the others' rounds so far: a miss (not written yet) or their bytes
+                    if q == p:
+                        continue
+                    where = [(qr, o) for qr in range(r + 1) for o in range(PROC_OBJECTS)]
+                    for (qr, o), g in zip(where, c.get_many([proc_key(q, qr, o) for qr, o in where])):
+                        if g is not None:
+                            check(g, proc_content(q, qr, o), f"process {p} reading process {q} round {qr} object {o}")
+                            others += 1
+        results.put((p, own, others, ""))
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        written.abort()  # the others do not wait for this one
+        results.put((p, own, others, f"{type(e).__name__}: {e}"))
 
 
 def test_processes_with_their_own_clients_read_exact_bytes(gateway_factory) -> None:
     gw = gateway_factory(GATEWAY_ARGS)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(PROCESSES) as pool:
-        results = pool.starmap(proc_worker, [(gw.socket, p) for p in range(PROCESSES)], chunksize=1)
-    assert [own for own, _ in results] == [2 * PROC_ROUNDS * PROC_OBJECTS] * PROCESSES
-    assert sum(others for _, others in results) > 0, "no process read another's objects"
+    written, results = ctx.Barrier(PROCESSES), ctx.Queue()
+    procs = [ctx.Process(target=proc_worker, args=(gw.socket, p, written, results)) for p in range(PROCESSES)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = sorted(results.get(timeout=100) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+    for p, own, others, error in got:
+        assert error == "", f"process {p}: {error}"
+        assert own == 2 * PROC_ROUNDS * PROC_OBJECTS
+        assert others >= (PROCESSES - 1) * PROC_OBJECTS, f"process {p} read too few of the others' objects"
     # at rest every process's every object is there, byte for byte, for a client that wrote none of them
     with gw.client(NAMESPACE, engine_id=ENGINE) as c:
         for p in range(PROCESSES):
-            keys = [proc_key(p, r, o) for r in range(PROC_ROUNDS) for o in range(PROC_OBJECTS)]
-            for (r, o), g in zip([(r, o) for r in range(PROC_ROUNDS) for o in range(PROC_OBJECTS)], c.get_many(keys)):
-                check(g, content(p, r, o, size_of(p, r, o, 64 * KIB, 512 * KIB)), f"at rest: process {p} round {r} object {o}")
+            where = [(r, o) for r in range(PROC_ROUNDS) for o in range(PROC_OBJECTS)]
+            for (r, o), g in zip(where, c.get_many([proc_key(p, r, o) for r, o in where])):
+                check(g, proc_content(p, r, o), f"at rest: process {p} round {r} object {o}")

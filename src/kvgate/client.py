@@ -583,9 +583,9 @@ class Client:
                 end = start + 1
                 while end < len(bkeys) and inline[end] == inline[start]:
                     end += 1
-                pos = position + start if position >= 0 else -1
                 if inline[start]:
-                    out += self._put_inline(bkeys[start:end], views[start:end], retention, dialog, pos)
+                    out += self._put_inline(bkeys[start:end], views[start:end], retention, dialog,
+                                            position + start if position >= 0 else -1)
                 else:
                     for batch in self._staged_batches(list(range(start, end)), views, placed):
                         out += self._put_local(bkeys, views, placed, batch, retention, dialog,
@@ -611,7 +611,7 @@ class Client:
                     position: int) -> list[bool]:
         """Puts with the bytes in the frames, as many objects a frame as the gateway's frame limit allows."""
         out: list[bool] = []
-        limit = self.max_frame_bytes
+        limit = self.max_frame_bytes  # 0: not known, one object a frame
         start = 0
         while start < len(keys):
             end = start

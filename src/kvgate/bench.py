@@ -350,6 +350,8 @@ class GatewayProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        for d in self.card_dirs:  # a gateway never creates a configured card directory itself
+            os.makedirs(d, exist_ok=True)
         # The child must import this very kvgate, however the bench was started.
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)

@@ -48,6 +48,12 @@ def _still_serves(gw, stored: dict[bytes, bytes]) -> None:
     assert "Traceback" not in gw.log()
 
 
+def _raw(c, msg):
+    """One request as the wire carries it: the client library would itself touch the vanished pages."""
+    with c._lock:
+        return c._call_locked(msg)
+
+
 @RAM
 def test_a_client_that_shrinks_its_session_region_gets_an_error(gateway_factory, ram: str) -> None:
     gw = gateway_factory(["--max-bytes", ram])
@@ -57,19 +63,18 @@ def test_a_client_that_shrinks_its_session_region_gets_an_error(gateway_factory,
     with gw.client() as c:
         (path,) = glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")  # this client's session region
         os.truncate(path, 0)
-        # Raw requests: the client library would itself touch the vanished pages.
         with pytest.raises(GatewayError) as e:
-            c._call(Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]))
+            _raw(c, Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]))
         _refused(e, path)
         with pytest.raises(GatewayError) as e:
-            c._call(Put(keys=[b"new-big"], sizes=[BIG], region=SESSION_REGION, offsets=[0]))
+            _raw(c, Put(keys=[b"new-big"], sizes=[BIG], region=SESSION_REGION, offsets=[0]))
         _refused(e, path)
         for key, size in ((b"small", SMALL), (b"big", BIG)):
             with pytest.raises(GatewayError) as e:
-                c._call(Get(keys=[key], region=SESSION_REGION, offsets=[0], capacities=[size]))
+                _raw(c, Get(keys=[key], region=SESSION_REGION, offsets=[0], capacities=[size]))
             _refused(e, path)
         with pytest.raises(GatewayError) as e:  # both at once, packed by the gateway
-            c._call(Get(keys=[b"small", b"big"], region=SESSION_REGION))
+            _raw(c, Get(keys=[b"small", b"big"], region=SESSION_REGION))
         _refused(e, path)
         assert c.exists_many([b"new", b"new-big"]) == [False, False]  # a refused put stores nothing
     _still_serves(gw, stored)

@@ -42,13 +42,14 @@ backstop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from kvgate.memcopy import Abandon
 
@@ -305,3 +306,64 @@ def split(items: list, parts: int, min_chunk: int = 1) -> list[list]:
     n = max(1, min(parts, len(items) // max(1, min_chunk)))
     size = -(-len(items) // n)
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class KeyOrder:
+    """Card operations on one key run in the order the event loop issued them.
+
+    A delete is issued on the loop (an eviction, an expiry, a stale copy on
+    another card) and runs later on a card thread; a write of the same key
+    issued in between could land first and then be deleted: an object the
+    client was told is stored, gone.  ``turn(keys)`` waits for every earlier
+    operation on any of ``keys`` to end, and holds later ones until its own
+    body ends.  ``writing(key)``: a write of the key is under way or waiting,
+    so a delete meant for the object on the card now would hit the newer one
+    (the caller drops it: the write replaces that object anyway).  Only
+    operations that change what is on the card take turns; reads need none
+    (they verify what they find).  Loop only; no locks.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, asyncio.Future] = {}
+        self._writes: dict[bytes, int] = {}
+
+    def writing(self, key: bytes) -> bool:
+        return key in self._writes
+
+    @contextlib.asynccontextmanager
+    async def turn(self, keys: Iterable[bytes], write: bool = False):
+        keys = list(keys)
+        mine = asyncio.get_running_loop().create_future()
+        before = {id(f): f for f in (self._last.get(k) for k in keys) if f is not None}
+        for k in keys:
+            self._last[k] = mine
+            if write:
+                self._writes[k] = self._writes.get(k, 0) + 1
+        earlier = asyncio.gather(*before.values()) if before else None
+        try:
+            if earlier is not None:
+                await asyncio.shield(earlier)
+            yield
+        finally:
+            if write:  # its body has ended (or never ran): a delete issued from now on is meant for it
+                for k in keys:
+                    n = self._writes[k] - 1
+                    if n:
+                        self._writes[k] = n
+                    else:
+                        del self._writes[k]
+            mine.add_done_callback(lambda _f: self._forget(mine, keys))
+            if earlier is not None and not earlier.done():
+                # Cancelled while waiting: later operations must still wait for the earlier ones.
+                earlier.add_done_callback(lambda _f: mine.done() or mine.set_result(None))
+            else:
+                mine.set_result(None)
+
+    def _forget(self, mine: asyncio.Future, keys: list[bytes]) -> None:
+        for k in keys:
+            if self._last.get(k) is mine:
+                del self._last[k]
+
+    def pending(self) -> int:
+        """Keys with an operation under way or waiting (for tests and status)."""
+        return len(self._last)

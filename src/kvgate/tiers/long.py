@@ -82,7 +82,7 @@ from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
-from kvgate.tiers.io import Abandon, CardIo, IoPool, split
+from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
 
 log = logging.getLogger("kvgate.long")
 
@@ -130,6 +130,7 @@ class CardState:
     used: int = 0
     index: dict[bytes, IndexEntry] = field(default_factory=dict)
     policy: EvictionPolicy | None = None
+    order: KeyOrder = field(default_factory=KeyOrder)  # writes and deletes of one key, in the order issued
     strikes: int = 0
     inactive_since: float = 0.0
     taken_out_by_error: bool = False
@@ -520,6 +521,15 @@ class LongTier:
         cs.deleting -= 1
 
     async def _delete_quietly(self, cs: CardState, fkeys: list[bytes]) -> None:
+        """Delete objects the index has already let go of (evicted, expired, stale copies).
+
+        A key with a write under way is left alone: the delete was meant for
+        the object that write replaces, and would remove the new one.
+        """
+        fkeys = [k for k in fkeys if not cs.order.writing(k)]
+        if not fkeys:
+            return
+
         def work() -> None:
             for k in fkeys:
                 try:
@@ -528,7 +538,8 @@ class LongTier:
                     pass  # unindexed already; a later scan re-indexes or drops it
 
         try:
-            await cs.io.run(work)
+            async with cs.order.turn(fkeys):
+                await cs.io.run(work)
         except OSError:
             pass
 
@@ -806,8 +817,9 @@ class LongTier:
             else:
                 fit.append(i)
         if fit:
-            done = await self._chunked(cs, [self._write_chunk(cs, chunk)
-                                            for chunk in split([items[i] for i in fit], cs.io.threads)])
+            async with cs.order.turn((items[i][0] for i in fit), write=True):
+                done = await self._chunked(cs, [self._write_chunk(cs, chunk)
+                                                for chunk in split([items[i] for i in fit], cs.io.threads)])
             for i, r in zip(fit, done):
                 out[i] = r
         return out  # type: ignore[return-value]
@@ -889,7 +901,8 @@ class LongTier:
                 return n
 
             try:
-                return await cs.io.run(work)
+                async with cs.order.turn(keys):
+                    return await cs.io.run(work)
             except OSError:
                 return 0
 

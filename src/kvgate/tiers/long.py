@@ -25,7 +25,7 @@ when set.  What a card holds at start counts exactly as it does later, so a
 restart evicts only from a card that really is over its capacity, and says
 so.  A card that can hold nothing is warned about, and long puts to it fail.
 
-Health (SPEC 5): a check of each card's label every second;
+Health: a check of each card's label every second;
 ``io_timeout_strikes`` I/Os in a row that fail or pass the deadline take a
 card out of service; out of service, its lookups are misses and its writes
 fail at once.  A card that answers again comes back at once, or after

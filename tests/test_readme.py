@@ -1,0 +1,58 @@
+"""The README's examples do what it says they do, against a real gateway."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port, kvgate_env
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_the_python_example_runs_and_returns_what_its_comments_say(gateway_factory, tmp_path) -> None:
+    gw = gateway_factory()
+    (code,) = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)[:1]
+    code = code.replace('"/tmp/kvgate-5557.sock"', repr(gw.socket))
+    # The comments promise results: check them after the example ran.
+    code += """
+with Client.connect(SOCK, namespace="llama-3-8b|bf16|tp1", engine_id="engine-0") as c:
+    assert c.lookup([b"block-1", b"block-2", b"block-3"], dialog=mark) == 2
+    got = c.get_many([b"block-1", b"block-2"], into=dests, dialog=mark)
+    assert all(isinstance(v, memoryview) for v in got)
+    assert [bytes(v) for v in got] == [bytes(b) for b in blocks]
+    assert c.get_many([b"block-1", b"block-3"], dialog=mark) == [bytes(blocks[0]), None]
+print("ok")
+""".replace("SOCK", repr(gw.socket))
+    res = subprocess.run([sys.executable, "-c", code], env=kvgate_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
+    port = free_port()
+    gw = gateway_factory(["--metrics-port", str(port)])
+    section = _section("Using it from Python")
+    body = re.search(r"-d '(\{.*?\})'", section).group(1)
+    req = json.loads(body)
+    with gw.client(req["namespace"]) as c:
+        assert c.put_many([k.encode() for k in req["keys"]], [b"x" * 4096] * len(req["keys"]),
+                          dialog=req["dialog"].encode(), position=0) == [True, True]
+    http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/cache/prewarm", data=body.encode(), method="POST")
+    with urllib.request.urlopen(http, timeout=10) as r:
+        assert json.loads(r.read()) == {"in_ram": 2, "asked": 2}

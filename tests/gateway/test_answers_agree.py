@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.test_card_capacity import object_files, wait_log
+from tests.gateway.test_card_capacity import object_files, redis_server, wait_log  # noqa: F401 (a fixture)
 from tests.helpers import GatewayProcess
 
 DIALOGS = (None, b"dialog-a", b"dialog-b")
@@ -127,3 +127,32 @@ def test_expired_objects_are_misses_everywhere(tmp_path: Path, gateway_factory) 
         time.sleep(0.05)
     assert object_files(Path(gw.card)) == []
     assert gw.stats()["expired_objects"] >= 8
+
+
+def _objects_another_gateway_wrote(gateway_factory, card: str, ttl: str) -> tuple[GatewayProcess, list[bytes]]:
+    """Two gateways sharing ``card``; the second started first, so it has not indexed what the first writes."""
+    args = ["--storage-devices", card, "--shared-storage", "true", "--ttl", ttl, "--max-bytes", "0"]
+    reader = gateway_factory(args, name="reader")
+    reader.wait_scanned()
+    writer = gateway_factory(args, name="writer")
+    keys = [b"shared-%02d" % i for i in range(6)]
+    with writer.client() as c:
+        assert c.put_many(keys, [blob(k) for k in keys]) == [True] * len(keys)
+    return reader, keys
+
+
+def test_an_unindexed_object_past_the_ttl_is_a_miss_for_every_question(tmp_path: Path, gateway_factory) -> None:
+    card = tmp_path / "card"
+    card.mkdir()
+    reader, keys = _objects_another_gateway_wrote(gateway_factory, str(card), "2s")
+    assert answers(reader, keys, None) == (6, [True] * 6, [True] * 6), "found on the card, unindexed, in time"
+    time.sleep(2.5)
+    assert answers(reader, keys, None) == (0, [False] * 6, [False] * 6)
+
+
+def test_an_unindexed_object_past_the_ttl_is_a_miss_on_a_redis_card(gateway_factory, redis_server) -> None:
+    srv = redis_server()
+    reader, keys = _objects_another_gateway_wrote(gateway_factory, srv.url, "2s")
+    assert answers(reader, keys, None) == (6, [True] * 6, [True] * 6)
+    time.sleep(2.5)
+    assert answers(reader, keys, None) == (0, [False] * 6, [False] * 6)

@@ -244,7 +244,13 @@ class Card(ABC):
         """
 
     @abstractmethod
-    def exists(self, full_key: bytes) -> bool: ...
+    def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
+        """Whether the object is on the card; with ``not_before_ns``, one written before then counts as absent.
+
+        Only the gateway's index knows an object's creation time exactly; this
+        answers for objects it has not indexed (another gateway's, or before
+        the start-up scan), so that a ``ttl`` makes them misses too.
+        """
 
     @abstractmethod
     def delete(self, full_key: bytes) -> bool:
@@ -314,11 +320,11 @@ class Card(ABC):
                 out.append(e)
         return out
 
-    def exists_many(self, full_keys: list[bytes]) -> list[bool | BaseException]:
+    def exists_many(self, full_keys: list[bytes], not_before_ns: int | None = None) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
         for k in full_keys:
             try:
-                out.append(self.exists(k))
+                out.append(self.exists(k, not_before_ns))
             except OSError as e:
                 out.append(e)
         return out

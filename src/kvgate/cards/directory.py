@@ -687,9 +687,11 @@ class DirectoryCard(Card):
             except OSError:
                 pass  # gone or unreachable: the read will find out and say so
 
-    def exists(self, full_key: bytes) -> bool:
+    def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
+        """``not_before_ns`` is compared with the file's mtime: the rename that published it, just after the
+        object's creation time, so an object a few milliseconds past a ``ttl`` may still count."""
         try:
-            os.stat(self.object_path(full_key))
+            st = os.stat(self.object_path(full_key))
         except FileNotFoundError:
             missing = self._location_missing()
             if missing is not None:
@@ -700,7 +702,7 @@ class DirectoryCard(Card):
             if unavailable is not None:
                 raise unavailable from exc
             raise
-        return True
+        return not_before_ns is None or st.st_mtime_ns >= not_before_ns
 
     def delete(self, full_key: bytes) -> bool:
         try:

@@ -295,13 +295,17 @@ class RedisCard(Card):
 
     kind = "redis"
 
-    def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_connections: int = 64):
+    def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_connections: int = 64,
+                 ttl_s: float | None = None):
+        """``ttl_s``: objects expire in the server that long after their creation (the gateway's ``ttl``), so
+        ``exists`` of an object the gateway has not indexed agrees with the ttl too."""
         if num_dbs < 1:
             raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         if io_timeout_ms < 1:
             raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
         super().__init__(location, num_dbs)
         self.io_timeout_ms = io_timeout_ms
+        self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
         self.display_location = _redact(location)
         timeout = io_timeout_ms / 1000
         extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
@@ -719,7 +723,10 @@ class RedisCard(Card):
         for full_key, payload, meta in items:
             rkey = self.object_key(full_key)
             value, size = self._value(full_key, byte_view(payload), meta)
-            pipe.set(rkey, value)
+            if self.ttl_ns is None:
+                pipe.set(rkey, value)
+            else:  # created_ns is when the client put it: what is left of its life, at least 1 ms
+                pipe.set(rkey, value, px=max(1, (meta.created_ns + self.ttl_ns - time.time_ns()) // 1_000_000))
             rkeys.append(rkey)
             sizes.append(size)
         if still_wanted is not None and not still_wanted():
@@ -746,11 +753,12 @@ class RedisCard(Card):
             out.append(self._map_error(r) if isinstance(r, BaseException) else size)
         return out
 
-    def exists(self, full_key: bytes) -> bool:
+    def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
+        """``not_before_ns`` needs no check here: with a ttl the server expires objects itself (``ttl_s``)."""
         with self._io():
             return bool(self._r.exists(self.object_key(full_key)))
 
-    def exists_many(self, full_keys: list[bytes]) -> list[bool | BaseException]:
+    def exists_many(self, full_keys: list[bytes], not_before_ns: int | None = None) -> list[bool | BaseException]:
         if not full_keys:
             return []
         try:

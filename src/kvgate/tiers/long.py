@@ -176,7 +176,7 @@ def is_redis(location: str) -> bool:
 
 def make_card(location: str, cfg: Config) -> Card:
     if is_redis(location):
-        return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms)
+        return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms, ttl_s=cfg.ttl)
     return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,
                          create_missing=cfg.create_card_dirs or location == DEFAULT_CARD)
 
@@ -831,6 +831,10 @@ class LongTier:
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 
+    def _not_before(self) -> int | None:
+        """With a ttl, objects created before this are expired: what card probes are told."""
+        return time.time_ns() - int(self.cfg.ttl * 1e9) if self.cfg.ttl is not None else None
+
     async def probe_prefix(self, fkeys: list[bytes], homes: list[CardState | None], urgent: bool = False) -> int:
         """How many leading keys exist on their ``homes`` (the cards themselves are asked)."""
         n = 0
@@ -847,7 +851,7 @@ class LongTier:
             found = 0
             if run:
                 try:
-                    found = await cs.io.run(_exists_prefix, cs.card, run, urgent=urgent)
+                    found = await cs.io.run(_exists_prefix, cs.card, run, self._not_before(), urgent=urgent)
                 except OSError as e:
                     self.note_result(cs, e)
                     break
@@ -869,7 +873,8 @@ class LongTier:
             if not idx:
                 return
             try:
-                res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx], urgent=urgent)
+                res = await cs.io.run(cs.card.exists_many, [fkeys[i] for i in idx], self._not_before(),
+                                      urgent=urgent)
             except OSError as e:
                 self.note_result(cs, e)
                 return
@@ -936,8 +941,8 @@ def _whole_chunk(err: OSError, n_items: int) -> OSError:
     return err
 
 
-def _exists_prefix(card: Card, keys: list[bytes]) -> int:
-    res = card.exists_many(keys)
+def _exists_prefix(card: Card, keys: list[bytes], not_before_ns: int | None) -> int:
+    res = card.exists_many(keys, not_before_ns)
     n = 0
     for r in res:
         if r is not True:

@@ -28,20 +28,17 @@ import pytest
 
 from kvgate.client import Client, GatewayError
 from kvgate.protocol import (
-    KIND_REPLY,
     MAGIC,
     PREAMBLE,
-    PREAMBLE_SIZE,
     VERSION,
     CountReply,
     Error,
     ErrorCode,
     HelloReply,
     PutReply,
-    decode_reply,
-    parse_preamble,
 )
 from tests.helpers import GatewayProcess, free_port, kvgate_env
+from tests.gateway.test_protocol_fuzz import read_reply
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -71,32 +68,6 @@ def frame(header: dict | bytes, body: bytes = b"", *, header_len: int | None = N
     h = header if isinstance(header, bytes) else msgspec.msgpack.encode(header)
     return PREAMBLE.pack(MAGIC, VERSION, 0, len(h) if header_len is None else header_len,
                          len(body) if body_len is None else body_len) + h + body
-
-
-def read_reply(s: socket.socket):
-    """The next reply, or None when the gateway closed the connection."""
-    def exact(n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            try:
-                chunk = s.recv(n - len(buf))
-            except ConnectionResetError:
-                return None
-            if not chunk:
-                return None
-            buf += chunk
-        return bytes(buf)
-
-    pre = exact(PREAMBLE_SIZE)
-    if pre is None:
-        return None
-    kind, hlen, blen = parse_preamble(pre, 1 << 62)
-    assert kind == KIND_REPLY
-    header = exact(hlen)
-    assert header is not None, "closed mid-reply"
-    if blen:
-        assert exact(blen) is not None, "closed mid-reply body"
-    return decode_reply(header)
 
 
 def nested(levels: int, rid: int = 7) -> bytes:

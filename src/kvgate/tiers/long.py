@@ -63,7 +63,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Callable, Iterable
+from typing import Callable
 
 from kvgate.cards import (
     BufferTooSmall,

@@ -183,7 +183,6 @@ class TieredStore:
             if len(views) == 1:
                 source[id(it)] = views[0]
         staged = [it for it in items if id(it) not in source]
-        staged_bytes = sum(len(it.src) for it in staged)
         card_ok = [False] * len(items)
 
         async def one_card(cs: CardState, idx: list[int]) -> None:

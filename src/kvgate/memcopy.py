@@ -4,20 +4,21 @@ Why: the gateway maps files its clients own (a session region, a registered
 /dev/shm file).  A client that shrinks such a file with ``ftruncate`` leaves
 pages in our mapping with nothing behind them, and a user-space load or
 store there (``numpy.copyto``, a hash, a memoryview assignment) is a SIGBUS
-that kills the gateway.  ``process_vm_writev`` on our own pid makes the
-kernel do the copy between two ranges of our own address space: a page that
-is gone makes it return EFAULT (or a short count), which ``copy`` raises as
-``MemoryFault``.  Measured here into anonymous memory: 4.7-5.0 GiB/s for 1-2 MiB pieces against
-4.4-4.6 GiB/s for ``numpy.copyto``; ctypes releases the GIL for the call, and
-copying within one's own process needs no ptrace permission.
+that kills the gateway.  ``process_vm_readv`` / ``process_vm_writev`` on our
+own pid make the kernel do the copy between two ranges of our own address
+space: a page that is gone makes it return EFAULT (or a short count), which
+``copy`` raises as ``MemoryFault``.  ctypes releases the GIL for the call,
+and copying within one's own process needs no ptrace permission.
 
 Only client memory needs the kernel: ``gateway.shm`` registers the address
 range of every region it maps (``add_client_memory``) before any request can
 address it, and removes it only once it is unmapped.  A copy with neither
 side in such a range is between buffers the gateway owns (RAM-tier pages,
 scratch, inline reply and staging buffers), which no client can shrink, and
-runs as ``numpy.copyto``: measured here into /dev/shm pages, 1 MiB pieces,
-one thread, 6.4 GiB/s against 3.9 for ``process_vm_writev``.
+runs as ``numpy.copyto``: the same speed for 2 MiB pieces (4.9 GiB/s here),
+but 3.2 GiB/s against 0.7 in 16 KiB pieces, where the call's fixed cost
+rules.  Which side of a kernel copy is client memory matters too: see
+``_vm_readv``.
 
 Where a seccomp profile refuses the call (ENOSYS, EPERM), ``copy`` falls back
 to ``numpy.copyto`` and ``check`` says once that a client shrinking its
@@ -69,7 +70,7 @@ def _syscall(name: str) -> Any:
 # Both copy from "local" iovecs to "remote" ones (writev) or back (readv).
 # The kernel pins the remote pages, 16 at a time, and copies the local side
 # as an ordinary user copy; pinning pages of a /dev/shm file is what is
-# slow.  So client memory is always the local side: measured here, one
+# slow.  So client memory is the local side where one side is: measured, one
 # thread, 2 MiB objects from anonymous memory into /dev/shm pages, readv
 # 5.1 GiB/s (numpy.copyto 5.1), writev 3.7; back out of /dev/shm, writev
 # 5.0, readv 3.7.

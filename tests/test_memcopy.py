@@ -81,7 +81,7 @@ def test_a_shrunk_mapping_is_a_memory_fault_both_ways(shm_file: int) -> None:
     with pytest.raises(MemoryFault):
         memcopy.copy(view[:4096], src[:4096])
     assert memcopy.check()
-    memcopy.remove_client_memory(base)
+    memcopy.remove_client_memory(base, size)
 
 
 def _counting_kernel_calls(monkeypatch) -> list[str]:
@@ -121,7 +121,7 @@ def test_only_client_memory_is_copied_through_the_kernel(shm_file: int, monkeypa
         assert len(calls) == 2
         assert np.array_equal(region[4000:4200], src[:200]) and np.array_equal(own[:100], region[12287:12387])
     finally:
-        memcopy.remove_client_memory(region.ctypes.data + 4096)
+        memcopy.remove_client_memory(region.ctypes.data + 4096, 8192)
     memcopy.copy(region[4000:4200], src[:200])
     assert len(calls) == 2
     del region
@@ -132,24 +132,25 @@ def test_a_region_is_client_memory_until_it_is_unmapped(monkeypatch) -> None:
     from kvgate.gateway import shm
 
     calls = _counting_kernel_calls(monkeypatch)
+    before = memcopy._client_ranges
     region = shm.create_session_region("memcopy-test", 1 << 20)
-    base = np.frombuffer(region.view, np.uint8).ctypes.data
+    assert len(memcopy._client_ranges) == len(before) + 1
     src = _bytes(5, 4096)
     held = region.slice(0, 4096)
     memcopy.copy(held, src)
     assert len(calls) == 1 and bytes(held) == src.tobytes()
-    region.close()  # a request still holds a slice: the mapping stays, and so does its range
+    region.close()  # a request still holds a slice (its client hung up): the mapping stays, and its range
+    del region
     memcopy.copy(held, src)
     assert len(calls) == 2
-    held.release()
-    before = memcopy._client_ranges
+    held.release()  # the mapping goes with the last slice, and so does its range: none pile up
+    assert memcopy._client_ranges == before
     again = shm.create_session_region("memcopy-test", 1 << 20)
     assert len(memcopy._client_ranges) == len(before) + 1
     again.close()  # nothing holds a slice: unmapped, its range gone
     assert memcopy._client_ranges == before
-    again.close()  # a second close removes nothing more
-    assert memcopy._client_ranges == before and any(a == base for a, _e in before)
-    memcopy.remove_client_memory(base)  # the lingering mapping's range, left by the first close
+    again.close()
+    assert memcopy._client_ranges == before
 
 
 def test_abandon_copies_until_abandoned_and_never_after() -> None:

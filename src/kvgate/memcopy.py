@@ -100,15 +100,13 @@ def add_client_memory(start: int, size: int) -> None:
         _client_ranges = (*_client_ranges, (start, start + size))
 
 
-def remove_client_memory(start: int) -> None:
-    """Forget the range ``add_client_memory`` added at ``start``; only once that mapping is gone."""
+def remove_client_memory(start: int, size: int) -> None:
+    """Forget one range ``add_client_memory`` added; only once that mapping is gone."""
     global _client_ranges
     with _ranges_lock:
         ranges = list(_client_ranges)
-        for i, (a, _b) in enumerate(ranges):
-            if a == start:
-                del ranges[i]
-                break
+        if (start, start + size) in ranges:
+            ranges.remove((start, start + size))
         _client_ranges = tuple(ranges)
 
 

@@ -26,6 +26,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 
 from kvgate import memcopy
 
@@ -58,6 +59,9 @@ class Region:
         self._base = ctypes.addressof(holder)
         del holder  # no buffer export left behind: close() must be able to unmap
         memcopy.add_client_memory(self._base, size)  # before any slice of it exists
+        # Removed when the mapping goes: at close(), or when the last slice a
+        # request held is released (a client that hangs up mid-request).
+        self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
         self.view = memoryview(mm)
         self.owned = owned
         self._populate_lock = threading.Lock()
@@ -97,15 +101,15 @@ class Region:
     def close(self) -> None:
         with self._populate_lock:
             if self._closed:
-                return  # a second close must not remove the range of a mapping made since at this address
+                return
             self._closed = True
         self.view.release()
         try:
             self._mm.close()
         except BufferError:
-            pass  # a request still holds a slice; the mapping goes when it does, its range stays client memory
+            pass  # a request still holds a slice; the mapping and its range go when it does
         else:
-            memcopy.remove_client_memory(self._base)
+            self._unmapped()
         if self.owned:
             try:
                 os.unlink(self.path)

@@ -59,6 +59,8 @@ def test_a_shrunk_mapping_is_a_memory_fault_both_ways(shm_file: int) -> None:
     os.ftruncate(shm_file, size)
     mm = mmap.mmap(shm_file, size)
     view = memoryview(mm)
+    base = np.frombuffer(view, np.uint8).ctypes.data
+    memcopy.add_client_memory(base, size)  # as gateway.shm does for every region it maps
     src = _bytes(3, size)
     memcopy.copy(view, src)
     assert view[: 1 << 20] == src[: 1 << 20].tobytes()
@@ -79,6 +81,76 @@ def test_a_shrunk_mapping_is_a_memory_fault_both_ways(shm_file: int) -> None:
     with pytest.raises(MemoryFault):
         memcopy.copy(view[:4096], src[:4096])
     assert memcopy.check()
+    memcopy.remove_client_memory(base, size)
+
+
+def _counting_kernel_calls(monkeypatch) -> list[str]:
+    """The names of the kernel copies made from now on, in order."""
+    calls: list[str] = []
+    for name in ("_vm_writev", "_vm_readv"):
+        real = getattr(memcopy, name)
+
+        def counted(*args, _real=real, _name=name) -> int:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(memcopy, name, counted)
+    return calls
+
+
+def test_only_client_memory_is_copied_through_the_kernel(shm_file: int, monkeypatch) -> None:
+    calls = _counting_kernel_calls(monkeypatch)
+    src = _bytes(4, 1 << 20)
+    own = np.zeros(len(src), np.uint8)
+    memcopy.copy([own[: 1000], own[1000:]], src)  # both sides the gateway's own: a user-space copy
+    assert np.array_equal(own, src) and calls == []
+    os.ftruncate(shm_file, 2 << 20)
+    mm = mmap.mmap(shm_file, 2 << 20)
+    region = np.frombuffer(mm, np.uint8)
+    memcopy.add_client_memory(region.ctypes.data + 4096, 8192)  # a range inside the mapping
+    try:
+        memcopy.copy(region[: 4096], src[: 4096])  # below the range: not client memory
+        assert calls == []
+        # Client memory is the local side of the call: the kernel pins the other side's pages, and
+        # pinning pages of a /dev/shm file is the slow part.
+        memcopy.copy(region[4000:4200], src[:200])  # overlaps the range's first byte
+        assert calls == ["_vm_readv"]
+        memcopy.copy(own[:100], region[12287:12387])  # reading it, overlapping its last byte
+        assert calls == ["_vm_readv", "_vm_writev"]
+        memcopy.copy(own[:100], region[12288:12388])  # just past it
+        assert len(calls) == 2
+        assert np.array_equal(region[4000:4200], src[:200]) and np.array_equal(own[:100], region[12287:12387])
+    finally:
+        memcopy.remove_client_memory(region.ctypes.data + 4096, 8192)
+    memcopy.copy(region[4000:4200], src[:200])
+    assert len(calls) == 2
+    del region
+    mm.close()
+
+
+def test_a_region_is_client_memory_until_it_is_unmapped(monkeypatch) -> None:
+    from kvgate.gateway import shm
+
+    calls = _counting_kernel_calls(monkeypatch)
+    before = memcopy._client_ranges
+    region = shm.create_session_region("memcopy-test", 1 << 20)
+    assert len(memcopy._client_ranges) == len(before) + 1
+    src = _bytes(5, 4096)
+    held = region.slice(0, 4096)
+    memcopy.copy(held, src)
+    assert len(calls) == 1 and bytes(held) == src.tobytes()
+    region.close()  # a request still holds a slice (its client hung up): the mapping stays, and its range
+    del region
+    memcopy.copy(held, src)
+    assert len(calls) == 2
+    held.release()  # the mapping goes with the last slice, and so does its range: none pile up
+    assert memcopy._client_ranges == before
+    again = shm.create_session_region("memcopy-test", 1 << 20)
+    assert len(memcopy._client_ranges) == len(before) + 1
+    again.close()  # nothing holds a slice: unmapped, its range gone
+    assert memcopy._client_ranges == before
+    again.close()
+    assert memcopy._client_ranges == before
 
 
 def test_abandon_copies_until_abandoned_and_never_after() -> None:
@@ -92,12 +164,13 @@ def test_abandon_copies_until_abandoned_and_never_after() -> None:
     assert dst == b"abcdefgh"
 
 
-def test_refused_syscall_falls_back_and_says_so(monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("call", ["_vm_writev", "_vm_readv"])
+def test_refused_syscall_falls_back_and_says_so(monkeypatch, caplog, call: str) -> None:
     def refused(*_args) -> int:
         ctypes.set_errno(errno.ENOSYS)
         return -1
 
-    monkeypatch.setattr(memcopy, "_vm_writev", refused)
+    monkeypatch.setattr(memcopy, call, refused)
     monkeypatch.setattr(memcopy, "_safe", None)
     monkeypatch.setattr(memcopy, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="kvgate.memcopy"):

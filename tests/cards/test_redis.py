@@ -246,6 +246,32 @@ def test_round_trip_into_slice_of_bigger_buffer(card: RedisCard, size: int) -> N
     assert (big[GUARD + size :] == GUARD_BYTE).all()
 
 
+def test_a_read_hands_over_its_payload_in_few_large_copies(card: RedisCard) -> None:
+    """Each guarded copy has a fixed cost (a kernel call when the destination is a client region): 1 MiB pieces."""
+    from kvgate.memcopy import Abandon
+
+    class Counting(Abandon):
+        __slots__ = ("sizes",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def copy(self, dst, src) -> None:
+            self.sizes.append(len(memoryview(src)))
+            super().copy(dst, src)
+
+    size = (2 << 20) + 100
+    k = key("pieces")
+    data = payload_for(k, size)
+    card.write(k, memoryview(data), ObjectMeta())
+    out = np.zeros(size, np.uint8)
+    guard = Counting()
+    card.read_into(k, memoryview(out), guard)
+    assert np.array_equal(out, data)
+    assert guard.sizes == [1 << 20, 1 << 20, 100]
+
+
 def test_interface_and_value_layout(server: RedisServer, cards: list[RedisCard]) -> None:
     c = open_card(cards, server.url, num_dbs=3)
     assert isinstance(c, Card) and RedisCard.kind == "redis"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import uuid
 
@@ -12,6 +11,7 @@ import pytest
 
 from kvgate.cards import DirectoryCard, ObjectMeta
 from kvgate.config import Config
+from kvgate.gateway import shm
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from kvgate.tiers.io import CardIo, IoPool
 from kvgate.tiers.long import CardState, LongTier
@@ -34,7 +34,8 @@ def test_a_shrunk_destination_fails_the_read_and_not_the_card(card: DirectoryCar
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, SIZE)
-        dest = memoryview(mmap.mmap(fd, SIZE))
+        region = shm.map_client_region(path, os.getuid())  # mapped as the gateway maps a client's file
+        dest = region.slice(0, SIZE)
         os.ftruncate(fd, 0)
 
         async def main() -> None:
@@ -53,6 +54,8 @@ def test_a_shrunk_destination_fails_the_read_and_not_the_card(card: DirectoryCar
                 cs.io.shutdown(wait=True)
 
         asyncio.run(main())
+        dest.release()
+        region.close()
     finally:
         os.close(fd)
         os.unlink(path)

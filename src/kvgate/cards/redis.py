@@ -110,7 +110,6 @@ from kvgate.cards.base import (
     parse_label,
 )
 from kvgate.cards.objectformat import (
-    CHECKSUM_PIECE,
     FIXED_SIZE,
     BufferTooSmall,
     Header,
@@ -129,6 +128,12 @@ from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.redis")
 
+# A fetched value is hashed and handed to the destination in pieces of
+# this size, each copied while it is still in the CPU cache (1 MiB of L2
+# here); every kernel copy into a client region has a fixed cost on top.
+# Measured here, the verify-and-deliver of 2 MiB objects into a session
+# region, one thread: 2.0 GiB/s in 256 KiB pieces, 2.7 in 1 MiB.
+DELIVER_PIECE = 1 << 20
 LABEL_KEY = b"kvgate:card-label"
 PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
 LEASE_KEY = b"kvgate:card-lease"  # outside OBJECT_PREFIX too
@@ -626,8 +631,8 @@ class RedisCard(Card):
             return header
         src = memoryview(value)[hlen:]
         hasher = payload_hasher()
-        for off in range(0, plen, CHECKSUM_PIECE):
-            end = min(off + CHECKSUM_PIECE, plen)
+        for off in range(0, plen, DELIVER_PIECE):
+            end = min(off + DELIVER_PIECE, plen)
             hasher.update(src[off:end])
             guard.copy(view[off:end], src[off:end])
         if hasher.intdigest() != header.payload_hash:

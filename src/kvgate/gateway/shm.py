@@ -10,7 +10,9 @@ Two kinds, both files under /dev/shm mapped by the gateway and the client:
 
 Either file stays the client's to shrink: the gateway never loads or stores
 region memory from user space.  Every copy in or out goes through
-``kvgate.memcopy``, so a region shrunk under its mapping fails the request
+``kvgate.memcopy``, which knows each region's address range (a ``Region``
+registers it for as long as it is mapped) and copies through the kernel
+there, so a region shrunk under its mapping fails the request
 that touched it (``MemoryFault``, a BAD_REQUEST naming the region) instead
 of killing the gateway with SIGBUS.
 """
@@ -24,6 +26,9 @@ import os
 import secrets
 import stat
 import threading
+import weakref
+
+from kvgate import memcopy
 
 SHM_DIR = "/dev/shm"
 
@@ -44,10 +49,19 @@ class RegionError(ValueError):
 
 
 class Region:
+    """A mapped shared-memory file; its address range is client memory to ``memcopy`` while it is mapped."""
+
     def __init__(self, path: str, size: int, mm: mmap.mmap, owned: bool):
         self.path = path
         self.size = size
         self._mm = mm
+        holder = ctypes.c_char.from_buffer(mm)
+        self._base = ctypes.addressof(holder)
+        del holder  # no buffer export left behind: close() must be able to unmap
+        memcopy.add_client_memory(self._base, size)  # before any slice of it exists
+        # Removed when the mapping goes: at close(), or when the last slice a
+        # request held is released (a client that hangs up mid-request).
+        self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
         self.view = memoryview(mm)
         self.owned = owned
         self._populate_lock = threading.Lock()
@@ -66,9 +80,7 @@ class Region:
         """
         if _madvise is None or self.size == 0:
             return
-        holder = ctypes.c_char.from_buffer(self._mm)
-        base = ctypes.addressof(holder)
-        del holder  # no buffer export left behind: close() must be able to unmap
+        base = self._base
 
         def run() -> None:
             for off in range(0, self.size, _POPULATE_STEP):
@@ -88,12 +100,16 @@ class Region:
 
     def close(self) -> None:
         with self._populate_lock:
+            if self._closed:
+                return
             self._closed = True
         self.view.release()
         try:
             self._mm.close()
         except BufferError:
-            pass  # a request still holds a slice; the mapping goes when it does
+            pass  # a request still holds a slice; the mapping and its range go when it does
+        else:
+            self._unmapped()
         if self.owned:
             try:
                 os.unlink(self.path)

@@ -126,3 +126,33 @@ def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path)
     assert card.cached_reads.direct_rate == 1.0 and card.cached_reads.copy_rate < 1e15
     assert card.read_rates() == {"cached_copy_bytes_per_second": card.cached_reads.copy_rate,
                                  "direct_read_bytes_per_second": 1.0}
+
+
+def test_direct_pieces_are_lent_one_reader_at_a_time_oldest_freed_first() -> None:
+    import threading
+
+    from kvgate.cards.directio import READ_PIECE, DirectPieces
+
+    pieces = DirectPieces(3)
+    seen = []
+    for _ in range(6):
+        with pieces.take() as p:
+            assert len(p) == READ_PIECE
+            seen.append(id(p))
+    assert len(set(seen[:3])) == 3 and seen[:3] == seen[3:], "every piece in turn, then the same cycle again"
+    held = [pieces.take() for _ in range(3)]
+    assert len({id(h.__enter__()) for h in held}) == 3, "three readers hold three different pieces"
+    got = threading.Event()
+
+    def reader() -> None:
+        with pieces.take():
+            got.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert not got.wait(0.2), "no piece is free: the fourth reader waits"
+    held[0].__exit__(None, None, None)
+    assert got.wait(5), "a piece handed back goes to the waiting reader"
+    t.join()
+    for h in held[1:]:
+        h.__exit__(None, None, None)

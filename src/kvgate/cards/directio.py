@@ -27,8 +27,11 @@ import fcntl
 import mmap
 import os
 import platform
+import queue
 import sys
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 from kvgate.cards.objectformat import ALIGN
 
@@ -196,3 +199,50 @@ class Scratch(threading.local):
         if len(self._head) < size:
             self._head = mmap.mmap(-1, size)
         return memoryview(self._head)[:size]
+
+
+# Direct reads land in a ring of pieces shared by every reading thread, handed
+# out oldest-freed first.  Measured on these VMs (virtio disk, one thread,
+# 1 MiB O_DIRECT reads of cold 2 MiB objects): into the same 1 MiB again and
+# again 0.41-0.49 GiB/s, into 8 pieces in turn 0.52-0.56, into 32 pieces in
+# turn 0.98-1.09, into fresh pages every time 1.19-1.25.  The device writes
+# pages it has just written more slowly there; a ring of 32 keeps each piece
+# cool for 31 other reads.  32 MiB in all, whatever the cards and threads.
+DIRECT_SLOTS = 32
+
+
+class DirectPieces:
+    """Page-aligned ``READ_PIECE`` buffers for ``O_DIRECT`` reads, lent one at a time; thread-safe.
+
+    ``take()`` blocks while every piece is lent (more readers than pieces):
+    a reader holds one only for one read, hash and hand-over.
+    """
+
+    def __init__(self, count: int = DIRECT_SLOTS):
+        self._mm = mmap.mmap(-1, count * READ_PIECE)
+        view = memoryview(self._mm)
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(view[i * READ_PIECE : (i + 1) * READ_PIECE])
+
+    @contextmanager
+    def take(self) -> Iterator[memoryview]:
+        piece = self._free.get()
+        try:
+            yield piece
+        finally:
+            self._free.put(piece)
+
+
+_direct_pieces: DirectPieces | None = None
+_direct_pieces_lock = threading.Lock()
+
+
+def direct_pieces() -> DirectPieces:
+    """The process's one ring (made on the first direct read)."""
+    global _direct_pieces
+    if _direct_pieces is None:
+        with _direct_pieces_lock:
+            if _direct_pieces is None:
+                _direct_pieces = DirectPieces()
+    return _direct_pieces

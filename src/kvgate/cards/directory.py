@@ -68,6 +68,7 @@ from kvgate.cards.directio import (
     CachedReadChoice,
     Scratch,
     align_up,
+    direct_pieces,
     fully_cached,
     set_direct,
 )
@@ -554,48 +555,54 @@ class DirectoryCard(Card):
         return header
 
     def _read_direct(self, fd: int, full_key: bytes, view: memoryview, file_size: int, guard: Abandon) -> Header:
-        """Header block and payload from the device (``fd`` has ``O_DIRECT`` on), piece by piece into the scratch.
+        """Header block and payload from the device (``fd`` has ``O_DIRECT`` on), piece by piece.
 
-        The device writes the aligned scratch, whole blocks at a time (the
-        last one past the payload's end reads short at the end of the file);
-        each piece is hashed there and handed to ``view`` through ``guard``,
-        so no byte of ``view`` past the payload is touched.
+        The device writes one aligned piece of the process's ring at a time
+        (``direct_pieces``; whole blocks, the last one reads short at the end
+        of the file); each piece is hashed there and handed to ``view``
+        through ``guard``, so no byte of ``view`` past the payload is touched.
         """
         hsize = header_size(full_key)
         poff = padded_size(hsize)
         head = self._scratch.head(poff)
-        piece = self._scratch.piece
+        pieces = direct_pieces()
         first = align_up(min(len(view), max(0, file_size - poff), READ_PIECE))
-        try:
-            n = os.preadv(fd, [head, piece[:first]], 0)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct_refused(f"O_DIRECT read: {exc.strerror}")
-            set_direct(fd, False)
-            return self._read_buffered(fd, full_key, view, file_size, guard)
-        header = self._check_header(head, n, full_key, view, file_size)
-        if header.payload_offset != poff:  # unpadded: not at an aligned offset
-            set_direct(fd, False)
-            return self._read_buffered(fd, full_key, view, file_size, guard)
-        plen = header.payload_len
         hasher = payload_hasher()
-        got = min(n - poff, plen)
-        off = 0
-        while True:
-            if got < min(READ_PIECE, plen - off):
-                raise ObjectCorrupt("object shorter than its header says")
-            if got:
-                hasher.update(piece[:got])
-                guard.copy(view[off : off + got], piece[:got])
+        with pieces.take() as piece:
+            try:
+                n = os.preadv(fd, [head, piece[:first]], 0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_refused(f"O_DIRECT read: {exc.strerror}")
+                set_direct(fd, False)
+                return self._read_buffered(fd, full_key, view, file_size, guard)
+            header = self._check_header(head, n, full_key, view, file_size)
+            if header.payload_offset != poff:  # unpadded: not at an aligned offset
+                set_direct(fd, False)
+                return self._read_buffered(fd, full_key, view, file_size, guard)
+            plen = header.payload_len
+            got = min(n - poff, plen)
+            self._deliver(piece, got, 0, plen, hasher, view, guard)
+        off = got
+        while off < plen:
+            with pieces.take() as piece:
+                # off is a whole number of pieces here, so the file offset stays aligned
+                got = min(os.preadv(fd, [piece[: align_up(min(READ_PIECE, plen - off))]], poff + off), plen - off)
+                self._deliver(piece, got, off, plen, hasher, view, guard)
             off += got
-            if off >= plen:
-                break
-            # off is a whole number of pieces here, so the file offset stays aligned
-            got = min(os.preadv(fd, [piece[: align_up(min(READ_PIECE, plen - off))]], poff + off), plen - off)
         if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")
         return header
+
+    @staticmethod
+    def _deliver(piece: memoryview, got: int, off: int, plen: int, hasher, view: memoryview, guard: Abandon) -> None:
+        """Hash ``got`` bytes read into ``piece`` (payload offset ``off``) and hand them to ``view``."""
+        if got < min(READ_PIECE, plen - off):
+            raise ObjectCorrupt("object shorter than its header says")
+        if got:
+            hasher.update(piece[:got])
+            guard.copy(view[off : off + got], piece[:got])
 
     @staticmethod
     def _check_header(head: memoryview, n: int, full_key: bytes, view: memoryview, file_size: int) -> Header:

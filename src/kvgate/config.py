@@ -187,7 +187,7 @@ FIELDS: tuple[Field, ...] = (
     Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),
     Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
     Field("direct_reads", _parse_bool, True,
-          "directory cards read what the page cache lacks with O_DIRECT, straight into the destination"),
+          "directory cards read what the page cache lacks with O_DIRECT, around the page cache"),
     Field("prepare_reads", _parse_bool, True,
           "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)"),
     Field("read_priority", _parse_str, "realtime",

@@ -20,6 +20,9 @@ engine's memory in place.
     B  RAM tier off (``--max-bytes 0``)     -> figures 2-5 (card get warm and
                                                cold, card put, lookup)
 
+``--trace FILE`` replays a request trace instead and reports prefix-cache
+hit rates per eviction policy: see ``kvgate.benchtrace``.
+
 ``--cards N --placement dialog|stripe|both`` measures something else: long
 restores from a gateway with N directory cards (one gateway per placement,
 RAM tier off).  One dialog of ``--blocks`` objects restored by one get, and
@@ -127,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks (of --object-size) per dialog, all restored by one get (default 64)")
     g.add_argument("--restores", type=_positive_int, default=8, metavar="N",
                    help="concurrent restores of different dialogs, one client connection each (default 8)")
+    from kvgate.benchtrace import add_trace_arguments  # here: benchtrace imports this module
+
+    add_trace_arguments(p)
 
 
 # ---- plan -------------------------------------------------------------------------
@@ -1324,6 +1330,10 @@ def _drive(make: Callable[[Callable[[str], None]], Bench], steps: list[str], qui
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run every figure; 0 even when a bar fails (a measurement is not a test), 1 on errors, 2 on bad usage."""
+    from kvgate.benchtrace import run_trace_bench, wants_trace
+
+    if wants_trace(args):
+        return run_trace_bench(args)
     if getattr(args, "cards", None) is not None:
         return run_cards_bench(args)
     if getattr(args, "placement", None) is not None:

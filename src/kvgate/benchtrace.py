@@ -943,6 +943,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
     head = f", shared head {tr['shared_head']}" if tr["shared_head"] else ""
     ax.set_title(f"{tr['name']}{head} ({'in process' if source == 'in_process' else 'kvgate gateways'})")
     ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

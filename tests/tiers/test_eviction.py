@@ -15,13 +15,22 @@ from kvgate.tiers.eviction import (
     EvictionPolicy,
     LruPolicy,
     PrefixPolicy,
+    RecentKeys,
     Retention,
+    Segment,
     make_policy,
 )
 
 
 def dlg(n: int) -> bytes:
     return bytes([n + 1]) * 16
+
+
+def prefix_policy() -> PrefixPolicy:
+    """A prefix policy without the wait for young dialogs (it has a test of its own)."""
+    pol = PrefixPolicy()
+    pol.young_adds = 0
+    return pol
 
 
 def drain(policy: EvictionPolicy, skip=None) -> list:
@@ -42,21 +51,21 @@ def add_dialog(policy: EvictionPolicy, name: str, n_blocks: int, klass: int = SH
 
 
 def test_prefix_evicts_tail_before_head():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 4)
     assert drain(pol) == ["A3", "A2", "A1", "A0"]
     assert len(pol) == 0
 
 
 def test_prefix_evicts_whole_coldest_dialog_first():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 3)
     add_dialog(pol, "B", 2)
     assert drain(pol) == ["A2", "A1", "A0", "B1", "B0"]
 
 
 def test_prefix_interleaved_writes_order_by_last_add():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     for p in range(2):
         pol.add(f"A{p}", 1, dlg(0), p, SHORT)
         pol.add(f"B{p}", 1, dlg(1), p, SHORT)
@@ -65,30 +74,116 @@ def test_prefix_interleaved_writes_order_by_last_add():
 
 
 def test_prefix_add_to_older_dialog_warms_it():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     pol.add("A0", 1, dlg(0), 0, SHORT)
     pol.add("B0", 1, dlg(1), 0, SHORT)
     pol.add("A1", 1, dlg(0), 1, SHORT)  # A is being written: now B is the colder one
     assert drain(pol) == ["B0", "A1", "A0"]
 
 
-def test_prefix_touch_warms_whole_dialog():
-    pol = PrefixPolicy()
+def test_prefix_read_block_outlives_one_off_blocks():
+    pol = prefix_policy()
     add_dialog(pol, "A", 3)
     add_dialog(pol, "B", 3)
-    pol.touch("A0")  # reading the head of A makes all of A hot, tail included
-    assert drain(pol) == ["B2", "B1", "B0", "A2", "A1", "A0"]
+    pol.touch("A0")  # read again: A0 is worth more than any block seen once
+    assert pol.segment_of("A0") is Segment.REUSED and pol.segment_of("A1") is Segment.NEW
+    assert drain(pol) == ["A2", "A1", "B2", "B1", "B0", "A0"]
+
+
+def test_prefix_reused_dialog_warms_as_a_whole():
+    pol = prefix_policy()
+    add_dialog(pol, "A", 2)
+    add_dialog(pol, "B", 2)
+    for i in ("A0", "A1", "B0", "B1"):
+        pol.touch(i)
+    pol.touch("A0")  # reading A's head makes all of A's reused blocks hot, tail included
+    assert drain(pol) == ["B1", "B0", "A1", "A0"]
+
+
+def test_prefix_tail_of_a_write_goes_first():
+    pol = prefix_policy()
+    for p in range(3):
+        pol.add(f"A{p}", 1, dlg(0), p, SHORT, tail=p == 2)
+    add_dialog(pol, "B", 2)
+    assert pol.segment_of("A2") is Segment.TAIL
+    assert drain(pol) == ["A2", "A1", "A0", "B1", "B0"]
+    pol.add("C0", 1, dlg(2), 0, SHORT, tail=True)
+    pol.touch("C0")  # a tail that is read is reused like any block
+    assert pol.segment_of("C0") is Segment.REUSED
+
+
+def test_prefix_remembers_evicted_blocks():
+    pol = prefix_policy()
+    add_dialog(pol, "A", 2)
+    assert drain(pol) == ["A1", "A0"]
+    pol.add("A0", 1, dlg(0), 0, SHORT)  # back after its eviction: a block worth keeping
+    pol.add("Z0", 1, dlg(9), 0, SHORT)
+    assert pol.segment_of("A0") is Segment.REUSED and pol.segment_of("Z0") is Segment.NEW
+    pol.add("Z0", 1, dlg(9), 0, SHORT)  # written again while resident: reused too
+    assert pol.segment_of("Z0") is Segment.REUSED
+
+
+def test_prefix_reused_share_demotes_coldest_to_the_cold_end():
+    pol = prefix_policy()
+    pol.reused_share, pol.reserve_from = 0.5, 0
+    for name in ("A", "B", "C", "D"):
+        add_dialog(pol, name, 1)
+    add_dialog(pol, "E", 1)
+    for name in ("A", "B", "C", "D"):
+        pol.touch(f"{name}0")
+    # 5 objects: REUSED holds at most 2; A and B were demoted, coldest first, below E.
+    assert [pol.segment_of(f"{n}0") for n in "ABCDE"] == [Segment.NEW] * 2 + [Segment.REUSED] * 2 + [Segment.NEW]
+    assert drain(pol) == ["B0", "A0", "E0", "C0", "D0"]
+
+
+def test_prefix_dialog_being_written_keeps_its_blocks():
+    """Blocks arrive one at a time with evictions between them: the dialog being written is not the victim."""
+    pol = PrefixPolicy()
+    for d in range(200):  # a full cache of reused one-block dialogs
+        pol.add(f"R{d}", 1, dlg(d % 200), 0, SHORT)
+        pol.touch(f"R{d}")
+    for p in range(10):  # a new dialog, written with one eviction per block, as a full tier does
+        pol.remove(pol.choose_victim())
+        pol.add(f"N{p}", 1, dlg(250), p, SHORT)
+    assert all(f"N{p}" in pol for p in range(10)), "the dialog being written lost its own blocks"
+    assert len(pol) == 200
+    for p in range(80):  # once it is no longer young, its one-off blocks go before any reused one
+        pol.add(f"M{p}", 1, NO_DIALOG, 0, SHORT)
+    reused = {i for i in pol._where if pol.segment_of(i) is Segment.REUSED}
+    victims = drain(pol)
+    first_n = victims.index("N9")
+    assert victims[first_n : first_n + 10] == [f"N{p}" for p in range(9, -1, -1)], victims
+    assert not reused.intersection(victims[:first_n]), "a reused block went before a one-off dialog"
+
+
+def test_recent_keys_remember_one_to_two_spans_of_distinct_keys():
+    recent = RecentKeys(1000)
+    for i in range(1000):
+        recent.add(f"k{i}")
+        recent.add("k0")  # repeats do not use up the span
+    assert all(f"k{i}" in recent for i in range(1000))
+    for i in range(1000, 2500):
+        recent.add(f"k{i}")
+    assert all(f"k{i}" in recent for i in range(1100, 2500))
+    kept = sum(f"k{i}" in recent for i in range(1000))
+    assert kept < 20, f"two spans back should be forgotten (but for false positives): {kept} of 1000 kept"
+    false = sum(f"x{i}" in recent for i in range(20000))
+    assert false < 20000 * 0.01, f"{false} false positives in 20000"
+    ints = RecentKeys(1000)  # Python hashes an int to itself: neighbours must not share bits
+    for i in range(1000):
+        ints.add(i)
+    assert sum(i in ints for i in range(1000, 21000)) < 200
 
 
 def test_prefix_out_of_order_positions_still_tail_first():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     for p in (2, 0, 3, 1):
         pol.add(f"A{p}", 1, dlg(0), p, SHORT)
     assert drain(pol) == ["A3", "A2", "A1", "A0"]
 
 
 def test_prefix_remove_from_middle_keeps_order():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 4)
     pol.remove("A1")
     pol.remove("nonexistent")  # tolerated
@@ -97,17 +192,17 @@ def test_prefix_remove_from_middle_keeps_order():
 
 
 def test_prefix_short_before_long():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "L", 2, klass=LONG)
     add_dialog(pol, "S", 2, klass=SHORT)
     pol.touch("S0")
     add_dialog(pol, "T", 1, klass=SHORT)
-    pol.touch("L0")  # warm long dialog still goes after every short one
-    assert drain(pol) == ["S1", "S0", "T0", "L1", "L0"]
+    pol.touch("L0")  # a reused long block still goes after every short one
+    assert drain(pol) == ["S1", "T0", "S0", "L1", "L0"]
 
 
 def test_prefix_shared_positions_go_together_tail_first():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     for p in range(2):
         for rank in range(2):
             pol.add(f"A{p}r{rank}", 1, dlg(0), p, SHORT)
@@ -115,7 +210,7 @@ def test_prefix_shared_positions_go_together_tail_first():
 
 
 def test_prefix_objects_without_dialog_are_lru():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     pol.add("x", 1, NO_DIALOG, 0, SHORT)
     pol.add("y", 1, dlg(0), -1, SHORT)  # unknown position: a dialog of its own
     pol.add("z", 1, dlg(0), -1, SHORT)
@@ -125,7 +220,7 @@ def test_prefix_objects_without_dialog_are_lru():
 
 
 def test_prefix_readd_replaces():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 3)
     add_dialog(pol, "B", 1)
     pol.add("A0", 1, dlg(5), 0, LONG)  # moves A0 into another dialog and class
@@ -134,7 +229,7 @@ def test_prefix_readd_replaces():
 
 
 def test_prefix_skip_pinned_tail_moves_to_next_dialog():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 3)
     add_dialog(pol, "B", 2)
     pinned = {"A2"}
@@ -146,7 +241,7 @@ def test_prefix_skip_pinned_tail_moves_to_next_dialog():
 
 
 def test_prefix_skip_pinned_middle_evicts_above_it_only():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 4)
     add_dialog(pol, "B", 1)
     pinned = {"A1"}
@@ -161,10 +256,10 @@ def test_prefix_skip_pinned_middle_evicts_above_it_only():
 
 
 def test_prefix_all_pinned_gives_none():
-    pol = PrefixPolicy()
+    pol = prefix_policy()
     add_dialog(pol, "A", 2)
     assert pol.choose_victim(lambda i: True) is None
-    assert PrefixPolicy().choose_victim() is None
+    assert prefix_policy().choose_victim() is None
 
 
 # -- LRU -------------------------------------------------------------------
@@ -210,7 +305,9 @@ class PolicyMachine(RuleBasedStateMachine):
 
     The model recomputes the whole order from timestamps at every question,
     so it is obviously right; the policy must name a victim of exactly the
-    (class, dialog, position) the model expects.
+    (class, segment, dialog, position) the model expects.  The prefix model
+    leaves out the reserve for new dialogs (it starts at 100 objects; its own
+    test is above) and never forgets (8 identities never fill RecentKeys).
     """
 
     policy_name = "prefix"
@@ -218,25 +315,32 @@ class PolicyMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.policy = make_policy(self.policy_name)
+        if isinstance(self.policy, PrefixPolicy):
+            self.policy.young_adds = 0
         self.clock = 0
-        # ident -> (klass, dialog key, position)
-        self.live: dict[str, tuple[int, Hashable, int]] = {}
-        self.stamp: dict[Hashable, int] = {}  # prefix: (klass, dkey); lru: ident
+        # ident -> (klass, segment, dialog key, position); LRU uses segment 0
+        self.live: dict[str, tuple[int, int, Hashable, int]] = {}
+        self.seen: set[str] = set()
+        self.stamp: dict[Hashable, int] = {}  # prefix: (klass, segment, dkey); lru: ident
 
     def _group(self, ident: str) -> Hashable:
-        klass, dkey, _ = self.live[ident]
-        return (klass, dkey) if self.policy_name == "prefix" else ident
+        klass, segment, dkey, _ = self.live[ident]
+        return (klass, segment, dkey) if self.policy_name == "prefix" else ident
 
     def _use(self, ident: str) -> None:
         self.clock += 1
         self.stamp[self._group(ident)] = self.clock
 
     @rule(ident=st.sampled_from(IDENTS), dialog=st.sampled_from(DIALOGS),
-          position=st.integers(-1, 3), klass=st.sampled_from([SHORT, LONG]))
-    def add(self, ident, dialog, position, klass):
-        self.policy.add(ident, 1, dialog, position, klass)
+          position=st.integers(-1, 3), klass=st.sampled_from([SHORT, LONG]), tail=st.booleans())
+    def add(self, ident, dialog, position, klass, tail=False):
+        self.policy.add(ident, 1, dialog, position, klass, tail=tail)
         solo = dialog == NO_DIALOG or position < 0
-        self.live[ident] = (klass, ("solo", ident) if solo else dialog, 0 if solo else position)
+        segment = Segment.REUSED if ident in self.seen else Segment.TAIL if tail else Segment.NEW
+        if self.policy_name == "lru":
+            segment = 0
+        self.live[ident] = (klass, segment, ("solo", ident) if solo else dialog, 0 if solo else position)
+        self.seen.add(ident)
         self._use(ident)
 
     @rule(ident=st.sampled_from(IDENTS), dialog=st.sampled_from(DIALOGS[1:3]), position=st.integers(0, 3))
@@ -248,6 +352,9 @@ class PolicyMachine(RuleBasedStateMachine):
     def touch(self, ident):
         self.policy.touch(ident)
         if ident in self.live:
+            if self.policy_name == "prefix":
+                klass, _segment, dkey, pos = self.live[ident]
+                self.live[ident] = (klass, Segment.REUSED, dkey, pos)
             self._use(ident)
 
     @rule(ident=st.sampled_from(IDENTS))
@@ -257,36 +364,28 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def expected(self, pinned: set[str]) -> set[str]:
         """Idents the policy may name (those sharing the right slot); empty = None."""
-        def order(i: str):
-            klass, _dkey, pos = self.live[i]
-            return (klass, self.stamp[self._group(i)], -pos)
+        if self.policy_name == "lru":
+            ranked = sorted(self.live, key=lambda i: (self.live[i][0], self.stamp[i]))
+            return {i for i in ranked if i not in pinned}.intersection(
+                [next((i for i in ranked if i not in pinned), None)])
+        # Segments choose the dialog: (class, segment, last use); the victim is
+        # that dialog's last resident block, whatever its segment.
+        groups = sorted({self._group(i) for i in self.live}, key=lambda g: (g[0], g[1], self.stamp[g]))
 
-        ranked = sorted(self.live, key=order)
-        if self.policy_name == "prefix":
-            # Pass 1: per dialog from the tail, stop below a pinned block.
-            blocked: set[Hashable] = set()
-            slot = None
-            for i in ranked:
-                klass, dkey, pos = self.live[i]
-                if (klass, dkey) in blocked:
-                    continue
-                if slot is not None and slot != (klass, dkey, pos):
-                    break
-                if i in pinned:
-                    # Unpinned peers at the same position are still fine.
-                    peers = {j for j in self.live if self.live[j] == (klass, dkey, pos) and j not in pinned}
-                    if peers:
-                        return peers
-                    blocked.add((klass, dkey))
-                    continue
-                slot = (klass, dkey, pos)
+        def from_tail(klass, dkey):
+            blocks = [i for i in self.live if (self.live[i][0], self.live[i][2]) == (klass, dkey)]
+            for pos in sorted({self.live[i][3] for i in blocks}, reverse=True):
+                yield {i for i in blocks if self.live[i][3] == pos}
+
+        for klass, _segment, dkey in groups:  # pass 1: a pinned block shields the ones below it
+            for at in from_tail(klass, dkey):
+                if at - pinned:
+                    return at - pinned
                 break
-            if slot is not None:
-                return {j for j in self.live if self.live[j] == slot and j not in pinned}
-        for i in ranked:  # LRU, and the prefix policy's second pass
-            if i not in pinned:
-                slot = self.live[i]
-                return {j for j in self.live if self.live[j] == slot and j not in pinned}
+        for klass, _segment, dkey in groups:  # pass 2: anything unpinned
+            for at in from_tail(klass, dkey):
+                if at - pinned:
+                    return at - pinned
         return set()
 
     @rule(pinned=st.sets(st.sampled_from(IDENTS), max_size=2))

@@ -155,3 +155,27 @@ def test_an_eviction_issued_while_a_rewrite_is_under_way_leaves_the_new_object(t
         await tier.stop()
 
     asyncio.run(main())
+
+
+def test_an_evicted_object_is_a_miss_while_its_delete_is_pending(tmp_path: Path) -> None:
+    """A put answered False for an object its own batch evicted: no probe may find it before the delete runs."""
+    size = 64 << 10
+
+    async def main() -> None:
+        tier = await _tier(tmp_path, capacity=3 * (size + 8192))
+        cs = tier.cards[0]
+        started = _slow_deletes(cs.card, 0.5)
+        for i, k in enumerate((b"a", b"b", b"c", b"d")):
+            await _put(tier, k, i, size)
+        assert b"a" not in cs.index and cs.card.exists(b"a"), "evicted, still on the card"
+        assert tier.find(b"a", cs) == (None, None), "a probe would find what the put said is not stored"
+        assert tier.find(b"b", cs)[1] is not None
+        await asyncio.sleep(0.05)
+        assert started.is_set()
+        await asyncio.sleep(0.6)
+        assert not cs.card.exists(b"a") and b"a" not in cs.leaving
+        assert await _put(tier, b"a", 7, size)  # stored again: found again
+        assert tier.find(b"a", cs)[1] is not None and await _read(tier, b"a", size) == bytes([7]) * size
+        await tier.stop()
+
+    asyncio.run(main())

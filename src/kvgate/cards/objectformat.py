@@ -106,6 +106,8 @@ class ObjectMeta:
     dialog: bytes = NO_DIALOG
     position: int = -1
     created_ns: int = 0
+    # The last block of its write (eviction's hint; not kept on the card).
+    tail: bool = False
 
 
 @dataclass(frozen=True, slots=True)

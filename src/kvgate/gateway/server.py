@@ -749,7 +749,9 @@ class Gateway:
             views = [region.slice(o, s) for o, s in zip(req.offsets, req.sizes)]
         now = time.time_ns()
         pos = req.position
-        items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now)) for i, (k, v) in enumerate(zip(keys, views))]
+        last = len(keys) - 1
+        items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now, i == last))
+                 for i, (k, v) in enumerate(zip(keys, views))]
         return PutReply(stored=await self.store.put(items, req.retention))
 
     async def _get(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):

@@ -140,6 +140,9 @@ class CardState:
     read_only_since: float = 0.0
     refused_serial: str | None = None  # the other card last seen at our path
     deleting: int = 0  # eviction batches whose deletes have not finished yet
+    # Unindexed keys whose delete has not run yet: a probe must not find them
+    # (a put answered False for an object its own batch evicted; it stays a miss).
+    leaving: set[bytes] = field(default_factory=set)
     checks: int = 0  # health checks passed
     warned_empty: bool = False  # said that it can hold nothing (said again only after it could hold some)
     # counters
@@ -350,7 +353,7 @@ class LongTier:
                 if too_old:
                     n_expired += len(too_old)
                     self.on_expired(len(too_old))
-                    self._spawn(self._delete_quietly(cs, too_old))
+                    self._spawn_delete(cs, too_old)
             evictions, used = cs.evictions, cs.used
             if by_free_space:
                 await self._resize(cs)
@@ -442,6 +445,8 @@ class LongTier:
                         home = cs
                         break
             else:
+                if home is not None and fkey in home.leaving:
+                    return None, None
                 return home, None
         if self.cfg.ttl is not None and (entry.expiring or expired(entry.created_ns, self.cfg.ttl)):
             self._expire(home, fkey, entry)
@@ -459,7 +464,7 @@ class LongTier:
             if cs.index.get(fkey) is entry:
                 self.note_gone(cs, fkey)
 
-        self._spawn(self._delete_quietly(cs, [fkey])).add_done_callback(done)
+        self._spawn_delete(cs, [fkey]).add_done_callback(done)
 
     def note_written(self, cs: CardState, fkey: bytes, stored: int, payload_len: int, meta: ObjectMeta) -> bool:
         """Index an object just written to ``cs``; False when it did not stay there (evicted by its own write).
@@ -475,11 +480,11 @@ class LongTier:
         cs.index[fkey] = entry
         cs.used += stored
         cs.writes_bytes += stored
-        cs.policy.add(fkey, stored, meta.dialog, meta.position, LONG)
+        cs.policy.add(fkey, stored, meta.dialog, meta.position, LONG, tail=meta.tail)
         for other in self.cards:
             if other is not cs and fkey in other.index:
                 self.note_gone(other, fkey)
-                self._spawn(self._delete_quietly(other, [fkey]))
+                self._spawn_delete(other, [fkey])
         self._evict_over_capacity(cs)
         return cs.index.get(fkey) is entry
 
@@ -514,11 +519,16 @@ class LongTier:
             victims.append(victim)
         if victims:
             cs.deleting += 1
-            self._spawn(self._delete_quietly(cs, victims)).add_done_callback(lambda _t: self._deleted(cs))
+            self._spawn_delete(cs, victims).add_done_callback(lambda _t: self._deleted(cs))
 
     @staticmethod
     def _deleted(cs: CardState) -> None:
         cs.deleting -= 1
+
+    def _spawn_delete(self, cs: CardState, fkeys: list[bytes]) -> asyncio.Task:
+        """``_delete_quietly`` as a task; its keys are misses from now on, not from when the task first runs."""
+        cs.leaving.update(fkeys)
+        return self._spawn(self._delete_quietly(cs, fkeys))
 
     async def _delete_quietly(self, cs: CardState, fkeys: list[bytes]) -> None:
         """Delete objects the index has already let go of (evicted, expired, stale copies).
@@ -526,7 +536,9 @@ class LongTier:
         A key with a write under way is left alone: the delete was meant for
         the object that write replaces, and would remove the new one.
         """
+        replaced = [k for k in fkeys if cs.order.writing(k)]
         fkeys = [k for k in fkeys if not cs.order.writing(k)]
+        cs.leaving.difference_update(replaced)
         if not fkeys:
             return
 
@@ -542,6 +554,8 @@ class LongTier:
                 await cs.io.run(work)
         except OSError:
             pass
+        finally:
+            cs.leaving.difference_update(fkeys)
 
     # ---- health -------------------------------------------------------------
 

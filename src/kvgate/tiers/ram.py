@@ -215,7 +215,8 @@ class RamTier:
         self._used_bytes += reservation.size
         self._visible_pages += reservation.n_pages
         meta = reservation.meta
-        self.policy.add(reservation.full_key, reservation.size, meta.dialog, meta.position, reservation.klass)
+        self.policy.add(reservation.full_key, reservation.size, meta.dialog, meta.position, reservation.klass,
+                        tail=meta.tail)
 
     def abort(self, reservation: Reservation) -> None:
         """Give back the pages of a reservation that will not be committed."""

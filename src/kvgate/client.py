@@ -239,28 +239,6 @@ def _byte_views(buffers: Any, what: str, n: int, writable: bool) -> list[memoryv
     return views
 
 
-# ---- TEMP: a client-side stand-in for DialogMark / Client.dialog_mark until the gateway's lands on main ----
-@dataclass(frozen=True)
-class DialogMark:
-    mark: bytes | None
-    shared: int
-
-    def spans(self, position: int, n: int) -> list[tuple[int, int, bytes | None]]:
-        out: list[tuple[int, int, bytes | None]] = []
-        cut = min(max(self.shared - position, 0), n)
-        if cut > 0:
-            out.append((0, cut, None))
-        if cut < n:
-            out.append((cut, n, self.mark))
-        return out
-
-
-def _temp_mark(key: bytes) -> bytes:
-    import hashlib
-
-    return hashlib.sha256(b"kvgate-dialog\x00" + key).digest()[:16]
-
-
 class Client:
     def __init__(self, sock: socket.socket, local: bool):
         self._sock = sock
@@ -837,21 +815,6 @@ class Client:
         with self._lock:
             reply, _ = self._call_locked(msg)
         return reply.count
-
-    def dialog_mark(self, keys: Sequence[bytes | str]) -> DialogMark:
-        """TEMP stand-in: leading keys that branch into several conversations are shared heads."""
-        bkeys = _check_keys(keys)
-        self.lookup(bkeys[:1])  # one round trip, as the real one costs
-        succ = self.__dict__.setdefault("_temp_succ", {})
-        for a, b in zip(bkeys, bkeys[1:]):
-            succ.setdefault(a, set()).add(b)
-        shared = 0
-        for i, k in enumerate(bkeys[:-1]):
-            if len(succ.get(k, ())) > 1:
-                shared = i + 1
-        if shared >= len(bkeys):
-            return DialogMark(None, len(bkeys))
-        return DialogMark(_temp_mark(bkeys[shared]), shared)
 
     def stats(self) -> dict:
         with self._lock:

@@ -349,7 +349,15 @@ class KvgateTier(SecondaryTierManager):
             return DialogMark(st.mark, 0)
         dm = st.dialog
         if dm is None:
-            dm = client.dialog_mark([k for k, _ in st.leading])
+            try:
+                dm = client.dialog_mark([k for k, _ in st.leading])
+            except GatewayError as e:
+                if e.code != "UNKNOWN_OP":
+                    raise
+                # A gateway from before dialog_mark: the first chunk marks the dialog, as it used to.
+                self._log.warning("no-marks", "kvgate: the gateway has no dialog_mark (an older version): dialog "
+                                  "marks come from the first chunk; upgrade the gateway")
+                dm = DialogMark(dialog_mark([st.leading[0][0]]), 0)
             st.shared_tokens = st.leading[dm.shared - 1][1] if dm.shared else 0
             st.dialog = dm
         return dm

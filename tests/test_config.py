@@ -28,7 +28,7 @@ def test_durations(text, expected):
 def test_defaults_are_valid_and_derived_values():
     cfg = from_mapping({})
     assert cfg.key_placement == "dialog"
-    assert cfg.storage_slots is None  # one per card found at start
+    assert cfg.storage_slots == 1024  # fixed: adding a card moves only its share
     assert cfg.socket_path.endswith("kvgate-5557.sock")
     cfg = from_mapping({"storage_devices": ["/a", "/b", "/c"], "port": 6000})
     assert cfg.socket_path.endswith("kvgate-6000.sock")

@@ -11,5 +11,6 @@ The public API is the client:
 __version__ = "0.1.0"
 
 from kvgate.client import Client, GatewayError, ObjectTooLarge  # noqa: E402
+from kvgate.keys import DialogMark  # noqa: E402
 
-__all__ = ["Client", "GatewayError", "ObjectTooLarge", "__version__"]
+__all__ = ["Client", "DialogMark", "GatewayError", "ObjectTooLarge", "__version__"]

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvgate.keys import MAX_KEY_BYTES, BadKey, as_keys
+from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, DialogMark, as_keys
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
@@ -58,6 +58,7 @@ from kvgate.protocol import (
     GetReply,
     Hello,
     Lookup,
+    Mark,
     Prewarm,
     Put,
     RegisterRegion,
@@ -815,6 +816,21 @@ class Client:
         with self._lock:
             reply, _ = self._call_locked(msg)
         return reply.count
+
+    def dialog_mark(self, keys: Sequence[bytes | str]) -> DialogMark:
+        """The dialog mark of a prompt from its leading keys (position 0 on), in one gateway call.
+
+        The gateway takes the mark past any head shared by many dialogs (a
+        system prompt) and learns such heads from the prompts it is shown, so
+        call it once per request with the request's keys, and use the result
+        for every put, get and lookup of that request (``DialogMark.spans``
+        splits a batch).  Every gateway on the same cards gives the same
+        answer for the same keys.
+        """
+        msg = Mark(keys=_check_keys(keys))
+        with self._lock:
+            reply, _ = self._call_locked(msg)
+        return DialogMark(reply.mark, reply.shared)
 
     def stats(self) -> dict:
         with self._lock:

@@ -136,9 +136,9 @@ FIELDS: tuple[Field, ...] = (
     Field("create_card_dirs", _parse_bool, False,
           "create card directories that do not exist (off: a missing one waits, logged, until it is created "
           f"or mounted; {DEFAULT_CARD} is always created)"),
-    Field("storage_slots", _parse_int, None,
-          "slots of the key distribution (default: number of cards found at start; 16 per card recommended)",
-          minimum=1, optional=True),
+    Field("storage_slots", _parse_int, 1024,
+          "slots of the key distribution over the cards: many more than cards, so the shares come out even; "
+          "set the same on every gateway of the cards", minimum=1),
     Field("num_dbs", _parse_int, 1, "shards (subdirectories) inside each card", minimum=1),
     Field("key_placement", _parse_str, "dialog", "how blocks are placed on cards", choices=("dialog", "stripe")),
     Field("key_layout_fingerprint", _parse_str, None,
@@ -204,7 +204,7 @@ FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 class Config:
     storage_devices: list[str] = field(default_factory=lambda: [DEFAULT_CARD])
     create_card_dirs: bool = False
-    storage_slots: int | None = None
+    storage_slots: int = 1024
     num_dbs: int = 1
     key_placement: str = "dialog"
     key_layout_fingerprint: str | None = None

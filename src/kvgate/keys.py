@@ -18,6 +18,7 @@ MAX_NAMESPACE_BYTES = 255
 MAX_KEY_BYTES = 1024
 DIGEST_BYTES = 16
 NO_DIALOG = bytes(DIGEST_BYTES)
+MARK_KEYS = 512  # leading keys of a prompt the gateway looks at for its dialog mark (Client.dialog_mark)
 
 
 class BadKey(ValueError):
@@ -83,3 +84,45 @@ def as_keys(keys) -> list[bytes]:
         if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES:
             return keys
     return [as_key(k) for k in keys]
+
+
+class DialogMark:
+    """What the gateway says about a prompt's leading keys (``Client.dialog_mark``).
+
+    ``mark``: the conversation's mark, the first key past the shared head;
+    None when every key given is part of a shared head.  ``shared``: how many
+    leading keys (positions ``0 .. shared-1``) belong to heads shared by many
+    dialogs, such as a system prompt: those are stored and looked up without
+    a dialog (each placed by its own key, so every gateway finds them); the
+    rest with ``mark``.
+    """
+
+    __slots__ = ("mark", "shared")
+
+    def __init__(self, mark: bytes | None, shared: int):
+        if shared < 0:
+            raise ValueError(f"shared must be >= 0, got {shared}")
+        self.mark = mark
+        self.shared = shared
+
+    def dialog_at(self, position: int) -> bytes | None:
+        """The dialog to send with the key at ``position`` (-1: unknown, the conversation's)."""
+        return None if 0 <= position < self.shared else self.mark
+
+    def spans(self, position: int, n: int) -> list[tuple[int, int, bytes | None]]:
+        """Keys at positions ``position .. position+n-1`` as runs ``(start, end, dialog)``, relative to the batch."""
+        if n <= 0:
+            return []
+        if position < 0 or position >= self.shared:
+            return [(0, n, self.mark)]
+        cut = min(n, self.shared - position)
+        return [(0, cut, None)] + ([(cut, n, self.mark)] if cut < n else [])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DialogMark) and (self.mark, self.shared) == (other.mark, other.shared)
+
+    def __hash__(self) -> int:
+        return hash((self.mark, self.shared))
+
+    def __repr__(self) -> str:
+        return f"DialogMark(mark={self.mark!r}, shared={self.shared})"

@@ -123,6 +123,10 @@ class Prewarm(_Msg, tag="prewarm"):
     dialog: bytes | None = None
 
 
+class Mark(_Msg, tag="mark"):
+    keys: list[bytes] = []  # a prompt's leading keys, from position 0
+
+
 class Clean(_Msg, tag="clean"):
     pass
 
@@ -131,8 +135,9 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Clean, Stats]
-REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "clean", "stats")
+Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Mark, Clean, Stats]
+REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "mark", "clean",
+               "stats")
 
 # ---- replies ------------------------------------------------------------------
 
@@ -175,11 +180,16 @@ class ExistsReply(_Msg, tag="exists_reply"):
     present: list[bool] = []
 
 
+class MarkReply(_Msg, tag="mark_reply"):
+    mark: bytes | None = None  # the first key past the shared head; None: every key given is shared
+    shared: int = 0  # leading keys that are shared heads
+
+
 class StatsReply(_Msg, tag="stats_reply"):
     stats: dict = {}
 
 
-Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, StatsReply]
+Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, MarkReply, StatsReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -898,3 +898,32 @@ def test_scan_counts_what_it_deletes_as_corrupt(card: DirectoryCard) -> None:
     assert card.scan_corrupt == 0
     assert [o.full_key for o in card.scan()] == [keys[2]]
     assert card.scan_corrupt == 2
+
+
+def test_shared_heads_list_from_several_processes_is_their_union(tmp_path) -> None:
+    """Gateways on other hosts append to the same list: concurrent appends lose nothing, a torn tail is dropped."""
+    import multiprocessing
+
+    card = DirectoryCard(str(tmp_path / "card"))
+    card.open()
+    assert card.merge_heads(set()) == set()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        pool.starmap(_append_heads, [(card.location, range(w * 1000, w * 1000 + 1000)) for w in range(4)])
+    assert card.merge_heads(set()) == set(range(4000))
+    path = tmp_path / "card" / "kvgate-heads"
+    assert path.stat().st_size == 4000 * 8, "no id written twice"
+    with open(path, "ab") as f:
+        f.write(b"\x07\x07\x07")  # a crash in the middle of an append
+    assert card.merge_heads(set()) == set(range(4000))
+    assert card.merge_heads({5000}) == set(range(4000)) | {5000}
+    assert path.stat().st_size == 4001 * 8
+    card.clean()
+    assert card.merge_heads(set()) == set(range(4000)) | {5000}, "clean keeps the heads"
+
+
+def _append_heads(location: str, ids) -> None:
+    card = DirectoryCard(location)
+    card.open()
+    for start in range(0, len(ids), 100):
+        card.merge_heads(set(ids[start : start + 100]))

@@ -84,6 +84,13 @@ def test_status_file(gateway_factory, tmp_path) -> None:
     assert _metric(text, "kvgate_bytes_written_total", '{tier="long"}') == 3000.0
     assert _metric(text, "kvgate_tier_objects", '{tier="long"}') == 2.0
     assert _metric(text, "kvgate_storage_group_objects", f'{{group="{serial}"}}') == 2.0
+    assert _metric(text, "kvgate_shared_head_blocks") == 0.0
+    with gw.client(NS) as c:  # three conversations behind one two-block system prompt
+        for conv in range(3):
+            c.dialog_mark([b"sys-0", b"sys-1", b"conv-%d" % conv])
+    text = _read_when(status, lambda t: "kvgate_shared_head_blocks 2.0" in t, timeout=5.0)
+    assert _metric(text, "kvgate_shared_head_blocks_learned_total") == 2.0
+    assert _metric(text, "kvgate_shared_head_sync_errors_total") == 0.0
     # rewritten atomically: no temp file left next to it
     assert os.listdir(os.path.dirname(status)) == ["kvgate.prom"]
 

@@ -42,7 +42,7 @@ def test_unknown_kvgate_key_is_an_error_naming_it():
 
 def test_settings_validation():
     s = TierSettings.build(socket="/run/k.sock")
-    assert s.target == "/run/k.sock" and s.affinity_chunks == 1 and s.retention == "long" and not s.salted_only
+    assert s.target == "/run/k.sock" and s.affinity_chunks is None and s.retention == "long" and not s.salted_only
     assert TierSettings.build(address="10.0.0.1:5557", skip_unsalted="true").salted_only
     with pytest.raises(ConfigError, match="exactly one"):
         TierSettings.build()
@@ -52,6 +52,8 @@ def test_settings_validation():
         TierSettings.build(address="nohost")
     with pytest.raises(ConfigError, match="kvgate.affinity_chunks"):
         TierSettings.build(socket="/a", affinity_chunks=0)
+    assert TierSettings.build(socket="/a", affinity_chunks="auto").affinity_chunks is None
+    assert TierSettings.build(socket="/a", affinity_chunks="3").affinity_chunks == 3
     with pytest.raises(ConfigError, match="kvgate.retention"):
         TierSettings.build(socket="/a", retention="forever")
     with pytest.raises(ConfigError, match="kvgate.refuse_unsalted"):

@@ -39,6 +39,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from collections.abc import Collection
 from typing import Any, Callable, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
@@ -328,6 +329,15 @@ class Card(ABC):
             except OSError as e:
                 out.append(e)
         return out
+
+    @abstractmethod
+    def merge_heads(self, ids: Collection[int]) -> set[int]:
+        """Add ``ids`` to the card's list of shared heads; the whole list (``kvgate.heads``).
+
+        Every gateway on the card adds what it learned and reads what the
+        others did, so they all compute the same dialog marks.  The list only
+        grows; with no ``ids`` this only reads (an empty set if there is none).
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources and the claim; the card may be opened again."""

@@ -45,6 +45,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from typing import Callable, Iterator
 
 from kvgate.cards.base import (
@@ -87,6 +88,7 @@ from kvgate.cards.objectformat import (
     padded_size,
     parse_header,
 )
+from kvgate.heads import decode_ids, encode_ids
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
 
@@ -94,6 +96,7 @@ log = logging.getLogger("kvgate.cards.directory")
 
 LABEL_NAME = "kvgate-card.json"
 LOCK_NAME = "kvgate-card.lock"
+HEADS_NAME = "kvgate-heads"  # shared-head ids, little-endian u64s, appended under flock
 # struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK = struct.Struct("hhqqi4x")
 _HOLDER_MAX = 4096
@@ -887,6 +890,32 @@ class DirectoryCard(Card):
                     continue
                 deleted += is_object
         return deleted
+
+    def merge_heads(self, ids: Collection[int]) -> set[int]:
+        # Append-only under an exclusive flock: gateways on other hosts append
+        # too, and a crash mid-append loses at most the ids of that append.
+        path = os.path.join(self.location, HEADS_NAME)
+        try:
+            fd = os.open(path, (os.O_RDWR | os.O_CREAT if ids else os.O_RDONLY) | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            return set()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if ids else fcntl.LOCK_SH)
+            size = os.fstat(fd).st_size
+            raw = bytearray(size)
+            got = os.preadv(fd, [raw], 0) if size else 0
+            have = decode_ids(memoryview(raw)[:got])
+            missing = [i for i in ids if i not in have]
+            if missing:
+                whole = got - got % 8  # a torn tail is written over
+                data = encode_ids(missing)
+                _pwrite_all(fd, data, whole)
+                if whole + len(data) < size:
+                    os.ftruncate(fd, whole + len(data))
+                have.update(missing)
+            return have
+        finally:
+            os.close(fd)
 
     def read_rates(self) -> dict[str, float]:
         return {"cached_copy_bytes_per_second": self.cached_reads.copy_rate or 0.0,

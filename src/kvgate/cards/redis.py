@@ -88,6 +88,7 @@ import logging
 import time
 import uuid
 from contextlib import contextmanager
+from collections.abc import Collection
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -137,6 +138,7 @@ DELIVER_PIECE = 1 << 20
 LABEL_KEY = b"kvgate:card-label"
 PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
 LEASE_KEY = b"kvgate:card-lease"  # outside OBJECT_PREFIX too
+HEADS_KEY = b"kvgate:heads"  # a set of 8-byte shared-head ids; outside OBJECT_PREFIX too
 # Renewed every second by the health check: 15 missed renewals (a gateway
 # killed on another host, or cut off from the server) free the card.  A
 # gateway on this host that was killed frees it at once (its pid is dead).
@@ -474,6 +476,19 @@ class RedisCard(Card):
                     return
                 except rexc.WatchError:
                     continue  # another holder changed the lease meanwhile: look again
+
+    def merge_heads(self, ids: Collection[int]) -> set[int]:
+        with self._io():
+            if ids:
+                members = [i.to_bytes(8, "little") for i in ids]
+                with self._r.pipeline(transaction=False) as pipe:
+                    for start in range(0, len(members), 4096):
+                        pipe.sadd(HEADS_KEY, *members[start : start + 4096])
+                    pipe.smembers(HEADS_KEY)
+                    raw = pipe.execute()[-1]
+            else:
+                raw = self._r.smembers(HEADS_KEY)
+        return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:
         with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)

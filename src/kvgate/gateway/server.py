@@ -37,8 +37,10 @@ from kvgate import __version__
 from kvgate.cards import CardInUse, ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway import status as status_mod
+from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.connection import STAGE_BYTES, Connection, accept_loop, tcp_listeners, unix_listener
 from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
+from kvgate.heads import SharedHeads
 from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
@@ -65,6 +67,8 @@ from kvgate.protocol import (
     Hello,
     HelloReply,
     Lookup,
+    Mark,
+    MarkReply,
     Prewarm,
     Put,
     PutReply,
@@ -211,6 +215,8 @@ class Gateway:
         self.cfg = cfg
         self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
         self.store = TieredStore(cfg, self.pool)
+        self.heads = SharedHeads()
+        self.head_sync = HeadSync(self.heads, self.store.long)
         self.engine: EngineClaim | None = None
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
@@ -253,6 +259,10 @@ class Gateway:
             await self.store.start()
         except (LayoutMismatch, CardInUse) as e:
             raise StartupError(str(e)) from None
+        await self.head_sync.sync_once()  # marks as before a restart, from the first request on
+        if len(self.heads):
+            log.info("shared heads: %d blocks known from the cards", len(self.heads))
+        self._spawn(self.head_sync.run())
         os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
         try:
             unix = unix_listener(cfg.socket_path)
@@ -684,6 +694,9 @@ class Gateway:
         if isinstance(req, RegisterRegion):
             return await self._register(sess, req), None
         keys = self._full_keys(sess, req.keys)
+        if isinstance(req, Mark):
+            shared = self.heads.shared_prefix(keys)
+            return MarkReply(mark=req.keys[shared] if shared < len(keys) else None, shared=shared), None
         dialog = dialog_digest(req.dialog)
         if isinstance(req, Put):
             return await self._put(sess, req, keys, dialog, body), None
@@ -866,7 +879,7 @@ class Gateway:
         return {
             "gateway": {
                 "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
-                "fingerprint": st.long.fingerprint, "placement": self.cfg.key_placement,
+                "fingerprint": st.long.fingerprint, "placement": self.cfg.key_placement, "storage_slots": st.long.slots,
                 "socket": self.cfg.socket_path, "port": self.tcp_port, "sessions": len(self.sessions),
                 "connections": sum(lim.open for lim in self.limits.values()),
                 "refused_connections": self.refused_connections, "engine": engine, "shared_storage": self.cfg.shared_storage,
@@ -880,6 +893,8 @@ class Gateway:
             "io_errors": st.long.io_errors,
             "oldest_io_age_s": max(self.pool.oldest_age(), st.long.oldest_io_age()),
             "cards": cards,
+            "shared_heads": {"blocks": len(self.heads), "learned": self.heads.learned,
+                             "sync_rounds": self.head_sync.rounds, "sync_errors": self.head_sync.errors},
         }
 
 

@@ -99,6 +99,13 @@ class _SnapshotCollector:
             for card in s["cards"]:
                 m.add_metric([card["serial"] or card["location"]], card[name])
             yield m
+        heads = s["shared_heads"]
+        yield GaugeMetricFamily("kvgate_shared_head_blocks", "blocks known as shared heads (system prompts) "
+                                "on this gateway's cards", value=heads["blocks"])
+        yield CounterMetricFamily("kvgate_shared_head_blocks_learned", "shared-head blocks this gateway found itself",
+                                  value=heads["learned"])
+        yield CounterMetricFamily("kvgate_shared_head_sync_errors", "card exchanges of the shared heads that failed",
+                                  value=heads["sync_errors"])
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")
         info.add_metric([], {"fingerprint": s["gateway"]["fingerprint"]})
         yield info

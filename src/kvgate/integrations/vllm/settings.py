@@ -64,7 +64,7 @@ class TierSettings:
     target: str  # a socket path or host:port, as Client.connect takes it
     token: str | None = None
     namespace: str | None = None  # None: derived from the model config
-    affinity_chunks: int = 1
+    affinity_chunks: int | None = None  # None: the gateway's mark, past any shared head
     refuse_unsalted: bool = False
     skip_unsalted: bool = False
     retention: str = "long"
@@ -79,7 +79,7 @@ class TierSettings:
 
     @classmethod
     def build(cls, *, socket: str | None = None, address: str | None = None, token_file: str | None = None,
-              namespace: str | None = None, affinity_chunks: Any = 1, refuse_unsalted: Any = False,
+              namespace: str | None = None, affinity_chunks: Any = None, refuse_unsalted: Any = False,
               skip_unsalted: Any = False, retention: Any = "long", connect_timeout: Any = 2.0,
               io_timeout: Any = 10.0, lookup_timeout: Any = 2.0) -> "TierSettings":
         if bool(socket) == bool(address):
@@ -103,12 +103,15 @@ class TierSettings:
             if not isinstance(namespace, str) or not namespace or len(namespace.encode()) > 255:
                 raise ConfigError(f"kvgate.namespace: expected a non-empty string of at most 255 bytes, "
                                   f"got {namespace!r}")
-        try:
-            affinity = int(affinity_chunks)
-        except (TypeError, ValueError):
-            raise ConfigError(f"kvgate.affinity_chunks: expected an integer >= 1, got {affinity_chunks!r}") from None
-        if affinity < 1 or isinstance(affinity_chunks, bool):
-            raise ConfigError(f"kvgate.affinity_chunks: expected an integer >= 1, got {affinity_chunks!r}")
+        affinity: int | None = None
+        if affinity_chunks is not None and affinity_chunks != "auto":
+            expected = f"kvgate.affinity_chunks: expected an integer >= 1 (or \"auto\"), got {affinity_chunks!r}"
+            try:
+                affinity = int(affinity_chunks)
+            except (TypeError, ValueError):
+                raise ConfigError(expected) from None
+            if affinity < 1 or isinstance(affinity_chunks, bool):
+                raise ConfigError(expected)
         timeouts = []
         for name, value in (("kvgate.connect_timeout", connect_timeout), ("kvgate.io_timeout", io_timeout),
                             ("kvgate.lookup_timeout", lookup_timeout)):

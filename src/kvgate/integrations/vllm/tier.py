@@ -22,13 +22,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from kvgate.client import Client, GatewayError
+from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
 from kvgate.integrations.vllm.settings import (
     TierSettings,
     chunk_runs,
@@ -62,6 +62,12 @@ class _ReqState:
     enabled: bool  # False: this request is neither looked up nor stored (unsalted, switched off)
     mark: bytes | None = None
     mark_known: bool = False
+    # Gateway marks (affinity_chunks not set): the prompt's leading (key, end token) pairs of
+    # the first KV group, taken on the scheduler thread; the DialogMark, asked for once by
+    # whichever I/O thread needs it first (every thread would get the same answer).
+    leading: list[tuple[bytes, int]] | None = None
+    dialog: DialogMark | None = None
+    shared_tokens: int = 0  # tokens covered by the shared head: chunks ending at or before it are heads
 
 
 class _RateLimitedLog:
@@ -196,7 +202,8 @@ class KvgateTier(SecondaryTierManager):
 
     Keyword arguments (the entry's other keys): ``socket`` or ``address``
     (host:port), ``token_file``, ``namespace`` (derived from the model config
-    when absent), ``affinity_chunks`` (1), ``refuse_unsalted``,
+    when absent), ``affinity_chunks`` (unset: the gateway's mark, taken past
+    any prompt head shared by many requests), ``refuse_unsalted``,
     ``skip_unsalted``, ``retention`` (default per request: long),
     ``connect_timeout``, ``io_timeout`` (stores, loads), ``lookup_timeout``
     (seconds; a lookup not answered in time is a miss).
@@ -215,7 +222,7 @@ class KvgateTier(SecondaryTierManager):
         address: str | None = None,
         token_file: str | None = None,
         namespace: str | None = None,
-        affinity_chunks: int = 1,
+        affinity_chunks: int | str | None = None,
         refuse_unsalted: bool = False,
         skip_unsalted: bool = False,
         retention: str = "long",
@@ -248,10 +255,10 @@ class KvgateTier(SecondaryTierManager):
         self.salt_detection: bool = info.salt_detection
         self._tokens_per_chunk: dict[int, int] = info.tokens_per_chunk
         self._log = _RateLimitedLog()
-        logger.info("kvgate tier: gateway %s, namespace %r%s, affinity_chunks=%d, default retention %s%s",
+        logger.info("kvgate tier: gateway %s, namespace %r%s, affinity_chunks=%s, default retention %s%s",
                     self.settings.target, self.namespace,
                     "" if self.settings.namespace else " (derived from the model config)",
-                    self.settings.affinity_chunks, self.settings.retention,
+                    self.settings.affinity_chunks or "auto (the gateway's mark)", self.settings.retention,
                     ", salted requests only" if self.settings.salted_only else "")
         if not self.settings.namespace:
             logger.info("kvgate tier: namespace inputs %s", info.namespace_description)
@@ -312,7 +319,12 @@ class KvgateTier(SecondaryTierManager):
         return st
 
     def _mark(self, ctx: ReqContext, st: _ReqState) -> bytes | None:
-        """The request's dialog mark: a digest of its first ``affinity_chunks`` chunk keys (fixed once known)."""
+        """Fix what the request's dialog mark comes from (scheduler thread, once per request).
+
+        With ``affinity_chunks`` set: a digest of that many first chunk keys.
+        Otherwise the gateway's mark (``_dialog``), from the leading keys
+        taken here; this returns None and the I/O threads ask the gateway.
+        """
         if st.mark_known:
             return st.mark
         positions = getattr(ctx, "_offload_key_positions", None)
@@ -321,10 +333,47 @@ class KvgateTier(SecondaryTierManager):
         by_group: dict[int, list[tuple[bytes, int]]] = {}
         for key, end_token in positions.items():
             by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append((bytes(key), end_token))
-        first = first_chunk_keys(by_group[min(by_group)], self.settings.affinity_chunks)
-        st.mark = dialog_mark(first)
+        first = by_group[min(by_group)]
+        if self.settings.affinity_chunks is not None:
+            st.mark = dialog_mark(first_chunk_keys(first, self.settings.affinity_chunks))
+        else:
+            st.leading = sorted(first, key=lambda kv: kv[1])[:MARK_KEYS]
         st.mark_known = True
         return st.mark
+
+    def _dialog(self, st: _ReqState | None, client: Client) -> DialogMark:
+        """The request's DialogMark (I/O threads): fixed by affinity_chunks, or asked of the gateway once."""
+        if st is None:
+            return DialogMark(None, 0)
+        if st.leading is None:
+            return DialogMark(st.mark, 0)
+        dm = st.dialog
+        if dm is None:
+            try:
+                dm = client.dialog_mark([k for k, _ in st.leading])
+            except GatewayError as e:
+                if e.code != "UNKNOWN_OP":
+                    raise
+                # A gateway from before dialog_mark: the first chunk marks the dialog, as it used to.
+                self._log.warning("no-marks", "kvgate: the gateway has no dialog_mark (an older version): dialog "
+                                  "marks come from the first chunk; upgrade the gateway")
+                dm = DialogMark(dialog_mark([st.leading[0][0]]), 0)
+            st.shared_tokens = st.leading[dm.shared - 1][1] if dm.shared else 0
+            st.dialog = dm
+        return dm
+
+    @staticmethod
+    def _runs(st: _ReqState | None, dm: DialogMark, end_tokens: Sequence[int | None]) -> list[tuple[int, int, bytes | None]]:
+        """Split a batch into runs of one dialog: chunks inside the shared head go without one."""
+        shared = st.shared_tokens if st is not None else 0
+        runs: list[tuple[int, int, bytes | None]] = []
+        for i, end in enumerate(end_tokens):
+            dialog = None if (shared and end is not None and 0 < end <= shared) else dm.mark
+            if runs and runs[-1][2] == dialog and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1, dialog)
+            else:
+                runs.append((i, i + 1, dialog))
+        return runs
 
     def _position(self, ctx: ReqContext, key: OffloadKey) -> int:
         end = ctx.get_offload_key_position(key)
@@ -371,7 +420,9 @@ class KvgateTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         # Everything read from the (scheduler-owned) request context is resolved here.
         job_metadata.keys = keys
-        setattr(job_metadata, "_kvgate", (st.retention, self._mark(ctx, st), [self._position(ctx, k) for k in keys]))
+        self._mark(ctx, st)
+        ends = [ctx.get_offload_key_position(k) for k in keys]
+        setattr(job_metadata, "_kvgate", (st, [self._position(ctx, k) for k in keys], ends))
         self._store_q.put(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -381,7 +432,8 @@ class KvgateTier(SecondaryTierManager):
         job_metadata.keys = keys
         self._load_keys[job_metadata.job_id] = keys
         self._job_started()
-        setattr(job_metadata, "_kvgate", (st.retention, self._mark(ctx, st), None))
+        self._mark(ctx, st)
+        setattr(job_metadata, "_kvgate", (st, None, [ctx.get_offload_key_position(k) for k in keys]))
         self._load_q.put(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -450,11 +502,15 @@ class KvgateTier(SecondaryTierManager):
 
     def _batch_exists(self, keys: list[OffloadKey], ctx: ReqContext) -> list[bool]:
         st = ctx.get_state(_ReqState)
-        dialog = st.mark if st is not None else None
         self.counters["lookups"] += len(keys)
         try:
             client = self._lookup_conn.get()
-            present = client.exists_many([bytes(k) for k in keys], dialog=dialog)
+            dm = self._dialog(st, client)
+            ends = [ctx.get_offload_key_position(k) for k in keys] if st is not None and st.shared_tokens else \
+                [None] * len(keys)
+            present = []
+            for start, end, dialog in self._runs(st, dm, ends):
+                present += client.exists_many([bytes(k) for k in keys[start:end]], dialog=dialog)
         except GatewayDown:
             return [False] * len(keys)
         except Exception as e:
@@ -515,7 +571,7 @@ class KvgateTier(SecondaryTierManager):
                 pass
 
     def _run_store(self, job: TransferJob, conn: _Connection) -> JobResult:
-        retention, dialog, positions = getattr(job, "_kvgate")
+        st, positions, ends = getattr(job, "_kvgate")
         keys = [bytes(k) for k in job.keys]
         t0 = time.monotonic()
         if self._aborted:
@@ -525,10 +581,13 @@ class KvgateTier(SecondaryTierManager):
         ok = 0
         try:
             client = conn.get()
-            for start, end, pos in chunk_runs(positions):
-                stored = client.put_many(keys[start:end], rows[start:end], retention=retention, dialog=dialog,
-                                         position=pos)
-                ok += sum(1 for s in stored if s)
+            dm = self._dialog(st, client)
+            for d_start, d_end, dialog in self._runs(st, dm, ends):
+                for start, end, pos in chunk_runs(positions[d_start:d_end]):
+                    start, end = start + d_start, end + d_start
+                    stored = client.put_many(keys[start:end], rows[start:end], retention=st.retention,
+                                             dialog=dialog, position=pos)
+                    ok += sum(1 for s in stored if s)
         except GatewayDown:
             pass
         except Exception as e:
@@ -544,7 +603,7 @@ class KvgateTier(SecondaryTierManager):
                          transfer_bytes=ok * self.block_size_bytes)
 
     def _run_load(self, job: TransferJob, conn: _Connection) -> JobResult:
-        _retention, dialog, _ = getattr(job, "_kvgate")
+        st, _, ends = getattr(job, "_kvgate")
         keys = list(job.keys)
         t0 = time.monotonic()
         if self._aborted:
@@ -553,9 +612,12 @@ class KvgateTier(SecondaryTierManager):
         good: list[OffloadKey] = []
         try:
             client = conn.get()
-            got = client.get_many([bytes(k) for k in keys], into=rows, dialog=dialog)
-            sizes = [None if g is None else g.nbytes for g in got]
-            got = None  # drop the views of the CPU tier that get_many returned
+            dm = self._dialog(st, client)
+            sizes: list[int | None] = []
+            for start, end, dialog in self._runs(st, dm, ends):
+                got = client.get_many([bytes(k) for k in keys[start:end]], into=rows[start:end], dialog=dialog)
+                sizes += [None if g is None else g.nbytes for g in got]
+                got = None  # drop the views of the CPU tier that get_many returned
             for k, size, row in zip(keys, sizes, rows):
                 if size is not None and size == row.nbytes:
                     good.append(k)

@@ -1,0 +1,76 @@
+"""Keeps the gateway's shared heads (``kvgate.heads``) and its cards' lists in step.
+
+Every ``PERIOD_S`` the heads learned here since the last round go to every
+active card (``Card.merge_heads``), and what the cards hold comes back; a
+card that missed a round (out of service, a failed write) gets the whole set
+once it is back.  Before the gateway listens, one round reads the cards, so
+a restarted gateway answers with the marks it gave before.
+
+Runs on the loop; the card I/O runs on each card's threads with its
+deadline.  A failure here never takes a card out of service: the list is
+small and a round later is soon enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kvgate.heads import SharedHeads
+from kvgate.tiers.long import CardState, LongTier
+
+log = logging.getLogger("kvgate.heads")
+
+PERIOD_S = 2.0
+
+
+class HeadSync:
+    def __init__(self, heads: SharedHeads, long: LongTier) -> None:
+        self.heads = heads
+        self.long = long
+        self.rounds = 0
+        self.errors = 0
+        self._behind: set[str] = set()  # card serials that missed a round
+        self._synced: set[str] = set()  # card serials that have had the whole set once
+
+    async def sync_once(self) -> None:
+        new = self.heads.take_new()
+        cards = [cs for cs in self.long.cards if cs.active and cs.serial]
+        results = await asyncio.gather(*(self._one(cs, new) for cs in cards), return_exceptions=True)
+        missed = False
+        for cs, r in zip(cards, results):
+            if isinstance(r, BaseException):
+                if not isinstance(r, (OSError, asyncio.TimeoutError)):
+                    log.exception("shared heads: sync with card %s failed", cs.where, exc_info=r)
+                self.errors += 1
+                missed = True
+                self._behind.add(cs.serial or "")
+                log.debug("shared heads: card %s missed a round: %s", cs.where, r)
+                continue
+            self._behind.discard(cs.serial or "")
+            self._synced.add(cs.serial or "")
+            self.heads.merge(r)
+        if missed or not cards:
+            self.heads.put_back(new)
+        self.rounds += 1
+
+    async def _one(self, cs: CardState, new: set[int]) -> set[int]:
+        serial = cs.serial or ""
+        if serial in self._behind or serial not in self._synced:
+            new = self.heads.all()
+        if cs.read_only:
+            new = set()
+        return await cs.io.run(cs.card.merge_heads, new)
+
+    async def run(self) -> None:
+        next_round = time.monotonic()
+        while True:
+            next_round += PERIOD_S
+            await asyncio.sleep(max(0.0, next_round - time.monotonic()))
+            try:
+                await self.sync_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                log.exception("shared heads: a sync round failed")

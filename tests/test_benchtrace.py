@@ -5,9 +5,9 @@ of the same policy: the gateway's figure must equal the model of its own
 cards (the policy per card, with the marks the gateway gave and its card
 map) and come close to one pool of the whole capacity.  Why the two can
 differ at all: the capacity is split over the cards and each card evicts on
-its own, the gateway's marks need not be the emulated ones (which only
-change where a block lands under lru), and the gateway evicts after each
-write where the simulation evicts after each request.
+its own (the conversations do not spread evenly), and the gateway evicts
+after each write where the simulation evicts after each request.  The marks
+are the same: the replay computes them with the gateway's ``SharedHeads``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from kvgate.benchtrace import (
     Capacity,
     TraceError,
     TraceRequest,
-    emulated_marks,
     expected_payload,
     infinite_cache,
     load_trace,
     replay_policies,
     simulate,
+    trace_marks,
     unique_blocks,
     verify_blocks,
     with_shared_head,
@@ -82,22 +82,32 @@ def test_replay_policies_bounds_and_shared_head() -> None:
     assert replay_policies(reqs, 1, ["lru"]) == {"lru": 0.0}
     # prefix keeps a whole dialog's head: request 1's tail goes first, block 1 stays for request 2
     assert replay_policies(reqs, 1, ["prefix"])["prefix"] > 0
-    # shared heads are stored with no dialog, the rest under the first block after them
+    # the policies over a trace with a shared head (learnt by the marks after 3 conversations)
     head = with_shared_head([TraceRequest(tuple(r)) for r in reqs], 3)
-    assert emulated_marks(head, 3)[2] == (3, b"blk-1") and emulated_marks([[4]], 3) == [(1, None)]
+    hits, total = infinite_cache(head)
+    shares = {p: [replay_policies(head, cap, [p])[p] for cap in (3, 4, 5, 6, 8, 100)] for p in ("prefix", "lru")}
+    for policy, figures in shares.items():
+        assert figures == sorted(figures) and figures[-1] == hits / total  # more room never restored less, here
+    # room for the head alone: lru keeps each request's last blocks and restores nothing; prefix cuts every
+    # dialog from its tail, so the head (one conversation's start while it is not known as shared) stays
+    assert shares["lru"][0] == 0.0 and shares["prefix"][0] == 3 * 5 / total
+
+
+def test_marks_learn_a_shared_head_as_the_gateway_does() -> None:
+    reqs = with_shared_head([TraceRequest(r) for r in ((1, 2), (3, 4), (5, 6), (7, 8), (9, 10, 11))], 3)
+    assert reqs[0].ids == (12, 13, 14, 1, 2)
+    # the head is one conversation's until a third one branches off it; then the mark is past it
+    assert trace_marks(reqs) == [(0, b"blk-12"), (0, b"blk-12"), (3, b"blk-5"), (3, b"blk-7"), (3, b"blk-9")]
+    assert trace_marks([(12, 13, 14)] * 1 + [r.ids for r in reqs[1:]])[0] == (0, b"blk-12")
     placed: list = []
-    simulate(head, emulated_marks(head, 3), "lru", [100], card_of=lambda b, m: placed.append((b, m)) or 0)
-    assert placed[:4] == [(8, None), (9, None), (10, None), (1, b"blk-1")]
-    # more room never restores less, here
-    for policy in ("prefix", "lru"):
-        shares = [replay_policies(head, cap, [policy], shared_head=3)[policy] for cap in (3, 4, 5, 6, 8, 100)]
-        assert shares == sorted(shares) and shares[0] == 0.0
-        assert shares[-1] == infinite_cache(head)[0] / infinite_cache(head)[1]
+    simulate(reqs, trace_marks(reqs), "lru", [100], card_of=lambda b, m: placed.append((b, m)) or 0)
+    assert placed[:5] == [(12, b"blk-12"), (13, b"blk-12"), (14, b"blk-12"), (1, b"blk-12"), (2, b"blk-12")]
+    assert (5, b"blk-5") in placed and (12, None) not in placed  # the head was stored before it was known
 
 
 def test_simulate_places_blocks_on_cards_and_counts_residents() -> None:
     reqs = [[1, 2, 3], [4, 5], [1, 2, 3, 9]]
-    marks = emulated_marks(reqs)
+    marks = trace_marks(reqs)
     assert marks[0] == (0, b"blk-1")
     sim = simulate(reqs, marks, "lru", [10, 10], card_of=lambda b, m: 0 if m == b"blk-1" else 1)
     assert (sim.restored, sim.total, sim.resident) == (3, 9, [4, 2])
@@ -237,8 +247,8 @@ def test_short_replay_matches_the_in_process_figure(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "kvgate", "bench", "--trace", str(TRACE), "--requests", "200", "--cards", "2",
-           "--block-size", "4K", "--policies", "lru", "--capacity", "10%", "--threads", "2", "--json",
-           "--dir", str(workdir)]
+           "--block-size", "4K", "--policies", "lru", "--capacity", "10%", "--threads", "2", "--speedup", "8",
+           "--json", "--dir", str(workdir)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -249,6 +259,8 @@ def test_short_replay_matches_the_in_process_figure(tmp_path: Path) -> None:
     assert gw["blocks"] == total and result["trace"]["infinite_cache"]["restored_blocks"] == hits
     assert 0 < gw["restored_blocks"] <= hits
     assert gw["restore_bytes"] == gw["restored_blocks"] * 4096 and gw["restore_gib_s"] > 0
+    assert gw["replay_s"] >= reqs[-1].timestamp_ms / 1000 / 8  # paced: the trace's 58.5 s at 8x
+    assert gw["marks_as_in_process"] == gw["requests"] == 200  # the gateway's dialog marks are the computed ones
     # The gateway against the model of its own two cards: the same policy, marks and card map, so the same blocks.
     assert gw["restored_blocks"] == pytest.approx(gw["model"]["restored_blocks"], abs=2)
     assert [c["objects"] for c in gw["cards"]] == gw["model"]["objects_per_card"]

@@ -56,10 +56,12 @@ import numpy as np
 from kvgate.bench import BenchError, GatewayProcess, ShmRegion, _drive, _fmt_size
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.client import Client
-from kvgate.config import parse_size
+from kvgate.config import Config, parse_size
+from kvgate.heads import SharedHeads
 from kvgate.keys import NO_DIALOG, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
 from kvgate.tiers.eviction import LONG, POLICIES, make_policy
+from kvgate.tiers.long import default_slots
 
 NAMESPACE = "kvgate-bench-trace"
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces (not used in any figure; for the record)
@@ -68,7 +70,6 @@ DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 DEFAULT_CARDS = 4
 DEFAULT_BLOCK_SIZE = 16 << 10
 MAX_BLOCK_SIZE = 16 << 20
-SLOTS_PER_CARD = 16  # the README's recommendation: with one slot per card the shares are far from even
 GIB = float(1 << 30)
 
 # Flags that only mean something with --trace: their defaults are None (or False), so a stray one is an error.
@@ -197,9 +198,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         "every conversation) (default 0)")
     g.add_argument("--policies", type=_policies_arg, metavar="P,P",
                    help=f"the gateway's --eviction-policy values to compare (default {','.join(DEFAULT_POLICIES)})")
+    caps = ",".join(DEFAULT_CAPACITIES).replace("%", "%%")  # argparse formats help with %
     g.add_argument("--capacity", type=_capacities_arg, metavar="C,C",
                    help="cache size over all cards, split evenly: shares of the replayed requests' distinct blocks x "
-                        f"--block-size (5%%), or sizes (64M) (default {','.join(c.replace('%', '%%') for c in DEFAULT_CAPACITIES)})")
+                        f"--block-size (5%%), or sizes (64M) (default {caps})")
     g.add_argument("--block-size", type=_block_size_arg, metavar="SIZE",
                    help="bytes stored per block: small, so a replay is quick (default 16K)")
     g.add_argument("--ram", type=_ram_arg, metavar="SIZE",
@@ -398,13 +400,16 @@ def verify_blocks(got: np.ndarray, ids: Sequence[int], block_size: int, want: np
 Mark = tuple[int, "bytes | None"]  # (shared head keys, the conversation's mark)
 
 
-def emulated_marks(requests: Iterable[Any], shared_head: int = 0) -> list[Mark]:
-    """The marks an engine would give without a gateway to ask: the first ``shared_head`` keys are shared
-    heads, the mark is the first key after them (as vLLM's tier marks by the first chunk)."""
+def trace_marks(requests: Iterable[Any], namespace: str = NAMESPACE) -> list[Mark]:
+    """(shared, mark) per request as a fresh gateway answers ``dialog_mark``, computed here: the same
+    ``SharedHeads`` learns the shared heads from the prompts in order, and the mark is the first key past them."""
+    heads = SharedHeads()
+    ns = encode_namespace(namespace)
     out: list[Mark] = []
     for ids in _ids_of(requests):
-        shared = min(shared_head, len(ids))
-        out.append((shared, block_key(ids[shared]) if shared < len(ids) else None))
+        keys = [block_key(b) for b in ids]
+        shared = heads.shared_prefix([full_key(ns, k) for k in keys])
+        out.append((shared, keys[shared] if shared < len(keys) else None))
     return out
 
 
@@ -490,16 +495,15 @@ def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, c
     return Simulated(restored, total, [len(p) for p in policies])
 
 
-def replay_policies(requests: Iterable[Any], capacity_blocks: int, policy_names: Iterable[str], *,
-                    shared_head: int = 0) -> dict[str, float]:
+def replay_policies(requests: Iterable[Any], capacity_blocks: int, policy_names: Iterable[str]) -> dict[str, float]:
     """Share of all blocks each policy restores with one pool of ``capacity_blocks`` blocks, in process.
 
-    ``requests``: ``TraceRequest``s or lists of block ids.  Marks are the
-    emulated ones (``emulated_marks``): the first ``shared_head`` blocks of
-    each request are shared heads.  No gateway, no cards: the policies alone.
+    ``requests``: ``TraceRequest``s or lists of block ids (a shared head
+    already in front, see ``with_shared_head``).  Marks are the ones a
+    gateway gives (``trace_marks``).  No gateway, no cards: the policies alone.
     """
     reqs = _ids_of(requests)
-    marks = emulated_marks(reqs, shared_head)
+    marks = trace_marks(reqs)
     return {name: simulate(reqs, marks, name, [capacity_blocks]).share for name in policy_names}
 
 
@@ -539,6 +543,7 @@ class TraceBench:
         self.client: Client | None = None
         self.ns = encode_namespace(NAMESPACE)
         self.max_len = max(len(r.ids) for r in requests)
+        self.expected_marks = trace_marks(requests)  # what a fresh gateway should answer, for the record
 
     def start(self) -> None:
         o = self.opts
@@ -554,8 +559,7 @@ class TraceBench:
             r.gateway = GatewayProcess(
                 f"{i}-{r.policy}", self.workdir, self.sockdir, max_bytes=o.ram, threads=o.threads,
                 card_capacity=r.card_capacity, cards=o.cards,
-                extra=["--eviction-policy", r.policy, "--storage-slots", str(SLOTS_PER_CARD * o.cards),
-                       "--key-placement", "dialog", "--shared-memory-size", "1M"])
+                extra=["--eviction-policy", r.policy, "--key-placement", "dialog", "--shared-memory-size", "1M"])
         for r in self.runs:  # all at once: their imports overlap
             assert r.gateway is not None
             r.gateway.start()
@@ -691,10 +695,10 @@ class TraceBench:
             raise BenchError(f"the gateway's stats name {sum(map(bool, serials))} of {o.cards} cards")
         # Which card holds each conversation.  The gateway does not say where a mark lives, so it is computed
         # the way the gateway computes it: the slot of the mark's digest under dialog placement, over a SlotMap
-        # of the card serials its stats report, with the --storage-slots it was started with.  Shared heads
+        # of the card serials its stats report, with the default storage_slots it runs with.  Shared heads
         # (no dialog) are placed by their own key.  The model below runs every block through this same map, and
         # its blocks per card matching the objects per card the gateway reports is what checks it.
-        slot_map = SlotMap(serials, SLOTS_PER_CARD * o.cards)
+        slot_map = SlotMap(serials, default_slots(Config(), o.cards))
         card_index = {s: i for i, s in enumerate(serials)}
 
         def card_of(block_id: int, mark: bytes | None) -> int:
@@ -716,11 +720,13 @@ class TraceBench:
             cd["model_objects"] = resident
         return {
             "restored_blocks": m["restored"], "blocks": m["total"],
+            "marks_as_in_process": sum(a == b for a, b in zip(marks, self.expected_marks)),
             "puts_refused": m["puts_refused"],
             "restore_bytes": m["get_bytes"], "restore_s": m["get_s"],
             "restore_gib_s": m["get_bytes"] / m["get_s"] / GIB if m["get_s"] > 0 else None,
             "replay_s": m["elapsed"],
             "conversations": n_convs,
+            "requests": len(marks),
             "cards": cards,
             "model": {"restored_blocks": model.restored, "share_of_all": model.share,
                       "objects_per_card": model.resident},
@@ -781,7 +787,7 @@ def run_trace_bench(args: argparse.Namespace) -> int:
         print(f"kvgate bench: {e}", file=sys.stderr)
         return 2
     # The policies alone, one pool of the whole capacity: cheap, so always there beside the gateway's figure.
-    marks = emulated_marks(requests, opts.shared_head)
+    marks = trace_marks(requests)
     cards = 1 if opts.in_process else opts.cards
     in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, r.policy, [r.blocks_per_card * cards],
                                                         block_size=opts.block_size)
@@ -816,7 +822,7 @@ def run_trace_bench(args: argparse.Namespace) -> int:
                   "block_tokens": BLOCK_TOKENS, "infinite_cache": _figure_row(inf_hits, blocks, inf_hits)},
         "config": {"policies": opts.policies, "capacities": [c.spec for c in opts.capacities],
                    "cards": None if opts.in_process else opts.cards,
-                   "slots": None if opts.in_process else SLOTS_PER_CARD * opts.cards,
+                   "slots": None if opts.in_process else default_slots(Config(), opts.cards),
                    "block_size": opts.block_size, "ram": None if opts.in_process else opts.ram,
                    "speedup": opts.speedup, "in_process": opts.in_process, "threads": opts.threads,
                    "cores": os.cpu_count(), "python": sys.version.split()[0]},
@@ -843,12 +849,12 @@ def _notes(result: dict[str, Any]) -> list[str]:
     notes = []
     if cfg["in_process"]:
         notes.append("In process: the eviction policies alone, one pool of the whole capacity (no cards, no "
-                     "gateway); a conversation's mark is its first block after the shared head.")
+                     "gateway), with the dialog marks a gateway gives (shared heads learned the same way).")
         return notes
     notes.append(f"Marks come from the gateway's dialog_mark; placement is dialog over {cfg['slots']} slots; "
                  f"RAM tier {_fmt_size(cfg['ram']) if cfg['ram'] else 'off'}. 'in process' is the same policy "
-                 "with one pool of the whole capacity and marks that take the first block after --shared-head; "
-                 "'model' is the policy per card with the gateway's marks and card map.")
+                 "with one pool of the whole capacity; 'model' is the policy per card with the gateway's marks and "
+                 "card map.")
     for row in result["runs"]:
         gw = row.get("gateway")
         if gw is None:
@@ -857,6 +863,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
         if abs(gap) > MODEL_TOLERANCE and not cfg["ram"]:
             notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway restored {gap:+.1%} of all blocks "
                          "against the model of its own cards.")
+        if gw["marks_as_in_process"] != gw["requests"]:
+            notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway's dialog marks differ from the "
+                         f"in-process ones for {gw['conversations_requests'] - gw['marks_as_in_process']} requests.")
         if gw["puts_refused"]:
             notes.append(f"{row['policy']} {row['capacity']['spec']}: {gw['puts_refused']} blocks were not stored "
                          "(evicted by their own put: a request longer than a card).")
@@ -951,6 +960,6 @@ def _plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["Capacity", "TraceRequest", "add_trace_arguments", "emulated_marks", "expected_payload", "infinite_cache",
+__all__ = ["Capacity", "TraceRequest", "add_trace_arguments", "trace_marks", "expected_payload", "infinite_cache",
            "load_trace", "replay_policies", "run_trace_bench", "simulate", "verify_blocks", "wants_trace",
            "with_shared_head"]

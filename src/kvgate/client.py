@@ -824,13 +824,14 @@ class Client:
         system prompt) and learns such heads from the prompts it is shown, so
         call it once per request with the request's keys, and use the result
         for every put, get and lookup of that request (``DialogMark.spans``
-        splits a batch).  Every gateway on the same cards gives the same
+        splits a batch into runs of one dialog: the shared head's segments,
+        then the conversation).  Every gateway on the same cards gives the same
         answer for the same keys.
         """
         msg = Mark(keys=_check_keys(keys))
         with self._lock:
             reply, _ = self._call_locked(msg)
-        return DialogMark(reply.mark, reply.shared)
+        return DialogMark(reply.mark, reply.shared, [(p, msg.keys[p]) for p in reply.heads])
 
     def stats(self) -> dict:
         with self._lock:

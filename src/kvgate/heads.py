@@ -22,8 +22,9 @@ cards converge within one sync period and a restarted gateway starts from
 what the cards hold.  While two gateways disagree, a lookup may miss a
 block stored under the other mark: a recompute, never a wrong byte.
 
-Identities are 64-bit hashes of full keys (namespace included): heads of
-one namespace never shape another's marks.
+Identities are 63-bit hashes of full keys (namespace included): heads of
+one namespace never shape another's marks.  On a card each is a u64; the
+top bit set marks a branch point.
 """
 
 from __future__ import annotations
@@ -44,12 +45,22 @@ MAX_PARENTS = 1 << 16  # blocks whose next blocks are being counted (least recen
 MAX_HEADS = 1 << 16  # shared-head identities kept (8 bytes each on a card); full: learning stops
 
 
+_BRANCH = 1 << 63  # on a card, an id with this bit set marks its block as a branch point
+_ID_MASK = _BRANCH - 1
+
+
 def block_id(full_key: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(full_key)
+    return xxhash.xxh3_64_intdigest(full_key) & _ID_MASK
 
 
 class SharedHeads:
     """The shared-head set of one gateway, and what it learns from the prompts it sees.
+
+    A shared prefix is cut into *segments* at its branch points: a system
+    prompt, then a document several conversations ask about, each its own
+    segment.  A segment is stored as one dialog (its mark: its first key),
+    so eviction cuts it from its tail like any dialog and every gateway
+    finds it on one card; the branch points travel with the heads.
 
     Loop only (no locks): ``shared_prefix`` is called for every ``dialog_mark``
     request, ``merge``/``take_new`` by the card sync.
@@ -59,7 +70,8 @@ class SharedHeads:
         self.max_heads = max_heads
         self.max_parents = max_parents
         self._heads: set[int] = set()
-        self._new: set[int] = set()  # learned here, not yet on the cards
+        self._branches: set[int] = set()
+        self._new: set[int] = set()  # learned here, not yet on the cards (branch points flagged)
         self._children: OrderedDict[int, set[int]] = OrderedDict()
         self._full_logged = False
         self.learned = 0  # heads this gateway found itself (a counter for status)
@@ -70,8 +82,8 @@ class SharedHeads:
     def __contains__(self, ident: object) -> bool:
         return ident in self._heads
 
-    def shared_prefix(self, full_keys: Sequence[bytes]) -> int:
-        """How many leading keys are shared heads, after learning from this prompt."""
+    def shared_prefix(self, full_keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(how many leading keys are shared heads, where their segments start), after learning from this prompt."""
         ids = [block_id(k) for k in full_keys[:DEPTH]]
         heads = self._heads
         shared = 0
@@ -92,11 +104,14 @@ class SharedHeads:
                 for i in ids[shared : j + 1]:
                     children.pop(i, None)
                 shared = j + 1
-        return shared
+        branches = self._branches
+        starts = [j for j in range(shared) if j == 0 or ids[j - 1] in branches]
+        return shared, starts
 
     def _learn(self, ids: list[int]) -> bool:
+        """``ids`` become heads; the last of them is a branch point."""
         fresh = [i for i in ids if i not in self._heads]
-        if len(self._heads) + len(fresh) > self.max_heads:
+        if len(self._heads) + len(fresh) + 1 > self.max_heads:
             if not self._full_logged:
                 log.warning("the shared-head set is full (%d blocks): no more heads are learned; dialog marks of "
                             "prompts with new shared heads start at their first block", self.max_heads)
@@ -104,20 +119,26 @@ class SharedHeads:
             return False
         self._heads.update(fresh)
         self._new.update(fresh)
+        if ids[-1] not in self._branches:
+            self._branches.add(ids[-1])
+            self._new.add(ids[-1] | _BRANCH)
         self.learned += len(fresh)
         return True
 
     def merge(self, ids: Iterable[int]) -> int:
-        """Add heads other gateways found (read from a card); returns how many were new here."""
+        """Add heads and branch points other gateways found (read from a card); returns how many heads were new."""
         before = len(self._heads)
         for i in ids:
-            if len(self._heads) >= self.max_heads:
+            if len(self._heads) + len(self._branches) >= self.max_heads:
                 break
-            self._heads.add(i)
+            if i & _BRANCH:
+                self._branches.add(i & _ID_MASK)
+            else:
+                self._heads.add(i)
         return len(self._heads) - before
 
     def take_new(self) -> set[int]:
-        """Heads learned here since the last call, for the cards (``put_back`` if that fails)."""
+        """What was learned here since the last call, as cards store it (``put_back`` if that fails)."""
         new, self._new = self._new, set()
         return new
 
@@ -125,7 +146,8 @@ class SharedHeads:
         self._new.update(ids)
 
     def all(self) -> set[int]:
-        return set(self._heads)
+        """Every head and branch point, as cards store them."""
+        return self._heads | {b | _BRANCH for b in self._branches}
 
 
 def encode_ids(ids: Iterable[int]) -> bytes:

@@ -11,6 +11,7 @@ and never meet.  The full key is what goes into each object's header; its
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -92,22 +93,36 @@ class DialogMark:
     ``mark``: the conversation's mark, the first key past the shared head;
     None when every key given is part of a shared head.  ``shared``: how many
     leading keys (positions ``0 .. shared-1``) belong to heads shared by many
-    dialogs, such as a system prompt: those are stored and looked up without
-    a dialog (each placed by its own key, so every gateway finds them); the
-    rest with ``mark``.
+    dialogs, such as a system prompt.  ``heads``: where those split into
+    segments (a system prompt, then a document many conversations ask
+    about), as ``(first position, mark)`` pairs, the first at position 0:
+    each segment is stored and looked up with its own mark, so every
+    conversation finds it, and the rest with ``mark``.
     """
 
-    __slots__ = ("mark", "shared")
+    __slots__ = ("mark", "shared", "heads")
 
-    def __init__(self, mark: bytes | None, shared: int):
+    def __init__(self, mark: bytes | None, shared: int, heads: Sequence[tuple[int, bytes]] = ()):
         if shared < 0:
             raise ValueError(f"shared must be >= 0, got {shared}")
+        heads = tuple((int(p), bytes(m)) for p, m in heads)
+        if shared and (not heads or heads[0][0] != 0 or any(
+                not a[0] < b[0] < shared for a, b in zip(heads, heads[1:]))):
+            raise ValueError(f"heads must start at 0 and rise below shared ({shared}): {heads!r}")
         self.mark = mark
         self.shared = shared
+        self.heads = heads if shared else ()
 
     def dialog_at(self, position: int) -> bytes | None:
         """The dialog to send with the key at ``position`` (-1: unknown, the conversation's)."""
-        return None if 0 <= position < self.shared else self.mark
+        if not 0 <= position < self.shared:
+            return self.mark
+        mark = self.heads[0][1]
+        for start, m in self.heads:
+            if start > position:
+                break
+            mark = m
+        return mark
 
     def spans(self, position: int, n: int) -> list[tuple[int, int, bytes | None]]:
         """Keys at positions ``position .. position+n-1`` as runs ``(start, end, dialog)``, relative to the batch."""
@@ -115,14 +130,21 @@ class DialogMark:
             return []
         if position < 0 or position >= self.shared:
             return [(0, n, self.mark)]
-        cut = min(n, self.shared - position)
-        return [(0, cut, None)] + ([(cut, n, self.mark)] if cut < n else [])
+        cuts = [p - position for p, _ in self.heads if position < p < position + n]
+        if position + n > self.shared:
+            cuts.append(self.shared - position)
+        runs, start = [], 0
+        for cut in cuts + [n]:
+            runs.append((start, cut, self.dialog_at(position + start)))
+            start = cut
+        return runs
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DialogMark) and (self.mark, self.shared) == (other.mark, other.shared)
+        return isinstance(other, DialogMark) and (self.mark, self.shared, self.heads) == (
+            other.mark, other.shared, other.heads)
 
     def __hash__(self) -> int:
-        return hash((self.mark, self.shared))
+        return hash((self.mark, self.shared, self.heads))
 
     def __repr__(self) -> str:
-        return f"DialogMark(mark={self.mark!r}, shared={self.shared})"
+        return f"DialogMark(mark={self.mark!r}, shared={self.shared}, heads={self.heads!r})"

@@ -183,6 +183,7 @@ class ExistsReply(_Msg, tag="exists_reply"):
 class MarkReply(_Msg, tag="mark_reply"):
     mark: bytes | None = None  # the first key past the shared head; None: every key given is shared
     shared: int = 0  # leading keys that are shared heads
+    heads: list[int] = []  # where the shared head's segments start (the first at 0); their marks are those keys
 
 
 class StatsReply(_Msg, tag="stats_reply"):

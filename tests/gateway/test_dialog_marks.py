@@ -63,7 +63,7 @@ def test_marks_agree_across_gateways_and_restarts_and_conversations_spread(gatew
         with a.client() as ca:
             for c in range(100, 120):
                 keys = conversation(c)
-                assert ca.dialog_mark(keys) == cb.dialog_mark(keys) == DialogMark(keys[HEAD], HEAD)
+                assert ca.dialog_mark(keys) == cb.dialog_mark(keys) == DialogMark(keys[HEAD], HEAD, [(0, keys[0])])
 
         # Conversations stored through b restore in full through a, each from its own card.
         marks = {c: cb.dialog_mark(conversation(c)) for c in range(200, 600)}
@@ -89,7 +89,7 @@ def test_marks_agree_across_gateways_and_restarts_and_conversations_spread(gatew
     a.stop()
     a.start()
     with a.client() as ca:
-        assert ca.dialog_mark(conversation(999)) == DialogMark(b"conv-999-0", HEAD)
+        assert ca.dialog_mark(conversation(999)) == DialogMark(b"conv-999-0", HEAD, [(0, b"sys-0")])
         for c, dm in list(marks.items())[:20]:
             assert ca.dialog_mark(conversation(c)) == dm
             assert restore(ca, conversation(c), dm) == HEAD + 2

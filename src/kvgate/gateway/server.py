@@ -695,8 +695,8 @@ class Gateway:
             return await self._register(sess, req), None
         keys = self._full_keys(sess, req.keys)
         if isinstance(req, Mark):
-            shared = self.heads.shared_prefix(keys)
-            return MarkReply(mark=req.keys[shared] if shared < len(keys) else None, shared=shared), None
+            shared, starts = self.heads.shared_prefix(keys)
+            return MarkReply(mark=req.keys[shared] if shared < len(keys) else None, shared=shared, heads=starts), None
         dialog = dialog_digest(req.dialog)
         if isinstance(req, Put):
             return await self._put(sess, req, keys, dialog, body), None

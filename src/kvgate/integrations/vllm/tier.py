@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -68,6 +68,7 @@ class _ReqState:
     leading: list[tuple[bytes, int]] | None = None
     dialog: DialogMark | None = None
     shared_tokens: int = 0  # tokens covered by the shared head: chunks ending at or before it are heads
+    head_bounds: list[tuple[int, bytes]] = field(default_factory=list)  # (last end token, mark) per head segment
 
 
 class _RateLimitedLog:
@@ -358,17 +359,23 @@ class KvgateTier(SecondaryTierManager):
                 self._log.warning("no-marks", "kvgate: the gateway has no dialog_mark (an older version): dialog "
                                   "marks come from the first chunk; upgrade the gateway")
                 dm = DialogMark(dialog_mark([st.leading[0][0]]), 0)
+            # Each head segment as the end token of its last chunk: chunks of any KV group ending
+            # inside it go with its mark (groups chunk the same tokens differently).
+            ends = [p for p, _ in dm.heads[1:]] + [dm.shared]
+            st.head_bounds = [(st.leading[end - 1][1], mark) for end, (_, mark) in zip(ends, dm.heads)]
             st.shared_tokens = st.leading[dm.shared - 1][1] if dm.shared else 0
             st.dialog = dm
         return dm
 
     @staticmethod
     def _runs(st: _ReqState | None, dm: DialogMark, end_tokens: Sequence[int | None]) -> list[tuple[int, int, bytes | None]]:
-        """Split a batch into runs of one dialog: chunks inside the shared head go without one."""
+        """Split a batch into runs of one dialog: chunks inside the shared head go with their segment's mark."""
         shared = st.shared_tokens if st is not None else 0
         runs: list[tuple[int, int, bytes | None]] = []
         for i, end in enumerate(end_tokens):
-            dialog = None if (shared and end is not None and 0 < end <= shared) else dm.mark
+            dialog = dm.mark
+            if shared and end is not None and 0 < end <= shared:
+                dialog = next(mark for upper, mark in st.head_bounds if end <= upper)  # type: ignore[union-attr]
             if runs and runs[-1][2] == dialog and runs[-1][1] == i:
                 runs[-1] = (runs[-1][0], i + 1, dialog)
             else:

@@ -37,6 +37,7 @@ from kvgate.benchtrace import (
     with_shared_head,
 )
 from kvgate.cli import main
+from kvgate.keys import DialogMark
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake-synthetic-trace.jsonl"
@@ -96,19 +97,22 @@ def test_replay_policies_bounds_and_shared_head() -> None:
 def test_marks_learn_a_shared_head_as_the_gateway_does() -> None:
     reqs = with_shared_head([TraceRequest(r) for r in ((1, 2), (3, 4), (5, 6), (7, 8), (9, 10, 11))], 3)
     assert reqs[0].ids == (12, 13, 14, 1, 2)
-    # the head is one conversation's until a third one branches off it; then the mark is past it
-    assert trace_marks(reqs) == [(0, b"blk-12"), (0, b"blk-12"), (3, b"blk-5"), (3, b"blk-7"), (3, b"blk-9")]
-    assert trace_marks([(12, 13, 14)] * 1 + [r.ids for r in reqs[1:]])[0] == (0, b"blk-12")
+    # the head is one conversation's until a third one branches off it; then the mark is past it, and the
+    # head is a segment marked by its first key
+    head = ((0, b"blk-12"),)
+    assert trace_marks(reqs) == [DialogMark(b"blk-12", 0), DialogMark(b"blk-12", 0), DialogMark(b"blk-5", 3, head),
+                                 DialogMark(b"blk-7", 3, head), DialogMark(b"blk-9", 3, head)]
     placed: list = []
     simulate(reqs, trace_marks(reqs), "lru", [100], card_of=lambda b, m: placed.append((b, m)) or 0)
-    assert placed[:5] == [(12, b"blk-12"), (13, b"blk-12"), (14, b"blk-12"), (1, b"blk-12"), (2, b"blk-12")]
-    assert (5, b"blk-5") in placed and (12, None) not in placed  # the head was stored before it was known
+    assert placed == [(12, b"blk-12"), (13, b"blk-12"), (14, b"blk-12"), (1, b"blk-12"), (2, b"blk-12"),
+                      (3, b"blk-12"), (4, b"blk-12"), (5, b"blk-5"), (6, b"blk-5"), (7, b"blk-7"), (8, b"blk-7"),
+                      (9, b"blk-9"), (10, b"blk-9"), (11, b"blk-9")]
 
 
 def test_simulate_places_blocks_on_cards_and_counts_residents() -> None:
     reqs = [[1, 2, 3], [4, 5], [1, 2, 3, 9]]
     marks = trace_marks(reqs)
-    assert marks[0] == (0, b"blk-1")
+    assert marks[0] == DialogMark(b"blk-1", 0)
     sim = simulate(reqs, marks, "lru", [10, 10], card_of=lambda b, m: 0 if m == b"blk-1" else 1)
     assert (sim.restored, sim.total, sim.resident) == (3, 9, [4, 2])
 

@@ -10,9 +10,10 @@ against real ``kvgate serve`` processes, one per (policy, capacity), and
 does per request what an engine does:
 
 1. ``dialog_mark(keys)``: the conversation's mark, and how many leading
-   keys are shared heads (a system prompt in front of every conversation);
-2. ``lookup`` of the leading blocks present (shared heads with no dialog,
-   the rest with the mark), stopping at the first miss;
+   keys are shared heads (a system prompt in front of every conversation),
+   cut into segments that have marks of their own;
+2. ``lookup`` of the leading blocks present, each run of keys with its own
+   mark (``DialogMark.spans``), stopping at the first miss;
 3. ``get_many`` of those blocks into a registered /dev/shm region, every
    byte checked against what was written (a block's payload is a function
    of its id, so a wrong byte fails the bench);
@@ -58,7 +59,7 @@ from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.client import Client
 from kvgate.config import Config, parse_size
 from kvgate.heads import SharedHeads
-from kvgate.keys import NO_DIALOG, dialog_digest, encode_namespace, full_key, key_digest
+from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
 from kvgate.tiers.eviction import LONG, POLICIES, make_policy
 from kvgate.tiers.long import default_slots
@@ -397,19 +398,17 @@ def verify_blocks(got: np.ndarray, ids: Sequence[int], block_size: int, want: np
 
 # ---- in-process replay: the policies alone --------------------------------------------
 
-Mark = tuple[int, "bytes | None"]  # (shared head keys, the conversation's mark)
-
-
-def trace_marks(requests: Iterable[Any], namespace: str = NAMESPACE) -> list[Mark]:
-    """(shared, mark) per request as a fresh gateway answers ``dialog_mark``, computed here: the same
-    ``SharedHeads`` learns the shared heads from the prompts in order, and the mark is the first key past them."""
+def trace_marks(requests: Iterable[Any], namespace: str = NAMESPACE) -> list[DialogMark]:
+    """Each request's ``DialogMark`` as a fresh gateway answers ``dialog_mark``, computed here: the same
+    ``SharedHeads`` learns the shared heads from the prompts in order; the mark is the first key past them,
+    and each segment of the head is marked by its first key."""
     heads = SharedHeads()
     ns = encode_namespace(namespace)
-    out: list[Mark] = []
+    out: list[DialogMark] = []
     for ids in _ids_of(requests):
         keys = [block_key(b) for b in ids]
-        shared = heads.shared_prefix([full_key(ns, k) for k in keys])
-        out.append((shared, keys[shared] if shared < len(keys) else None))
+        shared, starts = heads.shared_prefix([full_key(ns, k) for k in keys])
+        out.append(DialogMark(keys[shared] if shared < len(keys) else None, shared, [(p, keys[p]) for p in starts]))
     return out
 
 
@@ -433,7 +432,7 @@ class Simulated:
         return self.restored / self.total if self.total else 0.0
 
 
-def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, capacities: Sequence[int], *,
+def simulate(requests: Iterable[Any], marks: Sequence[DialogMark], policy_name: str, capacities: Sequence[int], *,
              card_of: Callable[[int, bytes | None], int] | None = None, block_size: int = DEFAULT_BLOCK_SIZE
              ) -> Simulated:
     """One policy per card, each holding at most ``capacities[card]`` blocks, driven as the gateway's
@@ -441,16 +440,16 @@ def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, c
 
     Per request: the leading blocks held on any card are restored and
     touched; the blocks missing from the first miss on are added at their
-    positions (shared heads with no dialog), on the card ``card_of(block id,
-    mark or None)`` chooses (card 0 if None), the last of each put run with
-    ``tail=True`` where the policy takes it; then each card evicts while it
-    holds more than its capacity.
+    positions, each with its dialog (``DialogMark.dialog_at``), on the card
+    ``card_of(block id, dialog)`` chooses (card 0 if None), the last of
+    each put run with ``tail=True`` where the policy takes it; then each
+    card evicts while it holds more than its capacity.
     """
     policies = [make_policy(policy_name) for _ in capacities]
     tail = _accepts_tail(policies[0])
     where: dict[int, int] = {}  # block id -> card
     restored = total = 0
-    for ids, (shared, mark) in zip(_ids_of(requests), marks, strict=True):
+    for ids, dm in zip(_ids_of(requests), marks, strict=True):
         total += len(ids)
         n = 0
         for b in ids:
@@ -460,7 +459,6 @@ def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, c
         restored += n
         for b in ids[:n]:
             policies[where[b]].touch(b)
-        digest = dialog_digest(mark)
         touched: set[int] = set()
         run: list[tuple[int, int, bytes | None]] = []  # (position, id, mark) of one put run
         pending: set[int] = set()  # ids in ``run`` (an id twice in one request is stored once)
@@ -469,7 +467,7 @@ def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, c
             for j, (pos, b, m) in enumerate(run):
                 c = card_of(b, m) if card_of is not None else 0
                 kw = {"tail": j == len(run) - 1} if tail else {}
-                policies[c].add(b, block_size, digest if m is not None else NO_DIALOG, pos, LONG, **kw)
+                policies[c].add(b, block_size, dialog_digest(m), pos, LONG, **kw)
                 where[b] = c
                 touched.add(c)
             run.clear()
@@ -477,7 +475,7 @@ def simulate(requests: Iterable[Any], marks: Sequence[Mark], policy_name: str, c
 
         for i in range(n, len(ids)):
             b = ids[i]
-            m = None if i < shared else mark
+            m = dm.dialog_at(i)
             if b in where or b in pending or (run and (run[-1][0] != i - 1 or run[-1][2] != m)):
                 flush()  # a present block or a change of dialog ends a put
             if b not in where:
@@ -616,7 +614,7 @@ class TraceBench:
         bs = o.block_size
         slots = region.slices(bs, self.max_len)
         arr = region.array
-        marks: list[Mark] = []
+        marks: list[DialogMark] = []
         restored = total = puts_refused = 0
         get_bytes, get_s = 0, 0.0
         started = time.monotonic()
@@ -629,7 +627,7 @@ class TraceBench:
             ids = req.ids
             keys = [block_key(b) for b in ids]
             dm = c.dialog_mark(keys)
-            marks.append((dm.shared, dm.mark))
+            marks.append(dm)
             n = 0
             for s, e, d in dm.spans(0, len(keys)):  # leading blocks present, shared heads with no dialog
                 found = c.lookup(keys[s:e], dialog=d)
@@ -679,7 +677,7 @@ class TraceBench:
         return self._figures(run, marks, stats, restored=restored, total=total, puts_refused=puts_refused,
                              get_bytes=get_bytes, get_s=get_s, elapsed=elapsed)
 
-    def _figures(self, run: Run, marks: list[Mark], stats: dict[str, Any], **m: Any) -> dict[str, Any]:
+    def _figures(self, run: Run, marks: list[DialogMark], stats: dict[str, Any], **m: Any) -> dict[str, Any]:
         o = self.opts
         g = run.gateway
         assert g is not None
@@ -695,9 +693,11 @@ class TraceBench:
             raise BenchError(f"the gateway's stats name {sum(map(bool, serials))} of {o.cards} cards")
         # Which card holds each conversation.  The gateway does not say where a mark lives, so it is computed
         # the way the gateway computes it: the slot of the mark's digest under dialog placement, over a SlotMap
-        # of the card serials its stats report, with the default storage_slots it runs with.  Shared heads
-        # (no dialog) are placed by their own key.  The model below runs every block through this same map, and
-        # its blocks per card matching the objects per card the gateway reports is what checks it.
+        # of the card serials its stats report, with the default storage_slots it runs with (a key sent with no
+        # dialog goes by its own key).  Conversations are the distinct marks past the shared heads; the heads'
+        # segments have marks too and are placed the same way, but are not counted as conversations.  The model
+        # below runs every block through this same map, and its blocks per card matching the objects per card
+        # the gateway reports is what checks it.
         slot_map = SlotMap(serials, default_slots(Config(), o.cards))
         card_index = {s: i for i, s in enumerate(serials)}
 
@@ -707,7 +707,7 @@ class TraceBench:
             return card_index[slot_map.serial_of_slot(slot)]
 
         convs = [0] * o.cards
-        for mark in {mk for _s, mk in marks if mk is not None}:
+        for mark in {dm.mark for dm in marks if dm.mark is not None}:
             convs[card_of(0, mark)] += 1
         model = simulate(self.requests, marks, run.policy, [run.blocks_per_card] * o.cards, card_of=card_of,
                          block_size=o.block_size)
@@ -865,7 +865,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
                          "against the model of its own cards.")
         if gw["marks_as_in_process"] != gw["requests"]:
             notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway's dialog marks differ from the "
-                         f"in-process ones for {gw['conversations_requests'] - gw['marks_as_in_process']} requests.")
+                         f"in-process ones for {gw['requests'] - gw['marks_as_in_process']} requests.")
         if gw["puts_refused"]:
             notes.append(f"{row['policy']} {row['capacity']['spec']}: {gw['puts_refused']} blocks were not stored "
                          "(evicted by their own put: a request longer than a card).")

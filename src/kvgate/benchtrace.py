@@ -17,8 +17,8 @@ does per request what an engine does:
 3. ``get_many`` of those blocks into a registered /dev/shm region, every
    byte checked against what was written (a block's payload is a function
    of its id, so a wrong byte fails the bench);
-4. ``put_many`` of the blocks missing from the first miss on, at their
-   positions in the request, split by the mark as in 2.
+4. ``put_many`` of the blocks missing (``exists_many``) from the first miss
+   on, at their positions in the request, split by the marks as in 2.
 
 What it reports per policy and capacity: the restored blocks as a share of
 all blocks, and of what an infinite cache would restore (computed from the
@@ -28,9 +28,12 @@ and how the conversations and bytes spread over the cards.
 
 The same hit rates come without any gateway from ``replay_policies``, which
 drives the eviction policies of ``kvgate.tiers.eviction`` in this process
-(``--in-process``): the quick way to compare policies.  With a gateway the
-bench also runs that simulation with the gateway's own marks and card map
-(the "model"), which the gateway's figure should match: a gap is a finding.
+with the marks a fresh gateway gives (``trace_marks``: its own
+``SharedHeads``), one pool of the whole capacity (``--in-process``): the
+quick way to compare policies.  With a gateway the bench also runs that
+simulation per card with the gateway's own marks and card map (the
+"model"), which the gateway's figure should match when the RAM tier is off:
+a gap is a finding.
 
 Capacities are payload bytes, as a share of the replayed requests' distinct
 blocks times ``--block-size`` (or absolute sizes), split evenly over the
@@ -528,7 +531,7 @@ class Run:
 class TraceBench:
     """The gateways, client and region of one ``--trace`` run; ``close`` undoes it all (as ``Bench``)."""
 
-    def __init__(self, opts: TraceOptions, requests: list[TraceRequest], runs: list[Run],
+    def __init__(self, opts: TraceOptions, requests: list[TraceRequest], marks: list[DialogMark], runs: list[Run],
                  progress: Callable[[str], None]):
         self.opts = opts
         self.requests = requests
@@ -541,7 +544,7 @@ class TraceBench:
         self.client: Client | None = None
         self.ns = encode_namespace(NAMESPACE)
         self.max_len = max(len(r.ids) for r in requests)
-        self.expected_marks = trace_marks(requests)  # what a fresh gateway should answer, for the record
+        self.expected_marks = marks  # what a fresh gateway should answer (trace_marks), for the record
 
     def start(self) -> None:
         o = self.opts
@@ -612,7 +615,7 @@ class TraceBench:
                                          want_shm=False, timeout=120)
         c.register_region(region.path, region.mm)
         bs = o.block_size
-        slots = region.slices(bs, self.max_len)
+        bufs = region.slices(bs, self.max_len)  # position i of a request: bufs[i]
         arr = region.array
         marks: list[DialogMark] = []
         restored = total = puts_refused = 0
@@ -629,7 +632,7 @@ class TraceBench:
             dm = c.dialog_mark(keys)
             marks.append(dm)
             n = 0
-            for s, e, d in dm.spans(0, len(keys)):  # leading blocks present, shared heads with no dialog
+            for s, e, d in dm.spans(0, len(keys)):  # leading blocks present, each run of keys with its dialog
                 found = c.lookup(keys[s:e], dialog=d)
                 n += found
                 if found < e - s:
@@ -639,7 +642,7 @@ class TraceBench:
                 arr[: n * bs] = 0  # a block the gateway failed to write must not pass for the last request's bytes
                 t = time.perf_counter()
                 for s, e, d in dm.spans(0, n):
-                    got = c.get_many(keys[s:e], into=slots[s:e], dialog=d)
+                    got = c.get_many(keys[s:e], into=bufs[s:e], dialog=d)
                     for i, v in enumerate(got, s):
                         if v is None or len(v) != bs:
                             raise BenchError(f"block {ids[i]} (position {i}) was found by lookup, but get_many "
@@ -664,7 +667,7 @@ class TraceBench:
                     j = i
                     while j < e and not present[j - s]:
                         j += 1
-                    stored = c.put_many(keys[i:j], slots[i:j], dialog=d, position=i)
+                    stored = c.put_many(keys[i:j], bufs[i:j], dialog=d, position=i)
                     puts_refused += stored.count(False)
                     i = j
         elapsed = time.monotonic() - started
@@ -794,7 +797,7 @@ def run_trace_bench(args: argparse.Namespace) -> int:
                   for r in runs}
     if not opts.in_process:
         steps = ["starting gateways", *[r.label for r in runs], "stopping gateways"]
-        measured = _drive(lambda step: TraceBench(opts, requests, runs, step), steps, opts.json)
+        measured = _drive(lambda step: TraceBench(opts, requests, marks, runs, step), steps, opts.json)
         if isinstance(measured, int):
             return measured
     rows = []
@@ -802,7 +805,8 @@ def run_trace_bench(args: argparse.Namespace) -> int:
         sim = in_process[(r.policy, r.capacity.spec)]
         row: dict[str, Any] = {
             "policy": r.policy,
-            "capacity": {"spec": r.capacity.spec, "payload_bytes": r.blocks_per_card * cards * opts.block_size,
+            "capacity": {"spec": r.capacity.spec, "asked_bytes": r.total_bytes,
+                         "payload_bytes": r.blocks_per_card * cards * opts.block_size,
                          "share_of_distinct": r.blocks_per_card * cards / unique,
                          "blocks": r.blocks_per_card * cards,
                          "blocks_per_card": None if opts.in_process else r.blocks_per_card,
@@ -855,6 +859,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
                  f"RAM tier {_fmt_size(cfg['ram']) if cfg['ram'] else 'off'}. 'in process' is the same policy "
                  "with one pool of the whole capacity; 'model' is the policy per card with the gateway's marks and "
                  "card map.")
+    if cfg["ram"]:
+        notes.append("With a RAM tier, the reads it serves never reach the cards' policies and it holds blocks of "
+                     "its own, so the model (cards only) need not match the gateway.")
     for row in result["runs"]:
         gw = row.get("gateway")
         if gw is None:

@@ -48,8 +48,11 @@ class HeadSync:
                 self._behind.add(cs.serial or "")
                 log.debug("shared heads: card %s missed a round: %s", cs.where, r)
                 continue
-            self._behind.discard(cs.serial or "")
-            self._synced.add(cs.serial or "")
+            if cs.read_only:  # it was only read: it gets the whole set once it takes writes
+                self._behind.add(cs.serial or "")
+            else:
+                self._behind.discard(cs.serial or "")
+                self._synced.add(cs.serial or "")
             self.heads.merge(r)
         if missed or not cards:
             self.heads.put_back(new)

@@ -1,0 +1,80 @@
+"""HeadSync: what each card gets and gives in a round, with cards that fail or take no writes.
+
+The card and its I/O are stand-ins here (the real cards' merge_heads have
+their own tests in tests/cards; two real gateways agreeing through real
+cards are in test_dialog_marks.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from kvgate.gateway.headsync import HeadSync
+from kvgate.heads import BRANCHES, SharedHeads, block_id
+
+
+class FakeCard:
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.fail = False
+        self.calls: list[set[int]] = []
+
+    def merge_heads(self, ids) -> set[int]:
+        self.calls.append(set(ids))
+        if self.fail:
+            raise OSError(5, "card gone")
+        self.ids |= set(ids)
+        return set(self.ids)
+
+
+async def _run(fn, *args):
+    return fn(*args)
+
+
+def card_state(serial: str) -> SimpleNamespace:
+    return SimpleNamespace(serial=serial, active=True, read_only=False, where=serial, card=FakeCard(),
+                           io=SimpleNamespace(run=_run))
+
+
+def learn(heads: SharedHeads) -> None:
+    for c in range(BRANCHES):
+        heads.shared_prefix([b"ns-sys-0", b"ns-sys-1", b"ns-conv-%d" % c])
+
+
+def test_a_card_that_missed_a_round_or_took_no_writes_gets_the_whole_set_later() -> None:
+    async def main() -> None:
+        heads = SharedHeads()
+        a, b, ro = card_state("a"), card_state("b"), card_state("ro")
+        ro.read_only = True
+        sync = HeadSync(heads, SimpleNamespace(cards=[a, b, ro]))
+        learn(heads)
+        everything = heads.all()
+        assert block_id(b"ns-sys-1") in everything and len(everything) == 3  # 2 heads + the branch point
+        b.card.fail = True
+        await sync.sync_once()
+        assert a.card.ids == everything and b.card.ids == set() and ro.card.calls == [set()]
+        assert sync.errors == 1
+        b.card.fail = False
+        await sync.sync_once()
+        assert b.card.calls[-1] == everything, "the card that missed a round gets the whole set"
+        ro.read_only = False
+        await sync.sync_once()
+        assert ro.card.ids == everything, "a card that only was read gets the whole set once it takes writes"
+        await sync.sync_once()
+        assert a.card.calls[-1] == set() and b.card.calls[-1] == set(), "nothing new: nothing written"
+
+    asyncio.run(main())
+
+
+def test_heads_another_gateway_wrote_come_back_from_any_card() -> None:
+    async def main() -> None:
+        other = SharedHeads()
+        learn(other)
+        a = card_state("a")
+        a.card.ids = other.all()
+        mine = SharedHeads()
+        await HeadSync(mine, SimpleNamespace(cards=[a])).sync_once()
+        assert mine.shared_prefix([b"ns-sys-0", b"ns-sys-1", b"ns-conv-new"]) == (2, [0])
+
+    asyncio.run(main())

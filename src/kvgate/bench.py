@@ -88,24 +88,37 @@ class _Terminated(BaseException):
 # ---- command line -----------------------------------------------------------------
 
 
-def _size_arg(value: str) -> int:
-    try:
-        n = parse_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be at least 1 byte")
-    return n
+def int_arg(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``, or an error naming the value."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value!r}")
+        return n
+    return parse
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return n
+def size_arg(least: int, most: int | None = None, why_most: str = "") -> Callable[[str], int]:
+    """An argparse type: a size (``16K``, ``2M``) within bounds, or an error naming the value."""
+    def parse(value: str) -> int:
+        try:
+            n = parse_size(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+        if n < least:
+            unit = " byte" if least == 1 else ""
+            raise argparse.ArgumentTypeError(f"must be at least {least}{unit}, got {value!r}")
+        if most is not None and n > most:
+            raise argparse.ArgumentTypeError(f"{value!r} is more than {_fmt_size(most)}{why_most}")
+        return n
+    return parse
+
+
+_size_arg = size_arg(1)
+_positive_int = int_arg(1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvgate.bench import BenchError, GatewayProcess, ShmRegion, _drive, _fmt_size
+from kvgate.bench import BenchError, GatewayProcess, ShmRegion, _drive, _fmt_size, int_arg, size_arg
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.client import Client
 from kvgate.config import Config, parse_size
@@ -83,45 +83,10 @@ TRACE_ONLY = ("shared_head", "policies", "capacity", "block_size", "ram", "speed
 # ---- command line -----------------------------------------------------------------
 
 
-def _int_arg(value: str, least: int) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < least:
-        raise argparse.ArgumentTypeError(f"must be {least} or more, got {value!r}")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    return _int_arg(value, 0)
-
-
-def _count_arg(value: str) -> int:
-    return _int_arg(value, 1)
-
-
-def _block_size_arg(value: str) -> int:
-    try:
-        n = parse_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
-    if n > MAX_BLOCK_SIZE:
-        raise argparse.ArgumentTypeError(f"{value!r} is more than {_fmt_size(MAX_BLOCK_SIZE)} a block; a replay "
-                                         "moves every block of the trace")
-    return n
-
-
-def _ram_arg(value: str) -> int:
-    try:
-        n = parse_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
-    return n
+_non_negative_int = int_arg(0)
+_count_arg = int_arg(1)
+_block_size_arg = size_arg(1, MAX_BLOCK_SIZE, " a block; a replay moves every block of the trace")
+_ram_arg = size_arg(0)
 
 
 def _speedup_arg(value: str) -> float:

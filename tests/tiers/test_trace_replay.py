@@ -39,3 +39,25 @@ def test_default_policy_restores_more_than_lru_on_the_trace(head: int) -> None:
         prefix = simulate(requests, marks, "prefix", [capacity]).share
         print(f"head {head:2d}, cache {share:.0%}: lru {lru:.4f}, prefix {prefix:.4f} ({prefix / lru - 1:+.1%})")
         assert prefix >= FLOORS[head] * lru, (head, share, prefix, lru)
+
+
+def test_the_reuse_figures_the_policy_is_built_on() -> None:
+    """PrefixPolicy's docstring: how often a block comes back, by how often it came before and where it sat."""
+    requests = load_trace(str(TRACE))
+    uses: dict[int, list[int]] = {}
+    last_at_first_use: dict[int, bool] = {}
+    for i, r in enumerate(requests):
+        for p, b in enumerate(r.ids):
+            if b not in uses:
+                last_at_first_use[b] = p == len(r.ids) - 1
+            uses.setdefault(b, []).append(i)
+    once = sum(len(u) > 1 for u in uses.values()) / len(uses)
+    twice = [u for u in uses.values() if len(u) > 1]
+    again_after_two = sum(len(u) > 2 for u in twice) / len(twice)
+    tails = [b for b, last in last_at_first_use.items() if last]
+    tail_again = sum(len(uses[b]) > 1 for b in tails) / len(tails)
+    gaps = sorted(u[k + 1] - u[k] for u in uses.values() for k in range(len(u) - 1))
+    print(f"used again after 1 use {once:.3f}, after 2 {again_after_two:.3f}, a request's last block "
+          f"{tail_again:.3f}, median reuse distance {gaps[len(gaps) // 2]} requests")
+    assert round(once, 2) == 0.42 and round(again_after_two, 2) == 0.84 and round(tail_again, 2) == 0.05
+    assert gaps[len(gaps) // 2] == 233

@@ -160,7 +160,7 @@ class RecentKeys:
 
     A block that comes back after it was evicted is the best sign that it will
     come back again (on the Mooncake synthetic trace, a block used twice is
-    used a third time 78 % of the time, one used once only 42 %), so the
+    used a third time 84 % of the time, one used once only 42 %), so the
     prefix policy remembers identities well past their eviction.  Exact
     memory (an ordered dict of keys) would cost about 100 bytes per identity
     remembered; the filters cost 16 bits per identity, at a false positive
@@ -281,12 +281,13 @@ class PrefixPolicy(EvictionPolicy):
     """Blocks used again stay; one-off blocks go first, tails before heads.
 
     What a restore needs is a usable prefix of blocks that will be asked for
-    again.  Measured on the Mooncake synthetic trace (``kvgate bench --trace
-    --in-process``): a block used once is used again 42 % of the time, one
-    used twice 78 %; the last block of a request (its unique question) only
-    5 %.  Reuse distances are long (median 233 requests, several times what a
-    cache of 5-20 % of the blocks holds), so plain LRU keeps whatever came
-    last and loses the blocks that are read again and again.  So:
+    again.  Counted on the Mooncake synthetic trace (benchmarks/data): a block
+    used once is used again 42 % of the time, one used twice 84 %; the last
+    block of a request (its unique question) only 5 %.  Reuse distances are
+    long (median 233 requests, several times what a cache of 5-20 % of the
+    blocks holds), so plain LRU keeps whatever came last and loses the blocks
+    that are read again and again (tests/tiers/test_trace_replay.py counts
+    these figures).  So:
 
     - Three segments per retention class, evicted in order: ``TAIL`` (the
       last block of a write, not read since), ``NEW`` (seen once), ``REUSED``

@@ -85,3 +85,10 @@ def test_dialog_mark_spans() -> None:
     for bad in ((b"m", -1), (b"m", 2), (b"m", 2, [(1, b"x")]), (b"m", 2, [(0, b"x"), (2, b"y")])):
         with pytest.raises(ValueError):
             DialogMark(*bad)
+
+
+def test_memory_is_bounded_whatever_the_prompts() -> None:
+    heads = SharedHeads(max_parents=100)
+    for c in range(50):  # 50 long conversations that share nothing: thousands of parents seen
+        heads.shared_prefix([b"conv-%d-%d" % (c, i) for i in range(40)])
+    assert len(heads._children) <= 100 and len(heads) == 0

@@ -423,3 +423,26 @@ TestPrefixMachine = PolicyMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestLruMachine = LruMachine.TestCase
 TestLruMachine.settings = settings(max_examples=50, stateful_step_count=50, deadline=None)
+
+
+def test_prefix_remembers_about_three_times_what_it_holds() -> None:
+    """A block evicted within 3x the resident count comes back as reused; one from long before does not."""
+    pol = PrefixPolicy()
+    resident = 2000
+    for i in range(resident):
+        pol.add(f"old{i}", 1, NO_DIALOG, 0, SHORT)
+    for i in range(3 * resident):  # a stream of one-off blocks pushes the old ones out
+        pol.add(f"x{i}", 1, NO_DIALOG, 0, SHORT)
+        pol.remove(pol.choose_victim())
+    # evicted 2,000-4,000 adds ago (but the rare one a false positive kept as reused)
+    recent = [f"x{i}" for i in range(resident, resident + 200) if f"x{i}" not in pol]
+    assert len(recent) > 190
+    for k in recent:
+        pol.add(k, 1, NO_DIALOG, 0, SHORT)
+    assert sum(pol.segment_of(k) is Segment.REUSED for k in recent) == len(recent)
+    for i in range(12 * resident):  # far more than 6x: the old ones are forgotten
+        pol.add(f"y{i}", 1, NO_DIALOG, 0, SHORT)
+        pol.remove(pol.choose_victim())
+    for i in range(200):
+        pol.add(f"old{i}", 1, NO_DIALOG, 0, SHORT)
+    assert sum(pol.segment_of(f"old{i}") is Segment.REUSED for i in range(200)) <= 5  # false positives only

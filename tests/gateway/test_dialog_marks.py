@@ -11,6 +11,7 @@ import collections
 import time
 
 import numpy as np
+import pytest
 
 from kvgate.heads import BRANCHES
 from kvgate.keys import DialogMark, dialog_digest
@@ -93,3 +94,15 @@ def test_marks_agree_across_gateways_and_restarts_and_conversations_spread(gatew
         for c, dm in list(marks.items())[:20]:
             assert ca.dialog_mark(conversation(c)) == dm
             assert restore(ca, conversation(c), dm) == HEAD + 2
+
+
+def test_long_prompts_and_bad_keys(gateway) -> None:
+    from kvgate.keys import MARK_KEYS
+
+    with gateway.client() as c:
+        long_prompt = [b"long-%d" % i for i in range(3 * MARK_KEYS)]
+        assert c.dialog_mark(long_prompt) == DialogMark(b"long-0", 0)
+        assert c.dialog_mark([]) == DialogMark(None, 0)
+        with pytest.raises(TypeError, match="keys"):
+            c.dialog_mark(b"one-key")
+        assert c.dialog_mark([b"after-errors"]).mark == b"after-errors"

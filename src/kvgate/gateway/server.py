@@ -41,7 +41,7 @@ from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.connection import STAGE_BYTES, Connection, accept_loop, tcp_listeners, unix_listener
 from kvgate.gateway.shm import Region, RegionError, create_session_region, map_client_region, reap_dead_regions
 from kvgate.heads import SharedHeads
-from kvgate.keys import MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
+from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
     INLINE,
@@ -693,10 +693,11 @@ class Gateway:
             raise RequestError(ErrorCode.BAD_REQUEST, f"{type(req).__name__.lower()} needs an engine session")
         if isinstance(req, RegisterRegion):
             return await self._register(sess, req), None
+        if isinstance(req, Mark):  # only the first MARK_KEYS count: the rest are neither keyed nor hashed
+            shared, starts = self.heads.shared_prefix(self._full_keys(sess, req.keys[:MARK_KEYS]))
+            return MarkReply(mark=req.keys[shared] if shared < len(req.keys) else None, shared=shared,
+                             heads=starts), None
         keys = self._full_keys(sess, req.keys)
-        if isinstance(req, Mark):
-            shared, starts = self.heads.shared_prefix(keys)
-            return MarkReply(mark=req.keys[shared] if shared < len(keys) else None, shared=shared, heads=starts), None
         dialog = dialog_digest(req.dialog)
         if isinstance(req, Put):
             return await self._put(sess, req, keys, dialog, body), None

@@ -448,3 +448,14 @@ def test_prefix_policy_keeps_more_restorable_prefix_than_lru(hold_pins):
     # even with reads holding pins (the policy never orphans a pinned block).
     assert prefix["holes"] == 0 and prefix["holes_seen"] == 0
     assert lru["holes"] > 0  # what LRU wastes: tails whose heads are gone
+
+
+def test_the_end_of_a_write_reaches_the_policy_as_a_tail() -> None:
+    from kvgate.tiers.eviction import Segment
+
+    tier = RamTier(4 * PAGE, PAGE)
+    for i, tail in enumerate((False, True)):
+        res = tier.reserve(b"k%d" % i, PAGE, ObjectMeta(dialog_digest(b"d"), i, tail=tail), LONG)
+        assert res is not None
+        tier.commit(res)
+    assert tier.policy.segment_of(b"k0") is Segment.NEW and tier.policy.segment_of(b"k1") is Segment.TAIL

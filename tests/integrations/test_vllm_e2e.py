@@ -75,10 +75,12 @@ S = prompt(4)
 
 def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, requests: list[dict],
                extra: dict | None = None, drain: dict | None = None, frozen: dict | None = None,
-               card_away: dict | None = None, add_socket: bool = True, timeout: float = 400) -> dict:
+               card_away: dict | None = None, add_socket: bool = True, timeout: float = 400,
+               arch: str = "llama", kv_cache_dtype: str | None = None) -> dict:
     out = workdir / f"{name}.json"
     plan = {"model_dir": str(model_dir), "socket": gw.socket, "extra": extra or {}, "requests": requests,
-            "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket, "out": str(out)}
+            "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket, "out": str(out),
+            "arch": arch, "kv_cache_dtype": kv_cache_dtype}
     plan_path = workdir / f"{name}.plan.json"
     plan_path.write_text(json.dumps(plan))
     env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})

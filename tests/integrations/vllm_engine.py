@@ -2,7 +2,7 @@
 
     python vllm_engine.py PLAN.json
 
-PLAN: {"model_dir", "socket", "extra": {extra kv_connector_extra_config keys},
+PLAN: {"model_dir", "arch"?: "llama" | "hybrid" | "mla", "kv_cache_dtype"?, "socket", "extra": {extra kv_connector_extra_config keys},
        "add_socket": true (false: no kvgate.socket key; "extra" configures the tier),
        "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}],
        "drain": {"expect_sets": N, "timeout": s, "settle": s} (optional),
@@ -30,17 +30,35 @@ import sys
 import time
 
 
-def build_model(model_dir: str) -> None:
+def build_model(model_dir: str, arch: str = "llama") -> None:
+    """A tiny random-weight model: ``llama`` (2 layers), ``hybrid`` (a Llama whose layers alternate
+    sliding-window and full attention: two KV groups) or ``mla`` (DeepSeek-V2 attention, 576-wide latent KV)."""
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    model = LlamaForCausalLM(cfg)
+    common = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, max_position_embeddings=8192,
+                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    if arch == "mla":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        # The CPU MLA decode kernel takes only a 576-wide latent (kv_lora_rank 512 + rope 64).
+        cfg = DeepseekV2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                               q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
+                               num_experts_per_tok=2, moe_intermediate_size=128, **common)
+        model = DeepseekV2ForCausalLM(cfg)
+    elif arch == "hybrid":
+        cfg = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=256, **common)
+        model = LlamaForCausalLM(cfg)
+    elif arch == "llama":
+        cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **common)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
     tmp = model_dir + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, model_dir)
@@ -121,7 +139,7 @@ def run_requests(llm, requests, SamplingParams) -> list[dict]:
 
 def main() -> None:
     plan = json.load(open(sys.argv[1]))
-    build_model(plan["model_dir"])
+    build_model(plan["model_dir"], plan.get("arch", "llama"))
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -142,6 +160,7 @@ def main() -> None:
         disable_log_stats=False,
         max_model_len=4096,
         seed=0,
+        **({"kv_cache_dtype": plan["kv_cache_dtype"]} if plan.get("kv_cache_dtype") else {}),
         kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                             kv_connector_extra_config=extra),
     )

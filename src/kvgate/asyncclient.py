@@ -29,10 +29,11 @@ from kvgate.clientcore import (
 from kvgate.keys import DialogMark
 
 # A copy into or out of the session region of at least this many bytes runs on a worker thread, so the
-# event loop goes on meanwhile (numpy releases the GIL for it); a smaller one costs less than the hand-off.
-# Measured (benchmarks/async_client.py): a 64 MiB get held the loop for ~12 ms copied on the loop, under
-# 1 ms with the copy on a thread; handing a copy to a thread and back costs ~0.1 ms.
-OFFLOAD_BYTES = 1 << 20
+# event loop runs meanwhile; a smaller one runs on the loop.  Measured here (2 shared cores, the loop's
+# longest stall under a 1 ms ticker, medians): copied on the loop, 4 MiB held it ~1 ms, 16 MiB ~4.5 ms,
+# 64 MiB 16-22 ms; on a thread ~0.6-5 ms whatever the size (the copy takes the GIL back between
+# objects, so the loop waits up to a GIL switch interval, 5 ms), and the hand-off costs ~0.1 ms.
+OFFLOAD_BYTES = 4 << 20
 
 
 class _Default:

@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvgate import AsyncClient, Client, ObjectTooLarge
+from kvgate import AsyncClient, Client, ObjectTooLarge, asyncclient
 from kvgate.keys import BadKey
 from tests.gateway.test_client_sharing import check, content
 from tests.helpers import free_port
@@ -55,8 +55,14 @@ def connect(g, transport: str, **kw):
     return AsyncClient.connect(target(g, transport), namespace=NS, engine_id=ENGINE, **kw)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_every_operation_round_trips(gw, transport: str) -> None:
+@pytest.mark.parametrize("transport,offload", [("unix", 0), ("unix", 1 << 62), ("tcp", None)],
+                         ids=["unix-copies-on-a-thread", "unix-copies-on-the-loop", "tcp"])
+def test_every_operation_round_trips(gw, transport: str, offload: int | None, monkeypatch) -> None:
+    off_loop = []
+    if offload is not None:
+        monkeypatch.setattr(asyncclient, "OFFLOAD_BYTES", offload)
+        real = asyncclient._off_loop
+        monkeypatch.setattr(asyncclient, "_off_loop", lambda loop, fn: off_loop.append(fn) or real(loop, fn))
     # sizes from empty to larger than the session region (inline over the Unix socket too)
     sizes = [0, 1, 4095, 64 * KIB + 3, MIB, 3 * MIB + 1, REGION + 12345]
     keys = [f"obj-{i}".encode() for i in range(len(sizes))]
@@ -105,6 +111,7 @@ def test_every_operation_round_trips(gw, transport: str) -> None:
             assert await c.lookup(keys[2:]) == 0
 
     run(main())
+    assert bool(off_loop) == (offload == 0)  # the copies ran where they were sent
     assert gw.alive() and "Traceback" not in gw.log()
 
 

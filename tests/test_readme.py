@@ -56,3 +56,23 @@ def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
     http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/cache/prewarm", data=body.encode(), method="POST")
     with urllib.request.urlopen(http, timeout=10) as r:
         assert json.loads(r.read()) == {"in_ram": 2, "asked": 2}
+
+
+def test_the_asyncio_example_restores_what_was_stored(gateway_factory) -> None:
+    gw = gateway_factory()
+    blocks = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)
+    (code,) = [b for b in blocks if "AsyncClient" in b]
+    code = code.replace('"/tmp/kvgate-5557.sock"', repr(gw.socket)) + """
+import asyncio
+import numpy as np
+from kvgate import Client
+with Client.connect(SOCK, namespace="llama-3-8b|bf16|tp1", engine_id="engine-0") as c:
+    assert c.put_many([b"a", b"b"], [b"x" * 100, b"y" * 200]) == [True, True]
+dests = [np.zeros(300, np.uint8) for _ in range(3)]
+got = asyncio.run(restore([b"a", b"b", b"c"], dests))
+assert [bytes(v) for v in got] == [b"x" * 100, b"y" * 200]
+print("ok")
+""".replace("SOCK", repr(gw.socket))
+    res = subprocess.run([sys.executable, "-c", code], env=kvgate_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"

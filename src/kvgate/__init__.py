@@ -6,11 +6,18 @@ The public API is the client:
     with Client.connect("/tmp/kvgate-5557.sock", namespace="llama-3-8b|tp1|bf16") as c:
         c.put_many([b"k1", b"k2"], [buf1, buf2])
         c.lookup([b"k1", b"k2", b"k3"])   # -> 2
+
+and, for asyncio, the same operations awaited:
+
+    from kvgate import AsyncClient
+    async with AsyncClient.connect("/tmp/kvgate-5557.sock", namespace="llama-3-8b|tp1|bf16") as c:
+        await c.lookup([b"k1", b"k2", b"k3"])
 """
 
 __version__ = "0.1.0"
 
+from kvgate.asyncclient import AsyncClient  # noqa: E402
 from kvgate.client import Client, GatewayError, ObjectTooLarge  # noqa: E402
 from kvgate.keys import DialogMark  # noqa: E402
 
-__all__ = ["Client", "DialogMark", "GatewayError", "ObjectTooLarge", "__version__"]
+__all__ = ["AsyncClient", "Client", "DialogMark", "GatewayError", "ObjectTooLarge", "__version__"]

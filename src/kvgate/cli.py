@@ -172,6 +172,15 @@ def print_stats(snap: dict[str, Any]) -> None:
                   _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
                   str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
     con.print(t)
+    if snap.get("namespaces"):
+        t = Table(title="namespaces")
+        for col in ("namespace", "in RAM", "on cards", "sets", "written", "gets", "hits", "read"):
+            t.add_column(col, justify="left" if col == "namespace" else "right")
+        for ns, v in sorted(snap["namespaces"].items()):
+            t.add_row(ns, f"{v['ram_objects']} / {_size(v['ram_bytes'])}", f"{v['card_objects']} / {_size(v['card_bytes'])}",
+                      str(v["sets"]), _size(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
+                      _size(v["bytes_read"]))
+        con.print(t)
     con.print(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, "
               f"io errors {snap['io_errors']}, io timeouts {snap['io_timeouts']}, "
               f"oldest io {snap['oldest_io_age_s']:.3f} s")

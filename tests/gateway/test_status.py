@@ -369,3 +369,41 @@ def test_bad_start_input_is_one_line_and_exit_code_2(tmp_path, flags, yaml_bytes
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
     assert named in lines[0], lines[0]
     assert not os.path.exists(tmp_path / "card"), "a refused config must not touch the card"
+
+
+def test_figures_per_namespace_in_stats_metrics_and_kvgate_stat(gateway_factory) -> None:
+    """Two engines' namespaces on one gateway: what each holds in RAM and on the card, what each
+    stored and read; the card figures come back from the card after a restart, eviction takes
+    them down, and /metrics and `kvgate stat` show the same rows."""
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport), "--max-bytes", "64M"])
+    with gw.client("vllm|model-a") as a, gw.client("sglang|model-b") as b:
+        assert a.put_many([b"a%d" % i for i in range(3)], [b"x" * 10_000] * 3) == [True] * 3
+        assert b.put_many([b"b0"], [b"y" * 20_000]) == [True]
+        got = a.get_many([b"a0", b"a1", b"nope"])
+        assert [len(g) if g is not None else None for g in got] == [10_000, 10_000, None]
+    snap = gw.stats()
+    na, nb = snap["namespaces"]["vllm|model-a"], snap["namespaces"]["sglang|model-b"]
+    assert (na["ram_objects"], na["ram_bytes"], na["card_objects"]) == (3, 30_000, 3)
+    assert (nb["ram_objects"], nb["ram_bytes"], nb["card_objects"]) == (1, 20_000, 1)
+    assert (na["sets"], na["bytes_written"], na["gets"], na["hits"], na["bytes_read"]) == (3, 30_000, 3, 2, 20_000)
+    assert (nb["sets"], nb["gets"], nb["hits"]) == (1, 0, 0)
+    assert na["card_bytes"] + nb["card_bytes"] == snap["cards"][0]["used_bytes"]
+    assert na["card_bytes"] > 30_000
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+    assert _metric(text, "kvgate_namespace_card_objects", '{namespace="vllm|model-a"}') == 3
+    assert _metric(text, "kvgate_namespace_hits_total", '{namespace="vllm|model-a"}') == 2
+    r = run_kvgate("stat", "--socket", gw.socket, env={"COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "namespaces" in r.stdout and "vllm|model-a" in r.stdout and "sglang|model-b" in r.stdout
+
+    gw.stop()  # after a restart the RAM tier is empty; the card's objects are counted by the scan
+    gw.start()
+    snap = gw.wait_scanned()
+    na = snap["namespaces"]["vllm|model-a"]
+    assert (na["ram_objects"], na["card_objects"], na["sets"]) == (0, 3, 0)
+    with gw.client("vllm|model-a") as a:
+        assert a.delete_many([b"a0", b"a1"]) == 2
+    na = gw.stats()["namespaces"]["vllm|model-a"]
+    assert (na["card_objects"], na["ram_objects"]) == (1, 0)

@@ -887,6 +887,7 @@ class Gateway:
                 "read_priority": "realtime" if self.pool.realtime else "normal",
             },
             "tiers": {"ram": ram_tier, "long": long_tier},
+            "namespaces": st.usage.snapshot(),
             "lookups": c.lookups,
             "corrupt_objects": c.corrupt,
             "expired_objects": c.expired,

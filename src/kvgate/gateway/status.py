@@ -61,6 +61,18 @@ CARD_FIELDS = (  # the value of each is a number or a bool (1 / 0)
      "cached files)", False),
 )
 
+NAMESPACE_FIELDS = (  # at most kvgate.tiers.usage.MAX_ROWS namespaces, then one row for the rest
+    ("ram_objects", "objects in the RAM tier", False),
+    ("ram_bytes", "payload bytes in the RAM tier", False),
+    ("card_objects", "objects on cards", False),
+    ("card_bytes", "bytes on cards (headers included)", False),
+    ("gets", "objects asked for by get", True),
+    ("hits", "objects get returned", True),
+    ("bytes_read", "payload bytes get returned", True),
+    ("sets", "objects stored", True),
+    ("bytes_written", "payload bytes stored", True),
+)
+
 
 class _SnapshotCollector:
     def __init__(self, snap: dict[str, Any]):
@@ -98,6 +110,12 @@ class _SnapshotCollector:
             m = family(f"kvgate_storage_group_{name}", f"Per card: {doc}", labels=["group"])
             for card in s["cards"]:
                 m.add_metric([card["serial"] or card["location"]], card[name])
+            yield m
+        for name, doc, counter in NAMESPACE_FIELDS:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            m = family(f"kvgate_namespace_{name}", f"Per namespace: {doc}", labels=["namespace"])
+            for ns, row in s["namespaces"].items():
+                m.add_metric([ns], row[name])
             yield m
         heads = s["shared_heads"]
         yield GaugeMetricFamily("kvgate_shared_head_blocks", "blocks known as shared heads (system prompts) "

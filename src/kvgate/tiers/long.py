@@ -83,6 +83,7 @@ from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
 from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
+from kvgate.tiers.usage import NamespaceUsage
 
 log = logging.getLogger("kvgate.long")
 
@@ -202,8 +203,9 @@ class LongTier:
     ``on_expired(n)``: it found ``n`` objects past the ttl (deleted too)."""
 
     def __init__(self, cfg: Config, pool: IoPool, on_corrupt: Callable[[int], None] | None = None,
-                 on_expired: Callable[[int], None] = lambda n: None):
+                 on_expired: Callable[[int], None] = lambda n: None, usage: NamespaceUsage | None = None):
         self.cfg = cfg
+        self.usage = usage if usage is not None else NamespaceUsage()
         self.on_corrupt = on_corrupt
         self.pool = pool  # for work that is not one card's (globbing)
         self.cards: list[CardState] = []
@@ -353,6 +355,7 @@ class LongTier:
                         continue
                     cs.index[obj.full_key] = IndexEntry(obj.stored_bytes, obj.payload_len, obj.meta.created_ns)
                     cs.used += obj.stored_bytes
+                    self.usage.card(obj.full_key, obj.stored_bytes, 1)
                     if by_free_space:  # the free space measured before the scan did not count these bytes
                         cs.capacity += obj.stored_bytes
                     cs.policy.add(obj.full_key, obj.stored_bytes, obj.meta.dialog, obj.meta.position, LONG)
@@ -482,9 +485,11 @@ class LongTier:
         old = cs.index.pop(fkey, None)
         if old is not None:
             cs.used -= old.stored_bytes
+            self.usage.card(fkey, -old.stored_bytes, -1)
         entry = IndexEntry(stored, payload_len, meta.created_ns or time.time_ns())
         cs.index[fkey] = entry
         cs.used += stored
+        self.usage.card(fkey, stored, 1)
         cs.writes_bytes += stored
         cs.policy.add(fkey, stored, meta.dialog, meta.position, LONG, tail=meta.tail)
         for other in self.cards:
@@ -512,6 +517,7 @@ class LongTier:
         entry = cs.index.pop(fkey, None)
         if entry is not None:
             cs.used -= entry.stored_bytes
+            self.usage.card(fkey, -entry.stored_bytes, -1)
             cs.policy.remove(fkey)
 
     def _evict_over_capacity(self, cs: CardState) -> None:
@@ -943,6 +949,8 @@ class LongTier:
             except OSError as e:
                 self.note_result(cs, e)
                 continue
+            for fkey, entry in cs.index.items():
+                self.usage.card(fkey, -entry.stored_bytes, -1)
             cs.index.clear()
             cs.used = 0
             cs.policy = make_policy(self.cfg.eviction_policy)

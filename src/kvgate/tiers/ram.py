@@ -24,6 +24,7 @@ import numpy as np
 from kvgate import memcopy
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
+from kvgate.tiers.usage import NamespaceUsage
 
 _RESERVED = 0  # pages held, invisible to lookups
 _VISIBLE = 1  # committed: found by pin/contains
@@ -115,7 +116,8 @@ class RamTier:
     """
 
     def __init__(self, capacity: int, page_size: int = 256 << 10, policy: str = "prefix", ttl: float | None = None,
-                 on_expired: Callable[[int], None] = lambda n: None):
+                 on_expired: Callable[[int], None] = lambda n: None, usage: NamespaceUsage | None = None):
+        self.usage = usage if usage is not None else NamespaceUsage()
         if capacity < 0:
             raise ValueError("capacity cannot be negative")
         if page_size <= 0:
@@ -213,6 +215,7 @@ class RamTier:
         reservation._state = _VISIBLE
         self._visible[reservation.full_key] = reservation
         self._used_bytes += reservation.size
+        self.usage.ram(reservation.full_key, reservation.size, 1)
         self._visible_pages += reservation.n_pages
         meta = reservation.meta
         self.policy.add(reservation.full_key, reservation.size, meta.dialog, meta.position, reservation.klass,
@@ -322,6 +325,7 @@ class RamTier:
         del self._visible[entry.full_key]
         self.policy.remove(entry.full_key)
         self._used_bytes -= entry.size
+        self.usage.ram(entry.full_key, -entry.size, -1)
         n_pages = entry.n_pages
         self._visible_pages -= n_pages
         if entry.pins:

@@ -35,6 +35,7 @@ from kvgate.tiers.eviction import LONG, SHORT
 from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.long import CardState, LongTier, expired
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
+from kvgate.tiers.usage import NamespaceUsage
 
 log = logging.getLogger("kvgate.store")
 
@@ -117,9 +118,11 @@ class TieredStore:
         self.cfg = cfg
         self.pool = pool
         self.counters = StoreCounters()
+        self.usage = NamespaceUsage()
         self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
-                           on_expired=self._count_expired)
-        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt, on_expired=self._count_expired)
+                           on_expired=self._count_expired, usage=self.usage)
+        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
+                             usage=self.usage)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()
 
@@ -138,6 +141,16 @@ class TieredStore:
     # ---- put ------------------------------------------------------------------
 
     async def put(self, items: list[PutItem], retention: str) -> list[bool]:
+        """Store items; True per item once it is where its retention asks (``_put``)."""
+        stored = await self._put(items, retention)
+        for it, ok in zip(items, stored):
+            if ok:
+                row = self.usage.row(it.fkey)
+                row.sets += 1
+                row.bytes_written += len(it.src)
+        return stored
+
+    async def _put(self, items: list[PutItem], retention: str) -> list[bool]:
         """Store items; True per item once it is where its retention asks.
 
         The RAM copy is made first and pinned while the card write runs from
@@ -270,6 +283,12 @@ class TieredStore:
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
+        for it, size in zip(items, sizes):
+            row = self.usage.row(it.fkey)
+            row.gets += 1
+            if size >= 0:
+                row.hits += 1
+                row.bytes_read += size
         return sizes, needed
 
     def _account_read(self, cs: CardState, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:

@@ -56,3 +56,18 @@ def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
     http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/cache/prewarm", data=body.encode(), method="POST")
     with urllib.request.urlopen(http, timeout=10) as r:
         assert json.loads(r.read()) == {"in_ram": 2, "asked": 2}
+
+
+def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() -> None:
+    from kvgate.integrations.lmcache.settings import PARAM_KEYS, parse_params
+
+    section = _section("LMCache")
+    table = set(re.findall(r"^\| `(kvgate\.[a-z_0-9]+)`(?: / `(kvgate\.[a-z_0-9]+)`)?", section, re.M))
+    listed = {k for pair in table for k in pair if k}
+    assert listed == set(PARAM_KEYS), (listed ^ set(PARAM_KEYS))
+    spec = json.loads(re.search(r"--l2-adapter '(\{.*?\})'", section, re.S).group(1))
+    assert spec["module_path"] == "kvgate.integrations.lmcache" and spec["class_name"] == "KvgateL2Adapter"
+    assert parse_params(spec["adapter_params"]).target == "/tmp/kvgate-5557.sock"
+    connector = json.loads(re.search(r"--kv-transfer-config '(\{\"kv_connector\": \"LMCacheMPConnector\".*?\})'",
+                                     section, re.S).group(1))
+    assert connector["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"

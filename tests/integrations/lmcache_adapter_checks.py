@@ -1,6 +1,6 @@
 """The kvgate L2 adapter against a real gateway, with LMCache's own classes; run with .venv-lmcache/bin/python.
 
-    python lmcache_adapter_checks.py SCENARIO SOCKET OUT.json
+    python lmcache_adapter_checks.py SCENARIO SOCKET-or-HOST:PORT OUT.json
 
 Scenarios (each asserts; exit status 0 when every check held):
   roundtrip  store -> lookup-and-lock -> load into fresh TensorMemoryObjs (anonymous memory: staged copies)
@@ -76,7 +76,8 @@ def bits(bm, n: int) -> list[int]:
 
 
 def adapter(sock: str, l1=None, **extra) -> KvgateL2Adapter:
-    cfg = KvgateL2AdapterConfig.from_dict({"kvgate.socket": sock, "kvgate.io_timeout": 3,
+    target = {"kvgate.address": sock} if ":" in sock and "/" not in sock else {"kvgate.socket": sock}
+    cfg = KvgateL2AdapterConfig.from_dict({**target, "kvgate.io_timeout": 3,
                                            "kvgate.lookup_timeout": 1, **extra})
     return KvgateL2Adapter(cfg, l1_memory_desc=l1)
 

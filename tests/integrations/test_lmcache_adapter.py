@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import kvgate_env
+from tests.helpers import free_port, kvgate_env
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv-lmcache" / "bin" / "python"
@@ -44,6 +44,14 @@ def test_store_lookup_load_unlock_then_gateway_restart(gateway_factory, tmp_path
     gw.stop()
     gw.start()  # its card directory holds what the first adapter stored
     run_checks("restart", gw.socket, tmp_path)
+
+
+def test_over_tcp(gateway_factory, tmp_path):
+    """kvgate.address: the same round trip with the bytes inline in the frames."""
+    port = free_port()
+    gw = gateway_factory(["--port", str(port)])
+    r = run_checks("roundtrip", f"127.0.0.1:{port}", tmp_path)
+    assert "over TCP: bytes travel inline" in r["log"] and r["status"]["loaded"] == 9
 
 
 def test_registered_l1_region(gateway_factory, tmp_path):

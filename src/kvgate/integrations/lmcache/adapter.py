@@ -233,7 +233,9 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
         self._load_done: dict[L2TaskId, Bitmap] = {}
         self._locked: dict[Any, int] = {}  # ObjectKey -> lookups holding it (bookkeeping only: see above)
-        self._sizes: dict[Any, int] = {}  # bytes of the objects this adapter stored (for delete's accounting)
+        # delete's byte accounting: the size of the last object stored (LMCache's chunks of one layout
+        # are all one size); a map of every key stored would grow without bound
+        self._object_bytes = 0
         self._down = False
         self._down_since = 0.0
         self._zero_copy_sessions = 0
@@ -278,8 +280,7 @@ class KvgateL2Adapter(L2AdapterInterface):
 
     @property
     def _tcp(self) -> bool:
-        return self.settings.tier.target.startswith("tcp://") or (
-            "/" not in self.settings.tier.target and not self.settings.tier.target.endswith(".sock"))
+        return "kvgate.address" in self.config.params
 
     # ---- event fds ---------------------------------------------------------------------
 
@@ -451,9 +452,7 @@ class KvgateL2Adapter(L2AdapterInterface):
                 else:
                     ok = False
         if stored_keys:
-            with self._lock:
-                for k, s in zip(stored_keys, stored_sizes):
-                    self._sizes[k] = s
+            self._object_bytes = stored_sizes[-1]
             self._notify_keys_stored(stored_keys, stored_sizes)
         self.counters["stored"] += len(stored_keys)
         self.counters["bytes_stored"] += nbytes
@@ -524,9 +523,7 @@ class KvgateL2Adapter(L2AdapterInterface):
             if res is not None:
                 deleted += [keys[i] for i in idx]
         if deleted:
-            with self._lock:
-                sizes = [self._sizes.pop(k, 0) for k in deleted]
-            self._notify_keys_deleted(deleted, sizes)
+            self._notify_keys_deleted(deleted, [self._object_bytes] * len(deleted))
 
 
 __all__ = ["KvgateL2Adapter", "KvgateL2AdapterConfig", "find_shm_mapping"]

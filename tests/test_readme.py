@@ -76,3 +76,18 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], env=kvgate_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() -> None:
+    from kvgate.integrations.lmcache.settings import PARAM_KEYS, parse_params
+
+    section = _section("LMCache")
+    table = set(re.findall(r"^\| `(kvgate\.[a-z_0-9]+)`(?: / `(kvgate\.[a-z_0-9]+)`)?", section, re.M))
+    listed = {k for pair in table for k in pair if k}
+    assert listed == set(PARAM_KEYS), (listed ^ set(PARAM_KEYS))
+    spec = json.loads(re.search(r"--l2-adapter '(\{.*?\})'", section, re.S).group(1))
+    assert spec["module_path"] == "kvgate.integrations.lmcache" and spec["class_name"] == "KvgateL2Adapter"
+    assert parse_params(spec["adapter_params"]).target == "/tmp/kvgate-5557.sock"
+    connector = json.loads(re.search(r"--kv-transfer-config '(\{\"kv_connector\": \"LMCacheMPConnector\".*?\})'",
+                                     section, re.S).group(1))
+    assert connector["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"

@@ -6,7 +6,10 @@ PLAN: {"model_dir", "arch"?: "llama" | "hybrid" | "mla", "kv_cache_dtype"?, "soc
        "add_socket": true (false: no kvgate.socket key; "extra" configures the tier),
        "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}],
        "drain": {"expect_sets": N, "timeout": s, "settle": s} (optional),
-       "frozen": {"gateway_pid", "requests": [...]} (optional: SIGSTOP the gateway, run these, SIGCONT),
+       "frozen": {"gateway_pid", "requests": [...], "signal"?} (optional: SIGSTOP the gateway, run these,
+                 SIGCONT; with "signal": 9 the gateway is killed instead),
+       "kv_transfer_config": {...} (optional: replaces the kvgate OffloadingConnector config, e.g.
+                 LMCacheMPConnector talking to an `lmcache server`),
        "card_away": {"card", "moved_to", "requests": [...], "inactive_timeout": s,
                      "requests_after": [...]} (optional: rename the gateway's card directory, run
                      "requests" at once, wait until the gateway reports the card inactive, run
@@ -15,8 +18,9 @@ PLAN: {"model_dir", "arch"?: "llama" | "hybrid" | "mla", "kv_cache_dtype"?, "soc
 
 Builds the tiny random-weight Llama in model_dir when it is missing.  Each
 request is its own generate() call (in order), so its counters are its own.
-Writes to "out": per request the output token ids, num_cached_tokens and the
-external/local prefix-cache-hit counter deltas; the gateway's RAM-tier sets
+Writes to "out": per request the output token ids, num_cached_tokens, its
+time to first token (vLLM's request metrics) and the external/local
+prefix-cache-hit counter deltas; the gateway's RAM-tier sets
 after the drain; and for "card_away" the gateway's card stats before, when it
 reported the card inactive, and at the end.
 """
@@ -130,6 +134,7 @@ def run_requests(llm, requests, SamplingParams) -> list[dict]:
             "output_token_ids": list(out.outputs[0].token_ids),
             "num_cached_tokens": out.num_cached_tokens,
             "seconds": round(elapsed, 3),
+            "ttft": getattr(getattr(out, "metrics", None), "first_token_latency", None),
             **{k.split(":")[1] + "_delta": after.get(k, 0) - before.get(k, 0) for k in after},
         })
         print(f"[engine] {results[-1]['name']}: cached {out.num_cached_tokens}, "
@@ -161,8 +166,8 @@ def main() -> None:
         max_model_len=4096,
         seed=0,
         **({"kv_cache_dtype": plan["kv_cache_dtype"]} if plan.get("kv_cache_dtype") else {}),
-        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                            kv_connector_extra_config=extra),
+        kv_transfer_config=KVTransferConfig(**plan["kv_transfer_config"]) if plan.get("kv_transfer_config") else
+        KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra),
     )
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     with open(plan["out"] + ".engine_id", "w") as f:  # lets the test remove a /dev/shm region vLLM leaked
@@ -191,12 +196,13 @@ def main() -> None:
     frozen = plan.get("frozen")
     if frozen:
         # The gateway stops answering (SIGSTOP): the engine must keep serving.
-        os.kill(frozen["gateway_pid"], signal.SIGSTOP)
-        print("[engine] gateway frozen", flush=True)
+        sig = frozen.get("signal", signal.SIGSTOP)
+        os.kill(frozen["gateway_pid"], sig)
+        print(f"[engine] gateway {'frozen' if sig == signal.SIGSTOP else 'sent signal %d' % sig}", flush=True)
         try:
             results += run_requests(llm, frozen["requests"], SamplingParams)
         finally:
-            if frozen.get("resume", True):
+            if sig == signal.SIGSTOP and frozen.get("resume", True):
                 os.kill(frozen["gateway_pid"], signal.SIGCONT)
     away = None
     if plan.get("card_away"):

@@ -1,0 +1,543 @@
+"""``KvgateL2Adapter``: an LMCache (0.5.6) L2 adapter that keeps KV chunks in a kvgate gateway.
+
+LMCache's storage controllers call the adapter from their own threads and
+must never wait on the gateway: every ``submit_*`` only queues the task and
+returns its id.  Background threads, each with its own gateway sessions
+(``Client`` objects, one per namespace), run the tasks and signal the three
+event fds LMCache polls.
+
+- Store: ``put_many`` per namespace; the task succeeds when every object was
+  stored.
+- Lookup and lock: ``exists_many`` per namespace.  kvgate has no pin: the
+  "lock" is not held by the gateway, so an object found may be evicted
+  before it is loaded.  The load then reports that key as failed (LMCache
+  recomputes it); it never delivers other bytes: a key names the same bytes
+  everywhere, and a load whose size differs from the L1 buffer fails.
+- Load: ``get_many`` straight into the L1 buffers.
+- A gateway that is down or stuck costs failed stores, lookup misses and
+  failed loads (each call bounded by kvgate.io_timeout / lookup_timeout),
+  one warning line per 30 s, and a reconnect with backoff.
+
+Copies: when LMCache's L1 arena is a /dev/shm file mapping (``lmcache server
+--no-l1-use-lazy --shm-name NAME``), it is registered with the gateway and
+every transfer is one copy, made by the gateway, between its own memory and
+L1.  Otherwise (the default lazy L1 is anonymous memory) objects are staged
+through the session's shared-memory region: one more copy each way, made here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvgate.client import Client, GatewayError, ObjectTooLarge
+from kvgate.integrations.lmcache.settings import (
+    PARAM_KEYS,
+    AdapterSettings,
+    key_bytes,
+    parse_params,
+    split_by_namespace,
+)
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.memory_management import MemoryObj
+
+logger = logging.getLogger("kvgate.lmcache")
+if not logger.handlers and not logging.getLogger().handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(_h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class KvgateL2AdapterConfig(L2AdapterConfigBase):
+    """adapter_params of the plugin: the ``kvgate.*`` keys (see ``settings.PARAM_KEYS``)."""
+
+    def __init__(self, settings: AdapterSettings, params: dict[str, Any]):
+        self.settings = settings
+        self.params = dict(params)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KvgateL2AdapterConfig":
+        return cls(parse_params(d), d)
+
+    @classmethod
+    def help(cls) -> str:
+        return "kvgate L2 adapter params:\n" + "\n".join(f"- {k}: {v}" for k, v in PARAM_KEYS.items())
+
+
+def find_shm_mapping(ptr: int) -> tuple[str, int, int] | None:
+    """(path, start, size) of the /dev/shm file mapping (at file offset 0) that holds ``ptr``."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            path = parts[5].strip()
+            if path.startswith("/dev/shm/") and int(parts[2], 16) == 0 and "rw" in parts[1]:
+                # the file may be mapped in several adjacent pieces: take the whole run from lo
+                end = hi
+                for other in lines:
+                    p = other.split(maxsplit=5)
+                    if len(p) == 6 and p[5].strip() == path:
+                        a, b = (int(x, 16) for x in p[0].split("-"))
+                        if a == end and int(p[2], 16) == end - lo:
+                            end = b
+                return path, lo, end - lo
+            return None
+    return None
+
+
+class _RateLimitedLog:
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, topic: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(topic)
+            if last is not None and now - last < self.every_s:
+                self._suppressed[topic] = self._suppressed.get(topic, 0) + 1
+                return
+            n = self._suppressed.pop(topic, 0)
+            self._last[topic] = now
+        logger.warning(msg + (f" ({n} similar messages suppressed)" if n else ""), *args)
+
+
+class _GatewayDown(RuntimeError):
+    pass
+
+
+class _Sessions:
+    """One worker thread's gateway sessions, one per namespace, (re)opened lazily with backoff."""
+
+    def __init__(self, adapter: "KvgateL2Adapter", name: str, timeout: float, bulk: bool):
+        self.adapter = adapter
+        self.name = name
+        self.timeout = timeout
+        self.bulk = bulk  # bytes travel on these sessions: register L1 (or take a session region)
+        self.clients: dict[str, Client] = {}
+        self._next_try = 0.0
+        self._backoff = 0.5
+        self._lock = threading.Lock()  # close() from another thread
+        self.closed = False
+
+    def get(self, namespace: str) -> Client:
+        c = self.clients.get(namespace)
+        if c is not None and not c.broken:
+            return c
+        if c is not None:
+            self.drop(namespace)
+        if self.closed:
+            raise _GatewayDown("the adapter is closing")
+        now = time.monotonic()
+        if now < self._next_try:
+            raise _GatewayDown(f"gateway {self.adapter.settings.target} unreachable; next try in "
+                               f"{self._next_try - now:.1f} s")
+        try:
+            c = self._open(namespace)
+        except Exception as e:
+            self._next_try = now + self._backoff
+            self._backoff = min(self._backoff * 2, 10.0)
+            self.adapter._gateway_failed(f"cannot connect ({type(e).__name__}: {e})")
+            raise _GatewayDown(str(e)) from e
+        self._backoff = 0.5
+        with self._lock:
+            self.clients[namespace] = c
+        self.adapter._gateway_ok()
+        return c
+
+    def _open(self, namespace: str) -> Client:
+        a = self.adapter
+        s = a.settings.tier
+        kw = dict(namespace=namespace, token=s.token, timeout=min(s.connect_timeout, self.timeout))
+        region = a._l1_region if self.bulk else None
+        c = Client.connect(s.target, want_shm=self.bulk and region is None, **kw)
+        c.set_timeout(self.timeout)
+        if region is not None and c.local:
+            try:
+                c.register_region(region[0], mapping=a._l1_view)
+                a._zero_copy_sessions += 1
+                return c
+            except Exception as e:
+                a._log.warning("region", "kvgate: the gateway could not map LMCache's L1 %s (%s); staging "
+                               "through a session region instead", region[0], e)
+                c.close()
+                c = Client.connect(s.target, want_shm=True, **kw)
+                c.set_timeout(self.timeout)
+        return c
+
+    def drop(self, namespace: str) -> None:
+        with self._lock:
+            c = self.clients.pop(namespace, None)
+        if c is not None:
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def abort(self) -> None:
+        self.closed = True
+        with self._lock:
+            for c in self.clients.values():
+                c.abort()
+
+    def close(self) -> None:
+        self.closed = True
+        for ns in list(self.clients):
+            self.drop(ns)
+
+
+class KvgateL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter storing objects in a kvgate gateway (see the module docstring)."""
+
+    config_class_name = "KvgateL2AdapterConfig"
+
+    def __init__(self, config: KvgateL2AdapterConfig | dict, l1_memory_desc: "L1MemoryDesc | None" = None):
+        super().__init__(max_capacity_bytes=0)
+        if not isinstance(config, KvgateL2AdapterConfig):
+            config = KvgateL2AdapterConfig.from_dict(dict(config))
+        self.config = config
+        self.settings = config.settings
+        self._base_ns = self.settings.tier.namespace
+        self._log = _RateLimitedLog()
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._store_done: dict[L2TaskId, L2StoreResult] = {}
+        self._lookup_done: dict[L2TaskId, Bitmap] = {}
+        self._load_done: dict[L2TaskId, Bitmap] = {}
+        self._locked: dict[Any, int] = {}  # ObjectKey -> lookups holding it (bookkeeping only: see above)
+        # delete's byte accounting: the size of the last object stored (LMCache's chunks of one layout
+        # are all one size); a map of every key stored would grow without bound
+        self._object_bytes = 0
+        self._seen_ns: set[str] = set()  # namespaces whose store and load sessions were asked to open
+        self._down = False
+        self._down_since = 0.0
+        self._zero_copy_sessions = 0
+        self.counters = {"stores": 0, "stored": 0, "store_failed": 0, "lookups": 0, "lookup_hits": 0,
+                         "loads": 0, "loaded": 0, "load_failed": 0, "bytes_stored": 0, "bytes_loaded": 0}
+
+        # LMCache's L1 arena: zero copy when it is a /dev/shm file mapping the gateway can map too
+        self._l1_region: tuple[str, int, int] | None = None
+        self._l1_view: memoryview | None = None
+        if l1_memory_desc is not None and self.settings.register_l1 and not self._tcp:
+            found = find_shm_mapping(int(l1_memory_desc.ptr))
+            if found is not None:
+                path, start, size = found
+                self._l1_region = found
+                self._l1_view = memoryview((ctypes.c_ubyte * size).from_address(start)).cast("B")
+            else:
+                logger.info("kvgate: LMCache's L1 arena (0x%x) is not a /dev/shm file mapping: objects are "
+                            "staged through a shared-memory session region (one copy each way here)",
+                            int(l1_memory_desc.ptr))
+
+        t = self.settings.tier
+        self._store_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions = [_Sessions(self, "store", t.io_timeout, bulk=True),
+                          _Sessions(self, "lookup", t.lookup_timeout, bulk=False)]
+        self._sessions += [_Sessions(self, f"load{i}", t.io_timeout, bulk=True)
+                           for i in range(self.settings.load_workers)]
+        self._threads = [threading.Thread(target=self._loop, args=(self._store_q, self._sessions[0]),
+                                          name="kvgate-l2-store", daemon=True),
+                         threading.Thread(target=self._loop, args=(self._lookup_q, self._sessions[1]),
+                                          name="kvgate-l2-lookup", daemon=True)]
+        self._threads += [threading.Thread(target=self._loop, args=(self._load_q, s), name=f"kvgate-l2-{s.name}",
+                                           daemon=True) for s in self._sessions[2:]]
+        for th in self._threads:
+            th.start()
+        logger.info("kvgate L2 adapter: gateway %s, namespace %s|r<rank>|g<group>[|s<salt digest>], "
+                    "retention %s, %s", t.target, self._base_ns or "lmcache|<model>", t.retention,
+                    f"L1 {self._l1_region[0]} registered: transfers are one copy by the gateway"
+                    if self._l1_region else ("over TCP: bytes travel inline" if self._tcp else
+                                             "objects staged through a session region"))
+
+    @property
+    def _tcp(self) -> bool:
+        return "kvgate.address" in self.config.params
+
+    # ---- event fds ---------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # ---- submit / query (LMCache's threads: queue and return) ---------------------------
+
+    def _task_id(self) -> L2TaskId:
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
+
+    def submit_store_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        tid = self._task_id()
+        self._store_q.put((self._run_store, tid, list(keys), list(objects)))
+        return tid
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._store_done = self._store_done, {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
+                                    group_layout_descs: "dict[int, MemoryLayoutDesc] | None" = None) -> L2TaskId:
+        tid = self._task_id()
+        self._lookup_q.put((self._run_lookup, tid, list(keys), None))
+        return tid
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._lookup_done.pop(task_id, None)
+
+    def submit_unlock(self, keys: list["ObjectKey"]) -> None:
+        with self._lock:
+            for k in keys:
+                n = self._locked.get(k, 0)
+                if n <= 1:
+                    self._locked.pop(k, None)
+                else:
+                    self._locked[k] = n - 1
+
+    def submit_load_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        tid = self._task_id()
+        self._load_q.put((self._run_load, tid, list(keys), list(objects)))
+        return tid
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._load_done.pop(task_id, None)
+
+    def delete(self, keys: list["ObjectKey"]) -> None:
+        self._lookup_q.put((self._run_delete, 0, list(keys), None))
+
+    def report_status(self) -> dict:
+        with self._lock:
+            locked = len(self._locked)
+        return {"is_healthy": not self._down, "type": "KvgateL2Adapter", "gateway": self.settings.target,
+                "gateway_down_for_s": round(time.monotonic() - self._down_since, 1) if self._down else 0.0,
+                "l1_registered": self._l1_region[0] if self._l1_region else None,
+                "zero_copy_sessions": self._zero_copy_sessions, "locked_key_count": locked,
+                "lock_held_by_gateway": False, **self.counters}
+
+    def close(self) -> None:
+        for s in self._sessions:
+            s.abort()  # wake a call stuck on a frozen gateway
+        for q in (self._store_q, self._lookup_q):
+            q.put(None)
+        for _ in self._sessions[2:]:
+            self._load_q.put(None)
+        for th in self._threads:
+            th.join(timeout=5)
+        for s in self._sessions:
+            s.close()
+        self._l1_view = None
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            try:
+                efd.close()
+            except Exception:
+                pass
+
+    # ---- the worker threads ----------------------------------------------------------------
+
+    def _loop(self, q: queue.SimpleQueue, sessions: _Sessions) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fn, tid, keys, objects = item
+            try:
+                fn(sessions, tid, keys, objects)
+            except BaseException as e:  # never lose a task: LMCache waits for every one
+                logger.exception("kvgate L2 adapter: task %s failed unexpectedly: %s", tid, e)
+                if fn == self._run_store:
+                    self._finish_store(tid, False, 0)
+                elif fn == self._run_lookup:
+                    self._finish(self._lookup_done, self._lookup_efd, tid, Bitmap(len(keys)))
+                elif fn == self._run_load:
+                    self._finish(self._load_done, self._load_efd, tid, Bitmap(len(keys)))
+
+    def _gateway_failed(self, why: str) -> None:
+        if not self._down:
+            self._down = True
+            self._down_since = time.monotonic()
+        self._log.warning("down", "kvgate: gateway %s unavailable: %s; LMCache goes on without it (store "
+                          "failures, lookup misses) and the adapter reconnects", self.settings.target, why)
+
+    def _gateway_ok(self) -> None:
+        if self._down:
+            self._down = False
+            logger.info("kvgate: gateway %s reachable again after %.1f s", self.settings.target,
+                        time.monotonic() - self._down_since)
+
+    def _call(self, sessions: _Sessions, namespace: str, what: str, fn) -> Any:
+        """fn(client) on this namespace's session; None (logged) when the gateway fails."""
+        try:
+            client = sessions.get(namespace)
+        except _GatewayDown:
+            return None
+        try:
+            return fn(client)
+        except GatewayError as e:
+            self._log.warning(f"refused-{what}", "kvgate: the gateway refused a %s: %s", what, e)
+            if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "UNSALTED_REFUSED", "BAD_VERSION"):
+                sessions.drop(namespace)
+            return None
+        except (ValueError, TypeError) as e:  # an argument refused before anything was sent
+            self._log.warning(f"bad-{what}", "kvgate: a %s was refused: %s", what, e)
+            return None
+        except Exception as e:  # OSError, TimeoutError, a broken frame: reconnect next time
+            sessions.drop(namespace)
+            if not sessions.closed:
+                self._gateway_failed(f"{what} failed ({type(e).__name__}: {e})")
+            return None
+
+    def _finish(self, done: dict, efd, tid: L2TaskId, result: Any) -> None:
+        with self._lock:
+            done[tid] = result
+        efd.notify()
+
+    def _finish_store(self, tid: L2TaskId, ok: bool, nbytes: int) -> None:
+        self._finish(self._store_done, self._store_efd, tid, L2StoreResult(ok, nbytes))
+
+    def _run_store(self, sessions: _Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
+        self.counters["stores"] += 1
+        ok = True
+        nbytes = 0
+        stored_keys: list = []
+        stored_sizes: list[int] = []
+        retention = self.settings.tier.retention
+        for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            bufs = [objects[i].byte_array for i in idx]
+            res = self._call(sessions, ns, "store",
+                             lambda c: c.put_many([key_bytes(keys[i]) for i in idx], bufs, retention=retention))
+            if res is None:
+                ok = False
+                continue
+            for i, b, stored in zip(idx, bufs, res):
+                if stored:
+                    stored_keys.append(keys[i])
+                    stored_sizes.append(len(b))
+                    nbytes += len(b)
+                else:
+                    ok = False
+        if stored_keys:
+            self._object_bytes = stored_sizes[-1]
+            self._notify_keys_stored(stored_keys, stored_sizes)
+        self.counters["stored"] += len(stored_keys)
+        self.counters["bytes_stored"] += nbytes
+        if not ok:
+            self.counters["store_failed"] += 1
+        self._finish_store(tid, ok, nbytes)
+
+    def _run_lookup(self, sessions: _Sessions, tid: L2TaskId, keys: list, _objects: Any) -> None:
+        self.counters["lookups"] += 1
+        bitmap = Bitmap(len(keys))
+        found: list = []
+        for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            if ns not in self._seen_ns:
+                # open the bulk sessions now (connect, register L1), not in the first store or restore
+                self._seen_ns.add(ns)
+                self._store_q.put((self._run_open, 0, [ns], None))
+                for _ in self._sessions[2:]:
+                    self._load_q.put((self._run_open, 0, [ns], None))
+            res = self._call(sessions, ns, "lookup", lambda c: c.exists_many([key_bytes(keys[i]) for i in idx]))
+            for i, present in zip(idx, res or ()):
+                if present:
+                    bitmap.set(i)
+                    found.append(keys[i])
+        if found:
+            with self._lock:
+                for k in found:
+                    self._locked[k] = self._locked.get(k, 0) + 1
+        self.counters["lookup_hits"] += len(found)
+        self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
+
+    def _run_load(self, sessions: _Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
+        self.counters["loads"] += 1
+        bitmap = Bitmap(len(keys))
+        loaded: list = []
+        nbytes = 0
+        for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            bufs = [objects[i].byte_array for i in idx]
+            res = self._call(sessions, ns, "load", lambda c: self._get_fitting(c, [key_bytes(keys[i]) for i in idx],
+                                                                               bufs))
+            for i, b, got in zip(idx, bufs, res or ()):
+                # a miss (evicted since the lookup) or an object of another size fails this key
+                if got is not None and len(got) == len(b):
+                    bitmap.set(i)
+                    loaded.append(keys[i])
+                    nbytes += len(b)
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        self.counters["loaded"] += len(loaded)
+        self.counters["bytes_loaded"] += nbytes
+        if len(loaded) < len(keys):
+            self.counters["load_failed"] += len(keys) - len(loaded)
+        self._finish(self._load_done, self._load_efd, tid, bitmap)
+
+    @staticmethod
+    def _get_fitting(client: Client, kbytes: list[bytes], bufs: list) -> list:
+        """get_many into ``bufs``; an object larger than its buffer is a miss for that key alone."""
+        out: list = [None] * len(kbytes)
+        todo = list(range(len(kbytes)))
+        while todo:
+            try:
+                got = client.get_many([kbytes[j] for j in todo], into=[bufs[j] for j in todo])
+            except ObjectTooLarge as e:  # refused before anything was sent: drop that key, ask again
+                todo.pop(e.index)
+                continue
+            for j, g in zip(todo, got):
+                out[j] = g
+            break
+        return out
+
+    def _run_open(self, sessions: _Sessions, _tid: int, namespaces: list, _objects: Any) -> None:
+        for ns in namespaces:
+            try:
+                sessions.get(ns)
+            except _GatewayDown:  # logged; the next task tries again
+                pass
+
+    def _run_delete(self, sessions: _Sessions, _tid: int, keys: list, _objects: Any) -> None:
+        deleted: list = []
+        for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            res = self._call(sessions, ns, "delete", lambda c: c.delete_many([key_bytes(keys[i]) for i in idx]))
+            if res is not None:
+                deleted += [keys[i] for i in idx]
+        if deleted:
+            self._notify_keys_deleted(deleted, [self._object_bytes] * len(deleted))
+
+
+__all__ = ["KvgateL2Adapter", "KvgateL2AdapterConfig", "find_shm_mapping"]

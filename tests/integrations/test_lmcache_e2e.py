@@ -1,0 +1,188 @@
+"""The real ``lmcache server`` (LMCache 0.5.6, multiprocess mode) with the kvgate L2 adapter, and vLLM
+(CPU build, 0.32) with ``LMCacheMPConnector`` (``lmcache_driven``).
+
+Processes run under .venv-lmcache/bin/python (make lmcache-venv); the test is
+skipped when that venv is missing.  The engine is tests/integrations/vllm_engine.py
+(tiny random-weight Llama, token-id prompts) with an LMCache kv_transfer_config.
+
+run 1: gateway G, lmcache server L (L1 in /dev/shm, registered with G), engine:
+       P (768 tokens) computed; drains until G holds P's 3 chunks.
+run 2: L and the engine restarted (L1 empty): Q (768 new tokens) computed, then P restored from G
+       through L (external prefix-cache hits, same greedy output as run 1); then G is killed
+       (SIGKILL): R (new) and P again are still served by L and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import GatewayProcess, free_port, kvgate_env
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = REPO / ".venv-lmcache"
+VENV_PY = VENV / "bin" / "python"
+ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VENV_PY.exists(),
+                       reason=f"{VENV_PY} is missing: build the LMCache venv first (make lmcache-venv)"),
+]
+
+CHUNK = 256  # LMCache chunk size: a multiple of vLLM's CPU block size (128)
+PROMPT_TOKENS = 800
+CHUNKS = PROMPT_TOKENS // CHUNK  # 3
+CACHEABLE = CHUNKS * CHUNK  # 768
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(PROMPT_TOKENS)]
+
+
+P, Q, R = prompt(11), prompt(12), prompt(13)
+
+
+def env() -> dict[str, str]:
+    e = kvgate_env({"LMCACHE_TRACK_USAGE": "false", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    e.pop("PYTHONHASHSEED", None)
+    return e
+
+
+class LMCacheServer:
+    def __init__(self, workdir: Path, gw: GatewayProcess, name: str):
+        self.port, self.http_port = free_port(), free_port()
+        self.log_path = workdir / f"{name}.log"
+        adapter = {"type": "plugin", "module_path": "kvgate.integrations.lmcache", "class_name": "KvgateL2Adapter",
+                   "adapter_params": {"kvgate.socket": gw.socket, "kvgate.io_timeout": 5,
+                                      "kvgate.lookup_timeout": 2}}
+        self.cmd = [str(VENV / "bin" / "lmcache"), "server", "--host", "localhost", "--port", str(self.port),
+                    "--http-port", str(self.http_port), "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
+                    "--chunk-size", str(CHUNK), "--max-workers", "2", "--no-l1-use-lazy",
+                    "--shm-name", f"kvgate-test-{os.getpid()}", "--l2-adapter", json.dumps(adapter)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> "LMCacheServer":
+        f = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"lmcache server exited:\n{self.log()[-4000:]}"
+            try:
+                with socket.create_connection(("127.0.0.1", self.http_port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"lmcache server not ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def connector(self) -> dict:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port,
+            "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
+
+
+def run_engine(workdir: Path, name: str, gw: GatewayProcess, server: LMCacheServer, model_dir: Path,
+               requests: list[dict], drain: dict | None = None, frozen: dict | None = None) -> dict:
+    out = workdir / f"{name}.json"
+    plan = {"model_dir": str(model_dir), "socket": gw.socket, "requests": requests, "drain": drain,
+            "frozen": frozen, "kv_transfer_config": server.connector(), "out": str(out)}
+    plan_path = workdir / f"{name}.plan.json"
+    plan_path.write_text(json.dumps(plan))
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.run([str(VENV_PY), str(ENGINE), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
+                              env=env(), cwd=str(workdir), timeout=400)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
+    result = json.loads(out.read_text())
+    result["log"] = text
+    result["by_name"] = {r["name"]: r for r in result["results"]}
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("lmcache_e2e")
+    model_dir = workdir / "tiny-llama"
+    gw = GatewayProcess(workdir, ["--max-bytes", "256M", "--shared-memory-size", "16M"], name="gw")
+    gw.start()
+    servers: list[LMCacheServer] = []
+    try:
+        s1 = LMCacheServer(workdir, gw, "lmcache1").start()
+        servers.append(s1)
+        t0 = time.monotonic()
+        r1 = run_engine(workdir, "run1", gw, s1, model_dir, [{"name": "P", "prompt_token_ids": P}],
+                        drain={"expect_sets": CHUNKS, "timeout": 60, "settle": 1.0})
+        r1["wall_s"] = time.monotonic() - t0
+        s1.stop()
+        s2 = LMCacheServer(workdir, gw, "lmcache2").start()
+        servers.append(s2)
+        t0 = time.monotonic()
+        r2 = run_engine(workdir, "run2", gw, s2, model_dir, [
+            {"name": "Q-computed", "prompt_token_ids": Q},
+            {"name": "P-restored", "prompt_token_ids": P},
+        ], frozen={"gateway_pid": gw.pid, "signal": signal.SIGKILL, "requests": [
+            {"name": "R-gateway-dead", "prompt_token_ids": R},
+            {"name": "P-gateway-dead", "prompt_token_ids": P},
+        ]})
+        r2["wall_s"] = time.monotonic() - t0
+        s2_alive = s2.proc is not None and s2.proc.poll() is None
+        s2.stop()
+        yield {"run1": r1, "run2": r2, "lmcache1": s1.log(), "lmcache2": s2.log(), "s2_alive": s2_alive}
+    finally:
+        for s in servers:
+            s.stop()
+        gw.cleanup()
+        # LMCache unlinks its L1 file on a clean exit only (and a stale one at its next start)
+        Path(f"/dev/shm/lmcache_l1_pool_kvgate-test-{os.getpid()}").unlink(missing_ok=True)
+
+
+def test_restart_restores_through_lmcache_and_kvgate(runs):
+    first = runs["run1"]["by_name"]["P"]
+    again = runs["run2"]["by_name"]["P-restored"]
+    computed = runs["run2"]["by_name"]["Q-computed"]
+    print(f"\nTTFT computed (Q, {PROMPT_TOKENS} tokens) {computed['ttft']}, restored (P) {again['ttft']}; "
+          f"run1 {runs['run1']['wall_s']:.1f} s, run2 {runs['run2']['wall_s']:.1f} s")
+    assert first["num_cached_tokens"] == 0 and computed["external_prefix_cache_hits_delta"] == 0
+    assert again["external_prefix_cache_hits_delta"] > 0, again
+    assert again["external_prefix_cache_hits_delta"] == CACHEABLE, again
+    assert again["output_token_ids"] == first["output_token_ids"]
+    assert runs["run1"]["gateway_sets"] >= CHUNKS
+    log = runs["lmcache1"]
+    assert "kvgate L2 adapter: gateway" in log and "registered: transfers are one copy by the gateway" in log, \
+        log[-4000:]
+
+
+def test_gateway_killed_lmcache_keeps_serving(runs):
+    r2 = runs["run2"]["by_name"]
+    for name in ("R-gateway-dead", "P-gateway-dead"):
+        assert len(r2[name]["output_token_ids"]) == 8, r2[name]
+        assert r2[name]["seconds"] < 30, r2[name]
+    # P is still in the restarted server's L1: same output
+    assert r2["P-gateway-dead"]["output_token_ids"] == runs["run1"]["by_name"]["P"]["output_token_ids"]
+    assert runs["s2_alive"], runs["lmcache2"][-4000:]
+    log = runs["lmcache2"]
+    assert "Traceback" not in log, log[-4000:]

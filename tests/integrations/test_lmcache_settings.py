@@ -1,0 +1,96 @@
+"""ObjectKey -> (namespace, key) mapping and adapter_params parsing (no LMCache needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from kvgate.integrations.lmcache.settings import (
+    ConfigError,
+    key_bytes,
+    namespace_for,
+    parse_params,
+    split_by_namespace,
+)
+from tests.helpers import kvgate_env
+
+
+@dataclass(frozen=True)
+class Key:  # the fields of lmcache.v1.distributed.api.ObjectKey
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+def test_namespace_and_key():
+    k = Key(b"\x01\x02" * 16, "meta-llama/Llama-3-8B", 3, 1)
+    assert namespace_for(k) == "lmcache|meta-llama/Llama-3-8B|r3|g1"
+    assert key_bytes(k) == b"\x01\x02" * 16
+    assert namespace_for(k, "prod-a") == "prod-a|r3|g1"
+
+
+def test_every_field_but_the_hash_separates_namespaces():
+    base = Key(b"h" * 32, "m", 0)
+    others = [Key(b"h" * 32, "m2", 0), Key(b"h" * 32, "m", 1), Key(b"h" * 32, "m", 0, 1),
+              Key(b"h" * 32, "m", 0, 0, "tenant-a"), Key(b"h" * 32, "m", 0, 0, "tenant-b")]
+    names = {namespace_for(k) for k in [base, *others]}
+    assert len(names) == 6
+    salted = namespace_for(others[3])
+    assert "tenant-a" not in salted  # the salt is digested, never sent as is
+
+
+def test_mapping_is_stable_across_processes():
+    """No Python hash(): another interpreter with another PYTHONHASHSEED gives the same names."""
+    code = ("from kvgate.integrations.lmcache.settings import namespace_for, key_bytes\n"
+            "class K: chunk_hash=b'abc'; model_name='m'; kv_rank=2; object_group_id=0; cache_salt='s'\n"
+            "print(namespace_for(K()), key_bytes(K()).hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=kvgate_env({"PYTHONHASHSEED": seed})).stdout for seed in ("1", "2")}
+    assert len(outs) == 1
+    k = Key(b"abc", "m", 2, 0, "s")
+    assert outs.pop().split() == [namespace_for(k), key_bytes(k).hex()]
+
+
+def test_long_model_and_hash_fit_the_limits():
+    k = Key(b"x" * 5000, "org/" + "m" * 400, 0, 0, "s" * 128)
+    ns = namespace_for(k)
+    assert len(ns.encode()) <= 255 and ns != namespace_for(Key(b"x", "org/" + "m" * 399 + "n", 0, 0, "s" * 128))
+    assert len(key_bytes(k)) <= 1024
+    assert key_bytes(k) != key_bytes(Key(b"x" * 4999 + b"y", "m", 0))
+
+
+def test_int_and_str_hashes():
+    assert key_bytes(Key(5, "m", 0)) != key_bytes(Key(-5, "m", 0))
+    assert key_bytes(Key("ab", "m", 0)) == b"ab"
+
+
+def test_split_by_namespace_keeps_order():
+    ks = [Key(b"a", "m", 0), Key(b"b", "m", 1), Key(b"c", "m", 0)]
+    assert split_by_namespace(ks) == {"lmcache|m|r0|g0": [0, 2], "lmcache|m|r1|g0": [1]}
+
+
+def test_params():
+    s = parse_params({"kvgate.socket": "/tmp/g.sock", "kvgate.io_timeout": "4", "kvgate.retention": "short",
+                      "kvgate.load_workers": 2, "kvgate.register_l1": "false"})
+    assert s.target == "/tmp/g.sock" and s.tier.io_timeout == 4.0 and s.tier.retention == "short"
+    assert s.load_workers == 2 and s.register_l1 is False
+    assert parse_params({"kvgate.address": "127.0.0.1:5557"}).register_l1 is True
+
+
+@pytest.mark.parametrize("params, word", [
+    ({}, "kvgate.socket"),
+    ({"kvgate.socket": "/s", "kvgate.address": "h:1"}, "exactly one"),
+    ({"kvgate.socket": "/s", "kvgate.sockets": "/t"}, "kvgate.sockets"),
+    ({"kvgate.socket": "/s", "kvgate.io_timeout": 0}, "kvgate.io_timeout"),
+    ({"kvgate.socket": "/s", "kvgate.retention": "forever"}, "kvgate.retention"),
+    ({"kvgate.socket": "/s", "kvgate.load_workers": 0}, "kvgate.load_workers"),
+    ({"kvgate.socket": "/s", "kvgate.register_l1": "maybe"}, "kvgate.register_l1"),
+])
+def test_bad_params_name_the_key(params, word):
+    with pytest.raises(ConfigError, match=word.replace(".", r"\.")):
+        parse_params(params)

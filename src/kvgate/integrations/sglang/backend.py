@@ -336,9 +336,10 @@ class KvgateHiCacheStorage(HiCacheStorage):
             link.drop()
             self._went_down(link.name, e)
             return
-        link.drop()
-        logger.exception("kvgate backend: %s failed unexpectedly (%s: %s); treated as a miss", what,
-                         type(e).__name__, e)
+        # Not the gateway's doing (a host pool that describes its pages unexpectedly, a bug): the
+        # connection stays (a call cut short marks its client broken, and get() replaces it).
+        self._log_once(f"unexpected-{what}-{type(e).__name__}", "kvgate backend: %s failed (%s: %s); treated "
+                       "as a miss", what, type(e).__name__, e)
 
     # ---- dialog marks ------------------------------------------------------------------------
 

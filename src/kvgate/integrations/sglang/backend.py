@@ -233,7 +233,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self._backup_bw: list[float] = []
         self.counters: dict[str, int] = {
             "exists_calls": 0, "exists_pages": 0, "exists_hits": 0, "get_calls": 0, "get_pages": 0,
-            "get_hits": 0, "set_calls": 0, "set_pages": 0, "set_stored": 0, "errors": 0, "mark_calls": 0}
+            "get_hits": 0, "set_calls": 0, "set_pages": 0, "set_stored": 0, "errors": 0, "mark_calls": 0,
+            "no_prefix_batch_exists": 0, "no_prefix_batch_get_v1": 0, "no_prefix_batch_set_v1": 0}
         self._lookups: _Link | None = None
         self._loads: _Link | None = None
         self._stores: _Link | None = None
@@ -289,8 +290,11 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     pass  # logged; retried by the first call that needs it
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Hybrid models' extra pools: recorded; their transfers are refused (see batch_*_v2)."""
+        """Every pool of the host pool group (the KV pool too); hybrid models' extra pools are recorded
+        and their transfers refused (see batch_*_v2)."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) == "kv" and host_pool is self.mem_pool_host:
+            return  # the anchor pool, registered again as the pool group's KV entry: served by v1
         self._log_once("v2", "kvgate backend: host pool %r registered, but hybrid (v2) transfers are not "
                        "supported yet: requests of this model are computed, not restored", str(host_pool_name))
 
@@ -344,7 +348,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- dialog marks ------------------------------------------------------------------------
 
     def _dialog(self, client: Client, keys: Sequence[str], bkeys: list[bytes],
-                extra_info: Optional[HiCacheStorageExtraInfo]) -> tuple[DialogMark, int]:
+                extra_info: Optional[HiCacheStorageExtraInfo], what: str) -> tuple[DialogMark, int]:
         """(DialogMark, position of keys[0]) of a call.
 
         SGLang passes every page hash before the call's keys in
@@ -357,11 +361,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
         """
         prefix = extra_info.prefix_keys if extra_info is not None else None
         if prefix is None:
+            self.counters[f"no_prefix_{what}"] += 1
             if not self._warned_no_prefix:
                 self._warned_no_prefix = True
-                logger.warning("kvgate backend: SGLang passes no prefix keys, so pages are stored without dialog "
+                logger.warning("kvgate backend: SGLang passed no prefix keys (%s), so pages go without dialog "
                                "marks (no dialog placement). Add \"hicache_storage_pass_prefix_keys\": true to "
-                               "--hicache-storage-backend-extra-config")
+                               "--hicache-storage-backend-extra-config", what)
             return DialogMark(None, 0), -1
         position = len(prefix)
         need = MARK_KEYS + 1 if self.settings.affinity_chunks is None else self.settings.affinity_chunks
@@ -425,7 +430,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             bkeys = page_keys(keys)
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info)
+                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_exists")
                 found = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = client.lookup(bkeys[start:end], dialog=dialog)
@@ -461,7 +466,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             f = self.fragments
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info)
+                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_get_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes
@@ -523,7 +528,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             f = self.fragments
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info)
+                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_set_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes

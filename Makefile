@@ -91,5 +91,10 @@ demo: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_ttft.py $(ARGS)
 
+# SGLang HiCache backend: ARGS=io (batch_get_v1 from the gateway's RAM vs memcpy, ~30 s) or
+# ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min).
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python benchmarks/sglang_bench.py $(ARGS)
+
 clean-var:
 	rm -rf var

@@ -21,7 +21,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
 

@@ -38,7 +38,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -347,8 +347,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
 
     # ---- dialog marks ------------------------------------------------------------------------
 
-    def _dialog(self, client: Client, keys: Sequence[str], bkeys: list[bytes],
-                extra_info: Optional[HiCacheStorageExtraInfo], what: str) -> tuple[DialogMark, int]:
+    def _dialog(self, client: Client, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
+                what: str) -> tuple[DialogMark, int]:
         """(DialogMark, position of keys[0]) of a call.
 
         SGLang passes every page hash before the call's keys in
@@ -430,7 +430,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             bkeys = page_keys(keys)
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_exists")
+                dm, position = self._dialog(client, bkeys, extra_info, "batch_exists")
                 found = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = client.lookup(bkeys[start:end], dialog=dialog)
@@ -466,7 +466,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             f = self.fragments
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_get_v1")
+                dm, position = self._dialog(client, bkeys, extra_info, "batch_get_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes
@@ -528,7 +528,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             f = self.fragments
             with link.lock:
                 client = link.get()
-                dm, position = self._dialog(client, keys, bkeys, extra_info, "batch_set_v1")
+                dm, position = self._dialog(client, bkeys, extra_info, "batch_set_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes

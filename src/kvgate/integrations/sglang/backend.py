@@ -13,10 +13,11 @@ The three storage threads run at once, so each has its own gateway
 connection (a ``Client`` serialises its calls) and, for the two that move
 bytes, its own staging region.  None of these threads is restarted by SGLang
 when it dies: no method here raises into SGLang, none returns None where
-SGLang expects a result, and none waits longer than ``kvgate.io_timeout``
-(``kvgate.lookup_timeout`` for ``batch_exists``).  A gateway that is down or
-stuck means misses (False, 0) and one log line; the next call after a
-back-off reconnects.
+SGLang expects a result, and the gateway calls of one method together wait
+no longer than ``kvgate.io_timeout`` (``kvgate.lookup_timeout`` for
+``batch_exists``), plus ``kvgate.connect_timeout`` when it has to reconnect.
+A gateway that is down or stuck means misses (False, 0) and one log line;
+the next call after a back-off reconnects.
 
 Copies.  SGLang's host pool is anonymous process memory (``torch.empty``),
 which the gateway cannot map, and a page of the ``layer_first`` layout is
@@ -66,6 +67,11 @@ _MARK_CACHE = 4096
 
 class GatewayDown(ConnectionError):
     """No connection to the gateway right now (it failed recently; retried after a back-off)."""
+
+
+class OutOfTime(Exception):
+    """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
+    gateway call: it returns what it has (the connection is fine and stays)."""
 
 
 class _Staging:
@@ -126,6 +132,24 @@ class _Link:
         self._next_try = 0.0
         self._backoff = 0.5
         self.closed = False
+        self.deadline = 0.0
+
+    def begin(self) -> Client:
+        """The connected client, and the method's time budget starts (caller holds ``self.lock``).
+
+        One SGLang call may take several gateway calls (a dialog mark, one per dialog run or
+        staging round): together they get ``timeout``, not each."""
+        client = self.get()
+        self.deadline = time.monotonic() + self.timeout
+        return client
+
+    def budget(self) -> Client:
+        """The client with its socket deadline set to what is left of the method's budget."""
+        left = self.deadline - time.monotonic()
+        if left <= 0 or self.client is None:
+            raise OutOfTime(f"{self.name}: the {self.timeout} s budget is spent")
+        self.client.set_timeout(left)
+        return self.client
 
     def get(self) -> Client:
         """The connected client (caller holds ``self.lock``); GatewayDown when there is none."""
@@ -331,6 +355,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["errors"] += 1
         if isinstance(e, GatewayDown):
             return
+        if isinstance(e, OutOfTime):
+            self._log_once(f"slow-{what}", "kvgate backend: a %s ran out of time (%s); the rest is a miss", what, e)
+            return
         if isinstance(e, GatewayError):
             self._log_once(f"refused-{what}", "kvgate backend: the gateway refused a %s: %s", what, e)
             if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "BAD_VERSION"):
@@ -347,7 +374,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
 
     # ---- dialog marks ------------------------------------------------------------------------
 
-    def _dialog(self, client: Client, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
+    def _dialog(self, link: _Link, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
                 what: str) -> tuple[DialogMark, int]:
         """(DialogMark, position of keys[0]) of a call.
 
@@ -375,9 +402,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
             lead += bkeys[: need - len(lead)]
         if self.settings.affinity_chunks is not None:
             return DialogMark(digest_mark(lead), 0), position
-        return self._gateway_mark(client, lead), position
+        return self._gateway_mark(link, lead), position
 
-    def _gateway_mark(self, client: Client, lead: list[bytes]) -> DialogMark:
+    def _gateway_mark(self, link: _Link, lead: list[bytes]) -> DialogMark:
         now = time.monotonic()
         with self._marks_lock:
             hit = self._marks.get(lead[0])
@@ -390,7 +417,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 return dm
         self.counters["mark_calls"] += 1
         try:
-            dm = client.dialog_mark(lead)
+            dm = link.budget().dialog_mark(lead)
         except GatewayError as e:
             if e.code != "UNKNOWN_OP":
                 raise
@@ -429,11 +456,11 @@ class KvgateHiCacheStorage(HiCacheStorage):
         try:
             bkeys = page_keys(keys)
             with link.lock:
-                client = link.get()
-                dm, position = self._dialog(client, bkeys, extra_info, "batch_exists")
+                link.begin()
+                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists")
                 found = 0
                 for start, end, dialog in dm.spans(position, n):
-                    c = client.lookup(bkeys[start:end], dialog=dialog)
+                    c = link.budget().lookup(bkeys[start:end], dialog=dialog)
                     found += c
                     if c < end - start:
                         break
@@ -465,8 +492,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._fragments(host_indices, n)
             f = self.fragments
             with link.lock:
-                client = link.get()
-                dm, position = self._dialog(client, bkeys, extra_info, "batch_get_v1")
+                link.begin()
+                dm, position = self._dialog(link, bkeys, extra_info, "batch_get_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes
@@ -475,7 +502,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     views = [stage.view[(i - r0) * slot:(i - r0) * slot + self.page_bytes] for i in range(r0, r1)]
                     got: list = []
                     for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                        got += client.get_many(bkeys[r0 + start:r0 + end], into=views[start:end], dialog=dialog)
+                        got += link.budget().get_many(bkeys[r0 + start:r0 + end], into=views[start:end],
+                                                     dialog=dialog)
                     sizes_got = [None if g is None else g.nbytes for g in got]
                     got = []
                     for v in views:
@@ -527,8 +555,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._fragments(host_indices, n)
             f = self.fragments
             with link.lock:
-                client = link.get()
-                dm, position = self._dialog(client, bkeys, extra_info, "batch_set_v1")
+                link.begin()
+                dm, position = self._dialog(link, bkeys, extra_info, "batch_set_v1")
                 stage = link.staging
                 assert stage is not None
                 slot = self.slot_bytes
@@ -542,9 +570,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     views = [stage.view[(i - r0) * slot:(i - r0) * slot + self.page_bytes] for i in range(r0, r1)]
                     try:
                         for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                            stored = client.put_many(bkeys[r0 + start:r0 + end], views[start:end],
-                                                     retention=self.settings.retention, dialog=dialog,
-                                                     position=position + r0 + start if position >= 0 else -1)
+                            stored = link.budget().put_many(
+                                bkeys[r0 + start:r0 + end], views[start:end], retention=self.settings.retention,
+                                dialog=dialog, position=position + r0 + start if position >= 0 else -1)
                             out[r0 + start:r0 + end] = [bool(s) for s in stored]
                     finally:
                         for v in views:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,7 @@ def bench_io(args) -> dict:
         be.close()
     finally:
         gw.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
     out = {
         "pages": pages, "page_bytes": be.page_bytes, "fragments_per_page": be.fragments, "bytes": nbytes,
         "rounds": args.rounds, "identical": same,
@@ -142,6 +144,7 @@ def bench_ttft(args) -> dict:
             s2.stop()
     finally:
         gw.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     out.update({
         "computed_server1_s": computed1, "restored_server2_s": restored, "computed_server2_s": computed2,

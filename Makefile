@@ -10,7 +10,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 LMCACHE_VENV  := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv lmcache-venv services run test test-fast bench clean-var demo bench-vllm
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
+
+.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo bench-vllm bench-sglang
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +48,33 @@ $(LMCACHE_STAMP): pyproject.toml
 
 lmcache-venv: $(LMCACHE_STAMP)
 
+# SGLang 0.5.23 in its own venv, for the HiCache storage backend's engine tests.
+# sglang pins CUDA torch 2.14.1, sglang-kernel and flashinfer, and has no CPU extra:
+# it goes in with --no-deps on the machine's local torch 2.13.0+cpu, followed by the
+# pure-Python dependencies it imports on the CPU path, by name. torchvision (imported by
+# SGLang) is a CUDA build whose _C cannot load here; its two unguarded fake-op
+# registrations (torchvision::nms/qnms) are made conditional on the ops being present,
+# or `import torchvision` fails. The CUDA-only sgl_kernel ops the CPU path calls are
+# stood in for by tests/integrations/sglang_stubs, not by this venv.
+SGLANG_DEPS := transformers==5.19.0 tokenizers==0.23.2 numpy orjson psutil pybase64 requests \
+	packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp fastapi \
+	'uvicorn>=0.51' uvloop setproctitle sentencepiece==0.2.1 tiktoken prometheus-client \
+	python-multipart interegular partial_json_parser einops scipy regex watchfiles xxhash \
+	zstandard blobfile==3.0.0 openai==2.8.0 openai-harmony==0.0.4 gguf distro easydict \
+	'llguidance>=1.7.6,<2' xgrammar==0.2.7 python-dateutil anthropic compressed-tensors==0.18.0 \
+	numba==0.65.1 nvidia-ml-py py-spy datasets jsonschema soundfile==0.13.1
+$(SGLANG_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_DEPS)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps torchvision==0.28.0
+	$(SGLANG_VENV)/bin/python tests/integrations/sglang_torchvision_guard.py
+	$(SGLANG_VENV)/bin/pip install --quiet -e .
+	touch $@
+
+sglang-venv: $(SGLANG_STAMP)
+
 # The gateway on embedded defaults: RAM tier + one directory card under ./var/kvgate/card0,
 # Unix socket /tmp/kvgate-5557.sock, TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
 run: $(STAMP)
@@ -56,7 +86,7 @@ services:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
-test: $(STAMP) services $(VLLM_STAMP) $(LMCACHE_STAMP)
+test: $(STAMP) services $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # Unit tests only (no gateway processes).
@@ -75,6 +105,11 @@ demo: $(VLLM_STAMP)
 # after engine restarts (~4 min). ARGS="--json out.json --engine-env OMP_WAIT_POLICY=PASSIVE".
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_ttft.py $(ARGS)
+
+# SGLang HiCache backend: ARGS=io (batch_get_v1 from the gateway's RAM vs memcpy, ~30 s) or
+# ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min).
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python benchmarks/sglang_bench.py $(ARGS)
 
 clean-var:
 	rm -rf var

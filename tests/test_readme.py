@@ -91,3 +91,25 @@ def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() 
     connector = json.loads(re.search(r"--kv-transfer-config '(\{\"kv_connector\": \"LMCacheMPConnector\".*?\})'",
                                      section, re.S).group(1))
     assert connector["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"
+
+
+def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> None:
+    from kvgate.integrations.sglang.settings import (
+        BACKEND_CLASS,
+        BACKEND_MODULE,
+        EXTRA_CONFIG_KEYS,
+        UNSUPPORTED_KEYS,
+        settings_from_extra,
+    )
+
+    section = _section("SGLang")
+    (cmd,) = re.findall(r"```sh\n(.*?)```", section, re.S)[:1]
+    extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", cmd, re.S).group(1))
+    assert (extra["module_path"], extra["class_name"], extra["interface_v1"]) == (BACKEND_MODULE, BACKEND_CLASS, 1)
+    assert settings_from_extra(extra).target == "/tmp/kvgate-5557.sock"
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `kvgate."))
+    for key in [*EXTRA_CONFIG_KEYS, *UNSUPPORTED_KEYS]:
+        assert f"`{key}`" in table, key
+    for script in re.findall(r"benchmarks/\w+\.py", section):
+        assert (README.parent / script).exists(), script
+    assert "bench-sglang:" in (README.parent / "Makefile").read_text()

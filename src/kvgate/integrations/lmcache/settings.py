@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvgate.integrations.vllm.settings import ConfigError, TierSettings, parse_bool, parse_retention
+from kvgate.integrations.settings import ConfigError, TierSettings, parse_bool, parse_retention
 from kvgate.keys import MAX_KEY_BYTES
 
 #: adapter_params key -> meaning.  The ones shared with the vLLM tier parse the same way.

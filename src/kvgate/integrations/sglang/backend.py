@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
-from kvgate.integrations.vllm.settings import dialog_mark as digest_mark
+from kvgate.integrations.settings import dialog_mark as digest_mark
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
     from sglang.srt.observability.metrics_collector import StorageMetrics

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from kvgate.integrations.vllm.settings import ConfigError, TierSettings
+from kvgate.integrations.settings import ConfigError, TierSettings
 
 __all__ = [
     "BACKEND_CLASS",

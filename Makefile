@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo bench-vllm bench-sglang
+.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo demo-engines bench-vllm bench-sglang
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,12 @@ bench: $(STAMP)
 # restored, external prefix-cache hits, same greedy output (random-weight model, ~1 min).
 demo: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python demo/vllm_restart.py $(ARGS)
+
+# One cache, three engines: vLLM, SGLang and an LMCache-backed vLLM, each with its own gateway,
+# on one shared card; each restores its own prompt after restarts, and `kvgate stat` shows the
+# three namespaces (~10 min on two cores).
+demo-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/integrations/test_three_engines.py
 
 # TTFT of an 8K-token prompt: computed vs restored through kvgate vs vLLM's fs tier,
 # after engine restarts (~4 min). ARGS="--json out.json --engine-env OMP_WAIT_POLICY=PASSIVE".

@@ -15,6 +15,30 @@ from typing import Any, Sequence
 
 RETENTIONS = ("none", "short", "long")
 
+#: Every shared ``kvgate.*`` key -> its ``TierSettings.build`` keyword.  An integration takes the
+#: ones its engine can honour (``keys_without``) and says why for the others.
+SETTING_KEYS: dict[str, str] = {
+    "kvgate.socket": "socket",
+    "kvgate.address": "address",
+    "kvgate.token_file": "token_file",
+    "kvgate.namespace": "namespace",
+    "kvgate.affinity_chunks": "affinity_chunks",
+    "kvgate.refuse_unsalted": "refuse_unsalted",
+    "kvgate.skip_unsalted": "skip_unsalted",
+    "kvgate.retention": "retention",
+    "kvgate.connect_timeout": "connect_timeout",
+    "kvgate.io_timeout": "io_timeout",
+    "kvgate.lookup_timeout": "lookup_timeout",
+}
+
+
+def keys_without(*dropped: str) -> dict[str, str]:
+    """``SETTING_KEYS`` less the keys an engine cannot honour."""
+    unknown = set(dropped) - set(SETTING_KEYS)
+    if unknown:
+        raise KeyError(f"not shared kvgate keys: {sorted(unknown)}")
+    return {k: v for k, v in SETTING_KEYS.items() if k not in dropped}
+
 class ConfigError(ValueError):
     """A kvgate setting in an engine's config is missing or wrong (the message names the key)."""
 

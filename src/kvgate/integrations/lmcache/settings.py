@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvgate.integrations.settings import ConfigError, TierSettings, parse_bool, parse_retention
+from kvgate.integrations.settings import ConfigError, TierSettings, keys_without, parse_bool, parse_retention
 from kvgate.keys import MAX_KEY_BYTES
 
 #: adapter_params key -> meaning.  The ones shared with the vLLM tier parse the same way.
@@ -29,10 +29,9 @@ PARAM_KEYS: dict[str, str] = {
     "kvgate.load_workers": "threads (each with its own gateway session) running loads (default 1)",
 }
 
-_SHARED = {"kvgate.socket": "socket", "kvgate.address": "address", "kvgate.token_file": "token_file",
-           "kvgate.namespace": "namespace", "kvgate.retention": "retention",
-           "kvgate.connect_timeout": "connect_timeout", "kvgate.io_timeout": "io_timeout",
-           "kvgate.lookup_timeout": "lookup_timeout"}
+# The shared keys LMCache can honour: its chunk hashes already carry the salt and the request,
+# and no prefix reaches the adapter for a dialog mark.
+_SHARED = keys_without("kvgate.affinity_chunks", "kvgate.refuse_unsalted", "kvgate.skip_unsalted")
 
 _MAX_READABLE_MODEL = 96
 _MAX_NAMESPACE = 255

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from kvgate.integrations.settings import ConfigError, TierSettings
+from kvgate.integrations.settings import ConfigError, TierSettings, keys_without
 
 __all__ = [
     "BACKEND_CLASS",
@@ -29,18 +29,6 @@ __all__ = [
 BACKEND_MODULE = "kvgate.integrations.sglang"
 BACKEND_CLASS = "KvgateHiCacheStorage"
 
-#: ``--hicache-storage-backend-extra-config`` key -> ``TierSettings.build`` keyword.
-EXTRA_CONFIG_KEYS: dict[str, str] = {
-    "kvgate.socket": "socket",
-    "kvgate.address": "address",
-    "kvgate.token_file": "token_file",
-    "kvgate.namespace": "namespace",
-    "kvgate.affinity_chunks": "affinity_chunks",
-    "kvgate.retention": "retention",
-    "kvgate.connect_timeout": "connect_timeout",
-    "kvgate.io_timeout": "io_timeout",
-    "kvgate.lookup_timeout": "lookup_timeout",
-}
 
 #: Keys of the vLLM tier that SGLang cannot honour, and why (the error tells the user).
 UNSUPPORTED_KEYS: dict[str, str] = {
@@ -53,6 +41,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "else about the request, so the backend cannot know whether a request is salted. Salted "
         "requests already get keys of their own; remove the key"),
 }
+
+#: ``--hicache-storage-backend-extra-config`` key -> ``TierSettings.build`` keyword.
+EXTRA_CONFIG_KEYS: dict[str, str] = keys_without(*UNSUPPORTED_KEYS)
 
 #: Common misspellings, answered with the right key.
 _HINTS: dict[str, str] = {

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from kvgate.integrations.settings import (  # noqa: F401 - the vLLM tier's names for the shared settings
     RETENTIONS,
+    SETTING_KEYS,
     ConfigError,
     TierSettings,
     dialog_mark,
@@ -23,20 +24,8 @@ from kvgate.integrations.settings import (  # noqa: F401 - the vLLM tier's names
 #: kv_transfer_params key that chooses a request's retention class.
 RETENTION_PARAM = "kvgate_retention"
 
-#: ``kv_connector_extra_config`` key -> KvgateTier keyword argument.
-EXTRA_CONFIG_KEYS: dict[str, str] = {
-    "kvgate.socket": "socket",
-    "kvgate.address": "address",
-    "kvgate.token_file": "token_file",
-    "kvgate.namespace": "namespace",
-    "kvgate.affinity_chunks": "affinity_chunks",
-    "kvgate.refuse_unsalted": "refuse_unsalted",
-    "kvgate.skip_unsalted": "skip_unsalted",
-    "kvgate.retention": "retention",
-    "kvgate.connect_timeout": "connect_timeout",
-    "kvgate.io_timeout": "io_timeout",
-    "kvgate.lookup_timeout": "lookup_timeout",
-}
+#: ``kv_connector_extra_config`` key -> KvgateTier keyword argument: every shared key.
+EXTRA_CONFIG_KEYS: dict[str, str] = dict(SETTING_KEYS)
 
 TIER_TYPE = "KvgateTier"
 TIER_MODULE = "kvgate.integrations.vllm"

@@ -1,4 +1,5 @@
-"""ObjectKey -> (namespace, key) mapping and adapter_params parsing (no LMCache needed)."""
+"""ObjectKey / CacheEngineKey -> (namespace, key) mappings, adapter_params and connector extra_config
+parsing (no LMCache needed)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from dataclasses import dataclass
 import pytest
 
 from kvgate.integrations.lmcache.settings import (
+    CONNECTOR_KEYS,
     ConfigError,
+    connector_plugin_name,
+    engine_key_bytes,
+    engine_key_namespace,
     key_bytes,
     namespace_for,
+    parse_connector_config,
     parse_params,
     split_by_namespace,
 )
@@ -94,3 +100,56 @@ def test_params():
 def test_bad_params_name_the_key(params, word):
     with pytest.raises(ConfigError, match=word.replace(".", r"\.")):
         parse_params(params)
+
+
+@dataclass(frozen=True)
+class EngineKey:  # the fields of lmcache.utils.CacheEngineKey that name an object
+    model_name: str
+    world_size: int
+    worker_id: int
+    chunk_hash: int
+    dtype: str = "torch.float16"  # str(torch.float16)
+    tags: tuple | None = None
+
+
+def test_cache_engine_key_mapping_is_deterministic_and_separates_what_lmcache_separates():
+    k = EngineKey("org/m", 2, 1, 0x75BCD15)
+    assert engine_key_namespace(k) == "lmcache|org/m|w2r1|float16"
+    assert engine_key_namespace(k, "prod") == "prod|w2r1|float16"
+    assert engine_key_bytes(k) == (0x75BCD15).to_bytes(4, "big", signed=True)
+    # the same in a process with another hash seed
+    code = ("from kvgate.integrations.lmcache.settings import engine_key_bytes as b;"
+            "from tests.integrations.test_lmcache_settings import EngineKey as K;"
+            "print(b(K('org/m', 2, 1, 123, tags=(('user', 'a'),))).hex())")
+    seen = {subprocess.run([sys.executable, "-c", code], env=kvgate_env({"PYTHONHASHSEED": seed}), text=True,
+                           capture_output=True, check=True).stdout for seed in ("1", "2")}
+    assert len(seen) == 1
+    tagged = EngineKey("org/m", 2, 1, 0x75BCD15, tags=(("user", "a"),))
+    assert engine_key_namespace(tagged) == engine_key_namespace(k)  # one namespace per worker
+    assert engine_key_bytes(tagged) != engine_key_bytes(k)
+    assert b"user" not in engine_key_bytes(tagged) and len(engine_key_bytes(tagged)) == 4 + 2 + 16
+    assert engine_key_bytes(EngineKey("org/m", 2, 1, 0x75BCD15, tags=(("user", "b"),))) != engine_key_bytes(tagged)
+    for other in (EngineKey("org/n", 2, 1, 0x75BCD15), EngineKey("org/m", 2, 0, 0x75BCD15),
+                  EngineKey("org/m", 1, 1, 0x75BCD15), EngineKey("org/m", 2, 1, 0x75BCD15, "torch.bfloat16")):
+        assert engine_key_namespace(other) != engine_key_namespace(k), other
+
+
+def test_connector_extra_config():
+    extra = {"remote_storage_plugin.kv.module_path": "kvgate.integrations.lmcache",
+             "remote_storage_plugin.kv.class_name": "KvgateRemoteConnector",
+             "remote_storage_plugin.kv.kvgate.socket": "/tmp/s.sock",
+             "remote_storage_plugin.kv.kvgate.retention": "short",
+             "remote_storage_plugin.fs.base_path": "/tmp/x", "save_chunk_meta": False}
+    name = connector_plugin_name(["fs", "kv"], extra, "KvgateRemoteConnector")
+    assert name == "kv"
+    s = parse_connector_config(extra, name)
+    assert (s.target, s.retention, s.io_timeout) == ("/tmp/s.sock", "short", 10.0)
+    with pytest.raises(ConfigError, match="found none"):
+        connector_plugin_name(["fs"], extra, "KvgateRemoteConnector")
+    with pytest.raises(ConfigError, match=r"remote_storage_plugin\.kv\.kvgate\.load_workers"):
+        parse_connector_config({**extra, "remote_storage_plugin.kv.kvgate.load_workers": 2}, "kv")
+    with pytest.raises(ConfigError, match="kvgate.io_timeout"):
+        parse_connector_config({**extra, "remote_storage_plugin.kv.kvgate.io_timeout": -1}, "kv")
+    with pytest.raises(ConfigError, match="exactly one of kvgate.socket"):
+        parse_connector_config({}, "kv")
+    assert "kvgate.affinity_chunks" not in CONNECTOR_KEYS and "kvgate.register_l1" not in CONNECTOR_KEYS

@@ -1,8 +1,14 @@
-"""Adapter parameters and the ObjectKey -> (namespace, key) mapping of the LMCache L2 adapter.
+"""Settings and key mappings of kvgate's two LMCache integrations.
 
-Nothing here imports LMCache: ObjectKeys are read by attribute (chunk_hash,
-model_name, kv_rank, object_group_id, cache_salt), so the mapping is tested
-without it.
+- The L2 adapter of ``lmcache server`` (multiprocess mode): its
+  ``adapter_params`` and the ObjectKey -> (namespace, key) mapping.
+- The in-process remote connector plugin: its ``extra_config`` keys and the
+  CacheEngineKey -> (namespace, key) mapping.
+
+Both mappings share one head (``lmcache|<model>`` or ``kvgate.namespace``),
+one way of digesting what must not reach the gateway as is (salts, tags) and
+one chunk-hash -> key rule.  Nothing here imports LMCache: keys are read by
+attribute, so the mappings are tested without it.
 """
 
 from __future__ import annotations
@@ -64,6 +70,70 @@ def parse_params(params: Mapping[str, Any]) -> AdapterSettings:
     return AdapterSettings(tier=tier, register_l1=register_l1, load_workers=raw)
 
 
+def _head(model_name: Any, base: str | None) -> str:
+    """``base``, else ``lmcache|<model>`` (a very long model name keeps its tail and a digest of the whole)."""
+    if base is not None:
+        return base
+    model = str(model_name).rstrip("/")
+    if len(model) > _MAX_READABLE_MODEL:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:16]
+        model = f"...{model[-(_MAX_READABLE_MODEL - 20):]}#{digest}"
+    return f"lmcache|{model}"
+
+
+def _digest(label: bytes, text: str) -> bytes:
+    """SHA-256 of what must not be written to the gateway as is (a salt, request tags)."""
+    return hashlib.sha256(label + b"\x00" + text.encode()).digest()
+
+
+def _checked(ns: str) -> str:
+    if len(ns.encode()) > _MAX_NAMESPACE:  # only a very long kvgate.namespace gets here
+        raise ConfigError(f"kvgate.namespace: too long ({len(ns.encode())} bytes with the parts added to it)")
+    return ns
+
+
+#: The in-process remote connector's keys, each written ``remote_storage_plugin.<name>.<key>`` in LMCache's
+#: ``extra_config``: the adapter's shared keys (L1 registration and load threads are the adapter's own).
+CONNECTOR_KEYS: dict[str, str] = {k: PARAM_KEYS[k] for k in _SHARED}
+
+PLUGIN_PREFIX = "remote_storage_plugin."
+_PLUGIN_OWN = ("module_path", "class_name")
+
+
+def connector_plugin_name(plugins: Any, extra_config: Mapping[str, Any] | None, class_name: str) -> str:
+    """The name under which LMCache's ``remote_storage_plugins`` loads ``class_name``.
+
+    LMCache builds a plugin's connector without telling it its name, so the
+    name is the one plugin whose ``extra_config``
+    ``remote_storage_plugin.<name>.class_name`` is ``class_name``.
+    """
+    extra = extra_config or {}
+    names = [n for n in (plugins or []) if extra.get(f"{PLUGIN_PREFIX}{n}.class_name") == class_name]
+    if len(names) != 1:
+        raise ConfigError(
+            f"LMCache config: expected exactly one of remote_storage_plugins whose extra_config "
+            f"'{PLUGIN_PREFIX}<name>.class_name' is {class_name!r}, found {names or 'none'} "
+            f"(LMCache does not tell a plugin its name, so one kvgate connector per LMCache config)")
+    return str(names[0])
+
+
+def parse_connector_config(extra_config: Mapping[str, Any] | None, plugin_name: str) -> TierSettings:
+    """The remote connector's settings: the ``remote_storage_plugin.<name>.kvgate.*`` keys of ``extra_config``.
+
+    A wrong value or an unknown ``kvgate.*`` key under the plugin's prefix raises ConfigError naming it.
+    """
+    prefix = f"{PLUGIN_PREFIX}{plugin_name}."
+    ours = {k[len(prefix):]: v for k, v in (extra_config or {}).items() if k.startswith(prefix)}
+    unknown = sorted(prefix + k for k in ours if k not in CONNECTOR_KEYS and k not in _PLUGIN_OWN)
+    if unknown:
+        raise ConfigError(f"unknown extra_config key(s) {unknown}; known: "
+                          f"{sorted(prefix + k for k in CONNECTOR_KEYS)}")
+    try:
+        return TierSettings.build(**{arg: ours[key] for key, arg in _SHARED.items() if key in ours})
+    except ConfigError as e:
+        raise ConfigError(f"extra_config {prefix}...: {e}") from None
+
+
 def namespace_for(key: Any, base: str | None = None) -> str:
     """The kvgate namespace of an LMCache ObjectKey: everything but its chunk hash.
 
@@ -73,19 +143,23 @@ def namespace_for(key: Any, base: str | None = None) -> str:
     the namespace stays under 255 bytes.  No Python ``hash()``: the same key
     gives the same namespace in every process.
     """
-    if base is None:
-        model = str(key.model_name).rstrip("/")
-        if len(model) > _MAX_READABLE_MODEL:
-            digest = hashlib.sha256(model.encode()).hexdigest()[:16]
-            model = f"...{model[-(_MAX_READABLE_MODEL - 20):]}#{digest}"
-        base = f"lmcache|{model}"
-    ns = f"{base}|r{int(key.kv_rank)}|g{int(key.object_group_id)}"
+    ns = f"{_head(key.model_name, base)}|r{int(key.kv_rank)}|g{int(key.object_group_id)}"
     salt = getattr(key, "cache_salt", "") or ""
     if salt:
-        ns += "|s" + hashlib.sha256(b"kvgate-salt\x00" + salt.encode()).hexdigest()[:32]
-    if len(ns.encode()) > _MAX_NAMESPACE:  # only a very long kvgate.namespace gets here
-        raise ConfigError(f"kvgate.namespace: too long ({len(ns.encode())} bytes with rank, group and salt)")
-    return ns
+        ns += "|s" + _digest(b"kvgate-salt", salt).hex()[:32]
+    return _checked(ns)
+
+
+def engine_key_namespace(key: Any, base: str | None = None) -> str:
+    """The kvgate namespace of an in-process LMCache CacheEngineKey: what is fixed per engine worker.
+
+    ``lmcache|<model>|w<world_size>r<worker_id>|<dtype>`` (``base`` replaces
+    ``lmcache|<model>``): a worker keeps one namespace whatever its requests
+    (request tags go into the key, see ``engine_key_bytes``).  Deterministic
+    across processes.
+    """
+    dtype = str(key.dtype).removeprefix("torch.")
+    return _checked(f"{_head(key.model_name, base)}|w{int(key.world_size)}r{int(key.worker_id)}|{dtype}")
 
 
 def key_bytes(key: Any) -> bytes:
@@ -104,6 +178,20 @@ def key_bytes(key: Any) -> bytes:
     return raw
 
 
+def engine_key_bytes(key: Any) -> bytes:
+    """The kvgate key of a CacheEngineKey: its chunk hash, ``@l<layer>`` for a LayerCacheEngineKey, and
+    ``@t<16-byte digest of the tags>`` when the request carried ``lmcache.tag.*`` configs (part of the key's
+    identity in LMCache: other tags, another object; digested, so tag values never reach the gateway)."""
+    raw = key_bytes(key)
+    layer = getattr(key, "layer_id", None)
+    if layer is not None:
+        raw += b"@l%d" % int(layer)
+    tags = getattr(key, "tags", None)
+    if tags:
+        raw += b"@t" + _digest(b"kvgate-tags", "\x00".join(f"{k}={v}" for k, v in tags))[:16]
+    return raw
+
+
 def split_by_namespace(keys: list[Any], base: str | None = None) -> dict[str, list[int]]:
     """Indices of ``keys`` grouped by namespace (insertion order)."""
     groups: dict[str, list[int]] = {}
@@ -112,5 +200,6 @@ def split_by_namespace(keys: list[Any], base: str | None = None) -> dict[str, li
     return groups
 
 
-__all__ = ["AdapterSettings", "ConfigError", "PARAM_KEYS", "key_bytes", "namespace_for", "parse_params",
-           "parse_retention", "split_by_namespace"]
+__all__ = ["AdapterSettings", "CONNECTOR_KEYS", "ConfigError", "PARAM_KEYS", "connector_plugin_name",
+           "engine_key_bytes", "engine_key_namespace", "key_bytes", "namespace_for", "parse_connector_config",
+           "parse_params", "parse_retention", "split_by_namespace"]

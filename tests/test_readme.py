@@ -93,6 +93,28 @@ def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() 
     assert connector["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"
 
 
+def test_the_lmcache_remote_connector_config_parses_and_its_keys_are_the_adapters_less_two() -> None:
+    from kvgate.integrations.lmcache.settings import (
+        CONNECTOR_KEYS,
+        PARAM_KEYS,
+        connector_plugin_name,
+        parse_connector_config,
+    )
+
+    section = _section("LMCache")
+    sub = section[section.index("### In-process LMCache"):]
+    (conf,) = re.findall(r"```yaml\n(.*?)```", sub, re.S)
+    plugins = json.loads(re.search(r"^remote_storage_plugins: (\[.*\])$", conf, re.M).group(1))
+    extra = dict(re.findall(r"^  (remote_storage_plugin\.[\w.]+): (\S+)$", conf, re.M))
+    name = connector_plugin_name(plugins, extra, "KvgateRemoteConnector")
+    assert extra[f"remote_storage_plugin.{name}.module_path"] == "kvgate.integrations.lmcache"
+    assert parse_connector_config(extra, name).target == "/tmp/kvgate-5557.sock"
+    left_out = set(re.findall(r"^Its settings are the keys of the table above but `(kvgate\.\w+)` and\n`(kvgate\.\w+)`",
+                              sub, re.M)[0])
+    assert set(CONNECTOR_KEYS) == set(PARAM_KEYS) - left_out
+    assert (README.parent / "tests/integrations/test_lmcache_remote.py").exists()
+
+
 def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> None:
     from kvgate.integrations.sglang.settings import (
         BACKEND_CLASS,

@@ -12,6 +12,8 @@ from kvgate.integrations.sglang.settings import (
     NamespaceInputs,
     derive_namespace,
     page_key,
+    pool_page_key,
+    pool_tag,
     settings_from_extra,
 )
 from kvgate.integrations.vllm.settings import EXTRA_CONFIG_KEYS as VLLM_KEYS
@@ -93,3 +95,21 @@ def test_page_keys_are_compact_and_never_collide_across_forms():
     assert page_key("g" * 64) == b"s" + b"g" * 64
     assert page_key("x" * 31) == b"s" + b"x" * 31 + b"\x00"  # 32 bytes would look like a hash: padded
     assert {len(page_key(k)) for k in ("", "a", "x" * 31, "y" * 100)}.isdisjoint({32})
+
+
+def test_extra_pool_keys_never_shadow_kv_pages_and_follow_the_pool_geometry():
+    geometry = {"class": "MambaPoolHost", "page_size": 1, "sizes": [2048, 384], "layout": "page_first",
+                "dtype": "bfloat16", "tp": "0/1"}
+    mamba = pool_tag("mamba", geometry)
+    assert mamba.startswith(b"\x00mamba\x00") and mamba == pool_tag("mamba", dict(geometry))
+    assert pool_tag("mamba", {**geometry, "dtype": "float32"}) != mamba  # another state dtype: other objects
+    assert pool_tag("mamba", {**geometry, "tp": "1/2"}) != mamba
+    assert pool_tag("swa", geometry) != mamba
+    kv_keys = [page_key(k) for k in ("ab" * 32, "00" * 32, "", "x" * 31, "y" * 100)]
+    for k in kv_keys:
+        pk = pool_page_key(mamba, k)
+        assert pk.startswith(mamba) and pk not in kv_keys and len(pk) != 32
+    # Padded when the result would be 32 bytes long (the raw form of a KV page key).
+    short = pool_tag("s", {})
+    assert len(pool_page_key(short, b"s" + b"z" * (31 - len(short)))) == 33
+

@@ -2,12 +2,15 @@
 
 Who calls what, from which thread (SGLang 0.5.23, ``HiCacheController``):
 
-- construction, ``register_mem_pool_host``, ``on_host_pools_registered``,
-  ``clear``, ``get_stats``, ``close``: the scheduler thread (attach, flush,
-  metrics, detach);
-- ``batch_exists``: the prefetch thread (``_storage_hit_query``);
-- ``batch_get_v1``: the prefetch I/O thread (``_page_get_zero_copy``);
-- ``batch_set_v1``: the backup thread (``_page_backup``).
+- construction, ``register_mem_pool_host``, ``register_mem_host_pool_v2``,
+  ``on_host_pools_registered``, ``clear``, ``get_stats``, ``close``: the
+  scheduler thread (attach, flush, metrics, detach);
+- ``batch_exists``, and ``batch_exists_v2`` for hybrid models: the prefetch
+  thread (``_storage_hit_query``);
+- ``batch_get_v1``, and ``batch_get_v2`` for a hybrid model's extra pools:
+  the prefetch I/O thread (``_page_get_zero_copy``, ``_page_transfer_sidecar``);
+- ``batch_set_v1``, and ``batch_set_v2`` for the extra pools: the backup
+  thread (``_page_backup``).
 
 The three storage threads run at once, so each has its own gateway
 connection (a ``Client`` serialises its calls) and, for the two that move
@@ -39,13 +42,28 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransferResult,
+)
 
 from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
-from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
+from kvgate.integrations.sglang.settings import (
+    NamespaceInputs,
+    derive_namespace,
+    page_keys,
+    pool_page_key,
+    pool_tag,
+    settings_from_extra,
+)
 from kvgate.integrations.settings import dialog_mark as digest_mark
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
@@ -72,6 +90,98 @@ class GatewayDown(ConnectionError):
 class OutOfTime(Exception):
     """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
     gateway call: it returns what it has (the connection is fine and stays)."""
+
+
+def _pool_name(name: Any) -> str:
+    """SGLang names pools with ``PoolName`` members (a ``str`` enum) or plain strings."""
+    return str(getattr(name, "value", name))
+
+
+@dataclass
+class _Pool:
+    """One registered host pool, as the backend moves its pages.
+
+    ``tag`` None: the KV (anchor) pool, whose pages are the v1 objects under their plain page
+    keys; otherwise an extra pool of a hybrid model, whose part of a page is stored under
+    ``pool_page_key(tag, page key)`` in the same namespace.  ``error``: why this pool's pages
+    cannot be moved (its transfers are misses; '' when they can)."""
+
+    name: str
+    host: Any
+    page_size: int = 1  # host pool indices per page (tokens; 1 for a Mamba state slot)
+    fragments: int = 0
+    page_bytes: int = 0
+    slot_bytes: int = 0
+    tag: bytes | None = None
+    error: str = ""
+
+    def key(self, page: bytes) -> bytes:
+        return page if self.tag is None else pool_page_key(self.tag, page)
+
+    def fragments_of(self, host_indices: Any, n: int) -> tuple[list[int], list[int]]:
+        """(pointers, sizes) of ``n`` pages at ``host_indices``; ValueError when they do not add up."""
+        if self.error:
+            raise ValueError(f"host pool {self.name!r} cannot be stored: {self.error}")
+        if host_indices is None or int(host_indices.numel()) != n * self.page_size:
+            got = None if host_indices is None else int(host_indices.numel())
+            raise ValueError(f"host pool {self.name!r}: {got} indices for {n} pages of {self.page_size}")
+        ptrs, sizes = self.host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != n * self.fragments or len(sizes) != len(ptrs):
+            raise ValueError(f"host pool {self.name!r} gave {len(ptrs)} fragments for {n} pages of "
+                             f"{self.fragments}")
+        sizes = [int(x) for x in sizes]
+        if sum(sizes) != n * self.page_bytes:  # a slot holds page_bytes: never copy past it
+            raise ValueError(f"host pool {self.name!r} gave {sum(sizes)} bytes for {n} pages of {self.page_bytes}")
+        return [int(x) for x in ptrs], sizes
+
+
+def _describe_pool(name: str, host: Any, tag_extra: Optional[dict]) -> _Pool:
+    """A pool's page geometry from its own page description (``get_page_buffer_meta``).
+
+    ``tag_extra`` None: the KV pool (plain page keys); otherwise what, besides the geometry,
+    keeps this pool's objects apart (the TP rank of a TP-sharded state)."""
+    page_size = int(getattr(host, "page_size", 1) or 1)
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+    if not ptrs or len(ptrs) != len(sizes):
+        raise ValueError(f"the host pool describes a page as {len(ptrs)} pointers and {len(sizes)} sizes")
+    sizes = [int(x) for x in sizes]
+    page_bytes = sum(sizes)
+    tag = None
+    if tag_extra is not None:
+        tag = pool_tag(name, {"class": type(host).__name__, "page_size": page_size, "sizes": sizes,
+                              "layout": str(getattr(host, "layout", "unknown")),
+                              "dtype": str(getattr(host, "dtype", "unknown")).removeprefix("torch."),
+                              **tag_extra})
+    return _Pool(name, host, page_size, len(ptrs), page_bytes, -(-page_bytes // _SLOT_ALIGN) * _SLOT_ALIGN, tag)
+
+
+def _all_or_none(transfers: Sequence[Any], out: dict) -> None:
+    """Make one v2 call's per-pool results agree: a page counts for no pool unless every pool
+    of the call has its part, and nothing after such a page counts either.
+
+    SGLang's transfers of one call all end on the same page (the span's last: trailing
+    windows of Mamba/SWA states, KV-derived pools over the whole span), so pages are aligned
+    on their distance from the end.  A key reported missing by any pool is also missing for
+    every other pool that lists it, whatever the alignment."""
+    cut: int | None = None  # distance from the end (negative) of the earliest page some pool lacks
+    bad: set = set()
+    for t in transfers:
+        keys = list(t.keys or ())
+        for i, ok in enumerate(out.get(t.name, ())):
+            if not ok:
+                cut = i - len(keys) if cut is None else min(cut, i - len(keys))
+                if i < len(keys):
+                    bad.add(keys[i])
+    if cut is None:
+        return
+    for t in transfers:
+        keys = list(t.keys or ())
+        r = out.get(t.name)
+        if r is None:
+            continue
+        for i in range(len(r)):
+            if i - len(keys) >= cut or (i < len(keys) and keys[i] in bad):
+                r[i] = False
 
 
 class _Staging:
@@ -125,6 +235,7 @@ class _Link:
         self.name = name
         self.timeout = timeout
         self.slots = slots  # 0: no bytes travel here (lookups)
+        self.min_bytes = 0  # the largest page of any registered pool must fit the staging region
         self.lock = threading.Lock()  # held for a whole operation: the staging slots are per call
         self.client: Client | None = None
         self.staging: _Staging | None = None
@@ -180,14 +291,15 @@ class _Link:
         client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
         if not self.slots:
             return client
+        nbytes = max(self.slots * o.slot_bytes, self.min_bytes)
         if self.staging is None:
-            self.staging = _Staging(self.slots * o.slot_bytes)
+            self.staging = _Staging(nbytes)
         self.registered = False
         if client.local:
             path = self.staging.path
             if path is None:  # unlinked after an earlier registration: a new gateway needs a new file
                 self.staging.close()
-                self.staging = _Staging(self.slots * o.slot_bytes)
+                self.staging = _Staging(nbytes)
                 path = self.staging.path
             try:
                 client.register_region(path, mapping=self.staging.view)
@@ -197,6 +309,26 @@ class _Link:
                             "travel inline in the socket frames", path, e)
             self.staging.unlink()
         return client
+
+    def fit(self, nbytes: int) -> None:
+        """Make the staging region hold at least ``nbytes`` (a newly registered pool's page).
+
+        A region cannot grow in place (the gateway has mapped it): the session and the region
+        are replaced, and the link reconnects at once (or on its next call if the gateway is
+        away).  Scheduler thread, at attach or when SGLang adds a pool."""
+        if not self.slots or nbytes <= self.min_bytes:
+            return
+        with self.lock:
+            self.min_bytes = nbytes
+            if self.staging is None or self.staging.size >= nbytes:
+                return
+            self.drop()
+            self.staging.close()
+            self.staging = None
+            try:
+                self.get()
+            except GatewayDown:
+                pass  # logged; the next call retries
 
     def drop(self) -> None:
         client, self.client = self.client, None
@@ -258,7 +390,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters: dict[str, int] = {
             "exists_calls": 0, "exists_pages": 0, "exists_hits": 0, "get_calls": 0, "get_pages": 0,
             "get_hits": 0, "set_calls": 0, "set_pages": 0, "set_stored": 0, "errors": 0, "mark_calls": 0,
-            "no_prefix_batch_exists": 0, "no_prefix_batch_get_v1": 0, "no_prefix_batch_set_v1": 0}
+            "no_prefix_batch_exists": 0, "no_prefix_batch_get_v1": 0, "no_prefix_batch_set_v1": 0,
+            "exists_v2_calls": 0, "exists_v2_pages": 0, "exists_v2_hits": 0, "get_v2_calls": 0,
+            "get_v2_pages": 0, "get_v2_hits": 0, "set_v2_calls": 0, "set_v2_pages": 0, "set_v2_stored": 0,
+            "no_prefix_batch_exists_v2": 0, "no_prefix_batch_get_v2": 0, "no_prefix_batch_set_v2": 0}
+        self._kv: _Pool | None = None  # the anchor (KV) pool, moved by v1
+        self._pools: dict[str, _Pool] = {}  # every pool registered through v2, by name (replaced, never mutated)
         self._lookups: _Link | None = None
         self._loads: _Link | None = None
         self._stores: _Link | None = None
@@ -276,15 +413,16 @@ class KvgateHiCacheStorage(HiCacheStorage):
         Connecting does not raise: a gateway that is not up yet is retried.
         """
         super().register_mem_pool_host(mem_pool_host)
-        page_size = int(mem_pool_host.page_size)
-        ptrs, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-        if not ptrs or len(ptrs) != len(sizes):
-            raise ValueError(f"kvgate backend: the host pool describes a page as {len(ptrs)} pointers and "
-                             f"{len(sizes)} sizes; cannot store its pages")
+        try:
+            kv = _describe_pool(_pool_name(PoolName.KV), mem_pool_host, None)
+        except Exception as e:
+            raise ValueError(f"kvgate backend: cannot store the host pool's pages: {e}") from e
+        page_size = kv.page_size
+        self._kv = kv
         self.page_size = page_size
-        self.fragments = len(ptrs)
-        self.page_bytes = int(sum(int(s) for s in sizes))
-        self.slot_bytes = -(-self.page_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self.fragments = kv.fragments
+        self.page_bytes = kv.page_bytes
+        self.slot_bytes = kv.slot_bytes
         inputs = NamespaceInputs.build(self.storage_config, page_size=page_size,
                                        layout=getattr(mem_pool_host, "layout", "unknown"),
                                        dtype=str(getattr(mem_pool_host, "dtype", "unknown")),
@@ -300,6 +438,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self._lookups = _Link(self, "lookups", s.lookup_timeout, 0)
         self._loads = _Link(self, "loads", s.io_timeout, slots)
         self._stores = _Link(self, "stores", s.io_timeout, slots)
+        for link in (self._loads, self._stores):  # extra pools registered before the anchor (not SGLang's order)
+            link.min_bytes = max([p.slot_bytes for p in self._pools.values() if not p.error] + [0])
         logger.info("kvgate backend: namespace %r%s; pages of %d tokens, %d bytes in %d fragments (%s); "
                     "staging %d pages a round", self.namespace,
                     "" if s.namespace else " (derived)", page_size, self.page_bytes, self.fragments,
@@ -314,13 +454,66 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     pass  # logged; retried by the first call that needs it
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Every pool of the host pool group (the KV pool too); hybrid models' extra pools are recorded
-        and their transfers refused (see batch_*_v2)."""
+        """One pool of SGLang's host pool group (scheduler thread): at attach, every entry (the KV
+        anchor again, then a hybrid model's Mamba, SWA, indexer... pools); later, a sidecar SGLang
+        adds at run time.
+
+        Learns the pool's page geometry from ``get_page_buffer_meta``, as for the anchor.  Never
+        raises (that would fail the attach, or SGLang's scheduler for a later sidecar): a pool
+        whose pages cannot be described is logged and its transfers are misses, so the requests
+        that need it are computed, never restored without it.
+        """
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if str(host_pool_name) == "kv" and host_pool is self.mem_pool_host:
-            return  # the anchor pool, registered again as the pool group's KV entry: served by v1
-        self._log_once("v2", "kvgate backend: host pool %r registered, but hybrid (v2) transfers are not "
-                       "supported yet: requests of this model are computed, not restored", str(host_pool_name))
+        name = _pool_name(host_pool_name)
+        if name == _pool_name(PoolName.KV) and host_pool is self.mem_pool_host and self._kv is not None:
+            pool = self._kv  # the anchor again, as the group's KV entry: its pages are the v1 objects
+        else:
+            # Mamba state is split over TP ranks even where the KV is the same on all of them (an MLA
+            # namespace has no TP part): its objects carry the rank.
+            cfg = self.storage_config
+            extra = ({"tp": f"{getattr(cfg, 'tp_rank', 0)}/{getattr(cfg, 'tp_size', 1)}"}
+                     if name == _pool_name(PoolName.MAMBA) else {})
+            try:
+                pool = _describe_pool(name, host_pool, extra)
+            except Exception as e:
+                pool = _Pool(name, host_pool, error=f"{type(e).__name__}: {e}")
+                logger.warning("kvgate backend: host pool %r cannot be stored (%s): requests that need it are "
+                               "computed, not restored", name, pool.error)
+        self._pools = {**self._pools, name: pool}
+        if pool.error:
+            return
+        logger.info("kvgate backend: host pool %r: pages of %d indices, %d bytes in %d fragments%s", name,
+                    pool.page_size, pool.page_bytes, pool.fragments,
+                    " (the KV pool: v1 objects)" if pool.tag is None else "")
+        for link in (self._loads, self._stores):
+            if link is not None:
+                link.fit(pool.slot_bytes)
+
+    def on_host_pools_registered(self) -> None:
+        """The attach's pools are all registered (scheduler thread): one line naming them."""
+        usable = sorted(n for n, p in self._pools.items() if not p.error)
+        refused = sorted(n for n, p in self._pools.items() if p.error)
+        if self._pools:
+            logger.info("kvgate backend: host pools %s stored%s", usable,
+                        f"; {refused} cannot be (their requests are computed)" if refused else "")
+
+    def pool_key(self, pool_name: Any, page_hash: str) -> bytes:
+        """The kvgate key (in ``self.namespace``) of one pool's part of the page ``page_hash``;
+        for the KV pool, the page's v1 key."""
+        name = _pool_name(pool_name)
+        pool = self._kv if name == _pool_name(PoolName.KV) else self._pools.get(name)
+        if pool is None:
+            raise KeyError(f"no host pool {name!r} registered")
+        return pool.key(page_keys([page_hash])[0])
+
+    def _extra_pool(self, name: Any) -> _Pool:
+        n = _pool_name(name)
+        pool = self._kv if n == _pool_name(PoolName.KV) else self._pools.get(n)
+        if pool is None:
+            raise ValueError(f"host pool {n!r} was never registered")
+        if pool.error:
+            raise ValueError(f"host pool {n!r} cannot be stored: {pool.error}")
+        return pool
 
     # ---- logging -------------------------------------------------------------------------------
 
@@ -432,13 +625,72 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     self._marks.popitem(last=False)
         return dm
 
-    # ---- page fragments ----------------------------------------------------------------------
+    # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
 
-    def _fragments(self, host_indices: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != n * self.fragments:
-            raise ValueError(f"host pool gave {len(ptrs)} fragments for {n} pages of {self.fragments}")
-        return [int(p) for p in ptrs], [int(s) for s in sizes]
+    @staticmethod
+    def _rounds(link: _Link, pool: _Pool, n: int) -> list[tuple[int, int]]:
+        stage = link.staging
+        assert stage is not None
+        per = min(MAX_BATCH_PAGES, stage.size // pool.slot_bytes)
+        if per < 1:  # cannot happen once the pool is registered (the region is fitted to it)
+            raise ValueError(f"a page of host pool {pool.name!r} ({pool.page_bytes} bytes) is larger than the "
+                             f"staging region ({stage.size} bytes)")
+        return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
+
+    def _load(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+              dm: DialogMark, position: int, out: list) -> None:
+        """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
+        writes each hit into a staging slot, complete pages are scattered into their fragments.
+        A stored object of the wrong size (another geometry under the same key) is a miss.  Sets
+        ``out[i]`` as pages arrive, so a call cut short keeps what came."""
+        stage = link.staging
+        slot, f = pool.slot_bytes, pool.fragments
+        for r0, r1 in self._rounds(link, pool, len(skeys)):
+            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
+            got: list = []
+            for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
+                got += link.budget().get_many(skeys[r0 + start:r0 + end], into=views[start:end], dialog=dialog)
+            sizes_got = [None if g is None else g.nbytes for g in got]
+            got = []
+            for v in views:
+                v.release()
+            for j, size in enumerate(sizes_got):
+                if size is None:
+                    continue
+                if size != pool.page_bytes:
+                    self._log_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, this "
+                                   "pool's %d: ignored (a namespace shared by engines with different layouts?)",
+                                   pool.name, size, pool.page_bytes)
+                    continue
+                i = r0 + j
+                src = stage.base + j * slot
+                for k in range(i * f, (i + 1) * f):
+                    ctypes.memmove(ptrs[k], src, sizes[k])
+                    src += sizes[k]
+                out[i] = True
+
+    def _store(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+               dm: DialogMark, position: int, out: list) -> None:
+        """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
+        slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
+        stage = link.staging
+        slot, f = pool.slot_bytes, pool.fragments
+        for r0, r1 in self._rounds(link, pool, len(skeys)):
+            for i in range(r0, r1):
+                dst = stage.base + (i - r0) * slot
+                for k in range(i * f, (i + 1) * f):
+                    ctypes.memmove(dst, ptrs[k], sizes[k])
+                    dst += sizes[k]
+            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
+            try:
+                for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
+                    stored = link.budget().put_many(
+                        skeys[r0 + start:r0 + end], views[start:end], retention=self.settings.retention,
+                        dialog=dialog, position=position + r0 + start if position >= 0 else -1)
+                    out[r0 + start:r0 + end] = [bool(x) for x in stored]
+            finally:
+                for v in views:
+                    v.release()
 
     # ---- v1 interface (storage threads) --------------------------------------------------------
 
@@ -489,39 +741,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["get_pages"] += n
         try:
             bkeys = page_keys(keys)
-            ptrs, sizes = self._fragments(host_indices, n)
-            f = self.fragments
+            assert self._kv is not None
+            ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
                 dm, position = self._dialog(link, bkeys, extra_info, "batch_get_v1")
-                stage = link.staging
-                assert stage is not None
-                slot = self.slot_bytes
-                for r0 in range(0, n, link.slots):
-                    r1 = min(n, r0 + link.slots)
-                    views = [stage.view[(i - r0) * slot:(i - r0) * slot + self.page_bytes] for i in range(r0, r1)]
-                    got: list = []
-                    for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                        got += link.budget().get_many(bkeys[r0 + start:r0 + end], into=views[start:end],
-                                                     dialog=dialog)
-                    sizes_got = [None if g is None else g.nbytes for g in got]
-                    got = []
-                    for v in views:
-                        v.release()
-                    for j, size in enumerate(sizes_got):
-                        if size is None:
-                            continue
-                        if size != self.page_bytes:
-                            self._log_once("size", "kvgate backend: a stored page is %d bytes, this pool's %d: "
-                                           "ignored (a namespace shared by engines with different layouts?)",
-                                           size, self.page_bytes)
-                            continue
-                        i = r0 + j
-                        src = stage.base + j * slot
-                        for k in range(i * f, (i + 1) * f):
-                            ctypes.memmove(ptrs[k], src, sizes[k])
-                            src += sizes[k]
-                        out[i] = True
+                self._load(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
             self._failed(link, "load", e)
         hits = sum(out)
@@ -552,31 +777,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["set_pages"] += n
         try:
             bkeys = page_keys(keys)
-            ptrs, sizes = self._fragments(host_indices, n)
-            f = self.fragments
+            assert self._kv is not None
+            ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
                 dm, position = self._dialog(link, bkeys, extra_info, "batch_set_v1")
-                stage = link.staging
-                assert stage is not None
-                slot = self.slot_bytes
-                for r0 in range(0, n, link.slots):
-                    r1 = min(n, r0 + link.slots)
-                    for i in range(r0, r1):
-                        dst = stage.base + (i - r0) * slot
-                        for k in range(i * f, (i + 1) * f):
-                            ctypes.memmove(dst, ptrs[k], sizes[k])
-                            dst += sizes[k]
-                    views = [stage.view[(i - r0) * slot:(i - r0) * slot + self.page_bytes] for i in range(r0, r1)]
-                    try:
-                        for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                            stored = link.budget().put_many(
-                                bkeys[r0 + start:r0 + end], views[start:end], retention=self.settings.retention,
-                                dialog=dialog, position=position + r0 + start if position >= 0 else -1)
-                            out[r0 + start:r0 + end] = [bool(s) for s in stored]
-                    finally:
-                        for v in views:
-                            v.release()
+                self._store(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
             self._failed(link, "store", e)
         stored_n = sum(out)
@@ -593,22 +799,133 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 pgs.append(pages)
                 bw.append(pages * self.page_bytes / dt / 1e9 if dt > 0 else 0.0)
 
-    # ---- hybrid (v2) interface: not supported yet; refused without raising --------------------
+    # ---- hybrid (v2) interface: the extra pools of Mamba, SWA and DSA models (storage threads) ----
+    #
+    # SGLang calls these only for a hybrid model (its host pool is a HostPoolGroup and a request's
+    # operation carries pool transfers): the KV pages still go through v1 (batch_get_v1 /
+    # batch_set_v1, the same objects as for any model); v2 moves the other pools' parts of those
+    # pages, each under pool_page_key(its tag, page key).  A page is restored whole or not at all:
+    # batch_exists_v2 counts a prefix only when the KV pages and every pool's required parts are
+    # there, and batch_get_v2 / batch_set_v2 report a page for no pool unless every pool's part
+    # of it came (``_all_or_none``).
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The longest restorable prefix of ``keys`` (prefetch thread), per SGLang's hit policies.
 
-        self._log_once("v2", "kvgate backend: hybrid (v2) storage is not supported yet: no hits")
-        return PoolTransferResult(0, {}, [])
+        The KV pages must lead; then, per extra pool, ``ALL_PAGES`` (e.g. a DSA indexer) needs its
+        part of every page of the prefix, and ``TRAILING_PAGES`` (Mamba and SWA states, which
+        SGLang backs up only for the last page(s) of each backup) needs the last
+        ``len(transfer.keys)`` pages of the prefix; any other policy is read as ``ALL_PAGES``.
+        ``kv_hit_pages`` is the longest prefix every pool allows, ``restorable_prefix_pages``
+        all such prefix lengths.  A pool that was never registered, or cannot be stored, allows
+        none.  Never raises; an empty result when the gateway is down, slow or refuses.
+        """
+        n = len(keys)
+        link = self._lookups
+        if not n or link is None or self.closed:
+            return PoolTransferResult(0, {}, [])
+        self.counters["exists_v2_calls"] += 1
+        self.counters["exists_v2_pages"] += n
+        try:
+            extras = [(t, self._extra_pool(t.name)) for t in (pool_transfers or ())
+                      if _pool_name(t.name) != _pool_name(PoolName.KV)]  # the KV pages are ``keys`` themselves
+            bkeys = page_keys(keys)
+            with link.lock:
+                link.begin()
+                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists_v2")
+                kv = 0
+                for start, end, dialog in dm.spans(position, n):
+                    c = link.budget().lookup(bkeys[start:end], dialog=dialog)
+                    kv += c
+                    if c < end - start:
+                        break
+                have = [[False] * kv for _ in extras]
+                if extras and kv:  # one exists_many per dialog run, every pool's keys at once
+                    for start, end, dialog in dm.spans(position, kv):
+                        m = end - start
+                        ask = [pool.key(b) for _, pool in extras for b in bkeys[start:end]]
+                        got = link.budget().exists_many(ask, dialog=dialog)
+                        for j in range(len(extras)):
+                            have[j][start:end] = [bool(x) for x in got[j * m:(j + 1) * m]]
+        except Exception as e:
+            self._failed(link, "lookup", e)
+            return PoolTransferResult(0, {}, [])
+        restorable = set(range(1, kv + 1))
+        hits: dict = {PoolName.KV: kv} if kv else {}
+        for (t, _), present in zip(extras, have):
+            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys or ()))
+                ok, run = set(), 0
+                for length in range(1, kv + 1):
+                    run = run + 1 if present[length - 1] else 0
+                    if run >= min(window, length):
+                        ok.add(length)
+            else:
+                lead = present.index(False) if False in present else kv
+                ok = set(range(1, lead + 1))
+            if ok:
+                hits[t.name] = max(ok)
+            restorable &= ok
+        final = max(restorable, default=0)
+        self.counters["exists_v2_hits"] += final
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    def _v2_io(self, what: str, link: Optional[_Link], transfers: list,
+               extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
+        """batch_get_v2 / batch_set_v2: every transfer's pages through ``link``'s staging region,
+        under one time budget; per pool name, per key, whether it moved (all or none per page)."""
+        transfers = list(transfers or ())
+        out = {t.name: [False] * len(t.keys or ()) for t in transfers}
+        n = sum(len(r) for r in out.values())
+        if not n:
+            return out
+        if what == "store" and self.settings.retention == "none":
+            return {name: [True] * len(r) for name, r in out.items()}
+        if link is None or self.closed:
+            return out
+        c = "get_v2" if what == "load" else "set_v2"
+        self.counters[f"{c}_calls"] += 1
+        self.counters[f"{c}_pages"] += n
+        try:
+            plans = []
+            for t in transfers:
+                if not t.keys:
+                    continue
+                pool = self._extra_pool(t.name)
+                ptrs, sizes = pool.fragments_of(t.host_indices, len(t.keys))
+                bkeys = page_keys(t.keys)
+                plans.append((t, pool, bkeys, ptrs, sizes))
+            with link.lock:
+                link.begin()
+                # SGLang groups the transfers of one call so that prefix_keys + keys is one chain for each
+                dm, position = self._dialog(link, plans[0][2], extra_info, f"batch_{c}")
+                move = self._load if what == "load" else self._store
+                for t, pool, bkeys, ptrs, sizes in plans:
+                    move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])
+        except Exception as e:
+            self._failed(link, what, e)
+        _all_or_none(transfers, out)
+        self.counters["get_v2_hits" if what == "load" else "set_v2_stored"] += sum(sum(r) for r in out.values())
+        return out
 
     def batch_get_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
                      ) -> dict[str, List[bool]]:
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        """Fill each transfer's pool pages at its ``host_indices`` from its keys (prefetch I/O thread).
+
+        The same staging path as ``batch_get_v1``, one pool after another, all under one
+        ``kvgate.io_timeout``.  Per pool name (as SGLang named it), per key, whether it came; a
+        page is reported for no pool unless every pool of the call restored its part, and pages
+        after a missing one are not reported either.  Never raises, never returns None.
+        """
+        return self._v2_io("load", self._loads, transfers, extra_info)
 
     def batch_set_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
                      ) -> dict[str, List[bool]]:
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        """Store each transfer's pool pages under its keys (backup thread); per pool name, per key,
+        whether it was stored, all or none per page as in ``batch_get_v2``.  With
+        ``kvgate.retention: none`` nothing is stored and every page reports True."""
+        return self._v2_io("store", self._stores, transfers, extra_info)
 
     # ---- the legacy (non-zero-copy) interface: SGLang uses it only without interface_v1 --------
 

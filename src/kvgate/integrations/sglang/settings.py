@@ -23,6 +23,8 @@ __all__ = [
     "NamespaceInputs",
     "derive_namespace",
     "page_key",
+    "pool_page_key",
+    "pool_tag",
     "settings_from_extra",
 ]
 
@@ -166,3 +168,24 @@ def page_key(key: str) -> bytes:
 
 def page_keys(keys: Sequence[str]) -> list[bytes]:
     return [page_key(k) for k in keys]
+
+
+def pool_tag(name: str, geometry: Mapping[str, Any]) -> bytes:
+    """The key prefix of one extra host pool's pages (a hybrid model's Mamba, SWA, indexer... pool).
+
+    ``0x00 name 0x00`` and 8 bytes of a digest of the pool's geometry (class, page size, layout,
+    dtype, bytes per fragment): the namespace names the model and its KV pool, and this keeps
+    two deployments whose extra pools differ (another state dtype, window, layer split) apart.
+    """
+    desc = json.dumps({"pool": name, **geometry}, sort_keys=True, separators=(",", ":"), default=str)
+    return b"\x00" + name.encode() + b"\x00" + hashlib.sha256(desc.encode()).digest()[:8]
+
+
+def pool_page_key(tag: bytes, key: bytes) -> bytes:
+    """kvgate key of one extra pool's part of the page whose ``page_key`` is ``key``.
+
+    It starts with a zero byte, which no ``page_key`` does in its string form, and is never 32
+    bytes long (the raw form): an extra pool's object never shadows a KV page.
+    """
+    k = tag + key
+    return k + b"\x00" if len(k) == 32 else k

@@ -13,6 +13,7 @@ Unix socket accepts a connection.  The ``gateway_factory`` fixture in
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import socket
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+REPO = Path(__file__).resolve().parents[1]
+SRC = str(REPO / "src")
 
 # Small, fast defaults: no TCP or HTTP listener, a small RAM tier and small
 # per-session shared-memory regions (each local engine session fallocates one).
@@ -46,6 +48,32 @@ def kvgate_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
+
+
+def venv_python(venv: str) -> Path:
+    """The interpreter of one of the engine venvs the Makefile builds (``.venv-vllm``, ``.venv-sglang``...)."""
+    return REPO / venv / "bin" / "python"
+
+
+def run_json_script(python: Path, script: Path, args: Sequence[str | os.PathLike], out: Path, *,
+                    env: dict[str, str] | None = None, timeout: float = 240,
+                    cwd: str | os.PathLike | None = None) -> dict:
+    """Run ``script`` under another venv's ``python`` (this checkout's ``src`` first on its path); it writes
+    its findings as JSON to ``out``, returned with its stderr under ``"log"``.  A failed run fails the test
+    with the script's output."""
+    proc = subprocess.run([str(python), str(script), *map(str, args)], capture_output=True, text=True,
+                          env=kvgate_env(env), timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, (f"{Path(script).name} {' '.join(map(str, args))} failed (rc {proc.returncode}):\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(Path(out).read_text()) | {"log": proc.stderr}
+
+
+def run_plan(python: Path, script: Path, workdir: Path, name: str, plan: dict, **kw) -> dict:
+    """``run_json_script`` with a JSON plan file as its one argument; the plan's ``"out"`` is set here."""
+    plan = {**plan, "out": str(workdir / f"{name}.json")}
+    path = workdir / f"{name}.plan.json"
+    path.write_text(json.dumps(plan))
+    return run_json_script(python, script, [path], Path(plan["out"]), cwd=workdir, **kw)
 
 
 def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None = None,

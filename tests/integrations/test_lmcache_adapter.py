@@ -7,16 +7,13 @@ skipped when that venv is missing (make lmcache-venv builds it).
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, kvgate_env
+from tests.helpers import free_port, run_json_script, venv_python
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_PY = REPO / ".venv-lmcache" / "bin" / "python"
+VENV_PY = venv_python(".venv-lmcache")
 CHECKS = Path(__file__).resolve().parent / "lmcache_adapter_checks.py"
 
 pytestmark = [
@@ -29,10 +26,7 @@ pytestmark = [
 
 def run_checks(scenario: str, socket: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{scenario}.json"
-    proc = subprocess.run([str(VENV_PY), str(CHECKS), scenario, socket, str(out)], capture_output=True, text=True,
-                          env=kvgate_env({"LMCACHE_TRACK_USAGE": "false"}), timeout=240)
-    assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()) | {"log": proc.stderr}
+    return run_json_script(VENV_PY, CHECKS, [scenario, socket, out], out, env={"LMCACHE_TRACK_USAGE": "false"})
 
 
 def test_store_lookup_load_unlock_then_gateway_restart(gateway_factory, tmp_path):

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, kvgate_env
+from tests.helpers import free_port, kvgate_env, run_json_script, venv_python
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_PY = REPO / ".venv-lmcache" / "bin" / "python"
+VENV_PY = venv_python(".venv-lmcache")
 CHECKS = Path(__file__).resolve().parent / "lmcache_remote_checks.py"
 
 pytestmark = [
@@ -35,10 +34,7 @@ ENV = {"LMCACHE_TRACK_USAGE": "false"}
 
 def run_checks(scenario: str, target: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{scenario}.json"
-    proc = subprocess.run([str(VENV_PY), str(CHECKS), scenario, target, str(out)], capture_output=True, text=True,
-                          env=kvgate_env(ENV), timeout=240)
-    assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()) | {"log": proc.stderr}
+    return run_json_script(VENV_PY, CHECKS, [scenario, target, out], out, env={"LMCACHE_TRACK_USAGE": "false"})
 
 
 def test_round_trip_batches_and_misses(gateway_factory, tmp_path):

@@ -13,16 +13,13 @@ Each case runs ``sglang_controller.py`` under ``.venv-sglang/bin/python`` (see t
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GatewayProcess, kvgate_env
+from tests.helpers import GatewayProcess, run_plan, venv_python
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_PY = REPO / ".venv-sglang" / "bin" / "python"
+VENV_PY = venv_python(".venv-sglang")
 SCRIPT = Path(__file__).resolve().parent / "sglang_controller.py"
 
 pytestmark = [
@@ -34,15 +31,7 @@ pytestmark = [
 
 
 def run(tmp_path: Path, name: str, plan: dict) -> dict:
-    plan = {**plan, "out": str(tmp_path / f"{name}.json")}
-    plan_path = tmp_path / f"{name}.plan.json"
-    plan_path.write_text(json.dumps(plan))
-    proc = subprocess.run([str(VENV_PY), str(SCRIPT), str(plan_path)], env=kvgate_env(), cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    result = json.loads(Path(plan["out"]).read_text())
-    result["log"] = proc.stderr
-    return result
+    return run_plan(VENV_PY, SCRIPT, tmp_path, name, plan)
 
 
 def test_backup_detach_new_controller_prefetch_is_byte_identical(gateway_factory, tmp_path):

@@ -28,8 +28,6 @@ through the session's shared-memory region: one more copy each way, made here.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import queue
 import threading
 import time
@@ -47,6 +45,7 @@ from kvgate.integrations.lmcache.settings import (
     AdapterSettings,
     key_bytes,
     parse_params,
+    plugin_logger,
     split_by_namespace,
 )
 
@@ -55,13 +54,7 @@ if TYPE_CHECKING:
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
     from lmcache.v1.memory_management import MemoryObj
 
-logger = logging.getLogger("kvgate.lmcache")
-if not logger.handlers and not logging.getLogger().handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
-    logger.addHandler(_h)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger = plugin_logger()
 
 
 class KvgateL2AdapterConfig(L2AdapterConfigBase):

@@ -38,7 +38,6 @@ travel in the frames, received straight into the MemoryObj.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Optional
 
@@ -52,6 +51,7 @@ from kvgate.integrations.lmcache.settings import (
     engine_key_bytes,
     engine_key_namespace,
     parse_connector_config,
+    plugin_logger,
 )
 
 if TYPE_CHECKING:
@@ -60,13 +60,7 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-logger = logging.getLogger("kvgate.lmcache")
-if not logger.handlers and not logging.getLogger().handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
-    logger.addHandler(_h)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger = plugin_logger()
 
 # the gateway's refusals that mean this session cannot go on as it is: open a new one next time
 _SESSION_REFUSALS = ("ENGINE_BUSY", "NOT_AUTHORIZED", "UNSALTED_REFUSED", "BAD_VERSION")

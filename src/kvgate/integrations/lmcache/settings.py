@@ -14,6 +14,7 @@ attribute, so the mappings are tested without it.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -203,3 +204,16 @@ def split_by_namespace(keys: list[Any], base: str | None = None) -> dict[str, li
 __all__ = ["AdapterSettings", "CONNECTOR_KEYS", "ConfigError", "PARAM_KEYS", "connector_plugin_name",
            "engine_key_bytes", "engine_key_namespace", "key_bytes", "namespace_for", "parse_connector_config",
            "parse_params", "parse_retention", "split_by_namespace"]
+
+
+def plugin_logger() -> logging.Logger:
+    """The plugins' logger.  LMCache configures only its own loggers, so without a handler of ours
+    (or a root handler set by the host) kvgate's outage and reconnect lines would go nowhere."""
+    log = logging.getLogger("kvgate.lmcache")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log

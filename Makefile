@@ -87,7 +87,7 @@ services:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 test: $(STAMP) services $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 # Unit tests only (no gateway processes).
 test-fast: $(STAMP)

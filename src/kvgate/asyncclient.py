@@ -243,6 +243,15 @@ class AsyncClient(ClientCore):
                           timeout: Any = DEFAULT) -> int:
         return await self._run(self._delete_many_op(keys, dialog), timeout)
 
+    async def hold_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
+                        timeout: Any = DEFAULT) -> list[bool]:
+        """As ``Client.hold_many``."""
+        return await self._run(self._hold_many_op(keys, dialog), timeout)
+
+    async def release_many(self, keys: Sequence[bytes | str], *, timeout: Any = DEFAULT) -> int:
+        """As ``Client.release_many``."""
+        return await self._run(self._release_many_op(keys), timeout)
+
     async def prewarm(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                       timeout: Any = DEFAULT) -> int:
         """As ``Client.prewarm``."""

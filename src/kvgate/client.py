@@ -215,6 +215,15 @@ class Client(ClientCore):
     def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         return self._run(self._delete_many_op(keys, dialog))
 
+    def hold_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
+        """Per key, whether it is present and now kept on its card until ``release_many``, this
+        session's end or a minute without renewal (holding it again renews it); see the README."""
+        return self._run(self._hold_many_op(keys, dialog))
+
+    def release_many(self, keys: Sequence[bytes | str]) -> int:
+        """End this session's holds on these keys; how many it held."""
+        return self._run(self._release_many_op(keys))
+
     def prewarm(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         """Pull the stored leading keys from cards into the RAM tier; returns how many are in RAM."""
         return self._run(self._prewarm_op(keys, dialog))

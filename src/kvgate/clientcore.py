@@ -50,11 +50,13 @@ from kvgate.protocol import (
     Get,
     GetReply,
     Hello,
+    Hold,
     Lookup,
     Mark,
     Prewarm,
     Put,
     RegisterRegion,
+    Release,
     Stats,
     decode_reply,
     encode_frame,
@@ -781,6 +783,12 @@ class ClientCore:
 
     def _delete_many_op(self, keys: Any, dialog: Any) -> Op:
         return self._ask(Delete(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: r.count)
+
+    def _hold_many_op(self, keys: Any, dialog: Any) -> Op:
+        return self._ask(Hold(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: list(r.present))
+
+    def _release_many_op(self, keys: Any) -> Op:
+        return self._ask(Release(keys=_check_keys(keys)), lambda r: r.count)
 
     def _prewarm_op(self, keys: Any, dialog: Any) -> Op:
         return self._ask(Prewarm(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: r.count)

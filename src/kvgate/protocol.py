@@ -123,6 +123,20 @@ class Prewarm(_Msg, tag="prewarm"):
     dialog: bytes | None = None
 
 
+class Hold(_Msg, tag="hold"):
+    """Keep the present keys on their cards until released (``kvgate.tiers.holds``); ExistsReply: held."""
+
+    keys: list[bytes] = []
+    dialog: bytes | None = None
+
+
+class Release(_Msg, tag="release"):
+    """End this session's holds on these keys; CountReply: how many it held."""
+
+    keys: list[bytes] = []
+    dialog: bytes | None = None  # unused: holds are by key
+
+
 class Mark(_Msg, tag="mark"):
     keys: list[bytes] = []  # a prompt's leading keys, from position 0
 
@@ -135,9 +149,9 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Mark, Clean, Stats]
-REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "mark", "clean",
-               "stats")
+Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats]
+REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "hold", "release",
+               "mark", "clean", "stats")
 
 # ---- replies ------------------------------------------------------------------
 

@@ -75,6 +75,14 @@ def bits(bm, n: int) -> list[int]:
     return [1 if bm.test(i) else 0 for i in range(n)]
 
 
+def gateway_holds(sock: str) -> int:
+    """Objects the gateway holds for sessions (its stats, over an admin session)."""
+    from kvgate.client import Client
+
+    with Client.connect(sock, role="admin", want_shm=False, timeout=10) as c:
+        return c.stats()["holds"]["objects"]
+
+
 def adapter(sock: str, l1=None, **extra) -> KvgateL2Adapter:
     target = {"kvgate.address": sock} if ":" in sock and "/" not in sock else {"kvgate.socket": sock}
     cfg = KvgateL2AdapterConfig.from_dict({**target, "kvgate.io_timeout": 3,
@@ -104,6 +112,7 @@ def roundtrip(sock: str, out: dict, buffers=None, l1=None) -> None:
         out["lookup_s"] = time.perf_counter() - t0
         assert bits(bm, len(probe)) == [1] * 5 + [0] * 4, bits(bm, len(probe))
         assert ad.report_status()["locked_key_count"] == 5
+        assert gateway_holds(sock) == 5  # the gateway keeps the five found on their card
 
         dst = buffers[n:2 * n] if buffers is not None else [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(n)]
         for b in dst:
@@ -116,6 +125,10 @@ def roundtrip(sock: str, out: dict, buffers=None, l1=None) -> None:
             assert torch.equal(b, payload(i)), f"object {i} came back with other bytes"
         ad.submit_unlock(ks[:5])
         assert ad.report_status()["locked_key_count"] == 0
+        deadline = time.monotonic() + 10  # released by the adapter's lookup thread, on the session that holds
+        while gateway_holds(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gateway_holds(sock) == 0
 
         # a load buffer of another size: that key fails, the others load
         small = torch.zeros(CHUNK // 2, dtype=torch.uint8)

@@ -66,6 +66,7 @@ from kvgate.protocol import (
     GetReply,
     Hello,
     HelloReply,
+    Hold,
     Lookup,
     Mark,
     MarkReply,
@@ -74,6 +75,7 @@ from kvgate.protocol import (
     PutReply,
     RegionReply,
     RegisterRegion,
+    Release,
     RequestError,
     Stats,
     StatsReply,
@@ -675,6 +677,7 @@ class Gateway:
 
     def _close_session(self, sess: Session) -> None:
         self.sessions.pop(sess.id, None)
+        self.store.long.holds.release_all(sess.id)
         self._release_engine(sess)
         for region in sess.regions.values():
             region.close()
@@ -711,6 +714,10 @@ class Gateway:
             return CountReply(count=await self.store.delete(keys, dialog)), None
         if isinstance(req, Prewarm):
             return CountReply(count=await self.store.prewarm(keys, dialog)), None
+        if isinstance(req, Hold):
+            return ExistsReply(present=await self.store.hold(sess.id, keys, dialog, sess.local)), None
+        if isinstance(req, Release):
+            return CountReply(count=self.store.long.holds.release(sess.id, keys)), None
         raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {type(req).__name__}")
 
     def _full_keys(self, sess: Session, keys: list[bytes]) -> list[bytes]:
@@ -888,6 +895,7 @@ class Gateway:
             },
             "tiers": {"ram": ram_tier, "long": long_tier},
             "namespaces": st.usage.snapshot(),
+            "holds": {"objects": len(st.long.holds), "refused": st.long.holds.refused},
             "lookups": c.lookups,
             "corrupt_objects": c.corrupt,
             "expired_objects": c.expired,

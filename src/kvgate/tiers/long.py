@@ -82,6 +82,7 @@ from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
+from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
 from kvgate.tiers.usage import NamespaceUsage
 
@@ -206,6 +207,7 @@ class LongTier:
                  on_expired: Callable[[int], None] = lambda n: None, usage: NamespaceUsage | None = None):
         self.cfg = cfg
         self.usage = usage if usage is not None else NamespaceUsage()
+        self.holds = Holds()
         self.on_corrupt = on_corrupt
         self.pool = pool  # for work that is not one card's (globbing)
         self.cards: list[CardState] = []
@@ -522,8 +524,12 @@ class LongTier:
 
     def _evict_over_capacity(self, cs: CardState) -> None:
         victims = []
+        held = None
+        if self.holds:
+            self.holds.expire()
+            held = self.holds.__contains__ if self.holds else None
         while cs.used > cs.capacity:
-            victim = cs.policy.choose_victim()
+            victim = cs.policy.choose_victim(held)
             if victim is None:
                 break
             self.note_gone(cs, victim)

@@ -419,6 +419,12 @@ class TieredStore:
                 present[i] = f
         return present
 
+    async def hold(self, session: int, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
+        """Per key, whether it is present and now held for ``session`` (``kvgate.tiers.holds``)."""
+        present = await self.exists(fkeys, dialog, urgent)
+        held = iter(self.long.holds.hold(session, [k for k, p in zip(fkeys, present) if p]))
+        return [p and next(held) for p in present]
+
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         n_ram = sum(self.ram.delete(k) for k in fkeys)
         n_long = await self.long.delete(fkeys, dialog)

@@ -8,11 +8,16 @@ event fds LMCache polls.
 
 - Store: ``put_many`` per namespace; the task succeeds when every object was
   stored.
-- Lookup and lock: ``exists_many`` per namespace.  kvgate has no pin: the
-  "lock" is not held by the gateway, so an object found may be evicted
-  before it is loaded.  The load then reports that key as failed (LMCache
-  recomputes it); it never delivers other bytes: a key names the same bytes
-  everywhere, and a load whose size differs from the L1 buffer fails.
+- Lookup and lock: ``hold_many`` per namespace: what is found is held on
+  its card by the gateway (not evicted) until unlocked, for at most the
+  gateway's hold time (a minute) and within its caps.  Unlock releases a key
+  once LMCache has unlocked it as often as it locked it, on the session
+  that holds it (the lookup thread's).  A gateway without holds (an older
+  version) answers lookups with ``exists_many`` and locks nothing: an object
+  found may then be evicted before it is loaded, and the load reports that
+  key as failed (LMCache recomputes it).  A load never delivers other bytes:
+  a key names the same bytes everywhere, and a load whose size differs from
+  the L1 buffer fails.
 - Load: ``get_many`` straight into the L1 buffers.
 - A gateway that is down or stuck costs failed stores, lookup misses and
   failed loads (each call bounded by kvgate.io_timeout / lookup_timeout),
@@ -225,7 +230,8 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._store_done: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
         self._load_done: dict[L2TaskId, Bitmap] = {}
-        self._locked: dict[Any, int] = {}  # ObjectKey -> lookups holding it (bookkeeping only: see above)
+        self._locked: dict[Any, int] = {}  # ObjectKey -> lookups that locked it and have not unlocked it
+        self._holds = True  # the gateway holds what lookups find (False: an older gateway without holds)
         # delete's byte accounting: the size of the last object stored (LMCache's chunks of one layout
         # are all one size); a map of every key stored would grow without bound
         self._object_bytes = 0
@@ -315,13 +321,17 @@ class KvgateL2Adapter(L2AdapterInterface):
             return self._lookup_done.pop(task_id, None)
 
     def submit_unlock(self, keys: list["ObjectKey"]) -> None:
+        unlocked = []
         with self._lock:
             for k in keys:
                 n = self._locked.get(k, 0)
                 if n <= 1:
-                    self._locked.pop(k, None)
+                    if self._locked.pop(k, None) is not None:
+                        unlocked.append(k)
                 else:
                     self._locked[k] = n - 1
+        if unlocked:  # released by the lookup thread: its sessions hold them
+            self._lookup_q.put((self._run_unlock, 0, unlocked, None))
 
     def submit_load_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
         tid = self._task_id()
@@ -465,7 +475,7 @@ class KvgateL2Adapter(L2AdapterInterface):
                 self._store_q.put((self._run_open, 0, [ns], None))
                 for _ in self._sessions[2:]:
                     self._load_q.put((self._run_open, 0, [ns], None))
-            res = self._call(sessions, ns, "lookup", lambda c: c.exists_many([key_bytes(keys[i]) for i in idx]))
+            res = self._call(sessions, ns, "lookup", lambda c: self._hold(c, [key_bytes(keys[i]) for i in idx]))
             for i, present in zip(idx, res or ()):
                 if present:
                     bitmap.set(i)
@@ -476,6 +486,25 @@ class KvgateL2Adapter(L2AdapterInterface):
                     self._locked[k] = self._locked.get(k, 0) + 1
         self.counters["lookup_hits"] += len(found)
         self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
+
+    def _hold(self, c: Client, bkeys: list[bytes]) -> list[bool]:
+        if self._holds:
+            try:
+                return c.hold_many(bkeys)
+            except GatewayError as e:
+                if e.code != "UNKNOWN_OP":
+                    raise
+                self._holds = False
+                logger.warning("kvgate L2 adapter: the gateway cannot hold objects (an older version): lookups "
+                               "lock nothing, and an object evicted between a lookup and its load is recomputed; "
+                               "upgrade the gateway")
+        return c.exists_many(bkeys)
+
+    def _run_unlock(self, sessions: _Sessions, _tid: L2TaskId, keys: list, _objects: Any) -> None:
+        if not self._holds:
+            return
+        for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            self._call(sessions, ns, "unlock", lambda c: c.release_many([key_bytes(keys[i]) for i in idx]))
 
     def _run_load(self, sessions: _Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
         self.counters["loads"] += 1

@@ -308,6 +308,17 @@ class GatewayProcess:
         with self.admin() as c:
             return c.stats()
 
+    def ram_sets(self) -> int:
+        """Objects stored into its RAM tier so far (engine stores are asynchronous: tests wait on this)."""
+        return int(self.stats()["tiers"]["ram"]["sets"])
+
+    def wait_ram_sets(self, n: int, timeout: float = 60.0) -> int:
+        """Wait until at least ``n`` objects were stored (or ``timeout``); returns the count."""
+        deadline = time.monotonic() + timeout
+        while (sets := self.ram_sets()) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return sets
+
     def wait_scanned(self, timeout: float = 10.0) -> dict:
         """Wait until every active card's startup index scan is done; returns the stats."""
         deadline = time.monotonic() + timeout

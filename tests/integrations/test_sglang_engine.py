@@ -48,13 +48,6 @@ P = prompt(1)
 Q = prompt(2)
 
 
-def ram_sets(gw: GatewayProcess) -> int:
-    from kvgate.client import Client
-
-    with Client.connect(gw.socket, role="admin", want_shm=False, timeout=10) as c:
-        return int(c.stats()["tiers"]["ram"]["sets"])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sglang_engine")
@@ -67,10 +60,7 @@ def runs(tmp_path_factory):
         try:
             out["computed"] = s1.generate(P)
             # Backups are asynchronous (write_through, then the backup thread): wait for all of P's pages.
-            deadline = time.monotonic() + 60
-            while ram_sets(gw) < FULL_PAGES and time.monotonic() < deadline:
-                time.sleep(0.2)
-            out["sets_after_1"] = ram_sets(gw)
+            out["sets_after_1"] = gw.wait_ram_sets(FULL_PAGES)
         finally:
             s1.stop()
             out["log1"] = s1.log()

@@ -23,7 +23,6 @@ Needs all three engine venvs (``make test`` builds them); skipped otherwise.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -45,17 +44,6 @@ VLLM_CHUNKS = PROMPT_TOKENS // 128  # vLLM's CPU KV block: 6 blocks, 768 tokens
 SGLANG_PAGES = PROMPT_TOKENS // 16  # 50 pages
 LMCACHE_CHUNKS = PROMPT_TOKENS // test_lmcache_e2e.CHUNK  # 3 chunks, 768 tokens
 ENGINES = ("vllm", "sglang", "lmcache")
-
-
-def ram_sets(gw: GatewayProcess) -> int:
-    return int(gw.stats()["tiers"]["ram"]["sets"])
-
-
-def wait_sets(gw: GatewayProcess, n: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while ram_sets(gw) < n and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return ram_sets(gw)
 
 
 def own_namespace(rows: dict[str, dict], engine: str) -> str:
@@ -100,7 +88,7 @@ def runs(tmp_path_factory):
             gw.start()
         out["vllm1"] = run_vllm(workdir, "vllm1", gws["vllm"], models["vllm"], drain=True)
         out["sglang1"] = run_sglang(workdir, "sglang1", gws["sglang"], models["sglang"])
-        out["sglang_sets"] = wait_sets(gws["sglang"], SGLANG_PAGES)
+        out["sglang_sets"] = gws["sglang"].wait_ram_sets(SGLANG_PAGES)
         out["lmcache1"] = run_lmcache(workdir, "lmcache1", gws["lmcache"], models["lmcache"], drain=True)
 
         for gw in gws.values():

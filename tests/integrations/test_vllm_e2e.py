@@ -106,13 +106,6 @@ def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, re
     return result
 
 
-def gateway_sets(gw: GatewayProcess) -> int:
-    from kvgate.client import Client
-
-    with Client.connect(gw.socket, role="admin", want_shm=False, timeout=10) as c:
-        return int(c.stats()["tiers"]["ram"]["sets"])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("vllm_e2e")
@@ -128,13 +121,13 @@ def runs(tmp_path_factory):
             {"name": "P", "prompt_token_ids": P},
             {"name": "S", "prompt_token_ids": S},
         ], drain={"expect_sets": 2 * FULL_CHUNKS, "timeout": 60})
-        sets1 = gateway_sets(gw)
+        sets1 = gw.ram_sets()
         r2 = run_engine(workdir, "run2", gw, model_dir, [
             {"name": "P", "prompt_token_ids": P},
             {"name": "P-salted", "prompt_token_ids": P, "cache_salt": "tenant-b"},
             {"name": "Q", "prompt_token_ids": Q},
         ], drain={"expect_sets": 4 * FULL_CHUNKS, "timeout": 60})
-        sets2 = gateway_sets(gw)
+        sets2 = gw.ram_sets()
         try:
             r3 = run_engine(workdir, "run3", gw, model_dir, [
                 {"name": "P-unsalted", "prompt_token_ids": P},

@@ -77,8 +77,9 @@ def cmd_serve(args) -> int:
 
 def cmd_fingerprint(args) -> int:
     """The layout the gateway would compute: same card discovery (globs, Redis), labels only read."""
+    from kvgate.cards import expand, make_card
     from kvgate.placement import SlotMap, fingerprint
-    from kvgate.tiers.long import default_slots, expand, make_card
+    from kvgate.tiers.long import default_slots
 
     cfg = _config_from(args)
     serials = []

@@ -14,12 +14,12 @@ import asyncio
 import errno
 from pathlib import Path
 
-from kvgate.cards import ObjectMeta
+from kvgate.cards import ObjectMeta, make_card
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
 from kvgate.tiers.eviction import make_policy
 from kvgate.tiers.io import CardIo, IoPool
-from kvgate.tiers.long import CardState, LongTier, make_card
+from kvgate.tiers.long import CardState, LongTier
 
 
 def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from kvgate.cards.base import Card, CardInUse, CardUnavailable, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, make_card
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.cards.redis import RedisCard
 
@@ -16,7 +17,11 @@ __all__ = [
     "ObjectMeta",
     "ObjectMissing",
     "ObjectTooNew",
+    "REDIS_PREFIXES",
     "RedisCard",
     "StoredObject",
     "WriteAbandoned",
+    "expand",
+    "is_redis",
+    "make_card",
 ]

@@ -269,6 +269,21 @@ class Card(ABC):
     def free_bytes(self) -> int:
         """Free space of the medium now."""
 
+    # Capacity: the long tier sizes a card as what it holds plus free_bytes()
+    # less reserve_bytes().  Both below run on the event loop: no I/O.
+
+    @abstractmethod
+    def reserve_bytes(self, card_reserve: int) -> int:
+        """What the gateway leaves of ``free_bytes`` to the medium; ``card_reserve`` is the configured one."""
+
+    @abstractmethod
+    def why_empty(self, free: int, used: int, card_reserve: int) -> str:
+        """Cause and fix, for the warning that the card can hold nothing.
+
+        ``free``: what ``free_bytes`` said; ``used``: bytes of the objects
+        the card holds; ``card_reserve``: the configured reserve.
+        """
+
     def _skip_newer(self, where: str, exc: ObjectTooNew) -> None:
         """Scan met an object in a newer format: it stays for the gateways that read it; said once per card."""
         if not self._newer_seen:

@@ -927,3 +927,10 @@ class DirectoryCard(Card):
         except OSError as exc:
             raise CardUnavailable(exc.errno, f"cannot stat card filesystem: {exc.strerror}", self.location) from exc
         return st.f_bavail * st.f_frsize
+
+    def reserve_bytes(self, card_reserve: int) -> int:
+        return card_reserve
+
+    def why_empty(self, free: int, used: int, card_reserve: int) -> str:
+        return (f"its filesystem has {free} bytes free beside the {used} bytes of objects it holds, and "
+                f"card_reserve keeps {card_reserve} bytes free; make room on the filesystem or lower card_reserve")

@@ -911,6 +911,15 @@ class RedisCard(Card):
         free = maxmemory * (1 - SERVER_RESERVE) - int(info.get("used_memory", 0))
         return max(0, int(free / MEMORY_PER_OBJECT_BYTE))
 
+    def reserve_bytes(self, card_reserve: int) -> int:
+        """None beyond ``free_bytes``, which keeps the server's own (``SERVER_RESERVE``); ``card_reserve`` is
+        for filesystems."""
+        return 0
+
+    def why_empty(self, free: int, used: int, card_reserve: int) -> str:
+        return (f"the server's maxmemory leaves {free} bytes for objects after its own reserve and what it "
+                "holds; raise maxmemory (or delete what else the server holds)")
+
     def close(self) -> None:
         """Give up the claim and close every connection; the pool reconnects if the card is used again."""
         if self.claimed is not None:

@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import glob
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -70,14 +68,15 @@ from kvgate.cards import (
     Card,
     CardInUse,
     CardUnavailable,
-    DirectoryCard,
     Header,
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    RedisCard,
+    expand,
+    is_redis,
+    make_card,
 )
-from kvgate.config import DEFAULT_CARD, Config
+from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.memcopy import MemoryFault
 from kvgate.placement import SlotMap, fingerprint, slot_of
@@ -99,7 +98,6 @@ SUSPECT_IOS = 1000
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
 UNREADABLE_MAX = 65536
-REDIS_PREFIXES = ("redis://", "rediss://", "unix://")
 
 
 class LayoutMismatch(RuntimeError):
@@ -179,24 +177,6 @@ def default_slots(cfg: Config, cards_found: int) -> int:
     the time.  ``cards_found`` stays for the caller's log.
     """
     return cfg.storage_slots
-
-
-def is_redis(location: str) -> bool:
-    return location.startswith(REDIS_PREFIXES)
-
-
-def make_card(location: str, cfg: Config) -> Card:
-    if is_redis(location):
-        return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms, ttl_s=cfg.ttl)
-    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,
-                         create_missing=cfg.create_card_dirs or location == DEFAULT_CARD)
-
-
-def expand(pattern: str) -> list[str]:
-    """Locations an entry names now: itself, or the directories its glob matches."""
-    if is_redis(pattern) or not glob.has_magic(pattern):
-        return [pattern]
-    return sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
 
 
 class LongTier:
@@ -311,7 +291,7 @@ class LongTier:
 
     def _reserve(self, cs: CardState) -> int:
         """Free space the gateway leaves on the card's medium (a Redis card's free_bytes keeps its own)."""
-        return 0 if isinstance(cs.card, RedisCard) else self.cfg.card_reserve
+        return cs.card.reserve_bytes(self.cfg.card_reserve)
 
     def _set_capacity(self, cs: CardState, capacity: int, why_empty: str) -> None:
         """Set what the card may hold; say loudly when that becomes nothing (``why_empty``: cause and fix)."""
@@ -325,12 +305,7 @@ class LongTier:
             log.warning("card %s (%s) can hold objects again: capacity %d bytes", cs.where, cs.serial, cs.capacity)
 
     def _why_empty(self, cs: CardState, free: int) -> str:
-        if isinstance(cs.card, RedisCard):
-            return (f"the server's maxmemory leaves {free} bytes for objects after its own reserve and what it "
-                    "holds; raise maxmemory (or delete what else the server holds)")
-        return (f"its filesystem has {free} bytes free beside the {cs.used} bytes of objects it holds, and "
-                f"card_reserve keeps {self.cfg.card_reserve} bytes free; make room on the filesystem or lower "
-                "card_reserve")
+        return cs.card.why_empty(free, cs.used, self.cfg.card_reserve)
 
     async def _scan(self, cs: CardState) -> None:
         """Rebuild the index of what the card already holds, in batches off the loop.

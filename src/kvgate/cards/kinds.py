@@ -1,0 +1,37 @@
+"""Which card kind a ``storage_devices`` entry names, and the cards it names now.
+
+Used by the long tier and by ``kvgate fingerprint``, which must find the very
+cards a gateway would.  ``make_card`` does no I/O (a card touches its medium
+only once opened), so the long tier calls it on its event loop; ``expand``
+lists directories, so it runs on an I/O pool.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from kvgate.cards.base import Card
+from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.redis import RedisCard
+from kvgate.config import DEFAULT_CARD, Config
+
+REDIS_PREFIXES = ("redis://", "rediss://", "unix://")
+
+
+def is_redis(location: str) -> bool:
+    return location.startswith(REDIS_PREFIXES)
+
+
+def make_card(location: str, cfg: Config) -> Card:
+    if is_redis(location):
+        return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms, ttl_s=cfg.ttl)
+    return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,
+                         create_missing=cfg.create_card_dirs or location == DEFAULT_CARD)
+
+
+def expand(pattern: str) -> list[str]:
+    """Locations an entry names now: itself, or the directories its glob matches."""
+    if is_redis(pattern) or not glob.has_magic(pattern):
+        return [pattern]
+    return sorted(p for p in glob.glob(pattern) if os.path.isdir(p))

@@ -65,7 +65,6 @@ from kvgate.heads import SharedHeads
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
 from kvgate.tiers.eviction import LONG, POLICIES, make_policy
-from kvgate.tiers.long import default_slots
 
 NAMESPACE = "kvgate-bench-trace"
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces (not used in any figure; for the record)
@@ -666,7 +665,7 @@ class TraceBench:
         # segments have marks too and are placed the same way, but are not counted as conversations.  The model
         # below runs every block through this same map, and its blocks per card matching the objects per card
         # the gateway reports is what checks it.
-        slot_map = SlotMap(serials, default_slots(Config(), o.cards))
+        slot_map = SlotMap(serials, Config().storage_slots)
         card_index = {s: i for i, s in enumerate(serials)}
 
         def card_of(block_id: int, mark: bytes | None) -> int:
@@ -791,7 +790,7 @@ def run_trace_bench(args: argparse.Namespace) -> int:
                   "block_tokens": BLOCK_TOKENS, "infinite_cache": _figure_row(inf_hits, blocks, inf_hits)},
         "config": {"policies": opts.policies, "capacities": [c.spec for c in opts.capacities],
                    "cards": None if opts.in_process else opts.cards,
-                   "slots": None if opts.in_process else default_slots(Config(), opts.cards),
+                   "slots": None if opts.in_process else Config().storage_slots,
                    "block_size": opts.block_size, "ram": None if opts.in_process else opts.ram,
                    "speedup": opts.speedup, "in_process": opts.in_process, "threads": opts.threads,
                    "cores": os.cpu_count(), "python": sys.version.split()[0]},

@@ -79,7 +79,6 @@ def cmd_fingerprint(args) -> int:
     """The layout the gateway would compute: same card discovery (globs, Redis), labels only read."""
     from kvgate.cards import expand, make_card
     from kvgate.placement import SlotMap, fingerprint
-    from kvgate.tiers.long import default_slots
 
     cfg = _config_from(args)
     serials = []
@@ -99,7 +98,7 @@ def cmd_fingerprint(args) -> int:
             finally:
                 card.close()
     unique = sorted(set(serials))
-    print(fingerprint(SlotMap(unique, default_slots(cfg, len(unique))), cfg.num_dbs, cfg.key_placement))
+    print(fingerprint(SlotMap(unique, cfg.storage_slots), cfg.num_dbs, cfg.key_placement))
     return 0
 
 

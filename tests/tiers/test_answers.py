@@ -1,4 +1,4 @@
-"""In process: the RAM tier's ttl, where ``LongTier.find`` answers from, and what a scan counts.
+"""In process: the RAM tier's ttl, where ``CardSet.find`` answers from, and what a scan counts.
 
 The same behaviours are proven end to end in tests/gateway/test_answers_agree.py
 and tests/gateway/test_card_capacity.py; these pin the rules down one by one.
@@ -14,8 +14,9 @@ from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
 from kvgate.tiers.eviction import LONG
-from kvgate.tiers.io import IoPool
-from kvgate.tiers.long import LongTier
+
+from kvgate.tiers.cardset import CardSet
+from tests.tiers.common import card_set
 from kvgate.tiers.ram import RamTier
 
 PAGE = 4096
@@ -48,12 +49,12 @@ def test_ram_without_ttl_keeps_old_entries() -> None:
     assert tier.contains(b"k")
 
 
-async def _long_tier(tmp_path: Path, n_cards: int, **cfg) -> LongTier:
+async def _long_tier(tmp_path: Path, n_cards: int, **cfg) -> CardSet:
     dirs = [tmp_path / f"card{i}" for i in range(n_cards)]
     for d in dirs:
         d.mkdir(exist_ok=True)
     config = Config(storage_devices=[str(d) for d in dirs], storage_slots=16 * n_cards, **cfg)
-    tier = LongTier(config, IoPool(2))
+    tier = card_set(config, 2)
     await tier.start()
     while not all(cs.scanned for cs in tier.cards):
         await asyncio.sleep(0.01)
@@ -74,7 +75,7 @@ def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Pat
         assert any(h is not written[k] for k, h in zip(keys, no_dialog_homes)), "some keys live off their key's card"
         for k, home in zip(keys, no_dialog_homes):
             cs, entry = tier.find(k, home)
-            assert cs is written[k] and entry is written[k].index[k]
+            assert cs is written[k] and entry is written[k].index.get(k)
         home = tier.card_for(b"unknown", dialog_digest(None))
         assert tier.find(b"unknown", home) == (home, None)
         await tier.stop()
@@ -103,7 +104,7 @@ def test_find_calls_an_indexed_object_past_the_ttl_a_miss_and_deletes_it(tmp_pat
         cs = tier.cards[0]
         payload = memoryview(b"x" * 100)
         old = ObjectMeta(created_ns=time.time_ns() - 3_000_000_000)
-        (stored,) = await tier.write(cs, [(b"old", payload, old)])
+        (stored,) = await cs.write([(b"old", payload, old)])
         assert tier.note_written(cs, b"old", stored, 100, old)
         assert tier.find(b"old", cs) == (None, None), "a miss, not 'ask the card'"
         assert tier.find(b"old", cs) == (None, None)
@@ -123,7 +124,7 @@ def test_scan_counts_what_the_card_holds_toward_its_capacity(tmp_path: Path) -> 
         tier = await _long_tier(tmp_path, 1, card_capacity=1 << 30)
         cs = tier.cards[0]
         items = [(b"k%d" % i, memoryview(bytes(1 << 20)), ObjectMeta(created_ns=time.time_ns())) for i in range(8)]
-        for (k, p, m), stored in zip(items, await tier.write(cs, items)):
+        for (k, p, m), stored in zip(items, await cs.write(items)):
             tier.note_written(cs, k, stored, len(p), m)
         held = cs.used
         await tier.stop()
@@ -133,7 +134,7 @@ def test_scan_counts_what_the_card_holds_toward_its_capacity(tmp_path: Path) -> 
         free = cs.card.free_bytes()
         tier = await _long_tier(tmp_path, 1, card_reserve=free - held // 2)
         cs = tier.cards[0]
-        assert cs.used == held and len(cs.index) == 8 and cs.evictions == 0
+        assert cs.used == held and len(cs.index) == 8 and cs.counters.evictions == 0
         # Free space moves a little under a test (other writers on the same disk).
         assert held < cs.capacity < 2 * held
         await tier.stop()

@@ -77,7 +77,7 @@ def test_reads_do_not_wait_for_a_stuck_hint(io: CardIo) -> None:
 def test_lookup_hints_go_only_to_card_kinds_that_prepare_reads(tmp_path) -> None:
     from kvgate.cards import DirectoryCard
     from kvgate.config import Config
-    from kvgate.tiers.long import CardState, LongTier
+    from tests.tiers.common import serving_card
 
     class NoPrep(DirectoryCard):
         prepares_reads = False
@@ -86,16 +86,15 @@ def test_lookup_hints_go_only_to_card_kinds_that_prepare_reads(tmp_path) -> None
             raise AssertionError("hinted a card kind that prepares nothing")
 
     async def main() -> tuple[int, int]:
-        tier = LongTier(Config(storage_devices=[str(tmp_path / "a")]), IoPool(1))
         states = []
         for name, kind in (("a", DirectoryCard), ("b", NoPrep)):
-            cs = CardState(name, str(tmp_path / name), kind(str(tmp_path / name)), CardIo(1, 5.0, f"test-{name}"))
-            cs.active = True
-            states.append(cs)
-        tier.hint_reads({id(cs): (cs, [b"k1", b"k2"]) for cs in states})
+            card = kind(str(tmp_path / name))
+            states.append(serving_card(card, CardIo(1, 5.0, f"test-{name}"), Config(storage_devices=[card.location])))
+        for cs in states:
+            cs.hint_reads([b"k1", b"k2"])
         for cs in states:
             cs.io.shutdown(wait=True)
-        return states[0].read_hints, states[1].read_hints
+        return states[0].counters.read_hints, states[1].counters.read_hints
 
     assert asyncio.run(main()) == (2, 0)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from kvgate.cards import Header, ObjectMeta
 from kvgate.config import Config
-from kvgate.tiers.io import IoPool, KeyOrder
-from kvgate.tiers.long import LongTier
+from kvgate.tiers.io import KeyOrder
+from kvgate.tiers.cardset import CardSet
+from tests.tiers.common import card_set
 
 
 def test_operations_on_one_key_run_in_issue_order_and_others_do_not_wait() -> None:
@@ -80,27 +81,27 @@ def _slow_deletes(card, seconds: float) -> threading.Event:
     return started
 
 
-async def _tier(tmp_path: Path, capacity: int) -> LongTier:
+async def _tier(tmp_path: Path, capacity: int) -> CardSet:
     card = tmp_path / "card"
     card.mkdir()
-    tier = LongTier(Config(storage_devices=[str(card)], card_capacity=capacity, eviction_policy="lru"), IoPool(2))
+    tier = card_set(Config(storage_devices=[str(card)], card_capacity=capacity, eviction_policy="lru"), 2)
     await tier.start()
     while not tier.cards[0].scanned:
         await asyncio.sleep(0.01)
     return tier
 
 
-async def _put(tier: LongTier, key: bytes, fill: int, size: int) -> bool:
+async def _put(tier: CardSet, key: bytes, fill: int, size: int) -> bool:
     cs = tier.cards[0]
     meta = ObjectMeta(created_ns=time.time_ns())
-    (stored,) = await tier.write(cs, [(key, memoryview(bytes([fill]) * size), meta)])
+    (stored,) = await cs.write([(key, memoryview(bytes([fill]) * size), meta)])
     assert isinstance(stored, int), stored
     return tier.note_written(cs, key, stored, size, meta)
 
 
-async def _read(tier: LongTier, key: bytes, size: int) -> bytes | None:
+async def _read(tier: CardSet, key: bytes, size: int) -> bytes | None:
     dest = bytearray(size)
-    (r,) = await tier.read(tier.cards[0], [(key, memoryview(dest))])
+    (r,) = await tier.cards[0].read([(key, memoryview(dest))])
     return bytes(dest) if isinstance(r, Header) else None
 
 

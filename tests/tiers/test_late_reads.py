@@ -21,7 +21,8 @@ import pytest
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
 from kvgate.config import Config
 from kvgate.tiers.io import CardIo, IoPool, IoTimeout
-from kvgate.tiers.long import CardState, LongTier
+from kvgate.tiers.card import ManagedCard
+from tests.tiers.common import serving_card
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 from tests.cards.test_redis import REDIS_SERVER, server_factory  # noqa: F401 - a fixture
 from tests.helpers import evict, pages_cached
@@ -64,9 +65,9 @@ class Slowed:
         setattr(self.obj, self.name, self.inner)
 
 
-async def _read_late(tier: LongTier, cs: CardState, key: bytes, dest: memoryview, slowed: Slowed) -> None:
+async def _read_late(cs: ManagedCard, key: bytes, dest: memoryview, slowed: Slowed) -> None:
     """Read with a deadline that passes; dest must be untouched at the answer and after the read ended."""
-    (res,) = await tier.read(cs, [(key, dest)])
+    (res,) = await cs.read([(key, dest)])
     assert isinstance(res, IoTimeout), res  # the answer: a miss
     assert not any(dest), "bytes landed before the answer"
     assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
@@ -93,11 +94,9 @@ def test_a_directory_read_past_its_deadline_writes_nothing(tmp_path, way: str) -
     dest = memoryview(mmap.mmap(-1, SIZE))  # page aligned, as a direct read into it wants
 
     async def main() -> None:
-        tier = LongTier(Config(storage_devices=[loc]), IoPool(1))
-        cs = CardState(loc, loc, card, CardIo(1, DEADLINE_S, "late"))
-        cs.active = True
+        cs = serving_card(card, CardIo(1, DEADLINE_S, "late"))
         try:
-            await _read_late(tier, cs, key, dest, slowed)
+            await _read_late(cs, key, dest, slowed)
         finally:
             cs.io.shutdown(wait=True)
 
@@ -129,13 +128,11 @@ def test_a_redis_read_stalled_past_its_deadline_writes_nothing(server_factory) -
     dest = memoryview(bytearray(SIZE))
 
     async def main() -> None:
-        tier = LongTier(Config(storage_devices=[srv.url]), IoPool(1))
-        cs = CardState(srv.url, srv.url, card, CardIo(1, DEADLINE_S, "late"))
-        cs.active = True
+        cs = serving_card(card, CardIo(1, DEADLINE_S, "late"))
         try:
             srv.pause()
             try:
-                (res,) = await tier.read(cs, [(key, dest)])
+                (res,) = await cs.read([(key, dest)])
                 assert isinstance(res, IoTimeout), res
                 assert not any(dest), "bytes landed before the answer"
             finally:

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from kvgate.cards import DirectoryCard, ObjectMeta
-from kvgate.config import Config
 from kvgate.gateway import shm
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
-from kvgate.tiers.io import CardIo, IoPool
-from kvgate.tiers.long import CardState, LongTier
+from kvgate.tiers.io import CardIo
+from tests.tiers.common import serving_card
 
 SIZE = (2 << 20) + 100
 
@@ -39,16 +38,14 @@ def test_a_shrunk_destination_fails_the_read_and_not_the_card(card: DirectoryCar
         os.ftruncate(fd, 0)
 
         async def main() -> None:
-            tier = LongTier(Config(storage_devices=[card.location]), IoPool(1))
-            cs = CardState(card.location, card.location, card, CardIo(1, 10.0, "shrunk"))
-            cs.active = True
+            cs = serving_card(card, CardIo(1, 10.0, "shrunk"))
             try:
                 for _ in range(5):  # more than io_timeout_strikes
                     with pytest.raises(MemoryFault):
-                        await tier.read(cs, [(b"k", dest)])
-                assert cs.strikes == 0 and cs.errors == 0 and cs.active
+                        await cs.read([(b"k", dest)])
+                assert cs.health.strikes == 0 and cs.health.errors == 0 and cs.active
                 ok = memoryview(bytearray(SIZE))
-                (header,) = await tier.read(cs, [(b"k", ok)])
+                (header,) = await cs.read([(b"k", ok)])
                 assert header.payload_len == SIZE and ok.tobytes() == bytes([7]) * SIZE
             finally:
                 cs.io.shutdown(wait=True)

@@ -18,7 +18,8 @@ import logging
 import time
 
 from kvgate.heads import SharedHeads
-from kvgate.tiers.long import CardState, LongTier
+from kvgate.tiers.card import ManagedCard
+from kvgate.tiers.cardset import CardSet
 
 log = logging.getLogger("kvgate.heads")
 
@@ -26,7 +27,7 @@ PERIOD_S = 2.0
 
 
 class HeadSync:
-    def __init__(self, heads: SharedHeads, long: LongTier) -> None:
+    def __init__(self, heads: SharedHeads, long: CardSet) -> None:
         self.heads = heads
         self.long = long
         self.rounds = 0
@@ -58,7 +59,7 @@ class HeadSync:
             self.heads.put_back(new)
         self.rounds += 1
 
-    async def _one(self, cs: CardState, new: set[int]) -> set[int]:
+    async def _one(self, cs: ManagedCard, new: set[int]) -> set[int]:
         serial = cs.serial or ""
         if serial in self._behind or serial not in self._synced:
             new = self.heads.all()

@@ -84,7 +84,7 @@ from kvgate.protocol import (
     parse_preamble,
 )
 from kvgate.tiers.io import IoPool, realtime_permitted
-from kvgate.tiers.long import LayoutMismatch
+from kvgate.tiers.cardset import LayoutMismatch
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 
 log = logging.getLogger("kvgate.gateway")
@@ -677,7 +677,7 @@ class Gateway:
 
     def _close_session(self, sess: Session) -> None:
         self.sessions.pop(sess.id, None)
-        self.store.long.holds.release_all(sess.id)
+        self.store.holds.release_all(sess.id)
         self._release_engine(sess)
         for region in sess.regions.values():
             region.close()
@@ -717,7 +717,7 @@ class Gateway:
         if isinstance(req, Hold):
             return ExistsReply(present=await self.store.hold(sess.id, keys, dialog, sess.local)), None
         if isinstance(req, Release):
-            return CountReply(count=self.store.long.holds.release(sess.id, keys)), None
+            return CountReply(count=self.store.holds.release(sess.id, keys)), None
         raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {type(req).__name__}")
 
     def _full_keys(self, sess: Session, keys: list[bytes]) -> list[bytes]:
@@ -857,17 +857,7 @@ class Gateway:
         st = self.store
         c = st.counters
         ram = st.ram
-        cards = []
-        for cs in st.card_states():
-            cards.append({
-                "serial": cs.serial, "location": cs.where, "kind": cs.card.kind, "active": cs.active,
-                "read_only": cs.read_only,
-                "capacity_bytes": cs.capacity, "used_bytes": cs.used, "objects": len(cs.index),
-                "hits": cs.hits, "misses": cs.misses, "errors": cs.errors, "timeouts": cs.timeouts,
-                "bytes_read": cs.reads_bytes, "bytes_written": cs.writes_bytes, "evictions": cs.evictions,
-                "read_hints": cs.read_hints,
-                "scanned": cs.scanned, **cs.card.read_rates(),
-            })
+        cards = [mc.snapshot() for mc in st.card_states()]
         long_tier = {
             "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
             "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
@@ -895,7 +885,7 @@ class Gateway:
             },
             "tiers": {"ram": ram_tier, "long": long_tier},
             "namespaces": st.usage.snapshot(),
-            "holds": {"objects": len(st.long.holds), "refused": st.long.holds.refused},
+            "holds": {"objects": len(st.holds), "refused": st.holds.refused},
             "lookups": c.lookups,
             "corrupt_objects": c.corrupt,
             "expired_objects": c.expired,

@@ -106,6 +106,10 @@ class EvictionPolicy(ABC):
         """
 
     @abstractmethod
+    def hottest_first(self) -> list[Ident]:
+        """Every object, the one this policy would evict last first (what a card's mover copies first)."""
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
@@ -147,6 +151,9 @@ class LruPolicy(EvictionPolicy):
                 if not skip(ident):
                     return ident
         return None
+
+    def hottest_first(self) -> list[Ident]:
+        return [ident for order in reversed(self._order) for ident in reversed(order)]
 
     def __len__(self) -> int:
         return len(self._klass)
@@ -475,6 +482,16 @@ class PrefixPolicy(EvictionPolicy):
                     if not skip(ident):
                         return ident
         return None
+
+    def hottest_first(self) -> list[Ident]:
+        # Dialogs in reverse eviction order (a dialog in several segments at
+        # its last place), each from its head: a copy cut short still leaves
+        # usable prefixes.
+        last: dict[int, _Dialog] = {}
+        for d in self._order():
+            last.pop(id(d), None)
+            last[id(d)] = d
+        return [ident for d in reversed(last.values()) for p in d.positions for ident in d.at[p]]
 
     def segment_of(self, ident: Ident) -> Segment | None:
         """The segment an object is in (None if unknown): for stats and tests."""

@@ -15,7 +15,7 @@ stays in RAM only; ``none`` is not stored at all.
 
 Reads answer by one rule, the same for lookup, exists, get, prewarm and
 delete: a key is present when the RAM tier holds it, else where
-``LongTier.find`` says (any card's index, whatever the dialog; else a probe
+``CardSet.find`` says (any card's index, whatever the dialog; else a probe
 of its placement card for the request's dialog).  With ``ttl``, an object
 older than that is a miss in every one of them.
 """
@@ -28,12 +28,14 @@ import time
 from dataclasses import dataclass, field
 
 from kvgate import memcopy
-from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
+from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
 from kvgate.config import Config
 from kvgate.protocol import MISS, TOO_SMALL
 from kvgate.tiers.eviction import LONG, SHORT
 from kvgate.tiers.io import ByteBudget, IoPool
-from kvgate.tiers.long import CardState, LongTier, expired
+from kvgate.tiers.card import ManagedCard, TierHooks, expired
+from kvgate.tiers.cardset import CardSet, group_by_card
+from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.usage import NamespaceUsage
 
@@ -121,8 +123,9 @@ class TieredStore:
         self.usage = NamespaceUsage()
         self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
                            on_expired=self._count_expired, usage=self.usage)
-        self.long = LongTier(cfg, pool, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
-                             usage=self.usage)
+        self.holds = Holds()
+        self.long = CardSet(cfg, pool, TierHooks(self.usage, self.holds, on_corrupt=self._count_corrupt,
+                                                 on_expired=self._count_expired))
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()
 
@@ -198,8 +201,8 @@ class TieredStore:
         staged = [it for it in items if id(it) not in source]
         card_ok = [False] * len(items)
 
-        async def one_card(cs: CardState, idx: list[int]) -> None:
-            results = await self.long.write(cs, [(items[i].fkey, source[id(items[i])], items[i].meta) for i in idx])
+        async def one_card(cs: ManagedCard, idx: list[int]) -> None:
+            results = await cs.write([(items[i].fkey, source[id(items[i])], items[i].meta) for i in idx])
             for i, r in zip(idx, results):
                 it = items[i]
                 if isinstance(r, int):
@@ -216,7 +219,7 @@ class TieredStore:
             if staged:
                 await self.pool.map_chunks(_stage, list(zip(buffers, staged)), min_chunk=2)
                 source.update((id(it), buf) for it, buf in zip(staged, buffers))
-            groups = self.long.group(items, lambda it: it.fkey, lambda it: it.meta.dialog)
+            groups = group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i) for i, it in enumerate(items))
             await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
         finally:
             if staged:
@@ -265,17 +268,13 @@ class TieredStore:
                 c.ram.hits += 1
                 c.ram.bytes_read += entry.size
 
-        async def from_card(cs: CardState, idx: list[int]) -> None:
-            results = await self.long.read(cs, [(items[i].fkey, items[i].dest) for i in idx], urgent)
+        async def from_card(cs: ManagedCard, idx: list[int]) -> None:
+            results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
-        groups: dict[int, tuple[CardState, list[int]]] = {}
-        for i in misses:
-            it = items[i]
-            cs, _entry = self.long.find(it.fkey, self.long.card_for(it.fkey, it.dialog))
-            if cs is not None:
-                groups.setdefault(id(cs), (cs, []))[1].append(i)
+        find, card_for = self.long.find, self.long.card_for
+        groups = group_by_card((find(items[i].fkey, card_for(items[i].fkey, items[i].dialog))[0], i) for i in misses)
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
         done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
@@ -291,7 +290,7 @@ class TieredStore:
                 row.bytes_read += size
         return sizes, needed
 
-    def _account_read(self, cs: CardState, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:
+    def _account_read(self, cs: ManagedCard, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:
         c = self.counters
         c.long.gets += 1
         if isinstance(r, Header):
@@ -304,29 +303,19 @@ class TieredStore:
             sizes[i] = r.payload_len
             c.long.hits += 1
             c.long.bytes_read += r.payload_len
-            self.long.note_hit(cs, it.fkey, r.payload_len)
+            cs.note_hit(it.fkey, r.payload_len)
             return
         c.long.misses += 1
-        cs.misses += 1
         if isinstance(r, BufferTooSmall):
             sizes[i], needed[i] = TOO_SMALL, r.needed
-            entry = cs.index.get(it.fkey)
-            if entry is not None and entry.payload_len != r.needed:
-                # Another gateway replaced it (shared cards): forget the stale
-                # size, or every size hint of a packed get repeats it.
-                self.long.note_gone(cs, it.fkey)
         elif isinstance(r, ObjectCorrupt):
             c.corrupt += 1
-            log.warning("corrupt object on card %s removed: %s", cs.where, r)
-            self.long.note_gone(cs, it.fkey)
-        elif isinstance(r, ObjectTooNew):
-            self.long.note_unreadable(cs, it.fkey)
-        elif isinstance(r, ObjectMissing):
-            self.long.note_gone(cs, it.fkey)
+        cs.note_failed_read(it.fkey, r)
 
-    def _spawn_delete(self, cs: CardState, fkey: bytes) -> None:
-        self.long.note_gone(cs, fkey)
-        self.long._spawn(self.long._delete_quietly(cs, [fkey]))
+    @staticmethod
+    def _spawn_delete(cs: ManagedCard, fkey: bytes) -> None:
+        cs.note_gone(fkey)
+        cs.spawn_delete([fkey])
 
     # ---- lookups ----------------------------------------------------------------
 
@@ -338,9 +327,9 @@ class TieredStore:
         _cs, entry = self.long.find(fkey, self.long.card_for(fkey, dialog))
         return entry.payload_len if entry is not None else None
 
-    def _known_prefix(self, fkeys: list[bytes], homes: list[CardState | None], start: int,
-                      on_cards: dict[int, tuple[CardState, list[bytes]]] | None = None,
-                      ) -> tuple[int, list[CardState]]:
+    def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int,
+                      on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = None,
+                      ) -> tuple[int, list[ManagedCard]]:
         """From ``start``: how far the leading keys are known present without touching a card, and
         the home cards of the run of keys after that which no tier knows (to probe), up to the next
         key that is known present or known missing.
@@ -364,7 +353,7 @@ class TieredStore:
                 if on_cards is not None:
                     on_cards.setdefault(id(cs), (cs, []))[1].append(k)
             n += 1
-        unknown: list[CardState] = []
+        unknown: list[ManagedCard] = []
         for k, home in zip(fkeys[n:], homes[n:]):
             if in_ram is not None and in_ram(k):
                 break
@@ -380,7 +369,7 @@ class TieredStore:
         homes = self.long.cards_for(fkeys, dialog)
         n = 0
         while True:
-            on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
+            on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
             n, unknown = self._known_prefix(fkeys, homes, n, on_cards)
             if on_cards:
                 self.long.hint_reads(on_cards, urgent)
@@ -395,10 +384,10 @@ class TieredStore:
         """Whether each key is present (the module's rule)."""
         in_ram = self.ram.contains
         find = self.long.find
-        on_cards: dict[int, tuple[CardState, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
+        on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         present = []
         unknown: list[int] = []
-        unknown_homes: list[CardState | None] = []
+        unknown_homes: list[ManagedCard | None] = []
         for i, (k, home) in enumerate(zip(fkeys, self.long.cards_for(fkeys, dialog))):
             if in_ram(k):
                 present.append(True)
@@ -422,7 +411,7 @@ class TieredStore:
     async def hold(self, session: int, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Per key, whether it is present and now held for ``session`` (``kvgate.tiers.holds``)."""
         present = await self.exists(fkeys, dialog, urgent)
-        held = iter(self.long.holds.hold(session, [k for k, p in zip(fkeys, present) if p]))
+        held = iter(self.holds.hold(session, [k for k, p in zip(fkeys, present) if p]))
         return [p and next(held) for p in present]
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
@@ -453,12 +442,12 @@ class TieredStore:
                 break
             plans.append((k, cs, res, size))
 
-        async def one_card(cs: CardState, group: list) -> int:
+        async def one_card(cs: ManagedCard, group: list) -> int:
             dests = []
             for _k, _cs, res, size in group:
                 views = res.views()
                 dests.append(views[0] if len(views) == 1 else memoryview(bytearray(size)))
-            results = await self.long.read(cs, [(p[0], d) for p, d in zip(group, dests)])
+            results = await cs.read([(p[0], d) for p, d in zip(group, dests)])
             done = 0
             for (k, _cs, res, size), dest, r in zip(group, dests, results):
                 if isinstance(r, Header) and r.payload_len == size:
@@ -472,7 +461,7 @@ class TieredStore:
                         await self.pool.run(copy_into, views, dest)
                     res.meta = r.meta
                     self.ram.commit(res)
-                    self.long.note_hit(cs, k, size)
+                    cs.note_hit(k, size)
                     self.counters.long.bytes_read += size
                     done += 1
                     continue
@@ -480,18 +469,16 @@ class TieredStore:
                 if isinstance(r, ObjectCorrupt):
                     self.counters.corrupt += 1
                 if isinstance(r, (ObjectCorrupt, ObjectMissing)):
-                    self.long.note_gone(cs, k)
+                    cs.note_gone(k)
             return done
 
-        groups: dict[int, tuple[CardState, list]] = {}
-        for p in plans:
-            groups.setdefault(id(p[1]), (p[1], []))[1].append(p)
+        groups = group_by_card((p[1], p) for p in plans)
         done = await asyncio.gather(*(one_card(cs, group) for cs, group in groups.values()))
         return in_ram + sum(done)
 
-    async def _unindexed_size(self, cs: CardState, fkey: bytes) -> int | None:
+    async def _unindexed_size(self, cs: ManagedCard, fkey: bytes) -> int | None:
         """Payload size of an object on the card, from its header (None: not there)."""
-        (r,) = await self.long.read(cs, [(fkey, memoryview(bytearray(0)))])
+        (r,) = await cs.read([(fkey, memoryview(bytearray(0)))])
         if isinstance(r, Header):
             return r.payload_len
         return r.needed if isinstance(r, BufferTooSmall) else None
@@ -501,7 +488,7 @@ class TieredStore:
         self.ram.clear()
         return max(n, await self.long.clean())
 
-    def card_states(self) -> list[CardState]:
+    def card_states(self) -> list[ManagedCard]:
         return self.long.cards
 
 

@@ -14,8 +14,9 @@ from kvgate.cards import CardUnavailable, DirectoryCard, Header, ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import full_key
 from kvgate.tiers.eviction import make_policy
-from kvgate.tiers.io import CardIo, IoPool
-from kvgate.tiers.long import READ_ONLY_RECHECK_S, CardState, LongTier
+from kvgate.tiers.io import CardIo
+from kvgate.tiers.health import READ_ONLY_RECHECK_S
+from tests.tiers.common import serving_card
 
 
 class SwitchableCard(DirectoryCard):
@@ -39,38 +40,36 @@ class SwitchableCard(DirectoryCard):
 def test_a_read_only_card_serves_reads_and_takes_writes_again(tmp_path: Path) -> None:
     async def main() -> None:
         loc = str(tmp_path / "card")
-        tier = LongTier(Config(storage_devices=[loc], card_capacity=1 << 30), IoPool(1))
         card = SwitchableCard(loc)
-        cs = CardState(loc, loc, card, CardIo(2, 5.0, "test-card"))
-        cs.serial = await cs.io.run(card.open)
-        cs.active, cs.capacity, cs.policy = True, 1 << 30, make_policy("prefix")
+        io = CardIo(2, 5.0, "test-card")
+        cs = serving_card(card, io, Config(storage_devices=[loc], card_capacity=1 << 30), serial=await io.run(card.open))
+        cs.policy = make_policy("prefix")
         payload = memoryview(np.arange(50_000, dtype=np.uint8))
         k1, k2 = full_key(b"ns", b"one"), full_key(b"ns", b"two")
-        assert all(isinstance(r, int) for r in await tier.write(cs, [(k1, payload, ObjectMeta())]))
+        assert all(isinstance(r, int) for r in await cs.write([(k1, payload, ObjectMeta())]))
 
         card.read_only = True
-        (r,) = await tier.write(cs, [(k2, payload, ObjectMeta())])
+        (r,) = await cs.write([(k2, payload, ObjectMeta())])
         assert isinstance(r, OSError) and r.errno == errno.EROFS
         assert cs.read_only and cs.active, "read-only is not out of service"
         tried = card.writes_tried
-        (r,) = await tier.write(cs, [(k2, payload, ObjectMeta())])
+        (r,) = await cs.write([(k2, payload, ObjectMeta())])
         assert isinstance(r, OSError) and r.errno == errno.EROFS
         assert card.writes_tried == tried, "a known read-only card is not written to"
         dest = memoryview(bytearray(len(payload)))
-        (h,) = await tier.read(cs, [(k1, dest)])
+        (h,) = await cs.read([(k1, dest)])
         assert isinstance(h, Header) and dest == payload, "reads go on"
 
-        cs.read_only_since -= READ_ONLY_RECHECK_S
-        await tier._check(cs)  # the probe still fails: stays read-only, tried again later
+        cs.health.read_only_since -= READ_ONLY_RECHECK_S
+        await cs.check()  # the probe still fails: stays read-only, tried again later
         assert cs.read_only
         card.read_only = False
-        await tier._check(cs)  # too soon after the last probe
+        await cs.check()  # too soon after the last probe
         assert cs.read_only
-        cs.read_only_since -= READ_ONLY_RECHECK_S
-        await tier._check(cs)
+        cs.health.read_only_since -= READ_ONLY_RECHECK_S
+        await cs.check()
         assert not cs.read_only and cs.active
-        assert all(isinstance(r, int) for r in await tier.write(cs, [(k2, payload, ObjectMeta())]))
-        await tier.stop()
-        cs.io.shutdown()
+        assert all(isinstance(r, int) for r in await cs.write([(k2, payload, ObjectMeta())]))
+        await cs.close()
 
     asyncio.run(main())

@@ -1,4 +1,4 @@
-"""A card that answers ENOSPC: the long tier lowers its capacity once per episode, not once per failed write.
+"""A card that answers ENOSPC: a card lowers its capacity once per episode, not once per failed write.
 
 One request that meets a full card fails several objects at once; lowering
 the capacity to 90 % of what is held for each of them shrank it to
@@ -18,34 +18,31 @@ from kvgate.cards import ObjectMeta, make_card
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
 from kvgate.tiers.eviction import make_policy
-from kvgate.tiers.io import CardIo, IoPool
-from kvgate.tiers.long import CardState, LongTier
+from kvgate.tiers.io import CardIo
+from tests.tiers.common import serving_card
 
 
 def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:
     async def main() -> None:
         (tmp_path / "card").mkdir()  # a configured card directory is never created by the gateway
         cfg = Config(storage_devices=[str(tmp_path / "card")], card_capacity=1 << 30)
-        tier = LongTier(cfg, IoPool(1))
-        cs = CardState(str(tmp_path / "card"), str(tmp_path / "card"), make_card(str(tmp_path / "card"), cfg),
-                       CardIo(1, 5.0, "test-card"))
-        cs.serial = await cs.io.run(cs.card.open)
-        cs.active = True
-        cs.capacity = 1 << 30
+        card = make_card(str(tmp_path / "card"), cfg)
+        io = CardIo(1, 5.0, "test-card")
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
         cs.policy = make_policy("prefix")
         for i in range(100):
-            tier.note_written(cs, b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
+            cs.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
         assert cs.used == 100_000
 
         full = OSError(errno.ENOSPC, "No space left on device")
         for _ in range(8):  # one request, eight objects that did not fit
-            tier.note_result(cs, full)
+            cs.note_result(full)
         assert cs.capacity == 90_000, "lowered once per failed object"
-        assert cs.used <= 90_000 and cs.evictions == 10
+        assert cs.used <= 90_000 and cs.counters.evictions == 10
         assert cs.active, "a full card is not a broken card"
-        await asyncio.gather(*list(tier._tasks))  # the evicted objects are deleted
-        tier.note_result(cs, full)  # full again with the room made: the medium is smaller still
+        await asyncio.gather(*list(cs._tasks))  # the evicted objects are deleted
+        cs.note_result(full)  # full again with the room made: the medium is smaller still
         assert cs.capacity == 81_000
-        await tier.stop()
+        await cs.close()
 
     asyncio.run(main())

@@ -1,0 +1,513 @@
+"""The long tier's cards: which cards there are, where each object belongs, and where a key is.
+
+``CardSet`` finds the configured cards, keeps the slot map (rendezvous
+placement over their serials), and answers where a key belongs
+(``card_for``) and where it is (``find``).  Everything about one card (its
+I/O, index, eviction, capacity, health) is its ``ManagedCard``'s.
+
+Threading contract: every method runs on the gateway's event loop and never
+blocks; card I/O runs on each card's own threads (``ManagedCard``), globbing
+on the general pool.
+
+Where a key is (``find``), one rule for every lookup, exists, get, prewarm
+and delete: a key is wherever an active card's index holds it, whatever
+dialog the request names (its placement card is asked first); a key no index
+holds is probed on its placement card for the request's dialog (the dialog's
+card, or the key's own card when the request names none).  With ``ttl``, an
+object the index knows to be older is a miss, and is deleted.
+
+A card is known by the serial on its label: found again under another path
+that its ``storage_devices`` entry matches (a glob), it is taken back there;
+a different card at its old path is never used in its place.
+
+Claims: every card is claimed (``Card.claim``) before it is used, exclusively
+or, with ``shared_storage``, shared.  At start a card another gateway holds
+in a way that does not mix refuses the start (``CardInUse``, one line with
+the fix); a card that appears later (pending, relocated) and is held so is
+not used, and logged.
+
+A configured card directory that does not exist is not created (unless
+``create_card_dirs``, or it is the default ``./var/kvgate/card0``): it is
+logged and pending, and taken as soon as it exists, labelled or not, as at
+start; what it must not be is a directory the gateway made itself on the
+filesystem under a missing mount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterable, TypeVar
+
+from kvgate.cards import Card, CardInUse, CardUnavailable, expand, is_redis, make_card
+from kvgate.config import Config
+from kvgate.keys import NO_DIALOG, key_digest
+from kvgate.placement import SlotMap, fingerprint, slot_of
+from kvgate.tiers.card import ManagedCard, TierHooks
+from kvgate.tiers.index import IndexEntry
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.mover import CardMover
+
+log = logging.getLogger("kvgate.long")
+
+CHECK_INTERVAL_S = 1.0
+# What the mover copies between cards after a change, at most: a quarter of
+# a SATA SSD's write rate, a small share of an NVMe's.
+MOVE_BYTES_PER_S = 128 << 20
+
+T = TypeVar("T")
+
+
+class LayoutMismatch(RuntimeError):
+    """The configured key_layout_fingerprint differs from the cards found."""
+
+
+class CardChangeError(ValueError):
+    """A change of the card set that cannot be made (unknown serial, a card that cannot be used...); says why."""
+
+
+def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tuple[ManagedCard, list[T]]]:
+    """``(card, item)`` pairs as one list of items per card, keyed by ``id(card)``; items with no card are left out."""
+    groups: dict[int, tuple[ManagedCard, list[T]]] = {}
+    for card, item in pairs:
+        if card is not None:
+            groups.setdefault(id(card), (card, []))[1].append(item)
+    return groups
+
+
+class CardSet:
+    """The configured cards, the slot map over them, and the rule of where a key is.
+
+    Owned by ``TieredStore``; ``start`` finds and claims the cards, ``stop``
+    lets them go.  ``cards`` are the cards found (in service or not),
+    ``pending`` the entries with no readable card yet.
+
+    The set changes while it serves (``add``, ``drain``, ``undrain``,
+    ``remove``); each change re-maps the slots, counts one ``generation`` and
+    wakes the ``CardMover``.  A draining card is out of the slot map (no
+    writes) but still answers for what it holds until the mover has copied
+    it elsewhere; then it leaves.
+    """
+
+    def __init__(self, cfg: Config, pool: IoPool, hooks: TierHooks):
+        self.cfg = cfg
+        self.hooks = hooks
+        self.pool = pool  # for work that is not one card's (globbing)
+        self.cards: list[ManagedCard] = []
+        self.pending: list[ManagedCard] = []
+        self.slot_map = SlotMap([], 1)
+        self.fingerprint = ""
+        self.generation = 0  # changes of the card set since start
+        self._by_serial: dict[str, ManagedCard] = {}
+        self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
+        self.mover = CardMover(self, MOVE_BYTES_PER_S, self._let_drained_go)
+        self._tasks: set[asyncio.Task] = set()
+        self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
+
+    @property
+    def slots(self) -> int:
+        return self.cfg.storage_slots
+
+    def _new_card(self, pattern: str, location: str) -> ManagedCard:
+        return ManagedCard(pattern, location, make_card(location, self.cfg), self.cfg, self.pool, self.hooks)
+
+    # ---- start and stop ---------------------------------------------------
+
+    async def start(self) -> None:
+        for pattern in self.cfg.storage_devices:
+            locations = await self.pool.run(expand, pattern)
+            if not locations:
+                log.warning("card %s is not available at startup: nothing matches", pattern)
+                self.pending.append(self._new_card(pattern, pattern))
+            for loc in locations:
+                mc = self._new_card(pattern, loc)
+                try:
+                    serial = await mc.io.run(mc.card.open)
+                except OSError as e:
+                    log.warning("card %s is not available at startup: %s", mc.where, e)
+                    self.pending.append(mc)
+                    continue
+                if serial in self._by_serial:
+                    log.warning("card %s carries serial %s, already in use at %s: ignored", loc, serial,
+                                self._by_serial[serial].location)
+                    continue
+                try:
+                    await mc.io.run(mc.card.claim, self.cfg.shared_storage)
+                except CardInUse:
+                    mc.io.shutdown(wait=False)
+                    await self.stop()  # release the cards claimed so far
+                    raise
+                except OSError as e:
+                    log.warning("card %s is not available at startup: %s", mc.where, e)
+                    mc.card.close()
+                    self.pending.append(mc)
+                    continue
+                mc.serve(mc.card, loc, serial)
+                self.cards.append(mc)
+                self._by_serial[mc.serial] = mc
+        self._remap()
+        expected = self.cfg.key_layout_fingerprint
+        if expected and expected != self.fingerprint:
+            raise LayoutMismatch(
+                f"key layout fingerprint is {self.fingerprint} but key_layout_fingerprint is {expected}: "
+                "these cards, slots, num_dbs or placement differ from the other gateways'; refusing to start"
+            )
+        if self.cfg.start_clean:
+            deleted = await self.clean()
+            log.info("start_clean: deleted %d objects", deleted)
+        for mc in self.cards:
+            await mc.adopt()
+        self._spawn(self._health_loop())
+        self._spawn(self.mover.run())
+
+    def _remap(self) -> None:
+        """Slots over the serials of the cards found.
+
+        ``storage_slots`` is a fixed count, never the number of cards: tied
+        to the card count, adding a card would move every key (a new slot
+        count re-maps them all), and with a few slots rendezvous hashing
+        leaves some cards with none (4 slots over 4 cards land one per card
+        only 9 % of the time).
+        """
+        try:
+            self.slot_map = SlotMap([s for s in self._by_serial if s not in self._draining], self.slots)
+        except ValueError as e:
+            raise LayoutMismatch(str(e)) from None
+        self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
+        log.info("Key layout fingerprint %s", self.fingerprint)
+        n = len(self.slot_map.serials)
+        if n > 1:
+            shares = ", ".join(f"{self._by_serial[s].location}: {len(self.slot_map.slots_of(s))}"
+                               for s in self.slot_map.serials)
+            log.info("slots per card: %s", shares)
+            if self.slot_map.slots < 16 * n:
+                log.warning("storage_slots is %d for %d cards: shares are uneven (a card may get none); "
+                            "16 slots per card or more spread the load", self.slot_map.slots, n)
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(mc.close() for mc in self.cards + self.pending))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- placement --------------------------------------------------------
+
+    def card_for(self, fkey: bytes, dialog: bytes) -> ManagedCard | None:
+        """The card an object belongs on, or None when no card serves its slot now.
+
+        An inactive card keeps its slots: its dialogs are misses until it is
+        back, and are never written elsewhere where they would shadow it.
+        """
+        serial = self.slot_map.serial_of_slot(slot_of(key_digest(fkey), dialog, self.cfg.key_placement,
+                                                      self.slot_map.slots))
+        if serial is None:
+            return None
+        mc = self._by_serial[serial]
+        return mc if mc.active else None
+
+    def cards_for(self, fkeys: list[bytes], dialog: bytes) -> list[ManagedCard | None]:
+        """``card_for`` of many keys of one request, computed once where placement allows.
+
+        With dialog placement and a dialog mark, or a single slot, every key
+        of the request lands on the same card: one hash instead of 1,000s.
+        """
+        if self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG):
+            return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
+        return [self.card_for(k, dialog) for k in fkeys]
+
+    # ---- where a key is ---------------------------------------------------
+
+    def find(self, fkey: bytes, home: ManagedCard | None) -> tuple[ManagedCard | None, IndexEntry | None]:
+        """Where ``fkey`` is by the module's rule; ``home``: its placement card for the request (``card_for``).
+
+        ``(card, entry)``: an active card's index holds it (``home``'s
+        first); ``(home, None)``: no index holds it, ask ``home``; ``(None,
+        None)``: a miss without asking (no card serves it, or the index knows
+        it is past the ttl).  Hot path: a lookup calls this for 1,000s of keys.
+        """
+        entry = home.index.get(fkey) if home is not None else None
+        if entry is None:
+            for mc in self.cards:
+                if mc is not home and mc.active:
+                    entry = mc.index.get(fkey)
+                    if entry is not None:
+                        home = mc
+                        break
+            else:
+                if home is not None and fkey in home.leaving:
+                    return None, None
+                return home, None
+        if self.cfg.ttl is not None:
+            entry = home.entry(fkey)  # type: ignore[union-attr]
+            if entry is None:
+                return None, None
+        return home, entry
+
+    def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
+        """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
+
+        A copy on any other card is deleted: the key is now on ``mc``, and a
+        stale copy elsewhere must not answer for it (``find``).
+        """
+        for other in self.cards:
+            if other is not mc and fkey in other.index:
+                other.note_gone(fkey)
+                other.spawn_delete([fkey])
+        return mc.note_written(fkey, stored, payload_len, meta)
+
+    async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], urgent: bool = False) -> int:
+        """How many leading keys exist on their ``homes`` (the cards themselves are asked)."""
+        n = 0
+        while n < len(fkeys):
+            mc = homes[n]
+            if mc is None:
+                break
+            end = n + 1
+            while end < len(fkeys) and homes[end] is mc:
+                end += 1
+            found = await mc.probe_prefix(fkeys[n:end], urgent)
+            n += found
+            if n < end:
+                break
+        return n
+
+    async def probe_each(self, fkeys: list[bytes], homes: list[ManagedCard | None],
+                         urgent: bool = False) -> list[bool]:
+        """Whether each key exists on its home card (the cards themselves are asked; no home: False)."""
+        out = [False] * len(fkeys)
+
+        async def one(mc: ManagedCard, idx: list[int]) -> None:
+            for i, found in zip(idx, await mc.probe_each([fkeys[i] for i in idx], urgent)):
+                out[i] = found
+
+        await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(zip(homes, range(len(fkeys)))).values()))
+        return out
+
+    def hint_reads(self, on_cards: dict[int, tuple[ManagedCard, list[bytes]]], urgent: bool = False) -> None:
+        """Tell cards which of their objects a lookup just found (``ManagedCard.hint_reads``)."""
+        for mc, fkeys in on_cards.values():
+            mc.hint_reads(fkeys, urgent)
+
+    async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
+        """Delete keys from every card ``find`` could answer from; returns how many objects were there."""
+        per_card: dict[int, tuple[ManagedCard, list[bytes]]] = {}
+        for k, home in zip(fkeys, self.cards_for(fkeys, dialog)):
+            targets = [mc for mc in self.cards if mc.active and k in mc.index]
+            if home is not None and home not in targets:
+                targets.append(home)
+            for mc in targets:
+                per_card.setdefault(id(mc), (mc, []))[1].append(k)
+        return sum(await asyncio.gather(*(mc.delete(keys) for mc, keys in per_card.values())))
+
+    async def clean(self) -> int:
+        total = 0
+        for mc in self.cards:
+            if mc.active:
+                total += await mc.clean()
+        return total
+
+    # ---- health and discovery -----------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            try:
+                await asyncio.gather(*(self._check(mc) for mc in self.cards), self._retry_pending())
+            except Exception:  # noqa: BLE001 - health checks must go on
+                log.exception("card health check failed")
+
+    async def _check(self, mc: ManagedCard) -> None:
+        if not await mc.check():
+            await self._relocate(mc)
+
+    async def _relocate(self, mc: ManagedCard) -> None:
+        """Look for the card's serial under the other locations its entry matches."""
+        if is_redis(mc.pattern):
+            return
+        candidates = await self.pool.run(expand, mc.pattern)
+        in_use = {c.location for c in self.cards if c is not mc}
+        for loc in candidates:
+            if loc == mc.location or loc in in_use:
+                continue
+            probe = make_card(loc, self.cfg)
+            try:
+                serial = await mc.io.run(probe.check)
+            except OSError:
+                continue
+            if serial != mc.serial:
+                continue
+            try:
+                await mc.io.run(probe.open)
+            except OSError:
+                continue
+            # The old claim goes first: the card moved is the same lock file, which our own old lock would hold.
+            mc.card.close()
+            if not await self._claim_later(mc, probe, loc):
+                try:
+                    await mc.io.run(mc.card.claim, self.cfg.shared_storage)
+                except OSError:
+                    pass  # best effort: the old path failed its check, which is why we looked elsewhere
+                continue
+            mc.reopen(probe, loc)
+            return
+
+    async def _claim_later(self, mc: ManagedCard, probe: Card, loc: str) -> bool:
+        """Claim a card found after start; one another gateway holds is not used, and logged once."""
+        try:
+            await mc.io.run(probe.claim, self.cfg.shared_storage)
+        except OSError as e:
+            probe.close()
+            if self._refusals.get(loc) != str(e):
+                self._refusals[loc] = str(e)
+                log.warning("card %s is not used: %s", probe.display_location, e)
+            return False
+        self._refusals.pop(loc, None)
+        return True
+
+    async def _retry_pending(self) -> None:
+        """Entries with no card at start: take the card as soon as one is there.
+
+        A directory is taken labelled or not, as at start: what was missing
+        then (a directory not created, a filesystem not mounted) is there now
+        because someone made it so.  A directory this gateway would have had
+        to create itself is never taken (``DirectoryCard.create_missing``).
+        """
+        for mc in list(self.pending):
+            for loc in await self.pool.run(expand, mc.pattern):
+                if any(c.location == loc for c in self.cards):
+                    continue
+                probe = make_card(loc, self.cfg)
+                try:
+                    serial = await mc.io.run(probe.open)
+                except OSError:
+                    continue
+                if serial in self._by_serial or not await self._claim_later(mc, probe, loc):
+                    continue
+                self.pending.remove(mc)
+                mc.serve(probe, loc, serial)
+                self.cards.append(mc)
+                self._by_serial[serial] = mc
+                log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
+                self._remap()
+                await mc.adopt()
+                break
+
+    # ---- changes while serving ---------------------------------------------------
+
+    def is_draining(self, mc: ManagedCard) -> bool:
+        return mc.serial in self._draining
+
+    def _card(self, serial: str) -> ManagedCard:
+        mc = self._by_serial.get(serial)
+        if mc is None:
+            known = ", ".join(self._by_serial) or "none"
+            raise CardChangeError(f"no card with serial {serial!r} (cards: {known}); `kvgate cards list` shows them")
+        return mc
+
+    def _changed(self, what: str) -> None:
+        self.generation += 1
+        self._remap()
+        log.warning("card set generation %d: %s; layout fingerprint %s", self.generation, what, self.fingerprint)
+        self.mover.wake()
+
+    async def add(self, location: str) -> ManagedCard:
+        """Take the card at ``location`` (a directory or a Redis URL) into service now; placement moves
+        about 1/(N+1) of the slots to it, and the mover copies their objects over."""
+        if any(mc.location == location for mc in self.cards):
+            raise CardChangeError(f"card {location} is in use already")
+        mc = self._new_card(location, location)
+        try:
+            serial = await mc.io.run(mc.card.open)
+            if serial in self._by_serial:
+                raise CardChangeError(f"card {location} carries serial {serial}, already in use at "
+                                      f"{self._by_serial[serial].location}")
+            await mc.io.run(mc.card.claim, self.cfg.shared_storage)
+        except (OSError, CardChangeError) as e:
+            await mc.close()
+            if isinstance(e, CardChangeError):
+                raise
+            raise CardChangeError(f"card {mc.where} cannot be used: {e}") from None
+        mc.serve(mc.card, location, serial)
+        self.cards.append(mc)
+        self._by_serial[serial] = mc
+        await mc.adopt()
+        self._changed(f"card {mc.where} ({serial}) added")
+        return mc
+
+    def drain(self, serial: str, now: bool = False) -> ManagedCard:
+        """No new writes to the card; it leaves once the mover has copied what it holds elsewhere (``now``:
+        leaves at once, what it holds is no longer read)."""
+        mc = self._card(serial)
+        if now:
+            self._spawn(self._drop(serial).close())
+            return mc
+        if serial not in self._draining:
+            if len(self._by_serial) - len(self._draining) <= 1:
+                raise CardChangeError(f"card {serial} is the last card in service: add another before draining it")
+            self._draining[serial] = False
+            self._changed(f"card {mc.where} ({serial}) draining: {len(mc.index)} objects to copy")
+        return mc
+
+    def undrain(self, serial: str) -> ManagedCard:
+        mc = self._card(serial)
+        if serial not in self._draining:
+            raise CardChangeError(f"card {serial} is not draining")
+        del self._draining[serial]
+        self._changed(f"card {mc.where} ({serial}) takes writes again")
+        return mc
+
+    async def remove(self, serial: str) -> None:
+        """The card leaves now: what it holds is no longer read (it stays on the medium)."""
+        await self._drop(serial).close()
+
+    def _drop(self, serial: str, why: str = "removed") -> ManagedCard:
+        mc = self._card(serial)
+        self.cards.remove(mc)
+        del self._by_serial[serial]
+        self._draining.pop(serial, None)
+        mc.index.clear()  # its namespaces' figures no longer count it
+        self._changed(f"card {mc.where} ({serial}) {why}")
+        return mc
+
+    def _let_drained_go(self) -> None:
+        """After each mover round: a draining card with nothing left to copy leaves."""
+        for serial in list(self._draining):
+            mc = self._by_serial[serial]
+            if not mc.index:
+                self._spawn(self._drop(serial, "drained").close())
+
+    def status(self) -> list[dict]:
+        """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots."""
+        rows = []
+        for mc in self.cards:
+            row = mc.snapshot()
+            row["state"] = ("draining" if mc.serial in self._draining else "serving") if mc.active else "inactive"
+            row["slots"] = len(self.slot_map.slots_of(mc.serial)) if mc.serial in self.slot_map.serials else 0
+            rows.append(row)
+        for mc in self.pending:
+            rows.append({"serial": None, "location": mc.where, "state": "pending", "slots": 0})
+        return rows
+
+    # ---- figures --------------------------------------------------------------
+
+    @property
+    def active_cards(self) -> int:
+        return sum(1 for mc in self.cards if mc.active)
+
+    def oldest_io_age(self) -> float:
+        return max((mc.io.oldest_age() for mc in self.cards + self.pending), default=0.0)
+
+    @property
+    def io_errors(self) -> int:
+        return sum(mc.health.errors for mc in self.cards + self.pending)
+
+    @property
+    def io_timeouts(self) -> int:
+        return sum(mc.health.timeouts for mc in self.cards + self.pending)
+

@@ -1,0 +1,144 @@
+"""Moves objects to the card placement names for them now, after the card set changed.
+
+A card joined: about 1/(N+1) of the slots now belong to it, and what its
+old cards hold of those slots is still found there (``CardSet.find`` asks
+every card's index) but would be lost with them.  A card drains: none of its
+objects are where placement puts them any more.  ``CardMover`` copies such
+objects to their new card, hottest first (``EvictionPolicy.hottest_first``),
+and lets the old copy go once the new one is indexed (``CardSet.note_written``
+deletes copies on other cards), so a drained card empties as its objects
+land elsewhere.
+
+Runs as one task on the gateway's loop, woken by each change of the card
+set.  Its reads and writes run on the cards' own threads at normal (not
+urgent) priority, a few objects per call, and at most ``rate`` bytes a
+second, so an engine's restores keep their place in front of it.
+
+A key names its content (a prefix's hash), so a copy that races a client's
+write of the same key writes the same bytes: whichever lands last, the object
+is right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from kvgate.cards import Header
+from kvgate.tiers.card import ManagedCard
+
+if TYPE_CHECKING:
+    from kvgate.tiers.cardset import CardSet
+
+log = logging.getLogger("kvgate.long")
+
+BATCH = 8  # objects per read or write call
+RETRY_S = 1.0  # after a round that could not move everything (a card out of service, full)
+
+
+class CardMover:
+    """Copies misplaced objects to their placement card; see the module docstring.
+
+    ``after_round`` is called after each pass over the cards (the card set
+    lets fully drained cards go then).  ``moved`` / ``moved_bytes`` count
+    what landed on its new card.
+    """
+
+    def __init__(self, cards: CardSet, rate_bytes_per_s: int, after_round: Callable[[], None]) -> None:
+        self.cards = cards
+        self.rate = rate_bytes_per_s
+        self.after_round = after_round
+        self.moved = 0
+        self.moved_bytes = 0
+        self.failed = 0
+        self._wake = asyncio.Event()
+        self._started = time.monotonic()
+        self._budget_bytes = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._started, self._budget_bytes = time.monotonic(), 0
+            while True:
+                try:
+                    left = await self._round()
+                except Exception:  # noqa: BLE001 - the mover must outlive any one round
+                    log.exception("card mover: a round failed")
+                    left = True
+                self.after_round()
+                if not left:
+                    break
+                if not self._wake.is_set():
+                    await asyncio.sleep(RETRY_S)
+
+    def misplaced(self, src: ManagedCard) -> list[tuple[bytes, ManagedCard]]:
+        """``src``'s objects whose placement card is another card in service, hottest first."""
+        out = []
+        for fkey in src.policy.hottest_first():
+            entry = src.entry(fkey)
+            if entry is None:
+                continue
+            dst = self.cards.card_for(fkey, entry.dialog)
+            if dst is not None and dst is not src:
+                out.append((fkey, dst))
+        return out
+
+    async def _round(self) -> bool:
+        """One pass over every card; True when something could not be moved (and is worth trying again)."""
+        left = False
+        for src in list(self.cards.cards):
+            if not src.active:
+                left = left or self.cards.is_draining(src)
+                continue
+            todo = self.misplaced(src)
+            for i in range(0, len(todo), BATCH):
+                if src not in self.cards.cards or not src.active:
+                    left = True
+                    break
+                left = await self._move(src, todo[i : i + BATCH]) or left
+            if self.cards.is_draining(src) and src.index:
+                left = True  # some of it had nowhere to go yet (its card out of service)
+            if self._wake.is_set():  # the card set changed again: start over with the new placement
+                return True
+        return left
+
+    async def _move(self, src: ManagedCard, batch: list[tuple[bytes, ManagedCard]]) -> bool:
+        """Copy one batch; True when some of it did not land."""
+        reads = []
+        for fkey, dst in batch:
+            entry = src.index.get(fkey)
+            if entry is not None and dst.active and not dst.read_only:
+                reads.append((fkey, dst, memoryview(bytearray(entry.payload_len))))
+        if not reads:
+            return bool(batch)
+        results = await src.read([(fkey, buf) for fkey, _dst, buf in reads])
+        by_dst: dict[int, tuple[ManagedCard, list]] = {}
+        for (fkey, dst, buf), r in zip(reads, results):
+            if isinstance(r, Header):
+                by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.payload_len], r.meta))
+            else:
+                src.note_failed_read(fkey, r)
+        failed = len(batch) - len(reads)
+        for dst, items in by_dst.values():
+            for (fkey, buf, meta), stored in zip(items, await dst.write(items)):
+                if isinstance(stored, int) and self.cards.note_written(dst, fkey, stored, len(buf), meta):
+                    self.moved += 1
+                    self.moved_bytes += len(buf)
+                    self._budget_bytes += len(buf)
+                else:
+                    failed += 1
+        self.failed += failed
+        await self._pace()
+        return failed > 0
+
+    async def _pace(self) -> None:
+        """Sleep as long as it takes to stay within ``rate`` bytes a second since the mover woke."""
+        ahead = self._budget_bytes / self.rate - (time.monotonic() - self._started)
+        if ahead > 0:
+            await asyncio.sleep(ahead)

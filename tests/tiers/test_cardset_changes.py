@@ -1,0 +1,140 @@
+"""In process: cards that join, drain and leave a running card set, with every object still readable."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from kvgate.cards import Header, ObjectMeta
+from kvgate.config import Config
+from kvgate.keys import dialog_digest, full_key
+from kvgate.tiers import mover
+from kvgate.tiers.cardset import CardChangeError, CardSet
+from tests.tiers.common import card_set
+
+SIZE = 4096
+
+
+def _payload(k: bytes) -> bytes:
+    return hashlib.sha256(k).digest() * (SIZE // 32)
+
+
+async def _started(tmp_path: Path, names: list[str]) -> CardSet:
+    for n in names:
+        (tmp_path / n).mkdir()
+    cfg = Config(storage_devices=[str(tmp_path / n) for n in names], card_capacity=64 << 20, storage_slots=64)
+    cards = card_set(cfg)
+    await cards.start()
+    while not all(mc.scanned for mc in cards.cards):
+        await asyncio.sleep(0.01)
+    return cards
+
+
+async def _write_dialog(cards: CardSet, d: int, blocks: int = 4) -> list[bytes]:
+    dialog = dialog_digest(b"dialog-%d" % d)
+    keys = [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(blocks)]
+    home = cards.card_for(keys[0], dialog)
+    items = [(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys)]
+    for (k, p, m), stored in zip(items, await home.write(items)):
+        assert isinstance(stored, int)
+        assert cards.note_written(home, k, stored, len(p), m)
+    return keys
+
+
+async def _read_all(cards: CardSet, d: int, keys: list[bytes]) -> int:
+    """How many leading blocks of the dialog read back right (a wrong byte fails the test)."""
+    dialog = dialog_digest(b"dialog-%d" % d)
+    n = 0
+    for k, home in zip(keys, cards.cards_for(keys, dialog)):
+        mc, entry = cards.find(k, home)
+        if mc is None or entry is None:
+            break
+        dest = memoryview(bytearray(SIZE))
+        (r,) = await mc.read([(k, dest)])
+        if not isinstance(r, Header):
+            break
+        assert dest.tobytes() == _payload(k), "a wrong byte"
+        n += 1
+    return n
+
+
+def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(mover, "RETRY_S", 0.05)
+
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a", "b"])
+        try:
+            dialogs = {d: await _write_dialog(cards, d) for d in range(40)}
+            gen0, fp0 = cards.generation, cards.fingerprint
+
+            (tmp_path / "c").mkdir()
+            joined = await cards.add(str(tmp_path / "c"))
+            assert cards.generation == gen0 + 1 and cards.fingerprint != fp0
+            share = len(cards.slot_map.slots_of(joined.serial)) / cards.slot_map.slots
+            assert 0.1 < share < 0.6, share
+            # A join costs no hits: every dialog reads back whole, before and after the mover ran.
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
+            await _settle(cards)
+            assert len(joined.index) > 0, "the mover copied the joined card's slots over"
+            for mc in cards.cards:
+                assert not cards.mover.misplaced(mc)
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
+
+            # Drain: no new writes land there; once its objects are elsewhere it leaves.
+            drained = cards.cards[0]
+            serial = drained.serial
+            cards.drain(serial)
+            assert all(cards.card_for(k, dialog_digest(b"dialog-%d" % d)) is not drained
+                       for d, ks in dialogs.items() for k in ks)
+            await _settle(cards)
+            assert drained not in cards.cards and serial not in cards.slot_map.serials
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
+
+            with pytest.raises(CardChangeError, match="no card with serial"):
+                cards.undrain(serial)
+            other = cards.cards[0]
+            cards.drain(other.serial)
+            cards.undrain(other.serial)  # back before it emptied: it serves again
+            await _settle(cards)
+            assert other in cards.cards and other.serial in cards.slot_map.serials
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
+
+            # Remove: at once; what it held is a miss from then on, the rest reads back.
+            gone = cards.cards[0]
+            had = {d for d, ks in dialogs.items() if ks[0] in gone.index}
+            await cards.remove(gone.serial)
+            got = {d: await _read_all(cards, d, k) for d, k in dialogs.items()}
+            assert all(got[d] == 4 for d in dialogs if d not in had)
+            assert all(got[d] == 0 for d in had)
+            with pytest.raises(CardChangeError, match="last card in service"):
+                cards.drain(cards.cards[0].serial)
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())
+
+
+async def _settle(cards: CardSet) -> None:
+    for _ in range(400):
+        await asyncio.sleep(0.02)
+        if not any(cards.mover.misplaced(mc) for mc in cards.cards) and not cards._draining:
+            return
+    raise AssertionError("the mover did not settle")
+
+
+def test_adding_a_card_in_use_or_missing_says_why(tmp_path: Path) -> None:
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a"])
+        try:
+            with pytest.raises(CardChangeError, match="in use already"):
+                await cards.add(str(tmp_path / "a"))
+            with pytest.raises(CardChangeError, match="cannot be used"):
+                await cards.add(str(tmp_path / "missing"))
+            assert len(cards.cards) == 1 and cards.generation == 0
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())

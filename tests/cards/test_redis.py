@@ -1021,3 +1021,27 @@ def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: 
     assert two.merge_heads({3, 4, 2**64 - 1}) == {1, 2, 3, 4, 2**64 - 1}
     assert one.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}
     assert one.clean() >= 0 and two.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}, "clean keeps the heads"
+
+
+def test_names_and_the_index_snapshot(card: RedisCard) -> None:
+    keys = [full_key(b"ns", b"k%d" % i) for i in range(30)]
+    for k in keys:
+        card.write(k, memoryview(b"v" * 10), ObjectMeta(position=3))
+    assert sorted(d for b in card.names() for d in b) == sorted(key_digest(k) for k in keys)
+    (obj,) = card.stored_objects([key_digest(keys[2])])
+    assert obj is not None and obj.full_key == keys[2] and obj.meta.position == 3
+    assert card.delete_named(key_digest(keys[2])) and card.stored_objects([key_digest(keys[2])]) == [None]
+    assert card.read_snapshot() is None
+    w = card.snapshot_writer()
+    w.write(b"an index ")
+    w.write(memoryview(b"snapshot"))
+    assert card.read_snapshot() is None
+    w.commit()
+    assert card.read_snapshot() == b"an index snapshot"
+    w = card.snapshot_writer()
+    w.write(b"torn")
+    w.abort()
+    assert card.read_snapshot() == b"an index snapshot"
+    assert len(list(card.scan())) == 29, "the snapshot is no object"
+    card.drop_snapshot()
+    assert card.read_snapshot() is None

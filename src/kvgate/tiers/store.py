@@ -17,7 +17,8 @@ Reads answer by one rule, the same for lookup, exists, get, prewarm and
 delete: a key is present when the RAM tier holds it, else where
 ``CardSet.find`` says (any card's index, whatever the dialog; else a probe
 of its placement card for the request's dialog).  With ``ttl``, an object
-older than that is a miss in every one of them.
+older than that is a miss in every one of them.  A request's keys are
+looked up in the card indexes at once (``CardSet.find_many``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvgate import memcopy
 from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
 from kvgate.config import Config
@@ -34,6 +37,7 @@ from kvgate.protocol import MISS, TOO_SMALL
 from kvgate.tiers.eviction import LONG, SHORT
 from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
+from kvgate.keys import key_digest
 from kvgate.tiers.cardset import CardSet, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
@@ -273,8 +277,10 @@ class TieredStore:
             for i, r in zip(idx, results):
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
-        find, card_for = self.long.find, self.long.card_for
-        groups = group_by_card((find(items[i].fkey, card_for(items[i].fkey, items[i].dialog))[0], i) for i in misses)
+        card_for = self.long.card_for
+        where, _indexed = self.long.find_many([items[i].fkey for i in misses],
+                                              [card_for(items[i].fkey, items[i].dialog) for i in misses])
+        groups = group_by_card(zip(where, misses))
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
         done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
@@ -314,8 +320,9 @@ class TieredStore:
 
     @staticmethod
     def _spawn_delete(cs: ManagedCard, fkey: bytes) -> None:
-        cs.note_gone(fkey)
-        cs.spawn_delete([fkey])
+        digest = key_digest(fkey)
+        cs.note_gone_digest(digest)
+        cs.spawn_delete([digest])
 
     # ---- lookups ----------------------------------------------------------------
 
@@ -334,34 +341,41 @@ class TieredStore:
         the home cards of the run of keys after that which no tier knows (to probe), up to the next
         key that is known present or known missing.
 
-        One loop with the bound methods hoisted: a lookup runs this for
-        1,000s of keys on every engine step, and per-key method calls were
-        most of its cost.  An empty RAM tier is not asked at all.
-        Keys found on a card only (not in RAM) are added to ``on_cards``
-        (id of card state -> (card state, keys)) when it is given.
+        The card indexes answer for all the keys at once (``find_many``); a
+        lookup runs this for 1,000s of keys on every engine step.  An empty
+        RAM tier is not asked at all.  Keys found on a card only (not in
+        RAM) are added to ``on_cards`` (id of card state -> (card state,
+        keys)) when it is given.
         """
-        in_ram = self.ram.contains if self.ram.entries else None
-        find = self.long.find
-        total = len(fkeys)
-        n = start
-        while n < total:
-            k = fkeys[n]
-            if in_ram is None or not in_ram(k):
-                cs, entry = find(k, homes[n])
-                if entry is None:
-                    break
-                if on_cards is not None:
-                    on_cards.setdefault(id(cs), (cs, []))[1].append(k)
-            n += 1
+        keys, homes = fkeys[start:], homes[start:]
+        if self.ram.entries:
+            in_ram = self.ram.contains
+            ram = [in_ram(k) for k in keys]
+            ask = [i for i, r in enumerate(ram) if not r]
+            where_asked, indexed_asked = self.long.find_many([keys[i] for i in ask], [homes[i] for i in ask])
+            where: list[ManagedCard | None] = list(homes)
+            indexed = np.zeros(len(keys), bool)
+            for j, i in enumerate(ask):
+                where[i] = where_asked[j]
+            indexed[ask] = indexed_asked
+            present = indexed | np.array(ram, bool)
+        else:
+            ram = None
+            where, indexed = self.long.find_many(keys, homes)
+            present = indexed
+        misses = np.flatnonzero(~present)
+        n = int(misses[0]) if misses.size else len(keys)
+        if on_cards is not None:
+            for i in np.flatnonzero(indexed[:n] if ram is None else indexed[:n] & ~np.array(ram[:n], bool)).tolist():
+                cs = where[i]
+                on_cards.setdefault(id(cs), (cs, []))[1].append(keys[i])
         unknown: list[ManagedCard] = []
-        for k, home in zip(fkeys[n:], homes[n:]):
-            if in_ram is not None and in_ram(k):
-                break
-            cs, entry = find(k, home)
-            if cs is None or entry is not None:
+        for i in range(n, len(keys)):
+            cs = where[i]
+            if present[i] or cs is None:
                 break
             unknown.append(cs)
-        return n, unknown
+        return start + n, unknown
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys are present (the module's rule)."""
@@ -383,20 +397,19 @@ class TieredStore:
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Whether each key is present (the module's rule)."""
         in_ram = self.ram.contains
-        find = self.long.find
         on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
-        present = []
+        homes = self.long.cards_for(fkeys, dialog)
+        present = [in_ram(k) for k in fkeys]
+        ask = [i for i, p in enumerate(present) if not p]
+        where, indexed = self.long.find_many([fkeys[i] for i in ask], [homes[i] for i in ask])
         unknown: list[int] = []
         unknown_homes: list[ManagedCard | None] = []
-        for i, (k, home) in enumerate(zip(fkeys, self.long.cards_for(fkeys, dialog))):
-            if in_ram(k):
-                present.append(True)
-                continue
-            cs, entry = find(k, home)
-            present.append(entry is not None)
-            if entry is not None:
+        for j, i in enumerate(ask):
+            cs = where[j]
+            if indexed[j]:
+                present[i] = True
                 if on_cards is not None:
-                    on_cards.setdefault(id(cs), (cs, []))[1].append(k)
+                    on_cards.setdefault(id(cs), (cs, []))[1].append(fkeys[i])
             elif cs is not None:
                 unknown.append(i)
                 unknown_homes.append(cs)

@@ -63,9 +63,9 @@ class CardMover:
     async def run(self) -> None:
         while True:
             await self._wake.wait()
-            self._wake.clear()
             self._started, self._budget_bytes = time.monotonic(), 0
             while True:
+                self._wake.clear()
                 try:
                     left = await self._round()
                 except Exception:  # noqa: BLE001 - the mover must outlive any one round
@@ -76,6 +76,7 @@ class CardMover:
                     break
                 if not self._wake.is_set():
                     await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(0)  # never a loop that does not yield
 
     def misplaced(self, src: ManagedCard) -> list[tuple[bytes, ManagedCard]]:
         """``src``'s objects whose placement card is another card in service, hottest first."""

@@ -88,6 +88,7 @@ from kvgate.cards.objectformat import (
     pack_header,
     padded_size,
     parse_header,
+    peek_header,
 )
 from kvgate.heads import decode_ids, encode_ids
 from kvgate.keys import key_digest
@@ -123,9 +124,6 @@ _OBJECT_RE = re.compile(r"[0-9a-f]{32}")
 # Scan reads this much in one go: the fixed header plus a generous key, so
 # nearly every header needs one pread.  Longer keys get a second, exact read.
 _SCAN_READ = FIXED_SIZE + 1024
-# The header length field is 32 bits, but the key length field is 16: a
-# header can never honestly be longer than this.
-_MAX_HEADER = FIXED_SIZE + 0xFFFF
 
 # Errors that say the card (its filesystem or mount), not one object, is in
 # trouble.  Everything else is left as a plain OSError for the caller to count.
@@ -194,8 +192,6 @@ class DirectoryCard(Card):
 
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
-        if num_dbs < 1:
-            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         super().__init__(location, num_dbs)
         self.sync_writes = sync_writes
         # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
@@ -400,10 +396,8 @@ class DirectoryCard(Card):
 
     def object_path(self, full_key: bytes) -> str:
         """Where the object for ``full_key`` lives (whether or not it exists)."""
-        digest = key_digest(full_key)
-        db = self._db_names[int.from_bytes(digest[:4], "little") % self.num_dbs]
-        name = digest.hex()
-        return os.path.join(self.location, db, name[:2], name)
+        db, name = self.object_place(full_key)
+        return os.path.join(self.location, self._db_names[db], name[:2], name)
 
     def _location_missing(self) -> CardUnavailable | None:
         """Tell "no such object" from "no such card" after an ENOENT.
@@ -797,14 +791,7 @@ class DirectoryCard(Card):
             # A header is all scan wants: without this, readahead would pull ~128 KiB of
             # every object into the page cache at start.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            buf = os.pread(fd, _SCAN_READ, 0)
-            if len(buf) >= 12:
-                hlen = int.from_bytes(buf[8:12], "little")
-                if len(buf) < hlen <= _MAX_HEADER:
-                    buf = os.pread(fd, hlen, 0)
-            header = parse_header(buf, expect_key=None)
-            if size != header.object_size:
-                raise ObjectCorrupt(f"object file is {size} bytes, its header says {header.object_size}")
+            header = peek_header(os.pread(fd, _SCAN_READ, 0), size, lambda n: os.pread(fd, n, 0), "object file")
             if key_digest(header.full_key).hex() != name:
                 raise ObjectCorrupt("object file name does not match the key inside")
         except ObjectTooNew as exc:

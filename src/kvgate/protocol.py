@@ -28,6 +28,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from kvgate.types import SizeCode
+
 MAGIC = b"KG"
 VERSION = 1
 PREAMBLE = struct.Struct("<2sBBII")
@@ -39,12 +41,13 @@ MAX_HEADER_BYTES = 4 << 20  # 1000s of keys fit; bounds what a bad client makes 
 INLINE = -1  # region id meaning "bytes are in the frame body"
 SESSION_REGION = 0
 
-# Get result sizes below zero
-MISS = -1
-NOT_DONE = -2  # did not fit in this reply / region: ask again
-TOO_SMALL = -3  # the destination capacity is smaller than the object
+# Get result sizes below zero, on the wire as their values (``kvgate.types.SizeCode``)
+MISS = int(SizeCode.MISS)
+NOT_DONE = int(SizeCode.NOT_DONE)
+TOO_SMALL = int(SizeCode.TOO_SMALL)
 
-Retention = Literal["none", "short", "long"]
+# Retention on the wire: its name (``kvgate.types.Retention``; the gateway parses it at the edge)
+WireRetention = Literal["none", "short", "long"]
 
 
 class ErrorCode:
@@ -89,7 +92,7 @@ class Put(_Msg, tag="put"):
     sizes: list[int] = []
     region: int = INLINE
     offsets: list[int] | None = None
-    retention: Retention = "long"
+    retention: WireRetention = "long"
     dialog: bytes | None = None
     position: int = -1  # position of keys[0] in its dialog; keys are consecutive
 

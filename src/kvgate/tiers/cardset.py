@@ -39,7 +39,7 @@ import asyncio
 import logging
 from typing import Iterable, TypeVar
 
-from kvgate.cards import Card, CardInUse, CardUnavailable, expand, is_redis, make_card
+from kvgate.cards import Card, CardInUse, expand, is_redis, make_card
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of

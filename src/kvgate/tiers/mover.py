@@ -26,7 +26,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from kvgate.cards import Header
 from kvgate.tiers.card import ManagedCard
 
 if TYPE_CHECKING:
@@ -121,8 +120,8 @@ class CardMover:
         results = await src.read([(fkey, buf) for fkey, _dst, buf in reads])
         by_dst: dict[int, tuple[ManagedCard, list]] = {}
         for (fkey, dst, buf), r in zip(reads, results):
-            if isinstance(r, Header):
-                by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.payload_len], r.meta))
+            if r.header is not None:
+                by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.header.payload_len], r.header.meta))
             else:
                 src.note_failed_read(fkey, r)
         failed = len(batch) - len(reads)

@@ -1,8 +1,9 @@
 """The half of a kvgate client that never touches a socket, shared by ``Client`` and ``AsyncClient``.
 
-Both clients run the same operations: the same argument checks, the same
-requests, the same reading and checking of replies, the same split of
-buffers between registered regions, the session region and inline frames.
+Both clients run the same operations: the same argument checks
+(``kvgate.clientargs``), the same requests, the same reading and checking
+of replies, the same split of buffers between registered regions, the
+session region and inline frames.
 Each operation is written once, here, as a generator that yields the I/O it
 needs one step at a time and is sent each step's result:
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import mmap
-import operator
 import os
 import socket
 import stat
@@ -31,7 +31,16 @@ from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
-from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, DialogMark, as_keys
+from kvgate.clientargs import (  # noqa: F401  (RETENTIONS is imported from here)
+    RETENTIONS,
+    Buffer,
+    byte_views,
+    check_dialog,
+    check_keys,
+    check_position,
+    check_retention,
+)
+from kvgate.keys import MARK_KEYS, DialogMark
 from kvgate.protocol import (
     INLINE,
     KIND_REPLY,
@@ -63,9 +72,6 @@ from kvgate.protocol import (
     parse_preamble,
 )
 
-Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap
-RETENTIONS = ("long", "short", "none")
-MAX_POSITION = 1 << 63  # object headers hold positions as int64: the last key's position is below this
 _SCRATCH_BYTES = 64 << 10  # gaps between packed results are received into this much, and dropped
 # Upper bounds of an encoded Put header (MessagePack): 63 bytes measured for every field at its widest
 # but the keys, sizes and dialog; each key adds its bytes, a bin header (<= 5) and its size (<= 9).
@@ -148,93 +154,6 @@ def _not_permitted(path: str, what: str, fix: str) -> PermissionError:
         except OSError:
             owner = f"its directory {parent} does not let this process reach it"
     return PermissionError(errno.EACCES, f"cannot {what} {path}: {owner}, and {me}; {fix}")
-
-
-# ---- argument checks: before anything is sent, so a wrong argument never costs the connection ----
-
-
-def _check_keys(keys: Any) -> list[bytes]:
-    """``keys`` as a list of bytes; TypeError or ValueError (``BadKey``) naming the first wrong one."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"keys must be a list of keys, not one {type(keys).__name__} ({keys!r:.60}): "
-                        "pass [key] for a single key")
-    try:
-        keys = list(keys)
-    except TypeError:
-        raise TypeError(f"keys must be a list of bytes or str keys, not {type(keys).__name__}") from None
-    try:
-        return as_keys(keys)
-    except (BadKey, UnicodeEncodeError):
-        pass
-    for i, k in enumerate(keys):  # name the wrong one
-        if not isinstance(k, (bytes, bytearray, str)):
-            raise TypeError(f"keys[{i}] is {type(k).__name__}: each key must be bytes or str")
-        try:
-            n = len(k.encode() if isinstance(k, str) else k)
-        except UnicodeEncodeError:
-            raise BadKey(f"keys[{i}] is a str that UTF-8 cannot encode: pass bytes") from None
-        if n == 0:
-            raise BadKey(f"keys[{i}] is empty: keys must not be empty")
-        if n > MAX_KEY_BYTES:
-            raise BadKey(f"keys[{i}] is {n} bytes; the limit is {MAX_KEY_BYTES}")
-    raise AssertionError("as_keys refused keys that each pass its checks")  # pragma: no cover
-
-
-def _check_dialog(dialog: Any) -> bytes | None:
-    if dialog is None or type(dialog) is bytes:
-        return dialog
-    if isinstance(dialog, (bytes, bytearray)):
-        return bytes(dialog)
-    hint = ": encode it (dialog.encode())" if isinstance(dialog, str) else ""
-    raise TypeError(f"dialog must be bytes or None, not {type(dialog).__name__}{hint}")
-
-
-def _check_retention(retention: Any) -> str:
-    if not isinstance(retention, str) or retention not in RETENTIONS:
-        raise ValueError(f"retention must be one of {', '.join(map(repr, RETENTIONS))}, not {retention!r}")
-    return retention
-
-
-def _check_position(position: Any, n: int) -> int:
-    if isinstance(position, bool):
-        raise TypeError("position must be an int, not bool")
-    try:
-        position = operator.index(position)
-    except TypeError:
-        raise TypeError(f"position must be an int, not {type(position).__name__}") from None
-    if position < -1 or position > MAX_POSITION - n:
-        raise ValueError(f"position {position} is out of range: -1 (no position), or 0 to 2**63 - {n} "
-                         f"for {n} keys (positions are stored as int64)")
-    return position
-
-
-def _byte_views(buffers: Any, what: str, n: int, writable: bool) -> list[memoryview]:
-    """One flat byte view per buffer, checked: ``n`` of them, contiguous, writable when ``writable``."""
-    if isinstance(buffers, (bytes, bytearray, memoryview, str, mmap.mmap)) or \
-            (isinstance(buffers, np.ndarray) and buffers.ndim <= 1 and buffers.dtype != object):
-        raise TypeError(f"{what} must be a list of buffers, one per key, not one {type(buffers).__name__}: "
-                        "pass [buffer] for a single key")
-    try:
-        buffers = list(buffers)
-    except TypeError:
-        raise TypeError(f"{what} must be a list of buffers, one per key, not {type(buffers).__name__}") from None
-    if len(buffers) != n:
-        raise ValueError(f"{n} keys but {len(buffers)} {what}: pass one per key")
-    views = []
-    for i, b in enumerate(buffers):
-        try:
-            v = memoryview(b)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{what}[{i}] is {type(b).__name__}, not a buffer ({e}): pass bytes, bytearray, "
-                            "memoryview, a numpy array or an mmap") from None
-        if not v.c_contiguous:
-            raise ValueError(f"{what}[{i}] is not contiguous: pass a contiguous buffer (numpy.ascontiguousarray)")
-        if writable and v.readonly:
-            raise TypeError(f"{what}[{i}] is read-only: a destination must be writable")
-        views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
-    return views
-
-
 
 
 # ---- the steps an operation yields ------------------------------------------------------
@@ -527,11 +446,11 @@ class ClientCore:
     # ---- put -------------------------------------------------------------------------------
 
     def _put_many_op(self, keys: Any, buffers: Any, retention: Any, dialog: Any, position: Any) -> Op:
-        bkeys = _check_keys(keys)
-        views = _byte_views(buffers, "buffers", len(bkeys), writable=False)
-        retention = _check_retention(retention)
-        dialog = _check_dialog(dialog)
-        position = _check_position(position, len(bkeys))
+        bkeys = check_keys(keys)
+        views = byte_views(buffers, "buffers", len(bkeys), writable=False)
+        retention = check_retention(retention)
+        dialog = check_dialog(dialog)
+        position = check_position(position, len(bkeys))
         if not bkeys:
             return _result([])
         return self._put_many(bkeys, views, retention, dialog, position)
@@ -636,9 +555,9 @@ class ClientCore:
     # ---- get -------------------------------------------------------------------------------
 
     def _get_many_op(self, keys: Any, into: Any, dialog: Any) -> Op:
-        bkeys = _check_keys(keys)
-        views = None if into is None else _byte_views(into, "destination buffers", len(bkeys), writable=True)
-        dialog = _check_dialog(dialog)
+        bkeys = check_keys(keys)
+        views = None if into is None else byte_views(into, "destination buffers", len(bkeys), writable=True)
+        dialog = check_dialog(dialog)
         if not bkeys:
             return _result([])
         return self._get_many(bkeys, views, dialog)
@@ -776,25 +695,25 @@ class ClientCore:
         return answer(reply)
 
     def _lookup_op(self, keys: Any, dialog: Any) -> Op:
-        return self._ask(Lookup(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: r.count)
+        return self._ask(Lookup(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: r.count)
 
     def _exists_many_op(self, keys: Any, dialog: Any) -> Op:
-        return self._ask(Exists(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: list(r.present))
+        return self._ask(Exists(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: list(r.present))
 
     def _delete_many_op(self, keys: Any, dialog: Any) -> Op:
-        return self._ask(Delete(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: r.count)
+        return self._ask(Delete(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: r.count)
 
     def _hold_many_op(self, keys: Any, dialog: Any) -> Op:
-        return self._ask(Hold(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: list(r.present))
+        return self._ask(Hold(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: list(r.present))
 
     def _release_many_op(self, keys: Any) -> Op:
-        return self._ask(Release(keys=_check_keys(keys)), lambda r: r.count)
+        return self._ask(Release(keys=check_keys(keys)), lambda r: r.count)
 
     def _prewarm_op(self, keys: Any, dialog: Any) -> Op:
-        return self._ask(Prewarm(keys=_check_keys(keys), dialog=_check_dialog(dialog)), lambda r: r.count)
+        return self._ask(Prewarm(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: r.count)
 
     def _dialog_mark_op(self, keys: Any) -> Op:
-        msg = Mark(keys=_check_keys(keys)[: MARK_KEYS + 1])  # the gateway looks at no more (+1: the mark past them)
+        msg = Mark(keys=check_keys(keys)[: MARK_KEYS + 1])  # the gateway looks at no more (+1: the mark past them)
         return self._ask(msg, lambda r: DialogMark(r.mark, r.shared, [(p, msg.keys[p]) for p in r.heads]))
 
     def _stats_op(self) -> Op:

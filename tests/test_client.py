@@ -1,10 +1,10 @@
 """Client against the other end of a socket: what it sends, what it makes of replies, and when it stays usable.
 
-Each client here talks to the other end of a socket pair: the test sees
-every byte the client sent (none, for a refused call) and answers like a
-gateway, or plays a scripted gateway that sends replies in small pieces.
-Wrong arguments are refused before anything is sent, and the client stays
-usable.
+Each client here talks to the other end of a socket pair (or of a loopback
+connection, where the test answers its hello): the test sees every byte the
+client sent (none, for a refused call) and answers like a gateway, or plays
+a scripted gateway that sends replies in small pieces.  Wrong arguments are
+refused before anything is sent, and the client stays usable.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate import protocol as p
-from kvgate.client import _PUT_HEADER_BYTES, _PUT_KEY_BYTES, Client, GatewayError, ObjectTooLarge
+from kvgate.client import Client, GatewayError, ObjectTooLarge
+from kvgate.clienttransport import _PUT_HEADER_BYTES, _PUT_KEY_BYTES
 from kvgate.keys import MAX_KEY_BYTES, BadKey
 
 
@@ -51,6 +52,27 @@ def answer(peer: socket.socket, reply) -> None:
         peer.sendall(p.encode_frame(reply, 0, p.KIND_REPLY))
     finally:
         peer.setblocking(False)
+
+
+@pytest.fixture
+def framed():
+    """A TCP client whose gateway (the test's end) said in its hello that a frame carries at most 1 MiB."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peers = []
+
+        def accept_and_answer() -> None:
+            peer, _ = server.accept()
+            peers.append(peer)
+            answer(peer, p.HelloReply(session=1, max_frame_bytes=1 << 20))
+
+        t = threading.Thread(target=accept_and_answer)
+        t.start()
+        c = Client.connect(f"127.0.0.1:{server.getsockname()[1]}", timeout=10)
+        t.join(10)
+    (b,) = peers
+    yield c, b
+    c.close()
+    b.close()
 
 
 def answered(peer: socket.socket, reply, call):
@@ -121,10 +143,9 @@ def test_a_wrong_argument_is_named_and_nothing_is_sent(pair, local, call, exc, w
     assert answered(b, p.CountReply(count=2), lambda: c.lookup(KEYS)) == 2  # and the connection goes on
 
 
-def test_the_widest_position_is_accepted(pair) -> None:
-    a, b = pair
-    c = Client(a, local=False)
-    c.max_frame_bytes = 1 << 20  # both in one frame
+def test_the_widest_position_is_accepted(framed) -> None:
+    c, b = framed
+    assert c.max_frame_bytes == 1 << 20  # both in one frame
     assert answered(b, p.PutReply(stored=[True, True]),
                     lambda: c.put_many(KEYS, BUFS, position=2**63 - 2)) == [True, True]
 
@@ -132,10 +153,10 @@ def test_the_widest_position_is_accepted(pair) -> None:
 def test_a_message_that_cannot_be_encoded_leaves_the_client_usable(pair) -> None:
     a, b = pair
     c = Client(a, local=False)
-    with c._lock, pytest.raises(TypeError):
-        c._call_locked(p.Lookup(keys=[b"a"], dialog=object()))  # past the checks: the encoder refuses it
-    with c._lock, pytest.raises(OverflowError):
-        c._call_locked(p.Put(keys=[b"a"], sizes=[1], position=2**70), body=[b"x"])
+    with pytest.raises(TypeError):
+        c._request(p.Lookup(keys=[b"a"], dialog=object()))  # past the checks: the encoder refuses it
+    with pytest.raises(OverflowError):
+        c._request(p.Put(keys=[b"a"], sizes=[1], position=2**70), body=[b"x"])
     assert sent(b) == b""
     assert not c.broken
 
@@ -151,10 +172,8 @@ def test_a_header_larger_than_a_gateway_reads_is_refused_before_sending(pair) ->
     assert not c.broken
 
 
-def test_an_object_larger_than_a_frame_is_refused_before_sending(pair) -> None:
-    a, b = pair
-    c = Client(a, local=False)
-    c.max_frame_bytes = 1 << 20
+def test_an_object_larger_than_a_frame_is_refused_before_sending(framed) -> None:
+    c, b = framed
     with pytest.raises(GatewayError) as ei:
         c.put_many([b"small", b"big"], [b"s", bytes(1 << 20)])
     assert ei.value.code == p.ErrorCode.TOO_LARGE

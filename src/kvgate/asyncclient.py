@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from kvgate import clientcore as core
 from kvgate.clientargs import Buffer
-from kvgate.clientwire import CLOSED_BY_GATEWAY, SEND_PARTS, Copy, Op, Recv, Send, not_permitted
+from kvgate.clientwire import CLOSED_BY_GATEWAY, SEND_PARTS, Copy, Op, Recv, Send, Steps, not_permitted
 from kvgate.keys import DialogMark
 
 # A copy into or out of the session region of at least this many bytes runs on a worker thread, so the
@@ -245,14 +245,8 @@ class _Connecting:
 async def _drive(sock: socket.socket, op: Op) -> Any:
     """Perform the steps ``op`` yields on ``sock`` and the running loop (whose task holds the client)."""
     loop = asyncio.get_running_loop()
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = op.send(value) if error is None else op.throw(error)
-        except StopIteration as done:
-            return done.value
-        value = error = None
+    steps = Steps(op)
+    for step in steps:
         try:
             if type(step) is Recv:
                 await _recv_into(loop, sock, step.view)
@@ -260,9 +254,10 @@ async def _drive(sock: socket.socket, op: Op) -> Any:
                 await _send(loop, sock, step)
             else:
                 assert type(step) is Copy
-                value = step.fn() if step.nbytes < OFFLOAD_BYTES else await _off_loop(loop, step.fn)
+                steps.value = step.fn() if step.nbytes < OFFLOAD_BYTES else await _off_loop(loop, step.fn)
         except BaseException as e:  # cancellation too: the operation decides what it means
-            error = e
+            steps.error = e
+    return steps.result
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:

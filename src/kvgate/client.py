@@ -43,6 +43,7 @@ from kvgate.clientwire import (  # noqa: F401  (GatewayError, ObjectTooLarge are
     Op,
     Recv,
     Send,
+    Steps,
     not_permitted,
 )
 from kvgate.keys import MARK_KEYS, DialogMark  # noqa: F401  (MARK_KEYS is imported from here)
@@ -226,14 +227,8 @@ class Client(core.ClientCore):
 
 def _drive(sock: socket.socket, op: Op) -> Any:
     """Perform the steps ``op`` yields on ``sock``, in this thread (which holds the client)."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = op.send(value) if error is None else op.throw(error)
-        except StopIteration as done:
-            return done.value
-        value = error = None
+    steps = Steps(op)
+    for step in steps:
         try:
             if type(step) is Recv:
                 _recv_into(sock, step.view)
@@ -242,9 +237,10 @@ def _drive(sock: socket.socket, op: Op) -> Any:
                     step.advance(sock.sendmsg(step.views[:SEND_PARTS]))
             else:
                 assert type(step) is Copy
-                value = step.fn()
+                steps.value = step.fn()
         except BaseException as e:  # the operation decides what it means for the connection
-            error = e
+            steps.error = e
+    return steps.result
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

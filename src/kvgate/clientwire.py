@@ -120,6 +120,35 @@ class Copy:
 Op = Generator[Any, Any, Any]  # yields Send, Recv and Copy steps; returns the operation's result
 
 
+class Steps:
+    """The steps of an operation, for the client that performs them, in the call that holds the client.
+
+    After each step set ``value`` (its result) or ``error`` (what it raised:
+    thrown back into the operation, which decides what it means for the
+    connection); once they end, ``result`` is what the operation returned.
+    """
+
+    __slots__ = ("_op", "value", "error", "result")
+
+    def __init__(self, op: Op):
+        self._op = op
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+    def __iter__(self) -> "Steps":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            step = self._op.send(self.value) if self.error is None else self._op.throw(self.error)
+        except StopIteration as done:
+            self.result = done.value
+            raise
+        self.value = self.error = None
+        return step
+
+
 def done(value: Any) -> Op:
     """An operation with nothing to send (an empty batch)."""
     return value

@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 
 import pytest
 
@@ -100,3 +101,11 @@ def test_every_key_is_a_flag():
     assert cfg.max_bytes == 16 << 30 and cfg.storage_devices == ["/a", "/b"] and cfg.key_placement == "stripe"
     dests = {a.dest for a in p._actions}
     assert {f.name for f in config.FIELDS} <= dests
+
+
+def test_yaml_flags_and_the_constructor_share_one_default_per_key():
+    # Config's fields are the keys: a field without a key (or a key without a field) fails here.
+    assert [f.name for f in config.FIELDS] == [f.name for f in dataclasses.fields(config.Config)]
+    assert from_mapping({}) == config.Config() == load(None, {f.name: None for f in config.FIELDS})
+    assert config.Config().to_mapping() == {f.name: f.default for f in config.FIELDS}
+

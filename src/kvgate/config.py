@@ -327,10 +327,32 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def default_text(f: Field) -> str | None:
+    """A key's default as README's Configuration table and ``--help`` write it (``1G``, ``10s``,
+    ``false``); None when it has none (unset, or derived at start as its help says)."""
+    value = f.default
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(value) + "]"
+    if f.parse is parse_size:
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value and value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+        return str(value)
+    if f.parse is parse_duration:
+        return f"{value:g}s"
+    return str(value)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config key; flags left out are None and do not override YAML."""
     for f in FIELDS:
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.help}
+        shown = default_text(f)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None,
+                                  "help": f.help if shown is None else f"{f.help} (default: {shown})"}
         if f.many:
             kwargs["nargs"] = "+"
         if f.metavar:

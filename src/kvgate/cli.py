@@ -16,7 +16,8 @@ from kvgate.config import ConfigError
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help="gateway Unix socket (default: the one for --port)")
     p.add_argument("--address", help="gateway host:port instead of the socket")
-    p.add_argument("--port", type=int, default=5557, help="gateway port, to derive the default socket (5557)")
+    port = config_mod.FIELDS_BY_NAME["port"].default
+    p.add_argument("--port", type=int, default=port, help=f"gateway port, to derive the default socket ({port})")
     p.add_argument("--token-file", help="file holding the token of a non-loopback TCP listener")
 
 

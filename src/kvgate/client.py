@@ -33,7 +33,7 @@ import threading
 from typing import Any, Sequence
 
 from kvgate import clientcore as core
-from kvgate.clientargs import RETENTIONS, Buffer  # noqa: F401  (imported from here)
+from kvgate.clientargs import Buffer  # noqa: F401  (imported from here)
 from kvgate.clientwire import (  # noqa: F401  (GatewayError, ObjectTooLarge are imported from here)
     CLOSED_BY_GATEWAY,
     SEND_PARTS,

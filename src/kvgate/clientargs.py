@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from kvgate.keys import MAX_KEY_BYTES, BadKey, as_keys
+from kvgate.types import RETENTION_NAMES
 
 Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap
-RETENTIONS = ("long", "short", "none")
 MAX_POSITION = 1 << 63  # object headers hold positions as int64: the last key's position is below this
 
 
@@ -59,8 +59,8 @@ def check_dialog(dialog: Any) -> bytes | None:
 
 
 def check_retention(retention: Any) -> str:
-    if not isinstance(retention, str) or retention not in RETENTIONS:
-        raise ValueError(f"retention must be one of {', '.join(map(repr, RETENTIONS))}, not {retention!r}")
+    if not isinstance(retention, str) or retention not in RETENTION_NAMES:
+        raise ValueError(f"retention must be one of {', '.join(map(repr, RETENTION_NAMES))}, not {retention!r}")
     return retention
 
 

@@ -222,6 +222,11 @@ class AsyncClient(core.ClientCore):
         """As ``Client.clean``."""
         return await self._run(core.clean_op(), timeout)
 
+    async def cards(self, action: str = "list", target: str = "", now: bool = False, *,
+                    timeout: Any = DEFAULT) -> Any:
+        """As ``Client.cards``."""
+        return await self._run(core.cards_op(action, target, now), timeout)
+
 
 class _Connecting:
     """What ``AsyncClient.connect`` returns: await it for the client, or ``async with`` it."""

@@ -25,6 +25,8 @@ from kvgate.clienttransport import InlineTransport
 from kvgate.clientwire import GatewayError, Link, ObjectTooLarge, Op, Wire, done  # noqa: F401  (ObjectTooLarge: imported from here)
 from kvgate.keys import MARK_KEYS, DialogMark
 from kvgate.protocol import (
+    CARD_ACTIONS,
+    Cards,
     Clean,
     CountReply,
     Delete,
@@ -238,6 +240,14 @@ def dialog_mark_op(keys: Any) -> Operation:
 
 def stats_op() -> Operation:
     return _asking(Stats(), lambda r: r.stats)
+
+
+def cards_op(action: str, target: str, now: bool) -> Operation:
+    if action not in CARD_ACTIONS:
+        raise ValueError(f"card action must be one of {', '.join(map(repr, CARD_ACTIONS))}, not {action!r}")
+    if action != "list" and not target:
+        raise ValueError(f"card action {action!r} needs a target: a directory or Redis URL to add, else a serial")
+    return _asking(Cards(action=action, target=target, now=now), lambda r: r)
 
 
 def clean_op() -> Operation:

@@ -152,9 +152,21 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats]
+CARD_ACTIONS = ("list", "add", "drain", "undrain", "remove")
+
+
+class Cards(_Msg, tag="cards"):
+    """List or change the card set (an admin session on the local listener only)."""
+
+    action: Literal["list", "add", "drain", "undrain", "remove"] = "list"
+    target: str = ""  # add: a directory or Redis URL; otherwise a card's serial
+    now: bool = False  # drain: leave at once, without copying what it holds
+
+
+Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats,
+                Cards]
 REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "hold", "release",
-               "mark", "clean", "stats")
+               "mark", "clean", "stats", "cards")
 
 # ---- replies ------------------------------------------------------------------
 
@@ -207,7 +219,15 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: dict = {}
 
 
-Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, MarkReply, StatsReply]
+class CardsReply(_Msg, tag="cards_reply"):
+    generation: int = 0  # changes of the card set since the gateway started
+    fingerprint: str = ""  # the key layout now
+    cards: list[dict] = []  # one row per card, as in the stats
+    message: str = ""  # what the change did
+
+
+Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, MarkReply, StatsReply,
+              CardsReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

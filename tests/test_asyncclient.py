@@ -1,7 +1,7 @@
 """AsyncClient against the other end of a socket pair: argument checks, timeouts, cancellation.
 
 The peer answers like a gateway when the test says so (``answer`` from
-test_client_args, in a thread), so a test decides exactly when a reply
+test_client, in a thread), so a test decides exactly when a reply
 arrives: before, during or after a cancellation or a deadline.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from kvgate import AsyncClient
 from kvgate import asyncclient as ac
 from kvgate import protocol as p
-from tests.test_client_args import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
+from tests.test_client import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
 
 
 def run(coro):

@@ -1,8 +1,11 @@
 import argparse
+import dataclasses
+import re
 
 import pytest
 
 from kvgate import config
+from kvgate.cli import build_parser
 from kvgate.config import ConfigError, from_mapping, load, parse_duration, parse_size
 
 
@@ -100,3 +103,24 @@ def test_every_key_is_a_flag():
     assert cfg.max_bytes == 16 << 30 and cfg.storage_devices == ["/a", "/b"] and cfg.key_placement == "stripe"
     dests = {a.dest for a in p._actions}
     assert {f.name for f in config.FIELDS} <= dests
+
+
+def test_yaml_flags_and_the_constructor_share_one_default_per_key():
+    # Config's fields are the keys: a field without a key (or a key without a field) fails here.
+    assert [f.name for f in config.FIELDS] == [f.name for f in dataclasses.fields(config.Config)]
+    assert from_mapping({}) == config.Config() == load(None, {f.name: None for f in config.FIELDS})
+    assert config.Config().to_mapping() == {f.name: f.default for f in config.FIELDS}
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split("options:")[1].split())
+    for f in config.FIELDS:
+        shown = config.default_text(f)
+        if shown is None:
+            continue
+        flag = re.search(rf"{config.flag_name(f.name)} \S+(?: \[\S+ \.\.\.\])? (.*?)(?= --|$)", text)
+        assert flag and flag.group(1).endswith(f"(default: {shown})"), (f.name, flag and flag.group(1))
+    port = config.FIELDS_BY_NAME["port"].default
+    assert build_parser().parse_args(["stat"]).port == port

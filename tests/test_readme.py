@@ -135,3 +135,24 @@ def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> Non
     for script in re.findall(r"benchmarks/\w+\.py", section):
         assert (README.parent / script).exists(), script
     assert "bench-sglang:" in (README.parent / "Makefile").read_text()
+
+
+def test_the_configuration_table_lists_every_key_with_its_default() -> None:
+    from kvgate.config import FIELDS, FIELDS_BY_NAME, default_text
+
+    shown: dict[str, str] = {}
+    for line in _section("Configuration").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) != 3:
+            continue
+        keys = re.findall(r"`(\w+)`", cells[0])
+        values = [v.replace("`", "") for v in (cells[1].split(", ") if len(keys) > 1 else [cells[1]])]
+        assert len(values) == len(keys), line
+        shown.update(zip(keys, values))
+    assert set(shown) == set(FIELDS_BY_NAME), set(shown) ^ set(FIELDS_BY_NAME)
+    for f in FIELDS:
+        expected = default_text(f)
+        if expected is not None:
+            assert shown[f.name] == expected, (f.name, shown[f.name], expected)
+        elif "(default: " not in f.help:  # a default derived at start is described, not "unset"
+            assert shown[f.name] == "unset", (f.name, shown[f.name])

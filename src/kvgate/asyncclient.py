@@ -14,18 +14,9 @@ import asyncio
 import socket
 from typing import Any, Sequence
 
-from kvgate.clientcore import (
-    CLOSED_BY_GATEWAY,
-    SEND_PARTS,
-    Buffer,
-    ClientCore,
-    Copy,
-    Op,
-    Recv,
-    Send,
-    _not_permitted,
-    _parse_target,
-)
+from kvgate import clientcore as core
+from kvgate.clientargs import Buffer
+from kvgate.clientwire import CLOSED_BY_GATEWAY, SEND_PARTS, Copy, Op, Recv, Send, Steps, not_permitted
 from kvgate.keys import DialogMark
 
 # A copy into or out of the session region of at least this many bytes runs on a worker thread, so the
@@ -44,7 +35,7 @@ class _Default:
 DEFAULT: Any = _Default()  # a call's ``timeout`` when not given: the one of ``connect`` / ``set_timeout``
 
 
-class AsyncClient(ClientCore):
+class AsyncClient(core.ClientCore):
     """A kvgate client for asyncio: the operations of ``Client``, awaited.
 
     Same arguments, results and errors as ``Client``: a wrong argument
@@ -57,7 +48,8 @@ class AsyncClient(ClientCore):
     **Concurrency.** Calls from several tasks are serialised per client, as
     ``Client`` serialises threads: a call holds the client (an
     ``asyncio.Lock``) from its first request to its last copy, and calls run
-    in the order they asked.  The protocol would let requests be pipelined
+    in the order they asked; the session (its socket, request ids, regions)
+    is reached only through that lock.  The protocol would let requests be pipelined
     (each carries an id), but the session's shared-memory region is one
     buffer per session: a get's results wait there until they are copied
     out, and a put's bytes until the gateway has read them, so two calls in
@@ -95,9 +87,8 @@ class AsyncClient(ClientCore):
     """
 
     def __init__(self, sock: socket.socket, local: bool, timeout: float | None = 60.0):
-        super().__init__(sock, local)
+        super().__init__(sock, local, asyncio.Lock())  # held for a whole operation: see the class docstring
         sock.setblocking(False)
-        self._lock = asyncio.Lock()  # held for a whole operation: see the class docstring
         self._timeout = timeout
 
     # ---- connecting -----------------------------------------------------------------
@@ -124,7 +115,7 @@ class AsyncClient(ClientCore):
 
     @classmethod
     async def _connect(cls, target, namespace, token, engine_id, role, salted, timeout, want_shm) -> "AsyncClient":
-        kind, addr = _parse_target(target)
+        kind, addr = core.parse_target(target)
         loop = asyncio.get_running_loop()
         sock: socket.socket | None = None
         try:
@@ -135,15 +126,15 @@ class AsyncClient(ClientCore):
                     try:
                         await loop.sock_connect(sock, addr)
                     except PermissionError as e:
-                        raise _not_permitted(addr, "connect to the gateway socket",
-                                             "run the engine as the gateway's user, or as a member of the "
-                                             "socket's group") from e
+                        raise not_permitted(addr, "connect to the gateway socket",
+                                            "run the engine as the gateway's user, or as a member of the "
+                                            "socket's group") from e
                 else:
                     sock = await _tcp_connect(loop, addr)
                 client = cls(sock, local=kind == "unix", timeout=timeout)
-                async with client._lock:
-                    await client._drive(client._hello_op(namespace, token, engine_id, role, salted,
-                                                         want_shm and kind == "unix"))
+                hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix")
+                async with client._session as session:
+                    client._hello = await _drive(session.sock, hello(session))
         except BaseException:
             if sock is not None:
                 sock.close()
@@ -157,8 +148,8 @@ class AsyncClient(ClientCore):
     async def close(self) -> None:
         """Wake a call in progress (it raises ``ConnectionError``), wait for it, and end the session."""
         self.abort()
-        async with self._lock:
-            self._release()
+        async with self._session as session:
+            session.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -168,105 +159,73 @@ class AsyncClient(ClientCore):
 
     # ---- performing the steps of an operation ------------------------------------------
 
-    async def _run(self, op: Op, timeout: Any) -> Any:
+    async def _run(self, operation: core.Operation, timeout: Any) -> Any:
         async with asyncio.timeout(self._timeout if timeout is DEFAULT else timeout):
-            async with self._lock:
+            async with self._session as session:
                 try:
-                    return await self._drive(op)
+                    return await _drive(session.sock, operation(session))
                 finally:
-                    if self._broken:
+                    if self.broken:
                         self.abort()  # mid-frame: the gateway ends the session now, not at close
-
-    async def _drive(self, op: Op) -> Any:
-        """Perform the steps ``op`` yields on the running loop; the caller holds ``self._lock``."""
-        loop = asyncio.get_running_loop()
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = op.send(value) if error is None else op.throw(error)
-            except StopIteration as done:
-                return done.value
-            value = error = None
-            try:
-                if type(step) is Recv:
-                    await self._recv_into(loop, step.view)
-                elif type(step) is Send:
-                    await self._send(loop, step)
-                else:
-                    assert type(step) is Copy
-                    value = step.fn() if step.nbytes < OFFLOAD_BYTES else await _off_loop(loop, step.fn)
-            except BaseException as e:  # cancellation too: the operation decides what it means
-                error = e
-
-    async def _recv_into(self, loop: asyncio.AbstractEventLoop, view: memoryview) -> None:
-        got, want = 0, len(view)
-        while got < want:
-            n = await loop.sock_recv_into(self._sock, view[got:] if got else view)
-            if n == 0:
-                raise ConnectionError(CLOSED_BY_GATEWAY)
-            got += n
-
-    async def _send(self, loop: asyncio.AbstractEventLoop, step: Send) -> None:
-        while step.views:
-            try:
-                step.advance(self._sock.sendmsg(step.views[:SEND_PARTS]))
-            except (BlockingIOError, InterruptedError):
-                await _writable(loop, self._sock)
 
     # ---- operations (as Client's; ``timeout``: this call's deadline) ----------------------
 
     async def register_region(self, path: str, mapping: Buffer | None = None, *, timeout: Any = DEFAULT) -> int:
         """As ``Client.register_region``: buffers inside ``mapping`` are then moved in place."""
-        return await self._run(self._register_region_op(path, mapping), timeout)
+        return await self._run(core.register_region_op(path, mapping, self.local), timeout)
 
     async def put_many(self, keys: Sequence[bytes | str], buffers: Sequence[Buffer], retention: str = "long",
                        dialog: bytes | None = None, position: int = -1, *, timeout: Any = DEFAULT) -> list[bool]:
         """As ``Client.put_many``."""
-        return await self._run(self._put_many_op(keys, buffers, retention, dialog, position), timeout)
+        return await self._run(core.put_many_op(keys, buffers, retention, dialog, position), timeout)
 
     async def get_many(self, keys: Sequence[bytes | str], into: Sequence[Buffer] | None = None,
                        dialog: bytes | None = None, *, timeout: Any = DEFAULT) -> list:
         """As ``Client.get_many``: memoryviews of the filled part of ``into``, or bytes; None for a miss."""
-        return await self._run(self._get_many_op(keys, into, dialog), timeout)
+        return await self._run(core.get_many_op(keys, into, dialog), timeout)
 
     async def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                      timeout: Any = DEFAULT) -> int:
         """As ``Client.lookup``: how many leading keys are stored."""
-        return await self._run(self._lookup_op(keys, dialog), timeout)
+        return await self._run(core.lookup_op(keys, dialog), timeout)
 
     async def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                           timeout: Any = DEFAULT) -> list[bool]:
-        return await self._run(self._exists_many_op(keys, dialog), timeout)
+        return await self._run(core.exists_many_op(keys, dialog), timeout)
 
     async def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                           timeout: Any = DEFAULT) -> int:
-        return await self._run(self._delete_many_op(keys, dialog), timeout)
+        return await self._run(core.delete_many_op(keys, dialog), timeout)
 
     async def hold_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                         timeout: Any = DEFAULT) -> list[bool]:
         """As ``Client.hold_many``."""
-        return await self._run(self._hold_many_op(keys, dialog), timeout)
+        return await self._run(core.hold_many_op(keys, dialog), timeout)
 
     async def release_many(self, keys: Sequence[bytes | str], *, timeout: Any = DEFAULT) -> int:
         """As ``Client.release_many``."""
-        return await self._run(self._release_many_op(keys), timeout)
+        return await self._run(core.release_many_op(keys), timeout)
 
     async def prewarm(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                       timeout: Any = DEFAULT) -> int:
         """As ``Client.prewarm``."""
-        return await self._run(self._prewarm_op(keys, dialog), timeout)
+        return await self._run(core.prewarm_op(keys, dialog), timeout)
 
     async def dialog_mark(self, keys: Sequence[bytes | str], *, timeout: Any = DEFAULT) -> DialogMark:
         """As ``Client.dialog_mark``."""
-        return await self._run(self._dialog_mark_op(keys), timeout)
+        return await self._run(core.dialog_mark_op(keys), timeout)
 
     async def stats(self, *, timeout: Any = DEFAULT) -> dict:
-        return await self._run(self._stats_op(), timeout)
+        return await self._run(core.stats_op(), timeout)
 
     async def clean(self, *, timeout: Any = DEFAULT) -> int:
         """As ``Client.clean``."""
-        return await self._run(self._clean_op(), timeout)
+        return await self._run(core.clean_op(), timeout)
+
+    async def cards(self, action: str = "list", target: str = "", now: bool = False, *,
+                    timeout: Any = DEFAULT) -> Any:
+        """As ``Client.cards``."""
+        return await self._run(core.cards_op(action, target, now), timeout)
 
 
 class _Connecting:
@@ -286,6 +245,41 @@ class _Connecting:
     async def __aexit__(self, *exc) -> None:
         assert self._client is not None
         await self._client.close()
+
+
+async def _drive(sock: socket.socket, op: Op) -> Any:
+    """Perform the steps ``op`` yields on ``sock`` and the running loop (whose task holds the client)."""
+    loop = asyncio.get_running_loop()
+    steps = Steps(op)
+    for step in steps:
+        try:
+            if type(step) is Recv:
+                await _recv_into(loop, sock, step.view)
+            elif type(step) is Send:
+                await _send(loop, sock, step)
+            else:
+                assert type(step) is Copy
+                steps.value = step.fn() if step.nbytes < OFFLOAD_BYTES else await _off_loop(loop, step.fn)
+        except BaseException as e:  # cancellation too: the operation decides what it means
+            steps.error = e
+    return steps.result
+
+
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    got, want = 0, len(view)
+    while got < want:
+        n = await loop.sock_recv_into(sock, view[got:] if got else view)
+        if n == 0:
+            raise ConnectionError(CLOSED_BY_GATEWAY)
+        got += n
+
+
+async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, step: Send) -> None:
+    while step.views:
+        try:
+            step.advance(sock.sendmsg(step.views[:SEND_PARTS]))
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, sock)
 
 
 async def _tcp_connect(loop: asyncio.AbstractEventLoop, addr: tuple[str, int]) -> socket.socket:

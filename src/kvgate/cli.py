@@ -16,7 +16,8 @@ from kvgate.config import ConfigError
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help="gateway Unix socket (default: the one for --port)")
     p.add_argument("--address", help="gateway host:port instead of the socket")
-    p.add_argument("--port", type=int, default=5557, help="gateway port, to derive the default socket (5557)")
+    port = config_mod.FIELDS_BY_NAME["port"].default
+    p.add_argument("--port", type=int, default=port, help=f"gateway port, to derive the default socket ({port})")
     p.add_argument("--token-file", help="file holding the token of a non-loopback TCP listener")
 
 
@@ -46,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("clean", help="ask a running gateway to delete every object")
     _add_target(p)
+    p = sub.add_parser("cards", help="list a running gateway's cards, or add, drain, undrain or remove one",
+                       description="Changes apply now, while the engine serves; they last until the gateway "
+                                   "restarts (edit storage_devices and send SIGHUP to make them the config).")
+    _add_target(p)
+    p.add_argument("action", choices=["list", "add", "drain", "undrain", "remove"], nargs="?", default="list")
+    p.add_argument("card", nargs="?", default="", help="add: a directory or Redis URL; otherwise a card's serial")
+    p.add_argument("--now", action="store_true", help="drain: the card leaves at once, what it holds unread")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     try:  # optional: a missing bench module must not break serve/stat/clean
         from kvgate.bench import add_arguments
@@ -167,7 +176,8 @@ def print_stats(snap: dict[str, Any]) -> None:
                 "written", "copy / direct"):
         t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
     for c in snap["cards"]:
-        state = ("[yellow]read-only[/]" if c["read_only"] else "active") if c["active"] else "[red]inactive[/]"
+        state = ("[yellow]read-only[/]" if c["read_only"] else c.get("state", "active")) if c["active"] \
+            else "[red]inactive[/]"
         t.add_row(c["serial"] or "-", c["location"], state, str(c["objects"]),
                   _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
                   str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
@@ -199,6 +209,43 @@ def cmd_clean(args) -> int:
     return 0
 
 
+def cmd_cards(args) -> int:
+    from kvgate.client import GatewayError
+
+    if args.action != "list" and not args.card:
+        what = "a directory or Redis URL" if args.action == "add" else "its serial, from `kvgate cards list`"
+        print(f"kvgate cards {args.action}: name the card ({what})", file=sys.stderr)
+        return 2
+    with _admin_client(args) as c:
+        try:
+            reply = c.cards(args.action, args.card, now=args.now)
+        except GatewayError as e:
+            print(f"kvgate cards {args.action}: {e.message}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"generation": reply.generation, "fingerprint": reply.fingerprint, "cards": reply.cards,
+                          "message": reply.message}, indent=2, sort_keys=True))
+        return 0
+    if reply.message:
+        print(reply.message)
+    print_cards(reply.cards, reply.generation, reply.fingerprint)
+    return 0
+
+
+def print_cards(cards: list[dict[str, Any]], generation: int, fingerprint: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"cards (generation {generation}, layout {fingerprint})")
+    for col in ("serial", "location", "state", "slots", "objects", "used", "capacity"):
+        t.add_column(col, justify="left" if col in ("serial", "location", "state") else "right")
+    for c in cards:
+        t.add_row(c["serial"] or "-", c["location"], c["state"], str(c["slots"]), str(c.get("objects", "-")),
+                  _size(c["used_bytes"]) if "used_bytes" in c else "-",
+                  _size(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
+    Console().print(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -210,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stat(args)
         if args.command == "clean":
             return cmd_clean(args)
+        if args.command == "cards":
+            return cmd_cards(args)
         if args.command == "bench":
             from kvgate.bench import run_bench
 

@@ -16,7 +16,9 @@ do over TCP.
 Threads: a ``Client`` may be shared by threads, and its calls are
 serialised: each call holds the client for its whole operation (the copies
 into the session region, its requests, the copies out of it), so calls from
-several threads behave exactly as if made one after another.  Calls in
+several threads behave exactly as if made one after another.  The session
+(socket I/O, request ids, regions) is reached only through the client's
+lock, so no call can touch it without holding the client.  Calls in
 parallel need a client each.  ``abort`` may be called from any thread at
 any time.
 
@@ -30,31 +32,35 @@ import socket
 import threading
 from typing import Any, Sequence
 
-from kvgate.clientcore import (  # noqa: F401  (GatewayError, ObjectTooLarge, MARK_KEYS... are imported from here)
-    _PUT_HEADER_BYTES,
-    _PUT_KEY_BYTES,
+from kvgate import clientcore as core
+from kvgate.clientargs import Buffer  # noqa: F401  (imported from here)
+from kvgate.clientwire import (  # noqa: F401  (GatewayError, ObjectTooLarge are imported from here)
     CLOSED_BY_GATEWAY,
-    MARK_KEYS,
-    RETENTIONS,
     SEND_PARTS,
-    Buffer,
-    ClientCore,
     Copy,
     GatewayError,
     ObjectTooLarge,
     Op,
     Recv,
     Send,
-    _not_permitted,
-    _parse_target,
+    Steps,
+    not_permitted,
 )
-from kvgate.keys import DialogMark
+from kvgate.keys import MARK_KEYS, DialogMark  # noqa: F401  (MARK_KEYS is imported from here)
 
 
-class Client(ClientCore):
+class Client(core.ClientCore):
+    """A kvgate client with blocking sockets; see the module docstring.
+
+    Called from any thread.  Each call holds the client (a
+    ``threading.Lock``) for its whole operation and performs its steps on
+    the calling thread; the session is reached only through that lock
+    (``Guarded``), so calls from several threads run one after another.
+    ``abort`` may be called from any thread at any time and never waits.
+    """
+
     def __init__(self, sock: socket.socket, local: bool):
-        super().__init__(sock, local)
-        self._lock = threading.Lock()  # held for a whole operation: see the module docstring
+        super().__init__(sock, local, threading.Lock())
 
     # ---- connecting -----------------------------------------------------------------
 
@@ -83,7 +89,7 @@ class Client(ClientCore):
         ``PermissionError`` saying who owns what when the socket or the
         session's region belongs to another user.
         """
-        kind, addr = _parse_target(target)
+        kind, addr = core.parse_target(target)
         if kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
@@ -95,11 +101,12 @@ class Client(ClientCore):
                 try:
                     sock.connect(addr)
                 except PermissionError as e:
-                    raise _not_permitted(addr, "connect to the gateway socket",
-                                         "run the engine as the gateway's user, or as a member of the socket's "
-                                         "group") from e
+                    raise not_permitted(addr, "connect to the gateway socket",
+                                        "run the engine as the gateway's user, or as a member of the socket's "
+                                        "group") from e
             client = cls(sock, local=kind == "unix")
-            client._run(client._hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix"))
+            client._hello = client._run(core.hello_op(namespace, token, engine_id, role, salted,
+                                                      want_shm and kind == "unix"))
         except BaseException:
             sock.close()
             raise
@@ -112,12 +119,12 @@ class Client(ClientCore):
         broken (the reply may still arrive and would be misread as the next
         one's), so callers reconnect after a timeout.
         """
-        self._sock.settimeout(seconds)
+        self._link.sock.settimeout(seconds)
 
     def close(self) -> None:
         self.abort()
-        with self._lock:
-            self._release()
+        with self._session as session:
+            session.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -127,44 +134,13 @@ class Client(ClientCore):
 
     # ---- performing the steps of an operation ------------------------------------------
 
-    def _run(self, op: Op) -> Any:
-        with self._lock:
-            return self._drive(op)
+    def _run(self, operation: core.Operation) -> Any:
+        with self._session as session:
+            return _drive(session.sock, operation(session))
 
-    def _drive(self, op: Op) -> Any:
-        """Perform the steps ``op`` yields, in this thread; the caller holds ``self._lock``."""
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = op.send(value) if error is None else op.throw(error)
-            except StopIteration as done:
-                return done.value
-            value = error = None
-            try:
-                if type(step) is Recv:
-                    self._recv_into(step.view)
-                elif type(step) is Send:
-                    while step.views:
-                        step.advance(self._sock.sendmsg(step.views[:SEND_PARTS]))
-                else:
-                    assert type(step) is Copy
-                    value = step.fn()
-            except BaseException as e:  # the operation decides what it means for the connection
-                error = e
-
-    def _recv_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = self._sock.recv_into(view[got:])
-            if n == 0:
-                raise ConnectionError(CLOSED_BY_GATEWAY)
-            got += n
-
-    def _call_locked(self, msg, body: Sequence[Buffer] = (), into: Sequence[memoryview] | None = None
-                     ) -> tuple[Any, Any]:
-        """One request and its reply (``ClientCore._call``); the caller holds ``self._lock``."""
-        return self._drive(self._call(msg, body, into))
+    def _request(self, msg, body: Sequence[Buffer] = ()) -> tuple[Any, Any]:
+        """One request as the wire carries it: (reply, reply body), for tests that speak the protocol directly."""
+        return self._run(lambda session: session.wire.call(msg, body))
 
     # ---- regions --------------------------------------------------------------------
 
@@ -174,7 +150,7 @@ class Client(ClientCore):
         Buffers inside ``mapping`` (the client's own mapping of the same file)
         are then transferred in place, with no copy at all.
         """
-        return self._run(self._register_region_op(path, mapping))
+        return self._run(core.register_region_op(path, mapping, self.local))
 
     # ---- operations --------------------------------------------------------------------
 
@@ -190,7 +166,7 @@ class Client(ClientCore):
         session region) and does not fit in one of the gateway's frames is
         refused with ``GatewayError`` TOO_LARGE before anything is sent.
         """
-        return self._run(self._put_many_op(keys, buffers, retention, dialog, position))
+        return self._run(core.put_many_op(keys, buffers, retention, dialog, position))
 
     def get_many(self, keys: Sequence[bytes | str], into: Sequence[Buffer] | None = None,
                  dialog: bytes | None = None) -> list:
@@ -203,30 +179,30 @@ class Client(ClientCore):
         region larger than the session region) are received from the socket
         straight into their buffer.  Without, each hit is returned as ``bytes``.
         """
-        return self._run(self._get_many_op(keys, into, dialog))
+        return self._run(core.get_many_op(keys, into, dialog))
 
     def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         """How many leading keys are stored (a prefix restores up to its first miss)."""
-        return self._run(self._lookup_op(keys, dialog))
+        return self._run(core.lookup_op(keys, dialog))
 
     def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
-        return self._run(self._exists_many_op(keys, dialog))
+        return self._run(core.exists_many_op(keys, dialog))
 
     def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
-        return self._run(self._delete_many_op(keys, dialog))
+        return self._run(core.delete_many_op(keys, dialog))
 
     def hold_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
         """Per key, whether it is present and now kept on its card until ``release_many``, this
         session's end or a minute without renewal (holding it again renews it); see the README."""
-        return self._run(self._hold_many_op(keys, dialog))
+        return self._run(core.hold_many_op(keys, dialog))
 
     def release_many(self, keys: Sequence[bytes | str]) -> int:
         """End this session's holds on these keys; how many it held."""
-        return self._run(self._release_many_op(keys))
+        return self._run(core.release_many_op(keys))
 
     def prewarm(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         """Pull the stored leading keys from cards into the RAM tier; returns how many are in RAM."""
-        return self._run(self._prewarm_op(keys, dialog))
+        return self._run(core.prewarm_op(keys, dialog))
 
     def dialog_mark(self, keys: Sequence[bytes | str]) -> DialogMark:
         """The dialog mark of a prompt from its leading keys (position 0 on), in one gateway call.
@@ -239,11 +215,48 @@ class Client(ClientCore):
         then the conversation).  Every gateway on the same cards gives the same
         answer for the same keys.
         """
-        return self._run(self._dialog_mark_op(keys))
+        return self._run(core.dialog_mark_op(keys))
 
     def stats(self) -> dict:
-        return self._run(self._stats_op())
+        return self._run(core.stats_op())
 
     def clean(self) -> int:
         """Delete every object (refused with CLEAN_REFUSED when the cards are shared)."""
-        return self._run(self._clean_op())
+        return self._run(core.clean_op())
+
+    def cards(self, action: str = "list", target: str = "", now: bool = False) -> Any:
+        """List or change the gateway's cards: ``"list"``, ``"add"`` (``target``: a directory or Redis URL),
+        ``"drain"`` (``now``: leave at once), ``"undrain"``, ``"remove"`` (``target``: a serial).
+
+        Returns the ``CardsReply`` (``generation``, ``fingerprint``, ``cards``, ``message``).  Needs an
+        ``admin`` session on the gateway's local socket; a change that cannot be made is a
+        ``GatewayError`` saying why.
+        """
+        return self._run(core.cards_op(action, target, now))
+
+
+def _drive(sock: socket.socket, op: Op) -> Any:
+    """Perform the steps ``op`` yields on ``sock``, in this thread (which holds the client)."""
+    steps = Steps(op)
+    for step in steps:
+        try:
+            if type(step) is Recv:
+                _recv_into(sock, step.view)
+            elif type(step) is Send:
+                while step.views:
+                    step.advance(sock.sendmsg(step.views[:SEND_PARTS]))
+            else:
+                assert type(step) is Copy
+                steps.value = step.fn()
+        except BaseException as e:  # the operation decides what it means for the connection
+            steps.error = e
+    return steps.result
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(CLOSED_BY_GATEWAY)
+        got += n

@@ -1,9 +1,12 @@
 """Gateway configuration: one table of keys, read from YAML and from flags.
 
-Every key in ``FIELDS`` is accepted in the YAML file and as a command-line
-flag (``max_bytes`` <-> ``--max-bytes``).  Values are checked here, once, so
-the rest of the code can trust a ``Config``.  Any problem raises
-``ConfigError`` with a one-line message that names the key.
+The table is ``Config`` itself: each field is declared once with its parser,
+default and help, and ``FIELDS`` is read back from the fields, so a default
+cannot differ between ``Config()``, the YAML file and the flags.  Every key
+is accepted in the YAML file and as a command-line flag (``max_bytes`` <->
+``--max-bytes``).  Values are checked here, once, so the rest of the code
+can trust a ``Config``.  Any problem raises ``ConfigError`` with a one-line
+message that names the key.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def _parse_str_list(value: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class Field:
-    """One config key: how to parse it, its default, and its help text."""
+    """One config key: how to parse it, its default, and its help text (read from its ``Config`` field)."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -130,113 +133,103 @@ class Field:
 # only card directory created when it is missing unless create_card_dirs says so.
 DEFAULT_CARD = "./var/kvgate/card0"
 
-FIELDS: tuple[Field, ...] = (
-    Field("storage_devices", _parse_str_list, [DEFAULT_CARD],
-          "cards of the long tier: directories (absolute or relative paths)", metavar="DIR", many=True),
-    Field("create_card_dirs", _parse_bool, False,
-          "create card directories that do not exist (off: a missing one waits, logged, until it is created "
-          f"or mounted; {DEFAULT_CARD} is always created)"),
-    Field("storage_slots", _parse_int, 1024,
-          "slots of the key distribution over the cards: many more than cards, so the shares come out even; "
-          "set the same on every gateway of the cards", minimum=1),
-    Field("num_dbs", _parse_int, 1, "shards (subdirectories) inside each card", minimum=1),
-    Field("key_placement", _parse_str, "dialog", "how blocks are placed on cards", choices=("dialog", "stripe")),
-    Field("key_layout_fingerprint", _parse_str, None,
-          "expected key layout fingerprint (16 hex digits); a differing layout refuses to start", optional=True),
-    Field("shared_storage", _parse_bool, False, "cards are shared with other gateways: never delete all data"),
-    Field("start_clean", _parse_bool, False, "delete every object on the cards at start (refused with shared_storage)"),
-    Field("io_timeout_ms", _parse_int, 2000, "deadline of one card I/O in milliseconds", minimum=1),
-    Field("io_timeout_strikes", _parse_int, 3, "I/Os in a row past the deadline or failing that take a card out of service",
-          minimum=1),
-    Field("status_file", _parse_str, None, "Prometheus text file rewritten every second", optional=True),
-    Field("port", _parse_int, 5557, "TCP port of the gateway (0 disables the TCP listener)", minimum=0,
-          maximum=_PORT_MAX),
-    Field("bind_address", _parse_str, "127.0.0.1", "TCP bind address; anything but loopback needs auth_token_file"),
-    Field("socket", _parse_str, None, "Unix socket path (default: derived from the port)", optional=True),
-    Field("metrics_port", _parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)", minimum=0,
-          maximum=_PORT_MAX),
-    Field("metrics_bind_address", _parse_str, "127.0.0.1", "HTTP bind address of /metrics"),
-    Field("shared_memory_size", parse_size, 256 << 20, "shared-memory region given to each local session",
-          minimum=1 << 20),
-    Field("thread_pool_size", _parse_int, 4, "threads doing card I/O and bulk copies", minimum=1),
-    Field("max_bytes", parse_size, 1 << 30, "size of the RAM tier (preallocated at start)", minimum=0),
-    Field("ram_page_size", parse_size, 256 << 10, "allocation unit of the RAM tier", minimum=4096),
-    Field("card_capacity", parse_size, None,
-          "bytes each card may hold (default: what it holds plus its free space, less card_reserve on a "
-          "filesystem; a Redis card: what fits under its maxmemory)", optional=True),
-    Field("card_reserve", parse_size, 1 << 30,
-          "free space left on a directory card's filesystem when card_capacity is not set (not used for Redis "
-          "cards: they keep a share of maxmemory for the server)"),
-    Field("eviction_policy", _parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru")),
-    Field("ttl", parse_duration, None, "objects older than this are misses and are deleted", optional=True),
-    Field("auth_token_file", _parse_str, None, "file holding the token TCP clients must present", optional=True),
-    Field("max_frame_bytes", parse_size, 256 << 20, "largest message a client may send (inline bytes included)",
-          minimum=1 << 16),
-    Field("max_connections", _parse_int, 256,
-          "concurrent client connections of each listener: the Unix socket, and all TCP listeners together",
-          minimum=1),
-    # A client says hello in its first frame, right after connecting: 10 s is far beyond a loaded host's
-    # delay, and is all an idle connection can hold a slot for.
-    Field("hello_timeout", parse_duration, 10.0,
-          "time a new connection has to have its hello accepted; until then it holds no inline bytes",
-          minimum=0.1),
-    # An announced frame holds its share of the inline byte budget until it is in: a 256 MiB frame may
-    # take 10 s + 64 s, a client below 4 MiB/s (32 Mbit/s) is too slow to feed an engine anyway.
-    Field("frame_timeout", parse_duration, 10.0,
-          "time an announced header and body may take to arrive, plus 1 s per 4 MiB of them", minimum=0.1),
-    Field("refuse_unsalted", _parse_bool, False, "refuse requests of sessions that announce no tenant salt"),
-    Field("sync_writes", _parse_bool, False, "fsync every object before acknowledging it (survives power loss)"),
-    Field("direct_reads", _parse_bool, True,
-          "directory cards read what the page cache lacks with O_DIRECT, around the page cache"),
-    Field("prepare_reads", _parse_bool, True,
-          "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)"),
-    Field("read_priority", _parse_str, "realtime",
-          "realtime: the threads serving reads an engine waits on run at SCHED_RR 1 where permitted "
-          "(engines poll the CPUs while they wait); normal: the fair scheduler's share",
-          choices=("realtime", "normal")),
-    Field("log_level", _parse_str, "info", "log level", choices=("debug", "info", "warning", "error")),
-)
 
-FIELDS_BY_NAME = {f.name: f for f in FIELDS}
+def _key(parse: Callable[[Any], Any], default: Any, help: str, **options: Any) -> Any:
+    """A ``Config`` field that is also a config key: its default is written here once, and
+    ``FIELDS`` (YAML, flags, ``--help``) is read back from these fields."""
+    metadata = {"key": dict(parse=parse, default=default, help=help, **options)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class Config:
-    storage_devices: list[str] = field(default_factory=lambda: [DEFAULT_CARD])
-    create_card_dirs: bool = False
-    storage_slots: int = 1024
-    num_dbs: int = 1
-    key_placement: str = "dialog"
-    key_layout_fingerprint: str | None = None
-    shared_storage: bool = False
-    start_clean: bool = False
-    io_timeout_ms: int = 2000
-    io_timeout_strikes: int = 3
-    status_file: str | None = None
-    port: int = 5557
-    bind_address: str = "127.0.0.1"
-    socket: str | None = None
-    metrics_port: int = 9557
-    metrics_bind_address: str = "127.0.0.1"
-    shared_memory_size: int = 256 << 20
-    thread_pool_size: int = 4
-    max_bytes: int = 1 << 30
-    ram_page_size: int = 256 << 10
-    card_capacity: int | None = None
-    card_reserve: int = 1 << 30
-    eviction_policy: str = "prefix"
-    ttl: float | None = None
-    auth_token_file: str | None = None
-    max_frame_bytes: int = 256 << 20
-    max_connections: int = 256
-    hello_timeout: float = 10.0
-    frame_timeout: float = 10.0
-    refuse_unsalted: bool = False
-    sync_writes: bool = False
-    direct_reads: bool = True
-    prepare_reads: bool = True
-    read_priority: str = "realtime"
-    log_level: str = "info"
+    """The gateway's settings, each checked: the one place every config key and its default is written.
+
+    Built by ``from_mapping`` / ``load`` (``kvgate serve`` and ``fingerprint``, on the main thread,
+    before anything starts) or directly (tests, ``kvgate bench``); frozen, so any thread or task may
+    read it.  Each field is declared with ``_key``: how its raw value is parsed, its default, its help.
+    """
+
+    storage_devices: list[str] = _key(_parse_str_list, [DEFAULT_CARD],
+                                      "cards of the long tier: directories (absolute or relative paths)",
+                                      metavar="DIR", many=True)
+    create_card_dirs: bool = _key(_parse_bool, False,
+                                  "create card directories that do not exist (off: a missing one waits, logged, "
+                                  f"until it is created or mounted; {DEFAULT_CARD} is always created)")
+    storage_slots: int = _key(_parse_int, 1024,
+                              "slots of the key distribution over the cards: many more than cards, so the shares "
+                              "come out even; set the same on every gateway of the cards", minimum=1)
+    num_dbs: int = _key(_parse_int, 1, "shards (subdirectories) inside each card", minimum=1)
+    key_placement: str = _key(_parse_str, "dialog", "how blocks are placed on cards", choices=("dialog", "stripe"))
+    key_layout_fingerprint: str | None = _key(
+        _parse_str, None, "expected key layout fingerprint (16 hex digits); a differing layout refuses to start",
+        optional=True)
+    shared_storage: bool = _key(_parse_bool, False, "cards are shared with other gateways: never delete all data")
+    start_clean: bool = _key(_parse_bool, False,
+                             "delete every object on the cards at start (refused with shared_storage)")
+    io_timeout_ms: int = _key(_parse_int, 2000, "deadline of one card I/O in milliseconds", minimum=1)
+    io_timeout_strikes: int = _key(_parse_int, 3,
+                                   "I/Os in a row past the deadline or failing that take a card out of service",
+                                   minimum=1)
+    status_file: str | None = _key(_parse_str, None, "Prometheus text file rewritten every second", optional=True)
+    port: int = _key(_parse_int, 5557, "TCP port of the gateway (0 disables the TCP listener)", minimum=0,
+                     maximum=_PORT_MAX)
+    bind_address: str = _key(_parse_str, "127.0.0.1",
+                             "TCP bind address; anything but loopback needs auth_token_file")
+    socket: str | None = _key(_parse_str, None, "Unix socket path (default: derived from the port)", optional=True)
+    metrics_port: int = _key(_parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)",
+                             minimum=0, maximum=_PORT_MAX)
+    metrics_bind_address: str = _key(_parse_str, "127.0.0.1", "HTTP bind address of /metrics")
+    shared_memory_size: int = _key(parse_size, 256 << 20, "shared-memory region given to each local session",
+                                   minimum=1 << 20)
+    thread_pool_size: int = _key(_parse_int, 4, "threads doing card I/O and bulk copies", minimum=1)
+    max_bytes: int = _key(parse_size, 1 << 30, "size of the RAM tier (preallocated at start)", minimum=0)
+    ram_page_size: int = _key(parse_size, 256 << 10, "allocation unit of the RAM tier", minimum=4096)
+    card_capacity: int | None = _key(
+        parse_size, None,
+        "bytes each card may hold (default: what it holds plus its free space, less card_reserve on a "
+        "filesystem; a Redis card: what fits under its maxmemory)", optional=True)
+    card_reserve: int = _key(
+        parse_size, 1 << 30,
+        "free space left on a directory card's filesystem when card_capacity is not set (not used for Redis "
+        "cards: they keep a share of maxmemory for the server)")
+    eviction_policy: str = _key(_parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru"))
+    ttl: float | None = _key(parse_duration, None, "objects older than this are misses and are deleted",
+                             optional=True)
+    auth_token_file: str | None = _key(_parse_str, None, "file holding the token TCP clients must present",
+                                       optional=True)
+    max_frame_bytes: int = _key(parse_size, 256 << 20,
+                                "largest message a client may send (inline bytes included)", minimum=1 << 16)
+    max_connections: int = _key(
+        _parse_int, 256,
+        "concurrent client connections of each listener: the Unix socket, and all TCP listeners together",
+        minimum=1)
+    # A client says hello in its first frame, right after connecting: 10 s is far beyond a loaded host's
+    # delay, and is all an idle connection can hold a slot for.
+    hello_timeout: float = _key(
+        parse_duration, 10.0,
+        "time a new connection has to have its hello accepted; until then it holds no inline bytes", minimum=0.1)
+    # An announced frame holds its share of the inline byte budget until it is in: a 256 MiB frame may
+    # take 10 s + 64 s, a client below 4 MiB/s (32 Mbit/s) is too slow to feed an engine anyway.
+    frame_timeout: float = _key(
+        parse_duration, 10.0,
+        "time an announced header and body may take to arrive, plus 1 s per 4 MiB of them", minimum=0.1)
+    refuse_unsalted: bool = _key(_parse_bool, False, "refuse requests of sessions that announce no tenant salt")
+    sync_writes: bool = _key(_parse_bool, False,
+                             "fsync every object before acknowledging it (survives power loss)")
+    direct_reads: bool = _key(_parse_bool, True,
+                              "directory cards read what the page cache lacks with O_DIRECT, around the page cache")
+    prepare_reads: bool = _key(
+        _parse_bool, True,
+        "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)")
+    read_priority: str = _key(
+        _parse_str, "realtime",
+        "realtime: the threads serving reads an engine waits on run at SCHED_RR 1 where permitted "
+        "(engines poll the CPUs while they wait); normal: the fair scheduler's share",
+        choices=("realtime", "normal"))
+    log_level: str = _key(_parse_str, "info", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
     def socket_path(self) -> str:
@@ -247,6 +240,11 @@ class Config:
 
     def to_mapping(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+FIELDS: tuple[Field, ...] = tuple(Field(f.name, **f.metadata["key"]) for f in dataclasses.fields(Config))
+
+FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 
 
 def default_socket_path(port: int) -> str:
@@ -329,10 +327,32 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def default_text(f: Field) -> str | None:
+    """A key's default as README's Configuration table and ``--help`` write it (``1G``, ``10s``,
+    ``false``); None when it has none (unset, or derived at start as its help says)."""
+    value = f.default
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(value) + "]"
+    if f.parse is parse_size:
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value and value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+        return str(value)
+    if f.parse is parse_duration:
+        return f"{value:g}s"
+    return str(value)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config key; flags left out are None and do not override YAML."""
     for f in FIELDS:
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.help}
+        shown = default_text(f)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None,
+                                  "help": f.help if shown is None else f"{f.help} (default: {shown})"}
         if f.many:
             kwargs["nargs"] = "+"
         if f.metavar:

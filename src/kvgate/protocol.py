@@ -28,6 +28,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from kvgate.types import SizeCode
+
 MAGIC = b"KG"
 VERSION = 1
 PREAMBLE = struct.Struct("<2sBBII")
@@ -39,12 +41,13 @@ MAX_HEADER_BYTES = 4 << 20  # 1000s of keys fit; bounds what a bad client makes 
 INLINE = -1  # region id meaning "bytes are in the frame body"
 SESSION_REGION = 0
 
-# Get result sizes below zero
-MISS = -1
-NOT_DONE = -2  # did not fit in this reply / region: ask again
-TOO_SMALL = -3  # the destination capacity is smaller than the object
+# Get result sizes below zero, on the wire as their values (``kvgate.types.SizeCode``)
+MISS = int(SizeCode.MISS)
+NOT_DONE = int(SizeCode.NOT_DONE)
+TOO_SMALL = int(SizeCode.TOO_SMALL)
 
-Retention = Literal["none", "short", "long"]
+# Retention on the wire: its name (``kvgate.types.Retention``; the gateway parses it at the edge)
+WireRetention = Literal["none", "short", "long"]
 
 
 class ErrorCode:
@@ -89,7 +92,7 @@ class Put(_Msg, tag="put"):
     sizes: list[int] = []
     region: int = INLINE
     offsets: list[int] | None = None
-    retention: Retention = "long"
+    retention: WireRetention = "long"
     dialog: bytes | None = None
     position: int = -1  # position of keys[0] in its dialog; keys are consecutive
 
@@ -149,9 +152,21 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats]
+CARD_ACTIONS = ("list", "add", "drain", "undrain", "remove")
+
+
+class Cards(_Msg, tag="cards"):
+    """List or change the card set (an admin session on the local listener only)."""
+
+    action: Literal["list", "add", "drain", "undrain", "remove"] = "list"
+    target: str = ""  # add: a directory or Redis URL; otherwise a card's serial
+    now: bool = False  # drain: leave at once, without copying what it holds
+
+
+Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats,
+                Cards]
 REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "hold", "release",
-               "mark", "clean", "stats")
+               "mark", "clean", "stats", "cards")
 
 # ---- replies ------------------------------------------------------------------
 
@@ -204,7 +219,15 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: dict = {}
 
 
-Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, MarkReply, StatsReply]
+class CardsReply(_Msg, tag="cards_reply"):
+    generation: int = 0  # changes of the card set since the gateway started
+    fingerprint: str = ""  # the key layout now
+    cards: list[dict] = []  # one row per card, as in the stats
+    message: str = ""  # what the change did
+
+
+Reply = Union[Error, HelloReply, RegionReply, PutReply, GetReply, CountReply, ExistsReply, MarkReply, StatsReply,
+              CardsReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

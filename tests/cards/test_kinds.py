@@ -8,6 +8,7 @@ import pytest
 
 from kvgate.cards import DirectoryCard, RedisCard, expand, is_redis, make_card
 from kvgate.config import DEFAULT_CARD, Config
+from kvgate.keys import full_key
 
 
 @pytest.mark.parametrize("location", ["redis://127.0.0.1:6379", "rediss://h:6380/2", "unix:///run/redis.sock"])
@@ -36,3 +37,13 @@ def test_expand_lists_the_directories_a_glob_matches_now(tmp_path: Path) -> None
     assert expand(str(tmp_path / "card-*")) == [str(tmp_path / f"card-{n}") for n in "abc"]
     assert expand(str(tmp_path / "none-*")) == []
     assert expand(str(tmp_path / "missing")) == [str(tmp_path / "missing")]
+
+
+def test_every_kind_puts_a_key_in_the_same_shard(tmp_path: Path) -> None:
+    directory = DirectoryCard(str(tmp_path / "card"), num_dbs=4)
+    redis = RedisCard("redis://127.0.0.1:1", num_dbs=4)
+    for i in range(32):
+        k = full_key(b"ns", b"key-%d" % i)
+        db, name = directory.object_place(k)
+        assert directory.object_path(k) == str(tmp_path / "card" / f"db{db:02d}" / name[:2] / name)
+        assert redis.object_key(k) == b"kvgate:o:%d:%s" % (db, name.encode())

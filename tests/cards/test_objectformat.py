@@ -27,6 +27,7 @@ from kvgate.cards.objectformat import (
     pack_header,
     padded_size,
     parse_header,
+    peek_header,
 )
 from kvgate.keys import NO_DIALOG, dialog_digest, full_key
 
@@ -223,3 +224,30 @@ def test_buffer_too_small_carries_needed() -> None:
     exc = BufferTooSmall(12345)
     assert exc.needed == 12345
     assert "12345" in str(exc)
+
+
+def test_peek_header_reads_more_only_for_a_header_longer_than_its_start() -> None:
+    key = full_key(b"tenant", b"k" * 300)
+    obj = pack_header(key, 50, 1234, META) + bytes(50)
+    reads: list[int] = []
+
+    def read_head(n: int) -> bytes:
+        reads.append(n)
+        return obj[:n]
+
+    assert peek_header(obj[:FIXED_SIZE + 400], len(obj), read_head).full_key == key
+    assert reads == []
+    header = peek_header(obj[:FIXED_SIZE + 16], len(obj), read_head)
+    assert (header.full_key, header.payload_len, header.meta) == (key, 50, META)
+    assert reads == [header_size(key)]
+
+
+def test_peek_header_checks_the_object_size_and_never_reads_past_the_object() -> None:
+    obj = pack_header(KEY, 50, 1234, META) + bytes(50)
+    with pytest.raises(ObjectCorrupt, match="object file is 40 bytes, its header says"):
+        peek_header(obj, 40, pytest.fail, "object file")
+    with pytest.raises(ObjectCorrupt, match="^object is 200 bytes"):
+        peek_header(obj, 200, pytest.fail)
+    # A header longer than the whole object is corrupt without a second read.
+    with pytest.raises(ObjectCorrupt):
+        peek_header(obj[:FIXED_SIZE], FIXED_SIZE + 1, pytest.fail)

@@ -97,7 +97,9 @@ def test_deleted_without_dialog_is_gone_everywhere(tmp_path: Path, gateway_facto
 
 
 def test_expired_objects_are_misses_everywhere(tmp_path: Path, gateway_factory) -> None:
-    gw = gateway_factory(["--ttl", "2s"])
+    # A ttl long enough that a restart on a loaded machine ends well inside it.
+    ttl = 5.0
+    gw = gateway_factory(["--ttl", f"{ttl:.0f}s"])
     indexed = [b"indexed-%d" % i for i in range(8)]  # found by the start-up scan, then expire
     in_ram = [b"in-ram-%d" % i for i in range(8)]  # in RAM and indexed when they expire
     with gw.client() as c:
@@ -105,8 +107,9 @@ def test_expired_objects_are_misses_everywhere(tmp_path: Path, gateway_factory) 
     restart(gw)
     with gw.client() as c:
         assert all(c.put_many(in_ram, [blob(k) for k in in_ram]))
+        last_put = time.monotonic()
         assert c.lookup(indexed) == 8 and c.lookup(in_ram) == 8
-    time.sleep(3.2)  # 1 s past the ttl of the last of them
+    time.sleep(max(0.0, last_put + ttl + 1 - time.monotonic()))  # 1 s past the ttl of the last of them
     for keys in (indexed, in_ram):
         assert answers(gw, keys, None) == (0, [False] * 8, [False] * 8)
         with gw.client() as c:
@@ -115,8 +118,9 @@ def test_expired_objects_are_misses_everywhere(tmp_path: Path, gateway_factory) 
     stale = [b"stale-%d" % i for i in range(8)]  # expire while no gateway runs
     with gw.client() as c:
         assert all(c.put_many(stale, [blob(k) for k in stale]))
+        last_put = time.monotonic()
     gw.stop()
-    time.sleep(3.2)
+    time.sleep(max(0.0, last_put + ttl + 1 - time.monotonic()))
     gw.start()
     assert int(wait_log(gw, r"; (\d+) objects past the ttl deleted").group(1)) >= 8
     assert answers(gw, stale, None) == (0, [False] * 8, [False] * 8)

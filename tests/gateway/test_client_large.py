@@ -41,7 +41,8 @@ def test_an_object_larger_than_the_session_region_reads_and_writes_over_the_unix
     big, small, other = os.urandom(3 * MIB), os.urandom(100_000), os.urandom(MIB + 7)
     with Client.connect(tcp, namespace=NS, engine_id=ENGINE) as t, \
             Client.connect(gw.socket, namespace=NS, engine_id=ENGINE) as u:
-        assert u._session is not None and u._session.size == MIB
+        with u._session as session:
+            assert session.transport.session_region is not None and session.transport.session_region.size == MIB
         assert t.put_many([b"big"], [big]) == [True]
         # packed: alone, and between objects that fit the region
         assert u.get_many([b"big"]) == [big]

@@ -2,17 +2,17 @@
 
 The gateway reads a frame body into a buffer of its own with ``recv_into``;
 the client receives each object of a get reply straight into the caller's
-buffer, skipping the gaps between packed results.  These tests pin down what
-that must not break: bodies that arrive in pieces, pipelined frames sharing one
-``recv``, gaps and too-small buffers, the connection limit, and a stop while a
-body is half received.
+buffer, skipping the gaps between packed results (against a scripted
+gateway: tests/test_client.py).  These tests pin down what that must not
+break: bodies that arrive in pieces, pipelined frames sharing one ``recv``,
+too-small buffers, the connection limit, and a stop while a body is half
+received.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import pytest
@@ -22,72 +22,6 @@ from kvgate import protocol as p
 from kvgate.client import Client, ObjectTooLarge
 
 pytestmark = [pytest.mark.timeout(60)]
-
-
-# ---- the client against a scripted gateway --------------------------------------------------
-
-
-def _scripted_gateway(sock: socket.socket, body: bytes, sizes: list[int], offsets: list[int]) -> threading.Thread:
-    """Answers every request on ``sock`` with the same packed get reply."""
-
-    def recv_exact(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError
-            buf += chunk
-        return bytes(buf)
-
-    def serve() -> None:
-        try:
-            while True:
-                _kind, hlen, blen = p.parse_preamble(recv_exact(p.PREAMBLE_SIZE), 1 << 30)
-                req = p.decode_request(recv_exact(hlen))
-                recv_exact(blen)
-                frame = p.encode_frame(p.GetReply(id=req.id, sizes=sizes, offsets=offsets), len(body), p.KIND_REPLY)
-                for i in range(0, len(frame + body), 3):  # in small pieces: every read must go on where it stopped
-                    sock.sendall((frame + body)[i : i + 3])
-        except (ConnectionError, OSError):
-            pass
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    return t
-
-
-def test_packed_reply_is_received_into_the_buffers_around_gaps() -> None:
-    a, b = socket.socketpair()
-    # hit of 5 at 0, a 3-byte gap, a miss, hit of 4 at 8, a 2-byte gap, an empty hit at 14, a 6-byte gap at the end
-    body = b"AAAAA" + b"xxx" + b"BBBB" + b"yy" + b"zzzzzz"
-    _scripted_gateway(b, body, sizes=[5, p.MISS, 4, 0], offsets=[0, 0, 8, 14])
-    with a, b:
-        c = Client(a, local=False)
-        keys = [b"a", b"b", b"c", b"d"]
-        dst = [bytearray(8), bytearray(b"\x01" * 8), bytearray(4), bytearray(1)]
-        got = c.get_many(keys, into=dst)
-        assert [None if g is None else bytes(g) for g in got] == [b"AAAAA", None, b"BBBB", b""]
-        assert dst == [bytearray(b"AAAAA\0\0\0"), bytearray(b"\x01" * 8), bytearray(b"BBBB"), bytearray(1)]
-        # a buffer too small for its object: the error names it, and the stream stays in step
-        with pytest.raises(ObjectTooLarge) as ei:
-            c.get_many(keys, into=[bytearray(8), bytearray(8), bytearray(3), bytearray(1)])
-        assert (ei.value.index, ei.value.needed) == (2, 4)
-        assert not c.broken
-        # a read-only destination is refused before anything is sent
-        with pytest.raises(TypeError):
-            c.get_many(keys, into=[b"12345678", bytearray(8), bytearray(8), bytearray(8)])
-        assert not c.broken
-        assert c.get_many(keys) == [b"AAAAA", None, b"BBBB", b""]
-
-
-def test_a_reply_placing_bytes_outside_its_body_breaks_the_client() -> None:
-    a, b = socket.socketpair()
-    _scripted_gateway(b, b"AAAA", sizes=[4, 4], offsets=[0, 2])  # overlapping results
-    with a, b:
-        c = Client(a, local=False)
-        with pytest.raises(ConnectionError):
-            c.get_many([b"a", b"b"], into=[bytearray(4), bytearray(4)])
-        assert c.broken
 
 
 # ---- a real gateway over TCP ------------------------------------------------------------------

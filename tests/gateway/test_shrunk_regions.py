@@ -50,8 +50,7 @@ def _still_serves(gw, stored: dict[bytes, bytes]) -> None:
 
 def _raw(c, msg):
     """One request as the wire carries it: the client library would itself touch the vanished pages."""
-    with c._lock:
-        return c._call_locked(msg)
+    return c._request(msg)
 
 
 @RAM

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.cards import Header, ObjectMeta
+from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, full_key
 from kvgate.tiers import mover
@@ -54,7 +54,7 @@ async def _read_all(cards: CardSet, d: int, keys: list[bytes]) -> int:
             break
         dest = memoryview(bytearray(SIZE))
         (r,) = await mc.read([(k, dest)])
-        if not isinstance(r, Header):
+        if r.header is None:
             break
         assert dest.tobytes() == _payload(k), "a wrong byte"
         n += 1
@@ -134,6 +134,34 @@ def test_adding_a_card_in_use_or_missing_says_why(tmp_path: Path) -> None:
             with pytest.raises(CardChangeError, match="cannot be used"):
                 await cards.add(str(tmp_path / "missing"))
             assert len(cards.cards) == 1 and cards.generation == 0
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())
+
+
+def test_a_new_device_list_adds_and_drains(tmp_path: Path, monkeypatch) -> None:
+    """What SIGHUP applies: entries new to storage_devices join, entries gone from it drain and leave."""
+    monkeypatch.setattr(mover, "RETRY_S", 0.05)
+
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a", "b"])
+        try:
+            dialogs = {d: await _write_dialog(cards, d) for d in range(20)}
+            (tmp_path / "c").mkdir()
+            (tmp_path / "d").mkdir()
+            a = str(tmp_path / "a")
+            problems = await cards.apply_devices([str(tmp_path / "b"), str(tmp_path / "[cd]"),
+                                                  str(tmp_path / "later")])
+            assert problems == []
+            assert sorted(mc.location for mc in cards.cards if not cards.is_draining(mc)) == [
+                str(tmp_path / n) for n in "bcd"]
+            assert [mc.pattern for mc in cards.pending] == [str(tmp_path / "later")]
+            await _settle(cards)
+            assert a not in [mc.location for mc in cards.cards], "the entry gone drained and left"
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 20
+            await cards.apply_devices([str(tmp_path / "b"), str(tmp_path / "[cd]")])
+            assert cards.pending == []
         finally:
             await cards.stop()
 

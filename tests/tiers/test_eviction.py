@@ -16,10 +16,10 @@ from kvgate.tiers.eviction import (
     LruPolicy,
     PrefixPolicy,
     RecentKeys,
-    Retention,
     Segment,
     make_policy,
 )
+from kvgate.types import Retention
 
 
 def dlg(n: int) -> bytes:

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvgate.cards import Header, ObjectMeta
+from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.tiers.io import KeyOrder
 from kvgate.tiers.cardset import CardSet
@@ -103,7 +103,7 @@ async def _put(tier: CardSet, key: bytes, fill: int, size: int) -> bool:
 async def _read(tier: CardSet, key: bytes, size: int) -> bytes | None:
     dest = bytearray(size)
     (r,) = await tier.cards[0].read([(key, memoryview(dest))])
-    return bytes(dest) if isinstance(r, Header) else None
+    return bytes(dest) if r.header is not None else None
 
 
 def test_a_rewrite_after_an_eviction_is_not_deleted_by_it(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
 from kvgate.config import Config
+from kvgate.types import Retention
 from kvgate.tiers.io import CardIo, IoPool, IoTimeout
 from kvgate.tiers.card import ManagedCard
 from tests.tiers.common import serving_card
@@ -68,7 +69,7 @@ class Slowed:
 async def _read_late(cs: ManagedCard, key: bytes, dest: memoryview, slowed: Slowed) -> None:
     """Read with a deadline that passes; dest must be untouched at the answer and after the read ended."""
     (res,) = await cs.read([(key, dest)])
-    assert isinstance(res, IoTimeout), res  # the answer: a miss
+    assert isinstance(res.error, IoTimeout), res  # the answer: a miss
     assert not any(dest), "bytes landed before the answer"
     assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
     await asyncio.sleep(0.1)
@@ -133,7 +134,7 @@ def test_a_redis_read_stalled_past_its_deadline_writes_nothing(server_factory) -
             srv.pause()
             try:
                 (res,) = await cs.read([(key, dest)])
-                assert isinstance(res, IoTimeout), res
+                assert isinstance(res.error, IoTimeout), res
                 assert not any(dest), "bytes landed before the answer"
             finally:
                 srv.resume()
@@ -165,13 +166,13 @@ def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tm
         store = TieredStore(cfg, IoPool(1))
         await store.start()
         try:
-            assert await store.put([PutItem(b"old", memoryview(old), meta)], "long") == [True]
+            assert await store.put([PutItem(b"old", memoryview(old), meta)], Retention.LONG) == [True]
             store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
             slowed = Slowed(store.long.cards[0].card, "_read_buffered")
             assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
             assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
             # The next object of the same size gets the same pages.
-            assert await store.put([PutItem(b"new", memoryview(new), meta)], "short") == [True]
+            assert await store.put([PutItem(b"new", memoryview(new), meta)], Retention.SHORT) == [True]
             assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
             await asyncio.sleep(0.1)
             dest = memoryview(bytearray(SIZE))

@@ -45,8 +45,8 @@ def test_a_shrunk_destination_fails_the_read_and_not_the_card(card: DirectoryCar
                         await cs.read([(b"k", dest)])
                 assert cs.health.strikes == 0 and cs.health.errors == 0 and cs.active
                 ok = memoryview(bytearray(SIZE))
-                (header,) = await cs.read([(b"k", ok)])
-                assert header.payload_len == SIZE and ok.tobytes() == bytes([7]) * SIZE
+                (r,) = await cs.read([(b"k", ok)])
+                assert r.header.payload_len == SIZE and ok.tobytes() == bytes([7]) * SIZE
             finally:
                 cs.io.shutdown(wait=True)
 

@@ -51,6 +51,7 @@ from collections.abc import Collection
 from typing import Any, Callable, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
+from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards")
@@ -203,11 +204,20 @@ class SnapshotWriter(ABC):
 
 
 class Card(ABC):
+    """One medium of the long tier, whatever its kind (the contract is the module's).
+
+    The long tier calls every method that touches the medium from a card's
+    I/O threads, never from the event loop; ``object_place``, ``named_place``,
+    ``reserve_bytes`` and ``why_empty`` do no I/O and run anywhere.
+    """
+
     kind: ClassVar[str]
     # Whether prepare_reads does anything: lookups hand keys only to kinds that use them.
     prepares_reads: ClassVar[bool] = False
 
     def __init__(self, location: str, num_dbs: int = 1):
+        if num_dbs < 1:
+            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         self.location = location
         self.display_location = location  # as logs and status show it (kinds with secrets in it redact)
         self.num_dbs = num_dbs
@@ -217,6 +227,19 @@ class Card(ABC):
         # the long tier adds them to the corrupt-objects counter after each scan.
         self.scan_corrupt = 0
         self.claimed: bool | None = None  # None: not claimed; else whether shared
+
+    def object_place(self, full_key: bytes) -> tuple[int, str]:
+        """Where the object of ``full_key`` goes: which of the ``num_dbs`` shards, and its name there.
+
+        The name is the hex digest of the full key (fixed-size, safe whatever
+        the key holds); the shard comes from the same digest, the same way
+        for every kind, so one key layout fingerprint covers them all.
+        """
+        return self.named_place(key_digest(full_key))
+
+    def named_place(self, digest: bytes) -> tuple[int, str]:
+        """``object_place`` of the object whose key digest is ``digest``."""
+        return int.from_bytes(digest[:4], "little") % self.num_dbs, digest.hex()
 
     @abstractmethod
     def open(self) -> str:

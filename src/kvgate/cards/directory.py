@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from kvgate.cards.base import (
@@ -89,6 +90,7 @@ from kvgate.cards.objectformat import (
     pack_header,
     padded_size,
     parse_header,
+    peek_header,
 )
 from kvgate.heads import decode_ids, encode_ids
 from kvgate.keys import key_digest
@@ -125,9 +127,6 @@ _OBJECT_RE = re.compile(r"[0-9a-f]{32}")
 # Scan reads this much in one go: the fixed header plus a generous key, so
 # nearly every header needs one pread.  Longer keys get a second, exact read.
 _SCAN_READ = FIXED_SIZE + 1024
-# The header length field is 32 bits, but the key length field is 16: a
-# header can never honestly be longer than this.
-_MAX_HEADER = FIXED_SIZE + 0xFFFF
 
 # Errors that say the card (its filesystem or mount), not one object, is in
 # trouble.  Everything else is left as a plain OSError for the caller to count.
@@ -230,8 +229,6 @@ class DirectoryCard(Card):
 
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
-        if num_dbs < 1:
-            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
         super().__init__(location, num_dbs)
         self.sync_writes = sync_writes
         # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
@@ -252,10 +249,8 @@ class DirectoryCard(Card):
             raise CardUnavailable(errno.ENOENT, "card directory does not exist and is not created (it would fill "
                                   "the filesystem underneath a missing mount): create the directory or mount its "
                                   "filesystem, or set create_card_dirs: true", self.location)
-        try:
+        with self._card_errors("cannot create card directory"):
             os.makedirs(self.location, exist_ok=True)
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot create card directory: {exc.strerror}", self.location) from exc
         serial = self._read_label(missing_ok=True)
         if serial is None:
             serial = self._create_label()
@@ -269,10 +264,8 @@ class DirectoryCard(Card):
 
     def check_writable(self) -> None:
         probe = f"{self._label_path}{_TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
-        try:
+        with self._card_errors("card takes no writes"):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"card takes no writes: {exc.strerror}", self.location) from exc
         _unlink_quiet(probe)
 
     # ------------------------------------------------------------------ claim
@@ -352,23 +345,22 @@ class DirectoryCard(Card):
     def _read_label(self, missing_ok: bool) -> str | None:
         """One open + read: the health probe runs often, on every card."""
         path = self._label_path
+        with self._card_errors("cannot open card label", path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if missing_ok:
+                    return None
+                raise CardUnavailable(errno.ENOENT, "card label is missing (card gone or not a kvgate card)",
+                                      path) from None
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            if missing_ok:
-                return None
-            raise CardUnavailable(errno.ENOENT, "card label is missing (card gone or not a kvgate card)", path) from None
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot open card label: {exc.strerror}", path) from exc
-        try:
-            raw = b""
-            while len(raw) <= LABEL_MAX:
-                chunk = os.read(fd, LABEL_MAX + 1 - len(raw))
-                if not chunk:
-                    break
-                raw += chunk
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot read card label: {exc.strerror}", path) from exc
+            with self._card_errors("cannot read card label", path):
+                raw = b""
+                while len(raw) <= LABEL_MAX:
+                    chunk = os.read(fd, LABEL_MAX + 1 - len(raw))
+                    if not chunk:
+                        break
+                    raw += chunk
         finally:
             os.close(fd)
         return self._parse_label(raw)
@@ -386,24 +378,21 @@ class DirectoryCard(Card):
         data = new_label()
         tmp = f"{self._label_path}{_TEMP_MARK}{uuid.uuid4().hex}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _pwrite_all(fd, data, 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, self._label_path)
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                if exc.errno not in _NO_LINK_ERRNOS:
-                    raise
-                return self._create_label_without_link(data)
-        except CardUnavailable:
-            raise
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot create card label: {exc.strerror}", self._label_path) from exc
+            with self._card_errors("cannot create card label", self._label_path):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    _pwrite_all(fd, data, 0)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp, self._label_path)
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK_ERRNOS:
+                        raise
+                    return self._create_label_without_link(data)
         finally:
             _unlink_quiet(tmp)
         _fsync_dir(self.location)
@@ -448,11 +437,8 @@ class DirectoryCard(Card):
 
     def named_path(self, digest: bytes) -> str:
         """Where the object named ``digest`` lives."""
-        name = digest.hex()
-        return os.path.join(self.location, self._db_names[self._db_of(digest)], name[:2], name)
-
-    def _db_of(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:4], "little") % self.num_dbs
+        db, name = self.named_place(digest)
+        return os.path.join(self.location, self._db_names[db], name[:2], name)
 
     def _location_missing(self) -> CardUnavailable | None:
         """Tell "no such object" from "no such card" after an ENOENT.
@@ -467,19 +453,45 @@ class DirectoryCard(Card):
             return CardUnavailable(errno.ENOTDIR, "card location is not a directory", self.location)
         return None
 
-    def _card_error(self, exc: OSError) -> CardUnavailable | None:
-        """The CardUnavailable that ``exc`` stands for, or None if it is about one object."""
-        if isinstance(exc, CardUnavailable):  # already says so; the caller re-raises it as is
-            return None
+    @contextmanager
+    def _card_errors(self, failed: str | None = None, where: str | None = None) -> Iterator[None]:
+        """Let the OSErrors of the block that say the card is in trouble leave as ``CardUnavailable``.
+
+        Without ``failed``, ``_raise_card_error`` tells which: one about a
+        single object leaves as it came, for the caller to judge (a miss, a
+        file to skip).  With it, the block's work is the card's own (its
+        label, its directory), so every one does, as "<failed>: <strerror>"
+        naming ``where`` (the card directory when None).  A
+        ``CardUnavailable`` raised in the block leaves as it is.
+        """
+        try:
+            yield
+        except CardUnavailable:
+            raise
+        except OSError as exc:
+            if failed is not None:
+                raise CardUnavailable(exc.errno, f"{failed}: {exc.strerror}", where or self.location) from exc
+            self._raise_card_error(exc)
+            raise
+
+    def _raise_card_error(self, exc: OSError) -> None:
+        """Raise the CardUnavailable that ``exc`` stands for; return when it is about one object.
+
+        A ``CardUnavailable`` already says so: it is left to the caller.
+        """
+        if isinstance(exc, CardUnavailable):
+            return
         if exc.errno == errno.ENOENT:
-            return self._location_missing()
-        if exc.errno in (errno.EACCES, errno.EPERM) and self._label_readable():
+            missing = self._location_missing()
+            if missing is not None:
+                raise missing from exc
+        elif exc.errno in (errno.EACCES, errno.EPERM) and self._label_readable():
             # One file another user wrote (a shared card): that object's
             # problem, not a reason to take the whole card out of service.
-            return None
-        if exc.errno in _CARD_ERRNOS:
-            return CardUnavailable(exc.errno, f"card is not usable: {exc.strerror}", exc.filename or self.location)
-        return None
+            return
+        elif exc.errno in _CARD_ERRNOS:
+            raise CardUnavailable(exc.errno, f"card is not usable: {exc.strerror}",
+                                  exc.filename or self.location) from exc
 
     def _label_readable(self) -> bool:
         try:
@@ -527,29 +539,17 @@ class DirectoryCard(Card):
         view = byte_view(dest)
         path = self.object_path(full_key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            with self._card_errors():
+                fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            missing = self._location_missing()
-            if missing is not None:
-                raise missing from None
             raise ObjectMissing(f"no object {key_digest(full_key).hex()}") from None
-        except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
-            raise
         try:
-            try:
+            with self._card_errors():
                 return self._read_verified(fd, full_key, view, guard or Abandon())
-            except ObjectCorrupt as exc:
-                exc.add_note(f"deleted corrupt object {path}")
-                self._discard(path, fd)
-                raise
-            except OSError as exc:
-                unavailable = self._card_error(exc)
-                if unavailable is not None:
-                    raise unavailable from exc
-                raise
+        except ObjectCorrupt as exc:
+            exc.add_note(f"deleted corrupt object {path}")
+            self._discard(path, fd)
+            raise
         finally:
             os.close(fd)
 
@@ -683,34 +683,31 @@ class DirectoryCard(Card):
         # Padded: the payload at a block-aligned offset, for direct reads
         poff = padded_size(header_size(full_key))
         plen = len(view)
-        try:
-            fd = self._create_temp(tmp)
+        with self._card_errors():
             try:
-                hasher = payload_hasher()
-                for off in range(0, plen, CHECKSUM_PIECE):
-                    if still_wanted is not None and not still_wanted():
-                        raise WriteAbandoned(self.location)
-                    piece = view[off : off + CHECKSUM_PIECE]
-                    hasher.update(piece)
-                    _pwrite_all(fd, piece, poff + off)
-                header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
-                if len(header) != poff:  # pack_header and padded_size must agree
-                    raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
-                _pwrite_all(fd, header, 0)
-                if self.sync_writes:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if still_wanted is not None and not still_wanted():
-                raise WriteAbandoned(self.location)
-            os.rename(tmp, final)
-        except BaseException as exc:
-            _unlink_quiet(tmp)
-            if isinstance(exc, OSError):
-                unavailable = self._card_error(exc)
-                if unavailable is not None:
-                    raise unavailable from exc
-            raise
+                fd = self._create_temp(tmp)
+                try:
+                    hasher = payload_hasher()
+                    for off in range(0, plen, CHECKSUM_PIECE):
+                        if still_wanted is not None and not still_wanted():
+                            raise WriteAbandoned(self.location)
+                        piece = view[off : off + CHECKSUM_PIECE]
+                        hasher.update(piece)
+                        _pwrite_all(fd, piece, poff + off)
+                    header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
+                    if len(header) != poff:  # pack_header and padded_size must agree
+                        raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
+                    _pwrite_all(fd, header, 0)
+                    if self.sync_writes:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if still_wanted is not None and not still_wanted():
+                    raise WriteAbandoned(self.location)
+                os.rename(tmp, final)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
         if self.sync_writes:
             _fsync_dir(os.path.dirname(final))
         return poff + plen
@@ -743,17 +740,10 @@ class DirectoryCard(Card):
         """``not_before_ns`` is compared with the file's mtime: the rename that published it, just after the
         object's creation time, so an object a few milliseconds past a ``ttl`` may still count."""
         try:
-            st = os.stat(self.object_path(full_key))
+            with self._card_errors():
+                st = os.stat(self.object_path(full_key))
         except FileNotFoundError:
-            missing = self._location_missing()
-            if missing is not None:
-                raise missing from None
             return False
-        except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
-            raise
         return not_before_ns is None or st.st_mtime_ns >= not_before_ns
 
     def delete(self, full_key: bytes) -> bool:
@@ -761,17 +751,10 @@ class DirectoryCard(Card):
 
     def delete_named(self, digest: bytes) -> bool:
         try:
-            os.unlink(self.named_path(digest))
+            with self._card_errors():
+                os.unlink(self.named_path(digest))
         except FileNotFoundError:
-            missing = self._location_missing()
-            if missing is not None:
-                raise missing from None
             return False
-        except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
-            raise
         return True
 
     # --------------------------------------------------------- whole-card ops
@@ -783,17 +766,11 @@ class DirectoryCard(Card):
         (a generator that may be paused for long) resumes.
         """
         try:
-            with os.scandir(path) as it:
-                return sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            if path == self.location:
-                raise CardUnavailable(exc.errno, f"cannot list card directory: {exc.strerror}", path) from exc
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                return []
-            raise
+            with self._card_errors("cannot list card directory" if path == self.location else None, path):
+                with os.scandir(path) as it:
+                    return sorted(it, key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def _leaf_dirs(self) -> Iterator[str]:
         for _db, _fan, path in self._leaves():
@@ -826,7 +803,7 @@ class DirectoryCard(Card):
                 if not _OBJECT_RE.fullmatch(name) or entry.path in relocated:
                     continue
                 digest = bytes.fromhex(name)
-                if name[:2] != fan or db != (self._db_of(digest) if self.num_dbs > 1 else 0):
+                if name[:2] != fan or db != self.named_place(digest)[0]:
                     if not self._relocate(entry.path, self.named_path(digest), relocated):
                         continue
                 batch.append(digest)
@@ -864,9 +841,7 @@ class DirectoryCard(Card):
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
+            self._raise_card_error(exc)
             _unlink_quiet(path)
             return None
         try:
@@ -874,14 +849,7 @@ class DirectoryCard(Card):
             # A header is all scan wants: without this, readahead would pull ~128 KiB of
             # every object into the page cache at start.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            buf = os.pread(fd, _SCAN_READ, 0)
-            if len(buf) >= 12:
-                hlen = int.from_bytes(buf[8:12], "little")
-                if len(buf) < hlen <= _MAX_HEADER:
-                    buf = os.pread(fd, hlen, 0)
-            header = parse_header(buf, expect_key=None)
-            if size != header.object_size:
-                raise ObjectCorrupt(f"object file is {size} bytes, its header says {header.object_size}")
+            header = peek_header(os.pread(fd, _SCAN_READ, 0), size, lambda n: os.pread(fd, n, 0), "object file")
             if key_digest(header.full_key).hex() != name:
                 raise ObjectCorrupt("object file name does not match the key inside")
         except ObjectTooNew as exc:
@@ -892,9 +860,7 @@ class DirectoryCard(Card):
             self.scan_corrupt += 1
             return None
         except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
+            self._raise_card_error(exc)
             self._discard(path, fd)
             return None
         finally:
@@ -917,9 +883,7 @@ class DirectoryCard(Card):
                 self._make_dirs(os.path.dirname(home))
                 os.rename(path, home)
         except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
+            self._raise_card_error(exc)
             return False
         relocated.add(home)
         return True
@@ -940,9 +904,8 @@ class DirectoryCard(Card):
                 try:
                     os.unlink(entry.path)
                 except OSError as exc:
-                    unavailable = self._card_error(exc) if exc.errno != errno.ENOENT else None
-                    if unavailable is not None:
-                        raise unavailable from exc
+                    if exc.errno != errno.ENOENT:
+                        self._raise_card_error(exc)
                     continue
                 deleted += is_object
         return deleted
@@ -950,28 +913,19 @@ class DirectoryCard(Card):
     def snapshot_writer(self) -> SnapshotWriter:
         path = os.path.join(self.location, SNAPSHOT_NAME)
         now = time.time()
-        try:
-            with os.scandir(self.location) as it:
-                for entry in it:  # a snapshot a dead gateway was writing
-                    if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
-                        self._reap_temp(entry, now)
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot list card directory: {exc.strerror}", self.location) from exc
+        with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
+            for entry in it:  # a snapshot a dead gateway was writing
+                if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
+                    self._reap_temp(entry, now)
         return _FileSnapshotWriter(path, f"{path}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 
     def read_snapshot(self) -> bytes | None:
-        path = os.path.join(self.location, SNAPSHOT_NAME)
         try:
-            with open(path, "rb") as f:
+            with self._card_errors(), open(os.path.join(self.location, SNAPSHOT_NAME), "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            unavailable = self._card_error(exc)
-            if unavailable is not None:
-                raise unavailable from exc
-            raise
 
     def drop_snapshot(self) -> None:
         _unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
@@ -1007,10 +961,8 @@ class DirectoryCard(Card):
                 "direct_read_bytes_per_second": self.cached_reads.direct_rate or 0.0}
 
     def free_bytes(self) -> int:
-        try:
+        with self._card_errors("cannot stat card filesystem"):
             st = os.statvfs(self.location)
-        except OSError as exc:
-            raise CardUnavailable(exc.errno, f"cannot stat card filesystem: {exc.strerror}", self.location) from exc
         return st.f_bavail * st.f_frsize
 
     def reserve_bytes(self, card_reserve: int) -> int:

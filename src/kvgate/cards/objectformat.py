@@ -46,6 +46,7 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import xxhash
 
@@ -57,6 +58,9 @@ _FIXED = struct.Struct("<4sHHIHHQQq16sQ")  # everything before the header hash
 _HCHECK = struct.Struct("<Q")
 FIXED_SIZE = _FIXED.size + _HCHECK.size  # 72
 assert FIXED_SIZE == 72
+# The header length field is 32 bits, but the key length field is 16: a
+# header can never honestly be longer than this.
+MAX_HEADER = FIXED_SIZE + 0xFFFF
 
 # Payload hashes run piece by piece, right after each piece is read or before
 # it is written, while the piece is still in the CPU cache: one pass over
@@ -172,6 +176,26 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
         raise ObjectCorrupt("object holds another key")
     poff = padded_size(hlen) if flags & FLAG_PADDED else hlen
     return Header(hlen, plen, phash, ObjectMeta(bytes(dialog), position, created), key, poff)
+
+
+def peek_header(start: bytes, object_size: int, read_head: Callable[[int], bytes], what: str = "object") -> Header:
+    """The header of a stored ``object_size``-byte object of any key, checked, and no byte of its payload.
+
+    Scans look at every object this way.  ``start``: the object's first
+    bytes, from one read sized to hold nearly every header;
+    ``read_head(n)``: its first ``n`` bytes, called only for a header longer
+    than ``start``.  ``what`` names the object in the message of a size
+    that is not the header's.  Raises ObjectCorrupt, ObjectTooNew.
+    """
+    buf = start
+    if len(buf) >= 12:
+        hlen = int.from_bytes(buf[8:12], "little")  # the header length field (see the layout)
+        if len(buf) < hlen <= min(object_size, MAX_HEADER):
+            buf = read_head(hlen)
+    header = parse_header(buf, expect_key=None)
+    if object_size != header.object_size:
+        raise ObjectCorrupt(f"{what} is {object_size} bytes, its header says {header.object_size}")
+    return header
 
 
 def payload_hasher() -> "xxhash.xxh3_64":

@@ -125,6 +125,7 @@ from kvgate.cards.objectformat import (
     header_size,
     pack_header,
     parse_header,
+    peek_header,
 )
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
@@ -153,7 +154,6 @@ OBJECT_MATCH = OBJECT_PREFIX + b"*"
 # The longest honest header: fixed part + length byte + namespace + key.
 # Scan reads this much of each value, so one GETRANGE covers every header.
 _SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
-_MAX_HEADER = FIXED_SIZE + 0xFFFF
 _SCAN_COUNT = 1000  # SCAN COUNT hint
 _SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
 _UNLINK_BATCH = 500  # keys per UNLINK in clean()
@@ -332,11 +332,9 @@ class RedisCard(Card):
                  ttl_s: float | None = None):
         """``ttl_s``: objects expire in the server that long after their creation (the gateway's ``ttl``), so
         ``exists`` of an object the gateway has not indexed agrees with the ttl too."""
-        if num_dbs < 1:
-            raise ValueError(f"num_dbs must be at least 1, got {num_dbs}")
+        super().__init__(location, num_dbs)
         if io_timeout_ms < 1:
             raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
-        super().__init__(location, num_dbs)
         self.io_timeout_ms = io_timeout_ms
         self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
         self.display_location = _redact(location)
@@ -603,7 +601,8 @@ class RedisCard(Card):
 
     def named_key(self, digest: bytes) -> bytes:
         """The Redis key of the object named ``digest``."""
-        return self._prefixes[int.from_bytes(digest[:4], "little") % self.num_dbs] + digest.hex().encode()
+        db, name = self.named_place(digest)
+        return self._prefixes[db] + name.encode()
 
     def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
         plen = len(view)
@@ -896,15 +895,15 @@ class RedisCard(Card):
         if size == 0:  # deleted since it was listed (or an empty value, garbage either way)
             self._discard(name, b"")
             return None
+
+        def read_head(n: int) -> bytes:
+            nonlocal buf  # _discard compares what the header was read from
+            with self._io():
+                buf = self._r.getrange(name, 0, n - 1)
+            return buf
+
         try:
-            if len(buf) >= 12:
-                hlen = int.from_bytes(buf[8:12], "little")
-                if len(buf) < hlen <= min(size, _MAX_HEADER):
-                    with self._io():
-                        buf = self._r.getrange(name, 0, hlen - 1)
-            header = parse_header(buf, expect_key=None)
-            if size != header.object_size:
-                raise ObjectCorrupt(f"object is {size} bytes, its header says {header.object_size}")
+            header = peek_header(buf, size, read_head)
             if self.object_key(header.full_key) != name:
                 raise ObjectCorrupt("object key name does not match the key inside")
         except ObjectTooNew as exc:

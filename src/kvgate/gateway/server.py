@@ -85,6 +85,7 @@ from kvgate.protocol import (
 )
 from kvgate.tiers.io import IoPool, realtime_permitted
 from kvgate.tiers.cardset import LayoutMismatch
+from kvgate.types import Retention
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 
 log = logging.getLogger("kvgate.gateway")
@@ -773,7 +774,7 @@ class Gateway:
         last = len(keys) - 1
         items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now, i == last))
                  for i, (k, v) in enumerate(zip(keys, views))]
-        return PutReply(stored=await self.store.put(items, req.retention))
+        return PutReply(stored=await self.store.put(items, Retention.parse(req.retention)))
 
     async def _get(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
         n = len(keys)

@@ -13,7 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-RETENTIONS = ("none", "short", "long")
+from kvgate.types import RETENTION_NAMES, Retention
+
 
 #: Every shared ``kvgate.*`` key -> its ``TierSettings.build`` keyword.  An integration takes the
 #: ones its engine can honour (``keys_without``) and says why for the others.
@@ -54,9 +55,13 @@ def parse_bool(name: str, value: Any) -> bool:
 
 
 def parse_retention(name: str, value: Any) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in RETENTIONS:
-        raise ConfigError(f"{name}: expected one of {', '.join(RETENTIONS)}, got {value!r}")
-    return value.strip().lower()
+    """A retention name (any case) as the clients take it (``kvgate.types.Retention``)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected one of {', '.join(RETENTION_NAMES)}, got {value!r}")
+    try:
+        return Retention.parse(value, name).wire
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ import asyncio
 import errno
 import logging
 import time
+from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import numpy as np
@@ -67,6 +69,42 @@ UNREADABLE_MAX = 65536
 
 class TooLarge(OSError):
     """A write refused before any I/O: the object is larger than the card's capacity (0 for a card that holds nothing)."""
+
+
+class ReadOutcome(Enum):
+    """What one object's read from a card came to."""
+
+    HIT = "hit"  # the payload is in the destination; ``header`` says what it was
+    MISSING = "missing"  # not on the card
+    TOO_SMALL = "too_small"  # the destination is smaller than the object; ``needed`` bytes are
+    CORRUPT = "corrupt"  # a bad object, deleted: the destination holds garbage
+    TOO_NEW = "too_new"  # written by a newer kvgate, left in place: a miss here
+    FAILED = "failed"  # the card failed or passed its deadline; ``error`` says how
+
+
+@dataclass(slots=True)
+class CardRead:
+    """One object's read (``ManagedCard.read``)."""
+
+    outcome: ReadOutcome
+    header: Header | None = None
+    needed: int = 0
+    error: BaseException | None = None
+
+    @classmethod
+    def of(cls, r: Header | BaseException) -> CardRead:
+        """From what a card's ``read_many_into`` answers for one object."""
+        if isinstance(r, Header):
+            return cls(ReadOutcome.HIT, header=r)
+        if isinstance(r, BufferTooSmall):
+            return cls(ReadOutcome.TOO_SMALL, needed=r.needed, error=r)
+        if isinstance(r, ObjectMissing):
+            return cls(ReadOutcome.MISSING, error=r)
+        if isinstance(r, ObjectCorrupt):
+            return cls(ReadOutcome.CORRUPT, error=r)
+        if isinstance(r, ObjectTooNew):
+            return cls(ReadOutcome.TOO_NEW, error=r)
+        return cls(ReadOutcome.FAILED, error=r)
 
 
 class CardCounters:
@@ -345,22 +383,23 @@ class ManagedCard:
         self.index.pop(digest)
         self.keeper.digest_gone(digest)
 
-    def note_failed_read(self, fkey: bytes, r: BaseException) -> None:
-        """A read of ``fkey`` answered ``r`` instead of the object: a miss; forget what it showed to be wrong."""
+    def note_failed_read(self, fkey: bytes, r: CardRead) -> None:
+        """A read of ``fkey`` came to ``r``, not the object: a miss; forget what it showed to be wrong."""
         self.counters.misses += 1
-        if isinstance(r, BufferTooSmall):
-            row = self.index.row(key_digest(fkey))
-            if row >= 0 and self.index.sizes(row)[1] != r.needed:
-                # Another gateway replaced it (shared cards): forget the stale
-                # size, or every size hint of a packed get repeats it.
+        match r.outcome:
+            case ReadOutcome.TOO_SMALL:
+                row = self.index.row(key_digest(fkey))
+                if row >= 0 and self.index.sizes(row)[1] != r.needed:
+                    # Another gateway replaced it (shared cards): forget the stale
+                    # size, or every size hint of a packed get repeats it.
+                    self.note_gone(fkey)
+            case ReadOutcome.CORRUPT:
+                log.warning("corrupt object on card %s removed: %s", self.where, r.error)
                 self.note_gone(fkey)
-        elif isinstance(r, ObjectCorrupt):
-            log.warning("corrupt object on card %s removed: %s", self.where, r)
-            self.note_gone(fkey)
-        elif isinstance(r, ObjectTooNew):
-            self.note_unreadable(fkey)
-        elif isinstance(r, ObjectMissing):
-            self.note_gone(fkey)
+            case ReadOutcome.TOO_NEW:
+                self.note_unreadable(fkey)
+            case ReadOutcome.MISSING:
+                self.note_gone(fkey)
 
     # ---- deletes ----------------------------------------------------------------
 
@@ -487,7 +526,7 @@ class ManagedCard:
         if self.io.hint(self.card.prepare_reads, fkeys, urgent=urgent):
             self.counters.read_hints += len(fkeys)
 
-    async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False) -> list[Header | BaseException]:
+    async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False) -> list[CardRead]:
         """Read ``(full key, dest)`` pairs, in parallel chunks, each with a deadline.
 
         ``urgent``: an engine waits on it (``IoPool.run``).  Once this returns
@@ -500,7 +539,7 @@ class ManagedCard:
         fault = next((r for r in out if isinstance(r, MemoryFault)), None)
         if fault is not None:
             raise fault
-        return out
+        return [CardRead.of(r) for r in out]
 
     async def _chunked(self, chunk_calls: list) -> list:
         """Run the chunk calls at once and feed the outcomes to the card's health.

@@ -41,7 +41,7 @@ from typing import Iterable, TypeVar
 
 import numpy as np
 
-from kvgate.cards import Card, CardInUse, CardUnavailable, expand, is_redis, make_card
+from kvgate.cards import Card, CardInUse, expand, is_redis, make_card
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
@@ -66,7 +66,14 @@ class LayoutMismatch(RuntimeError):
 
 
 class CardChangeError(ValueError):
-    """A change of the card set that cannot be made (unknown serial, a card that cannot be used...); says why."""
+    """A change of the card set that cannot be made (unknown serial, a card that cannot be used...); says why.
+
+    ``unavailable``: the card could not be opened (missing, unreadable): it may be there later.
+    """
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tuple[ManagedCard, list[T]]]:
@@ -98,6 +105,7 @@ class CardSet:
         self.pool = pool  # for work that is not one card's (globbing)
         self.cards: list[ManagedCard] = []
         self.pending: list[ManagedCard] = []
+        self.patterns = list(cfg.storage_devices)  # the storage_devices entries in force (SIGHUP changes them)
         self.slot_map = SlotMap([], 1)
         self.fingerprint = ""
         self.generation = 0  # changes of the card set since start
@@ -117,7 +125,7 @@ class CardSet:
     # ---- start and stop ---------------------------------------------------
 
     async def start(self) -> None:
-        for pattern in self.cfg.storage_devices:
+        for pattern in self.patterns:
             locations = await self.pool.run(expand, pattern)
             if not locations:
                 log.warning("card %s is not available at startup: nothing matches", pattern)
@@ -486,12 +494,13 @@ class CardSet:
         log.warning("card set generation %d: %s; layout fingerprint %s", self.generation, what, self.fingerprint)
         self.mover.wake()
 
-    async def add(self, location: str) -> ManagedCard:
+    async def add(self, location: str, pattern: str | None = None) -> ManagedCard:
         """Take the card at ``location`` (a directory or a Redis URL) into service now; placement moves
-        about 1/(N+1) of the slots to it, and the mover copies their objects over."""
+        about 1/(N+1) of the slots to it, and the mover copies their objects over.  ``pattern``: the
+        ``storage_devices`` entry it came from (itself when given by hand)."""
         if any(mc.location == location for mc in self.cards):
             raise CardChangeError(f"card {location} is in use already")
-        mc = self._new_card(location, location)
+        mc = self._new_card(pattern or location, location)
         try:
             serial = await mc.io.run(mc.card.open)
             if serial in self._by_serial:
@@ -502,7 +511,8 @@ class CardSet:
             await mc.close()
             if isinstance(e, CardChangeError):
                 raise
-            raise CardChangeError(f"card {mc.where} cannot be used: {e}") from None
+            raise CardChangeError(f"card {mc.where} cannot be used: {e}",
+                                  unavailable=not isinstance(e, CardInUse)) from None
         mc.serve(mc.card, location, serial)
         await mc.adopt()  # its index snapshot loaded before any request can reach it
         self.cards.append(mc)
@@ -544,6 +554,43 @@ class CardSet:
         mc.index.clear()  # its namespaces' figures no longer count it
         self._changed(f"card {mc.where} ({serial}) {why}")
         return mc
+
+    async def apply_devices(self, patterns: list[str]) -> list[str]:
+        """The config's ``storage_devices`` now (SIGHUP): cards of new entries join, cards of entries gone
+        drain.  Returns what could not be done, one line each (also logged)."""
+        problems = []
+        old = set(self.patterns)
+        for pattern in patterns:
+            if pattern in old:
+                continue
+            locations = await self.pool.run(expand, pattern)
+            if not locations:
+                log.warning("card %s is not available: nothing matches; taken once it is there", pattern)
+                self.pending.append(self._new_card(pattern, pattern))
+            for loc in locations:
+                if any(mc.location == loc for mc in self.cards):
+                    continue  # taken already (by hand, or under another entry)
+                try:
+                    await self.add(loc, pattern)
+                except CardChangeError as e:
+                    log.warning("%s", e)
+                    if e.unavailable:  # as at start: taken as soon as it is there
+                        self.pending.append(self._new_card(pattern, loc))
+                    else:
+                        problems.append(str(e))
+        gone = old - set(patterns)
+        for mc in [mc for mc in self.pending if mc.pattern in gone]:
+            self.pending.remove(mc)
+            self._spawn(mc.close())
+        for mc in list(self.cards):
+            if mc.pattern in gone and mc.serial not in self._draining:
+                try:
+                    self.drain(mc.serial)  # type: ignore[arg-type]
+                except CardChangeError as e:
+                    log.warning("%s", e)
+                    problems.append(str(e))
+        self.patterns = list(patterns)
+        return problems
 
     def _let_drained_go(self) -> None:
         """After each mover round: a draining card with nothing left to copy leaves."""

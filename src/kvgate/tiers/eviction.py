@@ -31,34 +31,15 @@ from enum import IntEnum
 from typing import Final
 
 from kvgate.keys import NO_DIALOG
+from kvgate.types import STORED_CLASSES, Retention
 
 Ident = Hashable
 SkipFn = Callable[[Ident], bool]
 
 
-class Retention(IntEnum):
-    """Retention class of an object; lower values are evicted first."""
-
-    SHORT = 0
-    LONG = 1
-
-    @classmethod
-    def parse(cls, value: str | int) -> Retention:
-        """``"short"``/``"long"`` (any case) or 0/1 -> ``Retention``; ValueError otherwise."""
-        if isinstance(value, str):
-            try:
-                return cls[value.strip().upper()]
-            except KeyError:
-                raise ValueError(f"retention must be 'short' or 'long', got {value!r}") from None
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"retention class must be 0 (short) or 1 (long), got {value!r}") from None
-
-
 SHORT: Final = Retention.SHORT
 LONG: Final = Retention.LONG
-_CLASSES: Final = len(Retention)
+_CLASSES: Final = len(STORED_CLASSES)
 _MASK64: Final = (1 << 64) - 1
 
 

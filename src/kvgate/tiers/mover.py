@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from kvgate.cards import Header
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.rows import join_digest
 
@@ -85,9 +84,9 @@ class CardMover:
     async def run(self) -> None:
         while True:
             await self._wake.wait()
-            self._wake.clear()
             self._started, self._budget_bytes = time.monotonic(), 0
             while True:
+                self._wake.clear()
                 try:
                     left = await self._round()
                 except Exception:  # noqa: BLE001 - the mover must outlive any one round
@@ -98,6 +97,7 @@ class CardMover:
                     break
                 if not self._wake.is_set():
                     await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(0)  # never a loop that does not yield
 
     def misplaced(self, src: ManagedCard) -> Misplaced:
         """``src``'s objects whose placement card is another card in service, hottest first."""
@@ -165,8 +165,8 @@ class CardMover:
         results = await src.read([(fkey, buf) for fkey, _dst, buf in reads])
         by_dst: dict[int, tuple[ManagedCard, list]] = {}
         for (fkey, dst, buf), r in zip(reads, results):
-            if isinstance(r, Header):
-                by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.payload_len], r.meta))
+            if r.header is not None:
+                by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.header.payload_len], r.header.meta))
             else:
                 src.note_failed_read(fkey, r)
         failed = len(batch) - len(reads)

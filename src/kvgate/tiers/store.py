@@ -31,22 +31,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvgate import memcopy
-from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing
+from kvgate.cards import ObjectMeta
 from kvgate.config import Config
-from kvgate.protocol import MISS, TOO_SMALL
-from kvgate.tiers.eviction import LONG, SHORT
-from kvgate.tiers.io import ByteBudget, IoPool
-from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.keys import key_digest
+from kvgate.tiers.io import ByteBudget, IoPool
+from kvgate.tiers.card import CardRead, ManagedCard, ReadOutcome, TierHooks, expired
 from kvgate.tiers.cardset import CardSet, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.usage import NamespaceUsage
+from kvgate.types import Retention, SizeCode
 
 log = logging.getLogger("kvgate.store")
-
-RETENTION_CLASS = {"short": SHORT, "long": LONG}
-
 
 @dataclass
 class TierCounters:
@@ -147,7 +143,7 @@ class TieredStore:
 
     # ---- put ------------------------------------------------------------------
 
-    async def put(self, items: list[PutItem], retention: str) -> list[bool]:
+    async def put(self, items: list[PutItem], retention: Retention) -> list[bool]:
         """Store items; True per item once it is where its retention asks (``_put``)."""
         stored = await self._put(items, retention)
         for it, ok in zip(items, stored):
@@ -157,7 +153,7 @@ class TieredStore:
                 row.bytes_written += len(it.src)
         return stored
 
-    async def _put(self, items: list[PutItem], retention: str) -> list[bool]:
+    async def _put(self, items: list[PutItem], retention: Retention) -> list[bool]:
         """Store items; True per item once it is where its retention asks.
 
         The RAM copy is made first and pinned while the card write runs from
@@ -170,9 +166,9 @@ class TieredStore:
         under us.  Copies out of client memory are ``memcopy`` copies:
         ``MemoryFault`` when the client shrank it, and nothing is stored then.
         """
-        if retention == "none" or not items:
+        if retention is Retention.NONE or not items:
             return [False] * len(items)
-        klass = RETENTION_CLASS[retention]
+        klass = retention
         c = self.counters
         reservations = [self.ram.reserve(it.fkey, len(it.src), it.meta, klass) for it in items]
         copies = [(it, res) for it, res in zip(items, reservations) if res is not None]
@@ -192,9 +188,9 @@ class TieredStore:
             self.ram.commit(res)
             c.ram.sets += 1
             c.ram.bytes_written += len(it.src)
-            entry = self.ram.pin(it.fkey) if klass == LONG else None
+            entry = self.ram.pin(it.fkey) if klass is Retention.LONG else None
             pinned.append(entry)
-        if klass != LONG:
+        if klass is not Retention.LONG:
             return [res is not None for res in reservations]
 
         source: dict[int, memoryview] = {}
@@ -236,12 +232,12 @@ class TieredStore:
     # ---- get ------------------------------------------------------------------
 
     async def get(self, items: list[GetItem], urgent: bool = False) -> tuple[list[int], list[int]]:
-        """Fill each item's dest; returns (sizes, needed) with MISS / TOO_SMALL in sizes.
+        """Fill each item's dest; returns (sizes, needed) with ``SizeCode.MISS`` / ``TOO_SMALL`` in sizes.
 
         ``urgent``: an engine on this host waits on it (``IoPool.run``).
         """
         c = self.counters
-        sizes = [MISS] * len(items)
+        sizes: list[int] = [SizeCode.MISS] * len(items)
         needed = [0] * len(items)
         ram_plans: list[tuple[int, GetItem, object]] = []
         misses: list[int] = []
@@ -253,7 +249,7 @@ class TieredStore:
                 misses.append(i)
             elif entry.size > len(it.dest):
                 self.ram.unpin(entry)
-                sizes[i], needed[i] = TOO_SMALL, entry.size
+                sizes[i], needed[i] = SizeCode.TOO_SMALL, entry.size
             else:
                 ram_plans.append((i, it, entry))
 
@@ -296,25 +292,26 @@ class TieredStore:
                 row.bytes_read += size
         return sizes, needed
 
-    def _account_read(self, cs: ManagedCard, it: GetItem, r, i: int, sizes: list[int], needed: list[int]) -> None:
+    def _account_read(self, cs: ManagedCard, it: GetItem, r: CardRead, i: int, sizes: list[int],
+                      needed: list[int]) -> None:
         c = self.counters
         c.long.gets += 1
-        if isinstance(r, Header):
-            if self.cfg.ttl is not None and expired(r.meta.created_ns, self.cfg.ttl):
+        if r.header is not None:
+            if self.cfg.ttl is not None and expired(r.header.meta.created_ns, self.cfg.ttl):
                 # not indexed (or not yet known to be this old): the header told
                 c.expired += 1
                 c.long.misses += 1
                 self._spawn_delete(cs, it.fkey)
                 return
-            sizes[i] = r.payload_len
+            sizes[i] = r.header.payload_len
             c.long.hits += 1
-            c.long.bytes_read += r.payload_len
-            cs.note_hit(it.fkey, r.payload_len)
+            c.long.bytes_read += r.header.payload_len
+            cs.note_hit(it.fkey, r.header.payload_len)
             return
         c.long.misses += 1
-        if isinstance(r, BufferTooSmall):
-            sizes[i], needed[i] = TOO_SMALL, r.needed
-        elif isinstance(r, ObjectCorrupt):
+        if r.outcome is ReadOutcome.TOO_SMALL:
+            sizes[i], needed[i] = SizeCode.TOO_SMALL, r.needed
+        elif r.outcome is ReadOutcome.CORRUPT:
             c.corrupt += 1
         cs.note_failed_read(it.fkey, r)
 
@@ -450,7 +447,7 @@ class TieredStore:
                 if size is None:
                     break
             # The meta is the header's once read (its creation time counts for the ttl in RAM too).
-            res = self.ram.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=time.time_ns()), LONG)
+            res = self.ram.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=time.time_ns()), Retention.LONG)
             if res is None:
                 break
             plans.append((k, cs, res, size))
@@ -463,8 +460,9 @@ class TieredStore:
             results = await cs.read([(p[0], d) for p, d in zip(group, dests)])
             done = 0
             for (k, _cs, res, size), dest, r in zip(group, dests, results):
-                if isinstance(r, Header) and r.payload_len == size:
-                    if self.cfg.ttl is not None and expired(r.meta.created_ns, self.cfg.ttl):
+                header = r.header
+                if header is not None and header.payload_len == size:
+                    if self.cfg.ttl is not None and expired(header.meta.created_ns, self.cfg.ttl):
                         self.ram.abort(res)
                         self.counters.expired += 1
                         self._spawn_delete(cs, k)
@@ -472,16 +470,16 @@ class TieredStore:
                     views = res.views()
                     if len(views) != 1:
                         await self.pool.run(copy_into, views, dest)
-                    res.meta = r.meta
+                    res.meta = header.meta
                     self.ram.commit(res)
                     cs.note_hit(k, size)
                     self.counters.long.bytes_read += size
                     done += 1
                     continue
                 self.ram.abort(res)
-                if isinstance(r, ObjectCorrupt):
+                if r.outcome is ReadOutcome.CORRUPT:
                     self.counters.corrupt += 1
-                if isinstance(r, (ObjectCorrupt, ObjectMissing)):
+                if r.outcome in (ReadOutcome.CORRUPT, ReadOutcome.MISSING):
                     cs.note_gone(k)
             return done
 
@@ -492,9 +490,9 @@ class TieredStore:
     async def _unindexed_size(self, cs: ManagedCard, fkey: bytes) -> int | None:
         """Payload size of an object on the card, from its header (None: not there)."""
         (r,) = await cs.read([(fkey, memoryview(bytearray(0)))])
-        if isinstance(r, Header):
-            return r.payload_len
-        return r.needed if isinstance(r, BufferTooSmall) else None
+        if r.header is not None:
+            return r.header.payload_len
+        return r.needed if r.outcome is ReadOutcome.TOO_SMALL else None
 
     async def clean(self) -> int:
         n = self.ram.entries

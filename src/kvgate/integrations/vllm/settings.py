@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvgate.integrations.settings import (  # noqa: F401 - the vLLM tier's names for the shared settings
-    RETENTIONS,
     SETTING_KEYS,
     ConfigError,
     TierSettings,

@@ -22,13 +22,26 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
-
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+from typing import Any, ClassVar, Sequence
 
 from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
+from kvgate.integrations.vllm import compat
+from kvgate.integrations.vllm.compat import (
+    AsyncLookupManager,
+    BackpressureDetector,
+    JobId,
+    JobResult,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    SecondaryTierManager,
+    TransferJob,
+)
+from kvgate.integrations.vllm.engine import RequestSalt, describe_engine, install_salt_probe
 from kvgate.integrations.vllm.settings import (
     TierSettings,
     chunk_runs,
@@ -37,23 +50,12 @@ from kvgate.integrations.vllm.settings import (
     request_retention,
 )
 
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-
 # under "vllm." so that vLLM's logging configuration (handler, level, format) applies
 logger = logging.getLogger("vllm.kvgate")
 
 
 class GatewayDown(ConnectionError):
     """No connection to the gateway right now (failed recently; retried after a backoff)."""
-
-
-@dataclass(frozen=True)
-class RequestSalt:
-    """Attached to a ReqContext by the spec: whether the request carries a cache_salt."""
-
-    salted: bool
 
 
 @dataclass
@@ -144,7 +146,7 @@ class _Connection:
         path = t.region_path()
         if path:
             try:
-                client.register_region(path, mapping=t._primary_kv_view)
+                client.register_region(path, mapping=t._primary_view)
                 self.zero_copy = True
                 logger.info("kvgate: connected to %s (%s); %s registered: transfers are zero copy",
                             s.target, self.name, path)
@@ -196,6 +198,12 @@ class _KvgateLookup(AsyncLookupManager):
 class KvgateTier(SecondaryTierManager):
     """A kvgate gateway as a secondary tier of vLLM's tiering KV offloading.
 
+    Built by ``TieringOffloadingSpec.get_manager`` in the scheduler process;
+    vLLM's tiering manager calls its ``SecondaryTierManager`` methods on the
+    scheduler thread, and none of them waits on the gateway: lookups are
+    answered by the lookup thread (``_KvgateLookup``), stores and loads by
+    two job threads, each with its own gateway session.
+
     As a ``secondary_tiers`` entry::
 
         {"type": "KvgateTier", "module_path": "kvgate.integrations.vllm",
@@ -214,10 +222,10 @@ class KvgateTier(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
         *,
         socket: str | None = None,
         address: str | None = None,
@@ -233,9 +241,7 @@ class KvgateTier(SecondaryTierManager):
         locality: str | None = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvgate.integrations.vllm.spec import _install_salt_probe, describe_engine  # noqa: PLC0415 (cycle)
-
-        _install_salt_probe()  # also when the tier is an entry of vLLM's own TieringOffloadingSpec
+        install_salt_probe()  # also when the tier is an entry of vLLM's own TieringOffloadingSpec
 
         self.settings = TierSettings.build(
             socket=socket, address=address, token_file=token_file, namespace=namespace,
@@ -243,10 +249,9 @@ class KvgateTier(SecondaryTierManager):
             retention=retention, connect_timeout=connect_timeout, io_timeout=io_timeout,
             lookup_timeout=lookup_timeout)
         if locality is not None:
-            from vllm.v1.kv_offload.base import Locality  # noqa: PLC0415
-
             self.locality = Locality(locality)
         self._spec = offloading_spec
+        self._primary_view = primary_kv_view  # registered with a local gateway: transfers in place
         # One flat byte view of the CPU tier; chunk c is [c * block_size_bytes, +block_size_bytes).
         # It and every slice of it are released before vLLM unmaps the tier (shutdown()).
         self._flat: memoryview | None = primary_kv_view.cast("B")
@@ -296,8 +301,7 @@ class KvgateTier(SecondaryTierManager):
 
     def region_path(self) -> str | None:
         """The /dev/shm file behind the primary tier (the scheduler's mapping of it)."""
-        region = getattr(self._spec, "_scheduler_mmap", None)
-        return getattr(region, "mmap_path", None)
+        return compat.scheduler_region_path(self._spec)
 
     def _state(self, ctx: ReqContext) -> _ReqState:
         st = ctx.get_state(_ReqState)
@@ -328,7 +332,7 @@ class KvgateTier(SecondaryTierManager):
         """
         if st.mark_known:
             return st.mark
-        positions = getattr(ctx, "_offload_key_positions", None)
+        positions = compat.offload_key_positions(ctx)
         if not positions:
             return None
         by_group: dict[int, list[tuple[bytes, int]]] = {}
@@ -429,7 +433,7 @@ class KvgateTier(SecondaryTierManager):
         job_metadata.keys = keys
         self._mark(ctx, st)
         ends = [ctx.get_offload_key_position(k) for k in keys]
-        setattr(job_metadata, "_kvgate", (st, [self._position(ctx, k) for k in keys], ends))
+        compat.attach_to_job(job_metadata, (st, [self._position(ctx, k) for k in keys], ends))
         self._store_q.put(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -440,7 +444,7 @@ class KvgateTier(SecondaryTierManager):
         self._load_keys[job_metadata.job_id] = keys
         self._job_started()
         self._mark(ctx, st)
-        setattr(job_metadata, "_kvgate", (st, None, [ctx.get_offload_key_position(k) for k in keys]))
+        compat.attach_to_job(job_metadata, (st, None, [ctx.get_offload_key_position(k) for k in keys]))
         self._load_q.put(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -487,10 +491,11 @@ class KvgateTier(SecondaryTierManager):
             conn.abort()
         self._load_q.put(None)
         self._store_q.put(None)
-        self._lookup._lookup_queue.put(None)
-        for t in [*self._threads, self._lookup._thread]:
+        compat.stop_lookup_thread(self._lookup)
+        threads = [*self._threads, compat.lookup_thread(self._lookup)]
+        for t in threads:
             t.join(timeout=max(0.1, t0 + drain_s + 2.0 - time.monotonic()))
-        stuck = [t.name for t in [*self._threads, self._lookup._thread] if t.is_alive()]
+        stuck = [t.name for t in threads if t.is_alive()]
         if stuck:
             logger.error("kvgate tier: thread(s) %s did not stop; vLLM may fail to unmap its CPU tier", stuck)
         else:
@@ -578,7 +583,7 @@ class KvgateTier(SecondaryTierManager):
                 pass
 
     def _run_store(self, job: TransferJob, conn: _Connection) -> JobResult:
-        st, positions, ends = getattr(job, "_kvgate")
+        st, positions, ends = compat.job_attachment(job)
         keys = [bytes(k) for k in job.keys]
         t0 = time.monotonic()
         if self._aborted:
@@ -610,7 +615,7 @@ class KvgateTier(SecondaryTierManager):
                          transfer_bytes=ok * self.block_size_bytes)
 
     def _run_load(self, job: TransferJob, conn: _Connection) -> JobResult:
-        st, _, ends = getattr(job, "_kvgate")
+        st, _, ends = compat.job_attachment(job)
         keys = list(job.keys)
         t0 = time.monotonic()
         if self._aborted:

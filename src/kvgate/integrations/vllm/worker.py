@@ -15,15 +15,16 @@ import time
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import (
+
+from kvgate.integrations.vllm.compat import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
+    SharedOffloadRegion,
     TransferResult,
 )
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 # under "vllm." so that vLLM's logging configuration (handler, level, format) applies
 logger = logging.getLogger("vllm.kvgate")
@@ -49,6 +50,14 @@ def _copy_runs(blocks: np.ndarray, slots: np.ndarray, bpc: int) -> list[tuple[in
 
 
 class HostCopyOffloadingWorker(OffloadingWorker):
+    """The CPU platform's worker between the engine's KV cache and the primary CPU tier.
+
+    Built by ``KvgateOffloadingSpec.get_worker`` in each vLLM worker process;
+    the offloading connector calls ``submit_store`` / ``submit_load`` on the
+    worker's thread between model steps, and each copies before it returns
+    (host memory on both sides: there is nothing to wait for).
+    """
+
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, mmap_region: SharedOffloadRegion):
         self._region: SharedOffloadRegion | None = mmap_region
         self._bpc = blocks_per_chunk

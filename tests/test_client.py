@@ -1,8 +1,10 @@
-"""The client refuses wrong arguments before anything is sent, and stays usable.
+"""Client against the other end of a socket: what it sends, what it makes of replies, and when it stays usable.
 
-Each client here talks to the other end of a socket pair: the test sees
-every byte the client sent (none, for a refused call) and can answer like a
-gateway.
+Each client here talks to the other end of a socket pair (or of a loopback
+connection, where the test answers its hello): the test sees every byte the
+client sent (none, for a refused call) and answers like a gateway, or plays
+a scripted gateway that sends replies in small pieces.  Wrong arguments are
+refused before anything is sent, and the client stays usable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate import protocol as p
-from kvgate.client import _PUT_HEADER_BYTES, _PUT_KEY_BYTES, Client, GatewayError
+from kvgate.client import Client, GatewayError, ObjectTooLarge
+from kvgate.clienttransport import _PUT_HEADER_BYTES, _PUT_KEY_BYTES
 from kvgate.keys import MAX_KEY_BYTES, BadKey
 
 
@@ -49,6 +52,27 @@ def answer(peer: socket.socket, reply) -> None:
         peer.sendall(p.encode_frame(reply, 0, p.KIND_REPLY))
     finally:
         peer.setblocking(False)
+
+
+@pytest.fixture
+def framed():
+    """A TCP client whose gateway (the test's end) said in its hello that a frame carries at most 1 MiB."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peers = []
+
+        def accept_and_answer() -> None:
+            peer, _ = server.accept()
+            peers.append(peer)
+            answer(peer, p.HelloReply(session=1, max_frame_bytes=1 << 20))
+
+        t = threading.Thread(target=accept_and_answer)
+        t.start()
+        c = Client.connect(f"127.0.0.1:{server.getsockname()[1]}", timeout=10)
+        t.join(10)
+    (b,) = peers
+    yield c, b
+    c.close()
+    b.close()
 
 
 def answered(peer: socket.socket, reply, call):
@@ -119,10 +143,9 @@ def test_a_wrong_argument_is_named_and_nothing_is_sent(pair, local, call, exc, w
     assert answered(b, p.CountReply(count=2), lambda: c.lookup(KEYS)) == 2  # and the connection goes on
 
 
-def test_the_widest_position_is_accepted(pair) -> None:
-    a, b = pair
-    c = Client(a, local=False)
-    c.max_frame_bytes = 1 << 20  # both in one frame
+def test_the_widest_position_is_accepted(framed) -> None:
+    c, b = framed
+    assert c.max_frame_bytes == 1 << 20  # both in one frame
     assert answered(b, p.PutReply(stored=[True, True]),
                     lambda: c.put_many(KEYS, BUFS, position=2**63 - 2)) == [True, True]
 
@@ -130,10 +153,10 @@ def test_the_widest_position_is_accepted(pair) -> None:
 def test_a_message_that_cannot_be_encoded_leaves_the_client_usable(pair) -> None:
     a, b = pair
     c = Client(a, local=False)
-    with c._lock, pytest.raises(TypeError):
-        c._call_locked(p.Lookup(keys=[b"a"], dialog=object()))  # past the checks: the encoder refuses it
-    with c._lock, pytest.raises(OverflowError):
-        c._call_locked(p.Put(keys=[b"a"], sizes=[1], position=2**70), body=[b"x"])
+    with pytest.raises(TypeError):
+        c._request(p.Lookup(keys=[b"a"], dialog=object()))  # past the checks: the encoder refuses it
+    with pytest.raises(OverflowError):
+        c._request(p.Put(keys=[b"a"], sizes=[1], position=2**70), body=[b"x"])
     assert sent(b) == b""
     assert not c.broken
 
@@ -149,10 +172,8 @@ def test_a_header_larger_than_a_gateway_reads_is_refused_before_sending(pair) ->
     assert not c.broken
 
 
-def test_an_object_larger_than_a_frame_is_refused_before_sending(pair) -> None:
-    a, b = pair
-    c = Client(a, local=False)
-    c.max_frame_bytes = 1 << 20
+def test_an_object_larger_than_a_frame_is_refused_before_sending(framed) -> None:
+    c, b = framed
     with pytest.raises(GatewayError) as ei:
         c.put_many([b"small", b"big"], [b"s", bytes(1 << 20)])
     assert ei.value.code == p.ErrorCode.TOO_LARGE
@@ -195,3 +216,69 @@ def test_a_refusal_the_gateway_sent_before_closing_is_read_when_the_send_fails(p
         c.put_many([b"k"], [bytes(4 << 20)])  # inline (no session region): the send hits the closed end
     assert ei.value.code == p.ErrorCode.TOO_MANY_CONNECTIONS
     assert c.broken
+
+
+# ---- the client against a scripted gateway --------------------------------------------------
+
+
+def _scripted_gateway(sock: socket.socket, body: bytes, sizes: list[int], offsets: list[int]) -> threading.Thread:
+    """Answers every request on ``sock`` with the same packed get reply."""
+
+    def recv_exact(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError
+            buf += chunk
+        return bytes(buf)
+
+    def serve() -> None:
+        try:
+            while True:
+                _kind, hlen, blen = p.parse_preamble(recv_exact(p.PREAMBLE_SIZE), 1 << 30)
+                req = p.decode_request(recv_exact(hlen))
+                recv_exact(blen)
+                frame = p.encode_frame(p.GetReply(id=req.id, sizes=sizes, offsets=offsets), len(body), p.KIND_REPLY)
+                for i in range(0, len(frame + body), 3):  # in small pieces: every read must go on where it stopped
+                    sock.sendall((frame + body)[i : i + 3])
+        except (ConnectionError, OSError):
+            pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_packed_reply_is_received_into_the_buffers_around_gaps() -> None:
+    a, b = socket.socketpair()
+    # hit of 5 at 0, a 3-byte gap, a miss, hit of 4 at 8, a 2-byte gap, an empty hit at 14, a 6-byte gap at the end
+    body = b"AAAAA" + b"xxx" + b"BBBB" + b"yy" + b"zzzzzz"
+    _scripted_gateway(b, body, sizes=[5, p.MISS, 4, 0], offsets=[0, 0, 8, 14])
+    with a, b:
+        c = Client(a, local=False)
+        keys = [b"a", b"b", b"c", b"d"]
+        dst = [bytearray(8), bytearray(b"\x01" * 8), bytearray(4), bytearray(1)]
+        got = c.get_many(keys, into=dst)
+        assert [None if g is None else bytes(g) for g in got] == [b"AAAAA", None, b"BBBB", b""]
+        assert dst == [bytearray(b"AAAAA\0\0\0"), bytearray(b"\x01" * 8), bytearray(b"BBBB"), bytearray(1)]
+        # a buffer too small for its object: the error names it, and the stream stays in step
+        with pytest.raises(ObjectTooLarge) as ei:
+            c.get_many(keys, into=[bytearray(8), bytearray(8), bytearray(3), bytearray(1)])
+        assert (ei.value.index, ei.value.needed) == (2, 4)
+        assert not c.broken
+        # a read-only destination is refused before anything is sent
+        with pytest.raises(TypeError):
+            c.get_many(keys, into=[b"12345678", bytearray(8), bytearray(8), bytearray(8)])
+        assert not c.broken
+        assert c.get_many(keys) == [b"AAAAA", None, b"BBBB", b""]
+
+
+def test_a_reply_placing_bytes_outside_its_body_breaks_the_client() -> None:
+    a, b = socket.socketpair()
+    _scripted_gateway(b, b"AAAA", sizes=[4, 4], offsets=[0, 2])  # overlapping results
+    with a, b:
+        c = Client(a, local=False)
+        with pytest.raises(ConnectionError):
+            c.get_many([b"a", b"b"], into=[bytearray(4), bytearray(4)])
+        assert c.broken

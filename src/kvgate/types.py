@@ -1,0 +1,64 @@
+"""The words every layer shares: full keys, retention, and what a get answers in place of a size.
+
+Each is defined here once.  The wire (``kvgate.protocol``) carries retention
+by its name and the size codes by their values; the tiers work with the
+enums; the clients and the integrations take retention by name
+(``"long"``, ``"short"``, ``"none"``) and check it with ``Retention.parse``.
+Imports nothing of kvgate: every layer may import it.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final, TypeAlias
+
+FullKey: TypeAlias = bytes
+"""A namespaced key as the gateway stores it (``kvgate.keys.full_key``: a length byte, the namespace, the key)."""
+
+
+class Retention(IntEnum):
+    """How a put keeps an object.  The stored classes are evicted lowest first: every ``SHORT`` object
+    before any ``LONG`` one.
+
+    ``LONG``: in the RAM tier and on its card, acknowledged once on the card.
+    ``SHORT``: in the RAM tier only.  ``NONE``: not stored at all.
+    """
+
+    NONE = -1
+    SHORT = 0
+    LONG = 1
+
+    @classmethod
+    def parse(cls, value: str | int, what: str = "retention") -> Retention:
+        """A name (any case: ``"long"``, ``"short"``, ``"none"``) or a value -> ``Retention``.
+
+        Raises ValueError naming ``what`` and the choices.
+        """
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, RETENTION_NAMES))}, not {value!r}")
+
+    @property
+    def wire(self) -> str:
+        """The name the wire and the client API use."""
+        return self.name.lower()
+
+
+RETENTION_NAMES: Final = ("long", "short", "none")
+STORED_CLASSES: Final = (Retention.SHORT, Retention.LONG)  # the classes a tier's eviction orders, by value
+
+
+class SizeCode(IntEnum):
+    """What a get answers in place of an object's size (sizes are >= 0, these < 0)."""
+
+    MISS = -1
+    NOT_DONE = -2  # did not fit in this reply or region: ask again
+    TOO_SMALL = -3  # the destination is smaller than the object; the size needed comes beside it

@@ -98,12 +98,12 @@ class CardRead:
             return cls(ReadOutcome.HIT, header=r)
         if isinstance(r, BufferTooSmall):
             return cls(ReadOutcome.TOO_SMALL, needed=r.needed, error=r)
+        if isinstance(r, ObjectTooNew):  # before ObjectMissing, its base class
+            return cls(ReadOutcome.TOO_NEW, error=r)
         if isinstance(r, ObjectMissing):
             return cls(ReadOutcome.MISSING, error=r)
         if isinstance(r, ObjectCorrupt):
             return cls(ReadOutcome.CORRUPT, error=r)
-        if isinstance(r, ObjectTooNew):
-            return cls(ReadOutcome.TOO_NEW, error=r)
         return cls(ReadOutcome.FAILED, error=r)
 
 

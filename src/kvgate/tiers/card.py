@@ -56,6 +56,7 @@ from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
 from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
 from kvgate.tiers.restart import IndexKeeper
+from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage
 
@@ -107,6 +108,50 @@ class CardRead:
         return cls(ReadOutcome.FAILED, error=r)
 
 
+class RecentlyPrepared:
+    """Which objects a card prepared for reading lately (``ManagedCard.hint_reads``), by key digest.
+
+    Each lookup an engine makes of a waiting prompt found the same objects,
+    and preparing them cost the card's hint thread a path walk (a ``stat``)
+    each: on 2 shared cores, 10 ms of CPU per 1,000 keys, taken from the
+    loop, lookups of 6.7 ms instead of 1.3 ms.  Once prepared, a file's
+    dentry and inode stay cached for far longer than ``PERIOD_S``.  Two bit
+    tables of ``BITS`` entries, two bits per digest, switched every period,
+    so a digest is remembered for one to two periods; a false "prepared"
+    (under 1 % while fewer than 50,000 objects a period are prepared) only
+    skips a hint.
+    """
+
+    BITS = 1 << 20
+    PERIOD_S = 30.0
+
+    def __init__(self) -> None:
+        self._current = np.zeros(self.BITS, bool)
+        self._previous = np.zeros(self.BITS, bool)
+        self._since = time.monotonic()
+
+    def _bits(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lo = digests[:, 0]
+        mask = np.uint64(self.BITS - 1)
+        return (lo & mask).astype(np.int64), ((lo >> np.uint64(20)) & mask).astype(np.int64)
+
+    def fresh(self, digests: np.ndarray) -> np.ndarray:
+        """Which of ``digests`` (``digest_array``) were not prepared lately."""
+        now = time.monotonic()
+        if now - self._since > self.PERIOD_S:
+            self._previous, self._current = self._current, self._previous
+            self._current[:] = False
+            self._since = now
+        a, b = self._bits(digests)
+        seen = (self._current[a] & self._current[b]) | (self._previous[a] & self._previous[b])
+        return ~seen
+
+    def note(self, digests: np.ndarray) -> None:
+        a, b = self._bits(digests)
+        self._current[a] = True
+        self._current[b] = True
+
+
 class CardCounters:
     __slots__ = ("hits", "misses", "reads_bytes", "writes_bytes", "evictions", "read_hints")
 
@@ -152,6 +197,7 @@ class ManagedCard:
         self.health = CardHealth(cfg.io_timeout_strikes, self.describe)
         self.counters = CardCounters()
         self.order = KeyOrder()  # writes and deletes of one key, in the order issued
+        self.prepared = RecentlyPrepared()
         self.scanned = False
         self.deleting = 0  # eviction batches whose deletes have not finished yet
         # Digests of unindexed keys whose delete has not run yet: a probe must not find them
@@ -513,17 +559,25 @@ class ManagedCard:
 
     # ---- bulk I/O -----------------------------------------------------------------
 
-    def hint_reads(self, fkeys: list[bytes], urgent: bool = False) -> None:
+    def hint_reads(self, fkeys: list[bytes], urgent: bool = False, digests: np.ndarray | None = None) -> None:
         """Tell the card which of its objects a lookup just found (``Card.prepare_reads``).
 
         An engine loads what its lookup found a moment later; whatever part
         of those reads can run before the load arrives is then off its path.
         Best effort, on the card's hint thread; a card under suspicion is
-        left alone.
+        left alone.  An object prepared in the last ``RecentlyPrepared``
+        period is not prepared again (an engine looks the same prefix up
+        on every step until it loads it); it still counts as hinted.
+        ``digests``: the keys' ``digest_array``, when the caller has it.
         """
         if not (self.card.prepares_reads and self.health.hints_ok):
             return
-        if self.io.hint(self.card.prepare_reads, fkeys, urgent=urgent):
+        if digests is None:
+            digests = digest_array([key_digest(k) for k in fkeys])
+        fresh = self.prepared.fresh(digests)
+        todo = fkeys if fresh.all() else [fkeys[i] for i in np.flatnonzero(fresh).tolist()]
+        if not todo or self.io.hint(self.card.prepare_reads, todo, urgent=urgent):
+            self.prepared.note(digests[fresh])
             self.counters.read_hints += len(fkeys)
 
     async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False) -> list[CardRead]:

@@ -76,6 +76,23 @@ class CardChangeError(ValueError):
         self.unavailable = unavailable
 
 
+FoundOnCard = tuple[ManagedCard, list[bytes], np.ndarray]  # a card, keys its index holds, their digests
+
+
+def found_on_cards(where: list[ManagedCard | None], fkeys: list[bytes], digests: np.ndarray,
+                   found: np.ndarray) -> list[FoundOnCard]:
+    """The keys ``found`` (a mask over the first keys) on their cards, per card (what lookups hint)."""
+    idx = np.flatnonzero(found)
+    if not idx.size:
+        return []
+    m = len(found)
+    first = where[int(idx[0])]
+    if len(idx) == m and where[:m].count(first) == m:  # the common case: the whole prefix on one card
+        return [(first, fkeys[:m], digests[:m])] if first is not None else []
+    groups = group_by_card((where[i], i) for i in idx.tolist())
+    return [(mc, [fkeys[i] for i in ix], digests[ix]) for mc, ix in groups.values()]
+
+
 def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tuple[ManagedCard, list[T]]]:
     """``(card, item)`` pairs as one list of items per card, keyed by ``id(card)``; items with no card are left out."""
     groups: dict[int, tuple[ManagedCard, list[T]]] = {}
@@ -229,7 +246,8 @@ class CardSet:
         With dialog placement and a dialog mark, or a single slot, every key
         of the request lands on the same card: one hash instead of 1,000s.
         """
-        if self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG):
+        if (self.slot_map.slots == 1 or len(self.slot_map.serials) == 1
+                or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)):
             return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
         return [self.card_for(k, dialog) for k in fkeys]
 
@@ -263,8 +281,9 @@ class CardSet:
         return mc, mc.index.entry(r)
 
     def find_many(self, fkeys: list[bytes], homes: list[ManagedCard | None]
-                  ) -> tuple[list[ManagedCard | None], np.ndarray]:
-        """``find`` of a request's keys at once: per key the card, and whether its index holds the key.
+                  ) -> tuple[list[ManagedCard | None], np.ndarray, np.ndarray]:
+        """``find`` of a request's keys at once: per key the card, and whether its index holds the key
+        (and the keys' digests, ``digest_array``).
 
         ``(card, True)``: indexed on that card; ``(home, False)``: no index
         holds it, ask its home; ``(None, False)``: a miss without asking.
@@ -275,16 +294,17 @@ class CardSet:
         n = len(fkeys)
         where: list[ManagedCard | None] = list(homes)
         indexed = np.zeros(n, bool)
+        digests = digest_array(list(map(key_digest, fkeys)))
         if not n:
-            return where, indexed
-        digests = digest_array([key_digest(k) for k in fkeys])
+            return where, indexed, digests
         settled = np.zeros(n, bool)  # indexed, or known to be a miss
         first = homes[0]
-        by_home = ({id(first): (first, np.arange(n))} if all(h is first for h in homes) else
-                   {k: (mc, np.asarray(ix)) for k, (mc, ix) in group_by_card(zip(homes, range(n))).items()})
-        for mc, idx in by_home.values():
-            if mc is not None:
-                self._look(mc, idx, digests, where, indexed, settled)
+        if homes.count(first) == n:  # one home for the whole request: dialog placement, or a single card
+            if first is not None:
+                self._look(first, np.arange(n), digests, where, indexed, settled)
+        else:
+            for mc, ix in group_by_card(zip(homes, range(n))).values():
+                self._look(mc, np.asarray(ix), digests, where, indexed, settled)
         for mc in self.cards:
             rest = np.flatnonzero(~settled)
             if not rest.size:
@@ -295,7 +315,7 @@ class CardSet:
             home = homes[i]
             if home is not None and home.leaving and key_digest(fkeys[i]) in home.leaving:
                 where[i] = None
-        return where, indexed
+        return where, indexed, digests
 
     def _look(self, mc: ManagedCard, idx: np.ndarray, digests: np.ndarray, where: list[ManagedCard | None],
               indexed: np.ndarray, settled: np.ndarray) -> None:
@@ -315,8 +335,11 @@ class CardSet:
                 idx, rows = idx[~old], rows[~old]
         indexed[idx] = True
         settled[idx] = True
-        for i in idx.tolist():
-            where[i] = mc
+        if len(idx) == len(where):
+            where[:] = [mc] * len(where)
+        else:
+            for i in idx.tolist():
+                where[i] = mc
 
     def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
         """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
@@ -367,10 +390,10 @@ class CardSet:
         await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(zip(homes, range(len(fkeys)))).values()))
         return out
 
-    def hint_reads(self, on_cards: dict[int, tuple[ManagedCard, list[bytes]]], urgent: bool = False) -> None:
+    def hint_reads(self, found: list[FoundOnCard], urgent: bool = False) -> None:
         """Tell cards which of their objects a lookup just found (``ManagedCard.hint_reads``)."""
-        for mc, fkeys in on_cards.values():
-            mc.hint_reads(fkeys, urgent)
+        for mc, fkeys, digests in found:
+            mc.hint_reads(fkeys, urgent, digests)
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         """Delete keys from every card ``find`` could answer from; returns how many objects were there."""

@@ -36,7 +36,7 @@ from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.card import CardRead, ManagedCard, ReadOutcome, TierHooks, expired
-from kvgate.tiers.cardset import CardSet, group_by_card
+from kvgate.tiers.cardset import CardSet, FoundOnCard, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.usage import NamespaceUsage
@@ -274,8 +274,8 @@ class TieredStore:
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
         card_for = self.long.card_for
-        where, _indexed = self.long.find_many([items[i].fkey for i in misses],
-                                              [card_for(items[i].fkey, items[i].dialog) for i in misses])
+        where, _indexed, _digests = self.long.find_many([items[i].fkey for i in misses],
+                                                        [card_for(items[i].fkey, items[i].dialog) for i in misses])
         groups = group_by_card(zip(where, misses))
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
@@ -331,48 +331,45 @@ class TieredStore:
         _cs, entry = self.long.find(fkey, self.long.card_for(fkey, dialog))
         return entry.payload_len if entry is not None else None
 
-    def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int,
-                      on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = None,
-                      ) -> tuple[int, list[ManagedCard]]:
-        """From ``start``: how far the leading keys are known present without touching a card, and
-        the home cards of the run of keys after that which no tier knows (to probe), up to the next
-        key that is known present or known missing.
+    def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int, hint: bool = False,
+                      ) -> tuple[int, list[ManagedCard], list[FoundOnCard]]:
+        """From ``start``: how far the leading keys are known present without touching a card, the
+        home cards of the run of keys after that which no tier knows (to probe), up to the next key
+        that is known present or known missing, and (``hint``) the keys of the known prefix found on
+        a card only, not in RAM, grouped by card.
 
         The card indexes answer for all the keys at once (``find_many``); a
         lookup runs this for 1,000s of keys on every engine step.  An empty
-        RAM tier is not asked at all.  Keys found on a card only (not in
-        RAM) are added to ``on_cards`` (id of card state -> (card state,
-        keys)) when it is given.
+        RAM tier is not asked at all.
         """
         keys, homes = fkeys[start:], homes[start:]
         if self.ram.entries:
             in_ram = self.ram.contains
-            ram = [in_ram(k) for k in keys]
-            ask = [i for i, r in enumerate(ram) if not r]
-            where_asked, indexed_asked = self.long.find_many([keys[i] for i in ask], [homes[i] for i in ask])
+            ram = np.array([in_ram(k) for k in keys], bool)
+            ask = np.flatnonzero(~ram)
+            where_asked, indexed_asked, digests_asked = self.long.find_many([keys[i] for i in ask],
+                                                                            [homes[i] for i in ask])
             where: list[ManagedCard | None] = list(homes)
-            indexed = np.zeros(len(keys), bool)
-            for j, i in enumerate(ask):
+            for j, i in enumerate(ask.tolist()):
                 where[i] = where_asked[j]
+            indexed = np.zeros(len(keys), bool)
             indexed[ask] = indexed_asked
-            present = indexed | np.array(ram, bool)
+            digests = np.zeros((len(keys), 2), np.uint64)
+            digests[ask] = digests_asked
+            present = indexed | ram
         else:
-            ram = None
-            where, indexed = self.long.find_many(keys, homes)
+            where, indexed, digests = self.long.find_many(keys, homes)
             present = indexed
         misses = np.flatnonzero(~present)
         n = int(misses[0]) if misses.size else len(keys)
-        if on_cards is not None:
-            for i in np.flatnonzero(indexed[:n] if ram is None else indexed[:n] & ~np.array(ram[:n], bool)).tolist():
-                cs = where[i]
-                on_cards.setdefault(id(cs), (cs, []))[1].append(keys[i])
+        hints = found_on_cards(where, keys, digests, indexed[:n]) if hint and n else []
         unknown: list[ManagedCard] = []
         for i in range(n, len(keys)):
             cs = where[i]
             if present[i] or cs is None:
                 break
             unknown.append(cs)
-        return start + n, unknown
+        return start + n, unknown, hints
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys are present (the module's rule)."""
@@ -380,10 +377,9 @@ class TieredStore:
         homes = self.long.cards_for(fkeys, dialog)
         n = 0
         while True:
-            on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
-            n, unknown = self._known_prefix(fkeys, homes, n, on_cards)
-            if on_cards:
-                self.long.hint_reads(on_cards, urgent)
+            n, unknown, hints = self._known_prefix(fkeys, homes, n, self.cfg.prepare_reads)
+            if hints:
+                self.long.hint_reads(hints, urgent)
             if not unknown:
                 return n
             found = await self.long.probe_prefix(fkeys[n : n + len(unknown)], unknown, urgent)
@@ -394,24 +390,22 @@ class TieredStore:
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Whether each key is present (the module's rule)."""
         in_ram = self.ram.contains
-        on_cards: dict[int, tuple[ManagedCard, list[bytes]]] | None = {} if self.cfg.prepare_reads else None
         homes = self.long.cards_for(fkeys, dialog)
         present = [in_ram(k) for k in fkeys]
         ask = [i for i, p in enumerate(present) if not p]
-        where, indexed = self.long.find_many([fkeys[i] for i in ask], [homes[i] for i in ask])
+        asked = [fkeys[i] for i in ask]
+        where, indexed, digests = self.long.find_many(asked, [homes[i] for i in ask])
         unknown: list[int] = []
         unknown_homes: list[ManagedCard | None] = []
         for j, i in enumerate(ask):
             cs = where[j]
             if indexed[j]:
                 present[i] = True
-                if on_cards is not None:
-                    on_cards.setdefault(id(cs), (cs, []))[1].append(fkeys[i])
             elif cs is not None:
                 unknown.append(i)
                 unknown_homes.append(cs)
-        if on_cards:
-            self.long.hint_reads(on_cards, urgent)
+        if self.cfg.prepare_reads and indexed.any():
+            self.long.hint_reads(found_on_cards(where, asked, digests, indexed), urgent)
         if unknown:
             found = await self.long.probe_each([fkeys[i] for i in unknown], unknown_homes, urgent)
             for i, f in zip(unknown, found):

@@ -39,7 +39,7 @@ import numpy as np
 from kvgate.keys import DIGEST_BYTES
 
 _DIGEST = struct.Struct("<QQ")
-_MMAP_FROM = 1 << 20  # bytes; smaller columns come from the heap
+_MMAP_FROM = 64 << 10  # bytes; smaller columns come from the heap
 # Probe rounds run batched before the few keys still probing finish one by one:
 # past two rounds almost every key is answered (at most half the slots are in use).
 _BATCHED_ROUNDS = 2

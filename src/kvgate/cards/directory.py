@@ -788,25 +788,48 @@ class DirectoryCard(Card):
                     yield index, fan.name, fan.path
 
     def names(self) -> Iterator[list[bytes]]:
-        """One batch per leaf directory; removes leftover temp files, moves misplaced objects home."""
+        """One batch per leaf directory; removes leftover temp files, moves misplaced objects home.
+
+        A name is turned into its digest in bulk (one ``bytes.fromhex`` per
+        leaf): at a million objects the per-name Python work of a listing
+        was most of a restart, on the GIL the event loop waits for.
+        """
         now = time.time()
         relocated: set[str] = set()
         for db, fan, leaf in self._leaves():
-            batch = []
-            for entry in self._list(leaf):
-                name = entry.name
-                if _TEMP_MARK in name:
-                    self._reap_temp(entry, now)
-                    continue
+            try:
+                with self._card_errors(None, leaf):
+                    listed = os.listdir(leaf)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            names = []
+            for name in listed:
+                if len(name) == 32:
+                    names.append(name)
+                elif _TEMP_MARK in name:
+                    self._reap_temp(os.path.join(leaf, name), name, now)
                 # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
                 # an editor's backup) is left alone.
-                if not _OBJECT_RE.fullmatch(name) or entry.path in relocated:
-                    continue
-                digest = bytes.fromhex(name)
-                if name[:2] != fan or db != self.named_place(digest)[0]:
-                    if not self._relocate(entry.path, self.named_path(digest), relocated):
-                        continue
-                batch.append(digest)
+            try:
+                raw = bytes.fromhex("".join(names))
+            except ValueError:  # a foreign name of 32 characters: judge each
+                names = [n for n in names if _OBJECT_RE.fullmatch(n)]
+                raw = bytes.fromhex("".join(names))
+            batch = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+            if self.num_dbs == 1 and db == 0:
+                home = [n[:2] == fan for n in names]
+            else:
+                home = [n[:2] == fan and db == self.named_place(d)[0] for n, d in zip(names, batch)]
+            if relocated or not all(home):  # objects moved here already, or to be moved where reads look
+                keep = []
+                for n, d, at_home in zip(names, batch, home):
+                    path = os.path.join(leaf, n)
+                    if at_home:
+                        if path not in relocated:
+                            keep.append(d)
+                    elif self._relocate(path, self.named_path(d), relocated):
+                        keep.append(d)
+                batch = keep
             if batch:
                 yield batch
 
@@ -815,22 +838,22 @@ class DirectoryCard(Card):
         as long as reading the card)."""
         return [self._scan_one(self.named_path(d), d.hex()) for d in digests]
 
-    def _reap_temp(self, entry: os.DirEntry[str], now: float) -> None:
+    def _reap_temp(self, path: str, name: str, now: float) -> None:
         """Remove a temp file whose write is known to be over (see the module doc)."""
-        owner = _TEMP_OWNER_RE.fullmatch(entry.name.rpartition(_TEMP_MARK)[2])
+        owner = _TEMP_OWNER_RE.fullmatch(name.rpartition(_TEMP_MARK)[2])
         mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
         if mine:
             return  # a write of this process, in progress
         if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
-            _unlink_quiet(entry.path)
+            _unlink_quiet(path)
             return
         this_host, this_boot = HOST_TAG.split("-")
         if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
-            _unlink_quiet(entry.path)  # this host's, of an earlier boot or a dead process
+            _unlink_quiet(path)  # this host's, of an earlier boot or a dead process
             return
         try:  # another host's (or a reused pid's): only age tells
-            if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
-                os.unlink(entry.path)
+            if now - os.lstat(path).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(path)
         except OSError:
             pass
 
@@ -916,7 +939,7 @@ class DirectoryCard(Card):
         with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
             for entry in it:  # a snapshot a dead gateway was writing
                 if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
-                    self._reap_temp(entry, now)
+                    self._reap_temp(entry.path, entry.name, now)
         return _FileSnapshotWriter(path, f"{path}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 

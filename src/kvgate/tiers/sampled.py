@@ -5,7 +5,7 @@ objects per key: ordered dicts of dialogs per segment, a sorted position list
 per dialog.  On a card of millions of objects that bookkeeping was most of
 the index's 1.1 KiB per object.  ``SampledPolicy`` keeps the same rules in
 numpy columns beside the card index's rows (``ROW_COLUMNS``, 25 bytes a row)
-and a table of dialogs (about 60 bytes a dialog), and instead of an exact
+and a table of dialogs (about 70 bytes a dialog), and instead of an exact
 order it ranks a random sample of rows when it needs a victim (as Redis
 approximates LRU): the coldest of ``SAMPLE`` rows is almost always among the
 coldest percent or two of the card.  ``kind`` "lru" needs no sampling: the
@@ -85,7 +85,7 @@ class SampledPolicy:
         self.rows = rows
         rows.on_move = self.moved
         # Per dialog: the rows naming it, its last listed row, and per segment its group's recency and size.
-        self.dialogs = DigestRows({"refs": np.uint32, "tail": np.int32, "gtick": (np.int64, 3),
+        self.dialogs = DigestRows({"refs": np.uint32, "head": np.int32, "tail": np.int32, "gtick": (np.int64, 3),
                                    "count": (np.uint32, 3)}, stable=True)
         self._clock = 0  # rises with every placement and read
         self._cold = 0  # falls with every placement at the cold end
@@ -131,7 +131,7 @@ class SampledPolicy:
         if d < 0:
             d = dialogs.add1(lo, hi)
             dialogs.refs[d] = 0
-            dialogs.tail[d] = -1
+            dialogs.head[d] = dialogs.tail[d] = -1
             dialogs.gtick[d] = 0
             dialogs.count[d] = 0
         dialogs.refs[d] += 1
@@ -185,26 +185,39 @@ class SampledPolicy:
             self._demote()
 
     def _link(self, row: int, d: int, position: int) -> None:
-        """Into the dialog's list, ordered by position (after equal ones); the dialog knows its last row."""
+        """Into the dialog's list, ordered by position (after equal ones).
+
+        Blocks mostly arrive in position order: O(1) at the tail.  Otherwise
+        (a scan meets them in name order) the walk starts from the nearer
+        end of the list.
+        """
         rows, dialogs = self.rows, self.dialogs
         pos, prev, nxt = rows.pos, rows.prev, rows.next
         t = dialogs.tail.item(d)
-        if t < 0 or pos.item(t) <= position:  # blocks mostly arrive in position order: O(1)
-            prev[row] = t
-            nxt[row] = -1
-            if t >= 0:
-                nxt[t] = row
+        if t < 0 or pos.item(t) <= position:
+            after, before = t, -1
+        else:
+            h = dialogs.head.item(d)
+            if position - pos.item(h) < pos.item(t) - position:  # from the head: the first row past it
+                before = h
+                while before >= 0 and pos.item(before) <= position:
+                    before = nxt.item(before)
+                after = prev.item(before)
+            else:  # from the tail: the last row not past it
+                before = t
+                after = prev.item(t)
+                while after >= 0 and pos.item(after) > position:
+                    before, after = after, prev.item(after)
+        prev[row] = after
+        nxt[row] = before
+        if after >= 0:
+            nxt[after] = row
+        else:
+            dialogs.head[d] = row
+        if before >= 0:
+            prev[before] = row
+        else:
             dialogs.tail[d] = row
-            return
-        after = t
-        c = prev.item(t)
-        while c >= 0 and pos.item(c) > position:
-            after, c = c, prev.item(c)
-        prev[row] = c
-        nxt[row] = after
-        prev[after] = row
-        if c >= 0:
-            nxt[c] = row
 
     def _unlink(self, row: int, d: int) -> None:
         rows = self.rows
@@ -213,7 +226,9 @@ class SampledPolicy:
             self.dialogs.tail[d] = p
         else:
             rows.prev[n] = p
-        if p >= 0:
+        if p < 0:
+            self.dialogs.head[d] = n
+        else:
             rows.next[p] = n
 
     def touch(self, row: int) -> None:
@@ -269,6 +284,8 @@ class SampledPolicy:
             rows.next[p] = dst
         elif not self.prefix:
             self._lru_head = dst
+        else:
+            self.dialogs.head[rows.dlg.item(dst)] = dst
         if n >= 0:
             rows.prev[n] = dst
         elif not self.prefix:
@@ -481,7 +498,7 @@ class SampledPolicy:
             uniq, inv = np.unique(dialogs[has], axis=0, return_inverse=True)
             ids = self.dialogs.add_many(uniq[:, 0], uniq[:, 1])
             self.dialogs.refs[ids] = np.bincount(inv.ravel(), minlength=len(ids))
-            self.dialogs.tail[ids] = -1
+            self.dialogs.head[ids] = self.dialogs.tail[ids] = -1
             self.dialogs.gtick[ids] = _FAR_PAST
             self.dialogs.count[ids] = 0
             dlg[has] = ids[inv.ravel()]
@@ -505,6 +522,7 @@ class SampledPolicy:
             nxt[:-1] = r[1:]
             rows.next[r] = np.where(last, -1, nxt)
             self.dialogs.tail[od[last]] = r[last]
+            self.dialogs.head[od[~same]] = r[~same]
         if not self.prefix and n:
             order = rows_[np.argsort(ticks, kind="stable")].astype(np.int32)
             rows.prev[order[1:]] = order[:-1]

@@ -11,7 +11,7 @@ stored with retention "short" (RAM tier only).  Figures, all in one run:
            over TCP (received straight into the buffers), next to
            ``np.copyto`` of the same bytes from one set of buffers into
            another, one thread.  The passes alternate between contenders
-           (kvgate.bench.measure), so load on the shared machine lands on all.
+           (kvgate.bench.measure.measure), so load on the shared machine lands on all.
   loop     the longest time the event loop could not run a 1 ms ticker:
            idle (the machine's noise), during the client's own copy of 64
            MiB on the loop and on a worker thread, and during 64 MiB
@@ -37,7 +37,9 @@ import numpy as np
 
 from kvgate import AsyncClient, Client
 from kvgate import asyncclient
-from kvgate.bench import Contender, GatewayProcess, measure, size_arg
+from kvgate.bench.command import size_arg
+from kvgate.bench.measure import Contender, measure
+from kvgate.bench.processes import GatewayProcess
 
 GIB = 1 << 30
 MIB = 1 << 20

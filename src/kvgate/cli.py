@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     try:  # optional: a missing bench module must not break serve/stat/clean
-        from kvgate.bench import add_arguments
+        from kvgate.bench.command import add_arguments
     except ImportError:
         add_arguments = None
     if add_arguments is not None:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cards":
             return cmd_cards(args)
         if args.command == "bench":
-            from kvgate.bench import run_bench
+            from kvgate.bench.command import run_bench
 
             return run_bench(args)
     except ConfigError as e:

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from kvgate.bench.baselines import (
     write_files,
 )
 from kvgate.bench.measure import Contender, Plan, Series, figure, measure, ratio
-from kvgate.bench.processes import GatewayProcess
+from kvgate.bench.processes import GatewayProcess, free_port
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.client import Client
 from kvgate.keys import encode_namespace, full_key, key_digest
@@ -46,6 +46,41 @@ NAMESPACE = "kvgate-bench"
 LOOKUP_KEYS = 1000
 LOOKUP_OBJECT_SIZE = 4096
 RAM_PAGE_SIZE = 256 << 10  # the gateway's default ram_page_size, to size tier A
+READY_S = 60.0  # gateways started together import and touch their RAM tiers on the same cores
+
+
+def bench_gateway(name: str, workdir: str, sockdir: str, *, max_bytes: int, threads: int, card_capacity: int,
+                  cards: int = 1, tcp: bool = False, extra: Sequence[str] = ()) -> GatewayProcess:
+    """A gateway of the bench: socket in ``sockdir``, cards and log in ``workdir``, in the bench's session
+    (a Ctrl-C or hang-up at the terminal reaches the gateways too, not only the bench).
+
+    One card: card-<name>; several: card-<name>-0 .. card-<name>-<N-1>, each a directory card of its own.
+    """
+    card_dirs = ([os.path.join(workdir, f"card-{name}")] if cards == 1 else
+                 [os.path.join(workdir, f"card-{name}-{i}") for i in range(cards)])
+    flags = [
+        # TCP needs a port of its own: --port 0 turns the listener off
+        "--storage-devices", *card_dirs, "--max-bytes", str(max_bytes), "--port", str(free_port() if tcp else 0),
+        "--metrics-port", "0", "--socket", os.path.join(sockdir, f"{name}.sock"), "--card-capacity", str(card_capacity),
+        "--thread-pool-size", str(threads), "--log-level", "warning", *extra,
+    ]
+    return GatewayProcess(workdir, flags, name=name, log_path=os.path.join(workdir, f"gateway-{name}.log"),
+                          new_session=False)
+
+
+def stop_gateways(gateways: Iterable[GatewayProcess], died: list[str]) -> list[Exception]:
+    """Stop every gateway, even after one fails to stop; the failures.  Adds to ``died`` the log tails of
+    those that had exited on their own."""
+    errors = []
+    for g in gateways:
+        note = g.exit_note()
+        if note is not None:
+            died.append(note)
+        try:
+            g.stop()
+        except Exception as e:  # noqa: BLE001 - stop the others anyway
+            errors.append(e)
+    return errors
 
 
 class ShmRegion:
@@ -142,20 +177,20 @@ class Bench:
         pages = -(-plan.object_size // RAM_PAGE_SIZE) * plan.batch
         card_capacity = max(8 << 30, 8 * ws)
         self.gateways = [
-            GatewayProcess("ram", self.workdir, self.sockdir, max_bytes=2 * pages * RAM_PAGE_SIZE,
-                           threads=plan.threads, card_capacity=card_capacity, tcp=True),
-            GatewayProcess("card", self.workdir, self.sockdir, max_bytes=0, threads=plan.threads,
-                           card_capacity=card_capacity),
+            bench_gateway("ram", self.workdir, self.sockdir, max_bytes=2 * pages * RAM_PAGE_SIZE,
+                          threads=plan.threads, card_capacity=card_capacity, tcp=True),
+            bench_gateway("card", self.workdir, self.sockdir, max_bytes=0, threads=plan.threads,
+                          card_capacity=card_capacity),
         ]
         for g in self.gateways:  # both start at once: their imports and RAM-tier touching overlap
-            g.start()
+            g.spawn()
         size = max(ws, LOOKUP_KEYS * LOOKUP_OBJECT_SIZE)
         self.region = ShmRegion(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
         self.pool = ThreadPoolExecutor(max_workers=plan.threads, thread_name_prefix="bench-raw")
         for g in self.gateways:
-            g.wait_ready()
+            g.wait_ready(READY_S)
             # No session region: every byte goes through our registered region, as an engine's would.
-            c = Client.connect(g.socket_path, namespace=NAMESPACE, engine_id=f"kvgate-bench-{os.getpid()}",
+            c = Client.connect(g.socket, namespace=NAMESPACE, engine_id=f"kvgate-bench-{os.getpid()}",
                                want_shm=False, timeout=120)
             self.clients.append(c)
             c.register_region(self.region.path, self.region.mm)
@@ -172,14 +207,7 @@ class Bench:
             except OSError:
                 pass
         self.clients = []
-        errors = []
-        for g in self.gateways:
-            if g.proc is not None and g.proc.poll() is not None:
-                self.died.append(f"gateway {g.name} had exited with status {g.proc.returncode}:\n{g.log_tail()}")
-            try:
-                g.stop()
-            except Exception as e:  # noqa: BLE001 - stop the others anyway
-                errors.append(e)
+        errors = stop_gateways(self.gateways, self.died)
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         if self.region is not None:
@@ -350,7 +378,7 @@ class Bench:
         region[:ws] = ref
         if not all(client.put_many(keys, slices, retention="long")):
             raise BenchError("the card gateway did not store the batch")
-        paths = self._object_paths(self.gateways[1].card_dir, keys)
+        paths = self._object_paths(self.gateways[1].card_dirs[0], keys)
         items = [(p, os.path.getsize(p) - osz, d) for p, d in zip(paths, slices)]
         region[:ws] = 0
         read_files(items)  # warms the page cache, and proves the baseline moves the real bytes

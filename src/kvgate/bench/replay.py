@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kvgate.bench import BenchError
-from kvgate.bench.harness import ShmRegion
+from kvgate.bench.harness import READY_S, ShmRegion, bench_gateway, stop_gateways
 from kvgate.bench.measure import GIB, fmt_size
 from kvgate.bench.processes import GatewayProcess
 from kvgate.bench.trace import (
@@ -233,13 +233,13 @@ class TraceBench:
             raise BenchError(f"{self.workdir}: {free >> 20} MiB free, the largest capacity needs {need >> 20} MiB "
                              "(lower --capacity or --block-size)")
         for i, r in enumerate(self.runs):
-            r.gateway = GatewayProcess(
+            r.gateway = bench_gateway(
                 f"{i}-{r.policy}", self.workdir, self.sockdir, max_bytes=o.ram, threads=o.threads,
                 card_capacity=r.card_capacity, cards=o.cards,
                 extra=["--eviction-policy", r.policy, "--key-placement", "dialog", "--shared-memory-size", "1M"])
         for r in self.runs:  # all at once: their imports overlap
             assert r.gateway is not None
-            r.gateway.start()
+            r.gateway.spawn()
         size = -(-self.max_len * o.block_size // 4096) * 4096
         self.region = ShmRegion(size)
 
@@ -250,17 +250,7 @@ class TraceBench:
             except OSError:
                 pass
             self.client = None
-        errors = []
-        for r in self.runs:
-            g = r.gateway
-            if g is None:
-                continue
-            if g.proc is not None and g.proc.poll() is not None:
-                self.died.append(f"gateway {g.name} had exited with status {g.proc.returncode}:\n{g.log_tail()}")
-            try:
-                g.stop()
-            except Exception as e:  # noqa: BLE001 - stop the others anyway
-                errors.append(e)
+        errors = stop_gateways([r.gateway for r in self.runs if r.gateway is not None], self.died)
         if self.region is not None:
             self.region.close()
             self.region = None
@@ -286,8 +276,8 @@ class TraceBench:
         o = self.opts
         g, region = run.gateway, self.region
         assert g is not None and region is not None
-        g.wait_ready()
-        c = self.client = Client.connect(g.socket_path, namespace=NAMESPACE, engine_id=f"kvgate-bench-{os.getpid()}",
+        g.wait_ready(READY_S)
+        c = self.client = Client.connect(g.socket, namespace=NAMESPACE, engine_id=f"kvgate-bench-{os.getpid()}",
                                          want_shm=False, timeout=120)
         c.register_region(region.path, region.mm)
         bs = o.block_size

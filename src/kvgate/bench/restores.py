@@ -21,7 +21,7 @@ import numpy as np
 
 from kvgate.bench import BenchError
 from kvgate.bench.baselines import can_drop_caches, direct_ok, drop_caches, on_threads, read_files, read_files_direct
-from kvgate.bench.harness import NAMESPACE, Bench, ShmRegion
+from kvgate.bench.harness import NAMESPACE, READY_S, Bench, ShmRegion, bench_gateway
 from kvgate.bench.measure import Contender, Plan, figure, measure
 from kvgate.bench.processes import GatewayProcess
 from kvgate.client import Client
@@ -104,22 +104,22 @@ class CardsBench(Bench):
                              "(lower --blocks, --restores or --object-size)")
         card_capacity = max(8 << 30, 2 * total)
         for p in self.placements:
-            g = GatewayProcess(p, self.workdir, self.sockdir, max_bytes=0, threads=plan.threads,
-                               card_capacity=card_capacity, cards=self.cards,
-                               extra=["--storage-slots", str(self.slots), "--key-placement", p])
+            g = bench_gateway(p, self.workdir, self.sockdir, max_bytes=0, threads=plan.threads,
+                              card_capacity=card_capacity, cards=self.cards,
+                              extra=["--storage-slots", str(self.slots), "--key-placement", p])
             self.gateways.append(g)
         for g in self.gateways:
-            g.start()
+            g.spawn()
         self.region = ShmRegion(region_size)
         self.pool = ThreadPoolExecutor(max_workers=max(self.thread_counts), thread_name_prefix="bench-raw")
         self.restore_pool = ThreadPoolExecutor(max_workers=self.restores, thread_name_prefix="bench-restore")
         # A gateway serves one engine: every connection names the same engine, as an engine's workers would.
         engine_id = f"kvgate-bench-{os.getpid()}"
         for p, g in zip(self.placements, self.gateways):
-            g.wait_ready()
+            g.wait_ready(READY_S)
             clients = []
             for _ in range(self.restores):
-                c = Client.connect(g.socket_path, namespace=NAMESPACE, engine_id=engine_id, want_shm=False,
+                c = Client.connect(g.socket, namespace=NAMESPACE, engine_id=engine_id, want_shm=False,
                                    timeout=120)
                 self.clients.append(c)
                 c.register_region(self.region.path, self.region.mm)

@@ -40,16 +40,17 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import DirectoryCard
 from kvgate.keys import encode_namespace, full_key
 from kvgate.placement import SlotMap, fingerprint
 from tests.faults.common import (
-    REDIS_SERVER,
     Calls,
-    RedisServer,
     Workload,
     balanced_serials,
     label_directory,
+    label_redis,
+    redis_label,
     restore,
     serial_of_dialog,
     wait_until,
@@ -116,7 +117,7 @@ class Rig:
             label_directory(self.path(name), self.serials[name])
         for name in REDIS_CARDS:
             self.redis[name] = RedisServer(self.base / name).start()
-            self.redis[name].label(self.serials[name])
+            label_redis(self.redis[name], self.serials[name])
         for name in ("gw1", "gw2"):
             self.start_gateway(name)
         expected = fingerprint(self.slot_map, 1, "dialog")
@@ -562,7 +563,7 @@ def test_redis_card_restarted_empty_loses_only_its_dialogs_and_comes_back(env: R
         server.start()  # same port, empty: no label, no objects
         waited = rig.wait_card(victim, True, server.url)
         assert waited < COME_BACK_S
-        assert server.read_label() == rig.serials[victim], "the card came back under another serial"
+        assert redis_label(server) == rig.serials[victim], "the card came back under another serial"
         for gw in ("gw1", "gw2"):
             assert_logged(rig, gw, victim, "moved from active to inactive", "moved from inactive to active")
         # its dialogs are gone: misses, never wrong bytes -- through either gateway

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from tests.cards.test_redis import REDIS_SERVER, RedisServer
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from tests.helpers import DEFAULT_FLAGS, GatewayProcess
 
 MiB = 1 << 20
@@ -160,7 +160,7 @@ def redis_server():
     def start(*extra: str) -> RedisServer:
         import tempfile
 
-        s = RedisServer(tempfile.mkdtemp(prefix="kvr", dir="/tmp"), "noeviction", extra)
+        s = RedisServer(tempfile.mkdtemp(prefix="kvr", dir="/tmp"), "noeviction", extra, unix_socket=True)
         servers.append(s)
         return s.start()
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.faults.common import REDIS_SERVER, RedisServer
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from tests.helpers import run_kvgate
 
 SERVE_FLAGS = ["--port", "0", "--metrics-port", "0", "--max-bytes", "0", "--card-capacity", "1G",

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from kvgate.bench.processes import REDIS_SERVER
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
 from kvgate.config import Config
 from kvgate.types import Retention
@@ -25,7 +26,7 @@ from kvgate.tiers.io import CardIo, IoPool, IoTimeout
 from kvgate.tiers.card import ManagedCard
 from tests.tiers.common import serving_card
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
-from tests.cards.test_redis import REDIS_SERVER, server_factory  # noqa: F401 - a fixture
+from tests.cards.test_redis import server_factory  # noqa: F401 - a fixture
 from tests.helpers import evict, pages_cached
 
 pytestmark = pytest.mark.timeout(60)

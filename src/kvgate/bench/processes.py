@@ -1,4 +1,4 @@
-"""Real processes for the bench, the benchmarks and the tests: ``kvgate serve`` gateways.
+"""Real processes for the bench, the benchmarks and the tests: ``kvgate serve`` gateways and ``redis-server``s.
 
 ``kvgate bench`` starts its gateways here, and so do the scripts of
 ``benchmarks/`` and ``demo/`` and the test suite (``tests/helpers.py`` adds
@@ -14,6 +14,7 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from kvgate.config import Config
 # kvgate, however its parent was started.
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes; keep a margin
+REDIS_SERVER = shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -256,3 +258,98 @@ class GatewayProcess:
     def __repr__(self) -> str:
         return f"<GatewayProcess {self.name} pid={self.proc.pid if self.proc else None} socket={self.socket}>"
 
+
+class RedisServer:
+    """One ``redis-server`` on a free loopback port (and a Unix socket in ``workdir`` with ``unix_socket``),
+    no persistence; it can be paused, killed and restarted empty on the same port.
+
+    Driven by one thread of its owner (a test, a benchmark); ``start`` blocks
+    until the server answers PING.  ``policy`` is its ``maxmemory-policy``,
+    ``extra`` more server flags, which win over the ones given here.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, policy: str = "allkeys-lru", extra: Sequence[str] = (), *,
+                 unix_socket: bool = False):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.policy = policy
+        self.extra = tuple(extra)
+        self.port = free_port()
+        self.sock = str(self.workdir / "redis.sock") if unix_socket else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.sock is not None, "made without unix_socket"
+        return f"unix://{self.sock}"
+
+    def start(self, policy: str | None = None, extra: Sequence[str] | None = None,
+              timeout: float = 15.0) -> "RedisServer":
+        """Start it (with another policy or other flags, when given); returns once it answers PING."""
+        assert REDIS_SERVER is not None, "redis-server is not installed"
+        if policy is not None:
+            self.policy = policy
+        if extra is not None:
+            self.extra = tuple(extra)
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                *(["--unixsocket", self.sock] if self.sock else []), "--daemonize", "no", "--dir", str(self.workdir),
+                "--maxmemory-policy", self.policy, *self.extra]
+        with open(self.workdir / "redis.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not answer: {self.log()}")
+            time.sleep(0.01)
+        return self
+
+    def answers(self) -> bool:
+        """PING (on the Unix socket when it has one); a NOAUTH answer counts: it is up, with a password."""
+        try:
+            if self.sock is not None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(0.5)
+                s.connect(self.sock)
+            else:
+                s = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+            with s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def raw(self, **kw: Any):
+        """A redis-py client of it (on the Unix socket when it has one)."""
+        import redis
+
+        where = {"unix_socket_path": self.sock} if self.sock else {"host": "127.0.0.1", "port": self.port}
+        return redis.Redis(socket_timeout=5, **where, **kw)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL ends a paused server too
+            self.proc.wait(10)
+
+    def restart_empty(self) -> None:
+        self.kill()
+        self.start()

@@ -88,12 +88,12 @@ class CardRead:
             return cls(ReadOutcome.HIT, header=r)
         if isinstance(r, BufferTooSmall):
             return cls(ReadOutcome.TOO_SMALL, needed=r.needed, error=r)
+        if isinstance(r, ObjectTooNew):  # before ObjectMissing, which it is a kind of
+            return cls(ReadOutcome.TOO_NEW, error=r)
         if isinstance(r, ObjectMissing):
             return cls(ReadOutcome.MISSING, error=r)
         if isinstance(r, ObjectCorrupt):
             return cls(ReadOutcome.CORRUPT, error=r)
-        if isinstance(r, ObjectTooNew):
-            return cls(ReadOutcome.TOO_NEW, error=r)
         return cls(ReadOutcome.FAILED, error=r)
 
 

@@ -287,8 +287,8 @@ class Gateway:
         if cfg.metrics_port:
             try:
                 self.http = status_mod.HttpStatus(
-                    self, asyncio.get_running_loop(), cfg.metrics_bind_address, cfg.metrics_port,
-                    token=None if _is_loopback(cfg.metrics_bind_address) else self.token)
+                    self.snapshot, self.prewarm, asyncio.get_running_loop(), cfg.metrics_bind_address,
+                    cfg.metrics_port, token=None if _is_loopback(cfg.metrics_bind_address) else self.token)
             except OSError as e:
                 raise StartupError(
                     f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
@@ -850,9 +850,6 @@ class Gateway:
         return await self.store.prewarm([full_key(ns, check_key(k)) for k in keys], dialog_digest(dialog))
 
     # ---- status ---------------------------------------------------------------------
-
-    async def snapshot_async(self) -> dict[str, Any]:
-        return self.snapshot()
 
     def snapshot(self) -> dict[str, Any]:
         st = self.store

@@ -3,6 +3,10 @@
 The snapshot is taken on the event loop (where the counters live), so the
 renderers in other threads never read state that is being changed.  The
 same dict answers the ``stats`` op that ``kvgate stat`` uses.
+
+``HttpStatus`` serves from threads of its own and reaches the gateway only
+through the callables it is given, run on the loop, so a slow HTTP peer
+never blocks it.
 """
 
 from __future__ import annotations
@@ -14,15 +18,13 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-if TYPE_CHECKING:
-    from kvgate.gateway.server import Gateway
 
 log = logging.getLogger("kvgate.status")
 
@@ -189,13 +191,19 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
 class HttpStatus:
     """/metrics, /healthz and POST /v1/cache/prewarm, served from threads.
 
+    The gateway starts and stops it; each request runs on a thread of its own and calls ``snapshot``
+    (/metrics) and ``prewarm`` (namespace, keys, dialog -> objects in RAM) on ``loop``, waiting for them
+    there, so the loop is never blocked by a slow HTTP peer.
+
     ``token``: when set, every path but /healthz needs ``Authorization: Bearer <token>`` (the gateway
     sets it for a listener beyond loopback).  A bad request gets a 400 with a JSON ``error``.
     """
 
-    def __init__(self, gateway: "Gateway", loop: asyncio.AbstractEventLoop, host: str, port: int,
-                 token: str | None = None):
-        self.gateway = gateway
+    def __init__(self, snapshot: Callable[[], dict[str, Any]],
+                 prewarm: Callable[[str, list[bytes], bytes | None], Awaitable[int]],
+                 loop: asyncio.AbstractEventLoop, host: str, port: int, token: str | None = None):
+        self.snapshot = snapshot
+        self.prewarm = prewarm
         self.loop = loop
         self.token = token.encode() if token is not None else None
         handler = self._handler_class()
@@ -215,6 +223,9 @@ class HttpStatus:
 
     def _call(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _snapshot_on_loop(self) -> dict[str, Any]:
+        return self.snapshot()
 
     def _handler_class(self):
         outer = self
@@ -256,7 +267,7 @@ class HttpStatus:
                 elif not self._authorized():
                     return
                 elif path == "/metrics":
-                    snap = outer._call(outer.gateway.snapshot_async())
+                    snap = outer._call(outer._snapshot_on_loop())
                     self._send(200, render(snap), CONTENT_TYPE_LATEST)
                 else:
                     self._error(404, "not found")
@@ -274,7 +285,7 @@ class HttpStatus:
                     req = json.loads(self.rfile.read(length) or b"{}")
                     namespace, keys, dialog = _parse_prewarm(req)
                     # a bad namespace or key (BadKey) is the client's error too
-                    n = outer._call(outer.gateway.prewarm(namespace, keys, dialog))
+                    n = outer._call(outer.prewarm(namespace, keys, dialog))
                 except (ValueError, TypeError) as e:
                     self._error(400, str(e))
                     return

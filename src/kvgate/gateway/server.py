@@ -212,49 +212,8 @@ class Gateway:
             await asyncio.sleep(1.0)
 
     def snapshot(self) -> dict[str, Any]:
-        st = self.store
-        c = st.counters
-        ram = st.ram
-        cards = [mc.snapshot() for mc in st.card_states()]
-        long_tier = {
-            "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
-            "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
-            "evictions": sum(x["evictions"] for x in cards),
-            "used_bytes": sum(x["used_bytes"] for x in cards if x["active"]),
-            "capacity_bytes": sum(x["capacity_bytes"] for x in cards if x["active"]),
-            "objects": sum(x["objects"] for x in cards if x["active"]),
-        }
-        ram_tier = {
-            "sets": c.ram.sets, "gets": c.ram.gets, "hits": c.ram.hits, "misses": c.ram.misses,
-            "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram.evictions,
-            "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity, "objects": ram.entries,
-        }
-        engine = None
-        if self.sessions.engine is not None:
-            engine = {"engine_id": self.sessions.engine.engine_id, "pid": self.sessions.engine.pid,
-                      "connections": self.sessions.engine.connections}
-        return {
-            "gateway": {
-                "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
-                "fingerprint": st.long.fingerprint, "placement": self.cfg.key_placement, "storage_slots": st.long.slots,
-                "socket": self.cfg.socket_path, "port": self.tcp_port, "sessions": len(self.sessions),
-                "connections": self.listeners.open_connections,
-                "refused_connections": self.listeners.refused_connections, "engine": engine, "shared_storage": self.cfg.shared_storage,
-                "read_priority": "realtime" if self.pool.realtime else "normal",
-            },
-            "tiers": {"ram": ram_tier, "long": long_tier},
-            "namespaces": st.usage.snapshot(),
-            "holds": {"objects": len(st.holds), "refused": st.holds.refused},
-            "lookups": c.lookups,
-            "corrupt_objects": c.corrupt,
-            "expired_objects": c.expired,
-            "io_timeouts": st.long.io_timeouts,
-            "io_errors": st.long.io_errors,
-            "oldest_io_age_s": max(self.pool.oldest_age(), st.long.oldest_io_age()),
-            "cards": cards,
-            "shared_heads": {"blocks": len(self.heads), "learned": self.heads.learned,
-                             "sync_rounds": self.head_sync.rounds, "sync_errors": self.head_sync.errors},
-        }
+        return status_mod.snapshot(self.cfg, self.store, self.pool, self.heads, self.head_sync, self.sessions,
+                                   self.listeners, self.started_at, self.tcp_port)
 
 
 def _is_loopback(host: str) -> bool:

@@ -4,9 +4,11 @@ The snapshot is taken on the event loop (where the counters live), so the
 renderers in other threads never read state that is being changed.  The
 same dict answers the ``stats`` op that ``kvgate stat`` uses.
 
-``HttpStatus`` serves from threads of its own and reaches the gateway only
-through the callables it is given, run on the loop, so a slow HTTP peer
-never blocks it.
+``snapshot`` is called on the loop: by the ``stats`` op, the gateway's
+status file task, and /metrics.  ``HttpStatus`` serves from threads of its
+own and reaches the gateway only through the callables it is given, run on
+the loop, so a slow HTTP peer never blocks it; a snapshot only reads
+counters.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,6 +28,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvgate import __version__
+from kvgate.config import Config
+from kvgate.gateway.headsync import HeadSync
+from kvgate.gateway.listeners import Listeners
+from kvgate.gateway.sessions import Sessions
+from kvgate.heads import SharedHeads
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.status")
 
@@ -74,6 +86,54 @@ NAMESPACE_FIELDS = (  # at most kvgate.tiers.usage.MAX_ROWS namespaces, then one
     ("sets", "objects stored", True),
     ("bytes_written", "payload bytes stored", True),
 )
+
+
+def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, head_sync: HeadSync,
+             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None) -> dict[str, Any]:
+    """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
+    c = store.counters
+    ram = store.ram
+    cards = [mc.snapshot() for mc in store.card_states()]
+    long_tier = {
+        "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
+        "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
+        "evictions": sum(x["evictions"] for x in cards),
+        "used_bytes": sum(x["used_bytes"] for x in cards if x["active"]),
+        "capacity_bytes": sum(x["capacity_bytes"] for x in cards if x["active"]),
+        "objects": sum(x["objects"] for x in cards if x["active"]),
+    }
+    ram_tier = {
+        "sets": c.ram.sets, "gets": c.ram.gets, "hits": c.ram.hits, "misses": c.ram.misses,
+        "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram.evictions,
+        "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity, "objects": ram.entries,
+    }
+    engine = None
+    if sessions.engine is not None:
+        engine = {"engine_id": sessions.engine.engine_id, "pid": sessions.engine.pid,
+                  "connections": sessions.engine.connections}
+    return {
+        "gateway": {
+            "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - started_at, 3),
+            "fingerprint": store.long.fingerprint, "placement": cfg.key_placement, "storage_slots": store.long.slots,
+            "socket": cfg.socket_path, "port": tcp_port, "sessions": len(sessions),
+            "connections": listeners.open_connections,
+            "refused_connections": listeners.refused_connections, "engine": engine,
+            "shared_storage": cfg.shared_storage,
+            "read_priority": "realtime" if pool.realtime else "normal",
+        },
+        "tiers": {"ram": ram_tier, "long": long_tier},
+        "namespaces": store.usage.snapshot(),
+        "holds": {"objects": len(store.holds), "refused": store.holds.refused},
+        "lookups": c.lookups,
+        "corrupt_objects": c.corrupt,
+        "expired_objects": c.expired,
+        "io_timeouts": store.long.io_timeouts,
+        "io_errors": store.long.io_errors,
+        "oldest_io_age_s": max(pool.oldest_age(), store.long.oldest_io_age()),
+        "cards": cards,
+        "shared_heads": {"blocks": len(heads), "learned": heads.learned,
+                         "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
+    }
 
 
 class _SnapshotCollector:

@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.gateway.operations import Operations
 from kvgate.gateway.sessions import Session
-from kvgate.protocol import Clean, ErrorCode, Hello, Put, Request, RequestError, Stats
+from kvgate.protocol import Cards, Clean, ErrorCode, Hello, Put, Request, RequestError, Stats
 
 
 def _operations() -> Operations:
@@ -24,8 +24,8 @@ def _session(role: str) -> Session:
     return Session(id=1, local=True, pid=None, uid=None, inline=None, role=role)
 
 
-def test_the_table_is_keyed_by_request_types() -> None:
-    assert set(_operations().table) <= set(typing.get_args(Request))
+def test_the_table_answers_every_request_type() -> None:
+    assert set(_operations().table) == set(typing.get_args(Request))
 
 
 def test_a_request_type_with_no_handler_is_an_unknown_op() -> None:
@@ -37,8 +37,8 @@ def test_a_request_type_with_no_handler_is_an_unknown_op() -> None:
     assert (e.value.code, str(e.value)) == (ErrorCode.UNKNOWN_OP, "unknown op Unlisted")
 
 
-def test_only_stats_clean_and_hello_are_for_any_session() -> None:
-    assert {t for t, op in _operations().table.items() if not op.engine_only} == {Stats, Clean, Hello}
+def test_only_stats_clean_cards_and_hello_are_for_any_session() -> None:
+    assert {t for t, op in _operations().table.items() if not op.engine_only} == {Stats, Clean, Cards, Hello}
 
 
 def test_an_admin_session_asking_for_an_engine_op_is_told_so() -> None:
@@ -56,3 +56,12 @@ def test_a_second_hello_is_refused() -> None:
 def test_stats_answers_any_session_with_the_snapshot() -> None:
     reply, body = asyncio.run(_operations().handle(_session("admin"), Stats(id=5), b""))
     assert (reply.stats, body) == ({"ok": 1}, None)
+
+
+@pytest.mark.parametrize("role,local", [("engine", True), ("admin", False)])
+def test_card_changes_need_an_admin_session_on_the_unix_socket(role: str, local: bool) -> None:
+    """A change points the gateway at a path or server of the asker's choosing: only a local admin may."""
+    sess = Session(id=1, local=local, pid=None, uid=None, inline=None, role=role)
+    with pytest.raises(RequestError) as e:
+        asyncio.run(_operations().handle(sess, Cards(id=6, action="add", target="/tmp/x"), b""))
+    assert e.value.code == ErrorCode.NOT_AUTHORIZED

@@ -29,10 +29,8 @@ from kvgate.heads import SharedHeads
 from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
 from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
-    INLINE,
-    MISS,
-    NOT_DONE,
-    TOO_SMALL,
+    Cards,
+    CardsReply,
     Clean,
     CountReply,
     Delete,
@@ -44,9 +42,12 @@ from kvgate.protocol import (
     GetReply,
     Hello,
     Hold,
+    INLINE,
     Lookup,
     Mark,
     MarkReply,
+    MISS,
+    NOT_DONE,
     Prewarm,
     Put,
     PutReply,
@@ -56,7 +57,9 @@ from kvgate.protocol import (
     RequestError,
     Stats,
     StatsReply,
+    TOO_SMALL,
 )
+from kvgate.tiers.cardset import CardChangeError
 from kvgate.tiers.io import IoPool
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 from kvgate.types import Retention
@@ -95,6 +98,7 @@ class Operations:
         self.table: dict[type, Operation] = {
             Stats: Operation(self._stats, engine_only=False),
             Clean: Operation(self._clean, engine_only=False),
+            Cards: Operation(self._cards, engine_only=False),
             Hello: Operation(self._hello_again, engine_only=False),
             RegisterRegion: Operation(self._register, engine_only=True),
             Mark: Operation(self._mark, engine_only=True),
@@ -182,6 +186,35 @@ class Operations:
         n = await self.store.clean()
         log.info("clean: deleted %d objects", n)
         return CountReply(count=n), None
+
+    async def _cards(self, sess: Session, req: Cards, body: bytes) -> tuple[CardsReply, None]:
+        """List or change the card set: an admin session on the Unix socket only (a change points the
+        gateway at a path or server of the asker's choosing)."""
+        if req.action != "list" and not (sess.local and sess.role == "admin"):
+            raise RequestError(ErrorCode.NOT_AUTHORIZED,
+                               "card changes need an admin session on the gateway's Unix socket")
+        cards = self.store.long
+        message = ""
+        try:
+            if req.action == "add":
+                mc = await cards.add(req.target)
+                message = f"card {mc.where} ({mc.serial}) added"
+            elif req.action == "drain":
+                mc = cards.drain(req.target, now=req.now)
+                message = (f"card {mc.where} ({mc.serial}) " +
+                           ("removed without copying" if req.now else f"draining: {len(mc.index)} objects to copy"))
+            elif req.action == "undrain":
+                mc = cards.undrain(req.target)
+                message = f"card {mc.where} ({mc.serial}) takes writes again"
+            elif req.action == "remove":
+                await cards.remove(req.target)
+                message = f"card {req.target} removed"
+        except CardChangeError as e:
+            raise RequestError(ErrorCode.CARDS_REFUSED, str(e)) from None
+        if message and req.action == "add":
+            message += "; until a restart: add it to storage_devices to keep it"
+        return CardsReply(generation=cards.generation, fingerprint=cards.fingerprint, cards=cards.status(pending=True),
+                          message=message), None
 
     async def _hello_again(self, sess: Session, req: Hello, body: bytes) -> tuple[Any, Any]:
         raise RequestError(ErrorCode.BAD_REQUEST, "this connection already has a session")

@@ -22,11 +22,11 @@ import ipaddress
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from kvgate import __version__
 from kvgate.cards import CardInUse
-from kvgate.config import Config
+from kvgate.config import FIELDS, Config, ConfigError
 from kvgate.gateway import status as status_mod
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
@@ -175,6 +175,28 @@ class Gateway:
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def request_reload(self, load: Callable[[], Config]) -> None:
+        """SIGHUP: read the config again (``load``) and apply its ``storage_devices`` to the running card set."""
+        self._spawn(self._reload(load))
+
+    async def _reload(self, load: Callable[[], Config]) -> None:
+        try:
+            cfg = await self.pool.run(load)  # reads the file: off the loop
+        except (ConfigError, OSError) as e:
+            log.error("SIGHUP: config not reloaded, the gateway goes on as it was: %s", e)
+            return
+        later = [f.name for f in FIELDS
+                 if f.name != "storage_devices" and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
+        if later:
+            log.warning("SIGHUP: %s changed in the config; only storage_devices applies while serving, the rest at "
+                        "the next start", ", ".join(later))
+        if list(cfg.storage_devices) == self.store.long.patterns:
+            log.info("SIGHUP: storage_devices unchanged")
+            return
+        log.warning("SIGHUP: storage_devices now %s", ", ".join(cfg.storage_devices))
+        for problem in await self.store.long.apply_devices(list(cfg.storage_devices)):
+            log.error("SIGHUP: %s", problem)
+
     async def stop(self) -> None:
         # the accept loops and every connection are tasks too: each connection cancels its requests, closes
         # its session and its socket
@@ -225,14 +247,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def run_gateway(cfg: Config, ready: asyncio.Event | None = None) -> None:
-    """Start, serve until SIGINT/SIGTERM, stop cleanly."""
+async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
+                      reload: Callable[[], Config] | None = None) -> None:
+    """Start, serve until SIGINT/SIGTERM, stop cleanly; on SIGHUP, ``reload`` the config (its cards)."""
     import signal
 
     gw = Gateway(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, gw.request_stop)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, gw.request_reload, reload)
     try:
         await gw.start()
     except BaseException:

@@ -93,7 +93,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
     """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
     c = store.counters
     ram = store.ram
-    cards = [mc.snapshot() for mc in store.card_states()]
+    cards = store.long.status()
     long_tier = {
         "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
         "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
@@ -115,6 +115,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "gateway": {
             "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - started_at, 3),
             "fingerprint": store.long.fingerprint, "placement": cfg.key_placement, "storage_slots": store.long.slots,
+            "card_generation": store.long.generation,
             "socket": cfg.socket_path, "port": tcp_port, "sessions": len(sessions),
             "connections": listeners.open_connections,
             "refused_connections": listeners.refused_connections, "engine": engine,
@@ -131,6 +132,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "io_errors": store.long.io_errors,
         "oldest_io_age_s": max(pool.oldest_age(), store.long.oldest_io_age()),
         "cards": cards,
+        "card_moves": {"objects": store.long.mover.moved, "bytes": store.long.mover.moved_bytes,
+                       "failed": store.long.mover.failed},
         "shared_heads": {"blocks": len(heads), "learned": heads.learned,
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
     }

@@ -41,7 +41,7 @@ def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path:
         assert cs.capacity == 90_000, "lowered once per failed object"
         assert cs.used <= 90_000 and cs.counters.evictions == 10
         assert cs.active, "a full card is not a broken card"
-        await asyncio.gather(*list(cs._tasks))  # the evicted objects are deleted
+        await cs.tasks.wait()  # the evicted objects are deleted
         cs.note_result(full)  # full again with the room made: the medium is smaller still
         assert cs.capacity == 81_000
         await cs.close()

@@ -35,7 +35,7 @@ from kvgate.gateway.operations import Operations
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.shm import reap_dead_regions
 from kvgate.heads import SharedHeads
-from kvgate.tiers.io import IoPool, realtime_permitted
+from kvgate.tiers.io import IoPool, Tasks, realtime_permitted
 from kvgate.tiers.cardset import LayoutMismatch
 from kvgate.tiers.store import TieredStore
 
@@ -66,7 +66,7 @@ class Gateway:
         self.started_at = time.time()
         self.http: status_mod.HttpStatus | None = None
         self.tcp_port: int | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
         self._stopped = asyncio.Event()
         self._socket_owned = False  # only a gateway that bound the socket may remove it
 
@@ -200,9 +200,7 @@ class Gateway:
     async def stop(self) -> None:
         # the accept loops and every connection are tasks too: each connection cancels its requests, closes
         # its session and its socket
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         self.listeners.close()
         if self.http:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
@@ -217,10 +215,7 @@ class Gateway:
         log.info("kvgate stopped")
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     async def _status_file_loop(self) -> None:
         path = self.cfg.status_file

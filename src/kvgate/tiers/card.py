@@ -45,7 +45,7 @@ from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import CardIndex, IndexEntry
-from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
+from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split
 from kvgate.tiers.usage import NamespaceUsage
 
 log = logging.getLogger("kvgate.long")
@@ -151,7 +151,7 @@ class ManagedCard:
         self.unreadable: set[bytes] = set()
         self.refused_serial: str | None = None  # the other card last seen at our path
         self._warned_empty = False  # said that it can hold nothing (said again only after it could hold some)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = Tasks()
 
     # ---- naming -------------------------------------------------------------
 
@@ -181,12 +181,6 @@ class ManagedCard:
 
     # ---- life -----------------------------------------------------------------
 
-    def spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def adopt(self) -> None:
         """Size the card, now in the slot map, and index what it holds in the background."""
         self.policy = make_policy(self.cfg.eviction_policy)
@@ -201,13 +195,11 @@ class ManagedCard:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
             self.capacity = max(0, free - self.card.reserve_bytes(self.cfg.card_reserve))
-        self.spawn(self._scan())
+        self.tasks.spawn(self._scan())
 
     async def close(self) -> None:
         """End the card's tasks, its threads (not waiting for a hung one) and its claim."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel()
         self.io.shutdown(wait=False)
         try:
             self.card.close()
@@ -403,7 +395,7 @@ class ManagedCard:
     def spawn_delete(self, fkeys: list[bytes]) -> asyncio.Task:
         """``delete_quietly`` as a task; its keys are misses from now on, not from when the task first runs."""
         self.leaving.update(fkeys)
-        return self.spawn(self._delete_quietly(fkeys))
+        return self.tasks.spawn(self._delete_quietly(fkeys))
 
     async def _delete_quietly(self, fkeys: list[bytes]) -> None:
         """Delete objects the index has already let go of (evicted, expired, stale copies).

@@ -45,7 +45,7 @@ from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.index import IndexEntry
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
 
 log = logging.getLogger("kvgate.long")
@@ -109,7 +109,7 @@ class CardSet:
         self._by_serial: dict[str, ManagedCard] = {}
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
         self.mover = CardMover(self, MOVE_BYTES_PER_S, self._let_drained_go)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
         self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
 
     @property
@@ -193,16 +193,11 @@ class CardSet:
                             "16 slots per card or more spread the load", self.slot_map.slots, n)
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         await asyncio.gather(*(mc.close() for mc in self.cards + self.pending))
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     # ---- placement --------------------------------------------------------
 

@@ -15,14 +15,16 @@ because most tests import them from here.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.process
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvgate.bench import processes
 from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
@@ -72,6 +74,59 @@ def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None 
     """Run a ``kvgate`` CLI command to completion (stat, clean, fingerprint, serve that must fail...)."""
     return subprocess.run([sys.executable, "-m", "kvgate", *args], env=kvgate_env(env), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---- processes the suite starts ----------------------------------------------------------
+
+
+class UnmarkedProcess(Exception):
+    """A test not marked slow tried to start a process."""
+
+
+class ProcessGuard:
+    """Refuses to start a process (``subprocess``, ``multiprocessing``, ``os.fork``) while a test that
+    is not marked ``slow`` runs: ``make test-fast`` must start none.  ``tests/conftest.py`` installs it
+    for the session and says which test is running (``watching``)."""
+
+    def __init__(self) -> None:
+        self.test: str | None = None  # the running test not marked slow, if any
+        self._undo: list[tuple[object, str, object]] = []
+
+    def check(self, what: object) -> None:
+        if self.test is not None:
+            raise UnmarkedProcess(f"{self.test} starts a process ({what!r}) but is not marked slow: add "
+                                  f"@pytest.mark.slow, or use a fixture of tests/conftest.py PROCESS_FIXTURES")
+
+    @contextlib.contextmanager
+    def watching(self, test: str | None) -> Iterator[None]:
+        """While the block runs, ``test`` (a node id; None: a slow test) may start no process."""
+        before, self.test = self.test, test
+        try:
+            yield
+        finally:
+            self.test = before
+
+    def install(self) -> None:
+        guard = self
+
+        def wrap(owner: object, name: str, describe: Callable[..., object]) -> None:
+            real = getattr(owner, name)
+
+            def guarded(*args, **kwargs):
+                guard.check(describe(*args))
+                return real(*args, **kwargs)
+
+            self._undo.append((owner, name, real))
+            setattr(owner, name, guarded)
+
+        wrap(subprocess.Popen, "_execute_child", lambda popen, args, *_: args)  # run, Popen, check_output...
+        wrap(multiprocessing.process.BaseProcess, "start", lambda proc: proc)  # every start method
+        wrap(os, "fork", lambda: "os.fork()")
+
+    def uninstall(self) -> None:
+        while self._undo:
+            owner, name, real = self._undo.pop()
+            setattr(owner, name, real)
 
 
 def rss_kib(pid: int) -> int:

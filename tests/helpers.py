@@ -15,21 +15,25 @@ because most tests import them from here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import multiprocessing.process
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from kvgate.bench import processes
 from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
 
 REPO = Path(__file__).resolve().parents[1]
+
+T = TypeVar("T")
 
 # Small, fast defaults: no TCP or HTTP listener, a small RAM tier and small
 # per-session shared-memory regions (each local engine session fallocates one).
@@ -74,6 +78,36 @@ def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None 
     """Run a ``kvgate`` CLI command to completion (stat, clean, fingerprint, serve that must fail...)."""
     return subprocess.run([sys.executable, "-m", "kvgate", *args], env=kvgate_env(env), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---- waiting for something to happen ----------------------------------------------------
+
+
+def _say(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+               interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something true, and return that; after ``timeout`` s fail
+    saying ``what`` did not happen (a callable ``what`` is asked then, e.g. for a log's tail)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+                           interval: float = 0.01) -> T:
+    """``wait_until`` on an event loop: the loop runs on between polls."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        await asyncio.sleep(interval)
+    return value
 
 
 # ---- processes the suite starts ----------------------------------------------------------
@@ -229,6 +263,14 @@ class GatewayProcess(processes.GatewayProcess):
         while (sets := self.ram_sets()) < n and time.monotonic() < deadline:
             time.sleep(0.2)
         return sets
+
+
+# ---- cards ------------------------------------------------------------------------------
+
+
+def object_files(card: Path) -> list[Path]:
+    """The objects on a directory card (named by the key digest, in hex)."""
+    return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]
 
 
 # ---- the page cache ---------------------------------------------------------------------

@@ -39,7 +39,7 @@ from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
-from tests.helpers import as_newer_format, evict, pages_cached
+from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 
 P = CHECKSUM_PIECE
 GUARD = 4096
@@ -617,9 +617,7 @@ def test_sigkill_mid_write_leaves_only_whole_objects(tmp_path: Path) -> None:
         done = _MP.Value("i", 0, lock=False)
         proc = _MP.Process(target=_write_forever, args=(loc, round_ * 9, done))
         proc.start()
-        deadline = time.monotonic() + 20
-        while done.value < writes and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: done.value >= writes, 20, f"the writer's first {writes} writes", interval=0.001)
         time.sleep(delay)  # the writer is almost always inside a write now
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)

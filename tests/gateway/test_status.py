@@ -7,13 +7,12 @@ import json
 import os
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.helpers import free_port, run_kvgate
+from tests.helpers import free_port, run_kvgate, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -32,19 +31,17 @@ def _serial(card_dir: str) -> str:
         return json.load(f)["serial"]
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def _read_when(path: str, pred, timeout: float = 5.0) -> str:
-    deadline = time.monotonic() + timeout
-    text = ""
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            text = ""
-        if text and pred(text):
-            return text
-        time.sleep(0.05)
-    raise AssertionError(f"status file {path} not as expected after {timeout} s:\n{text}")
+    return wait_until(lambda: (text := _read(path)) and pred(text) and text, timeout,
+                      lambda: f"status file {path} not as expected:\n{_read(path)}")
 
 
 def _fingerprint_from_log(log: str) -> str:
@@ -317,10 +314,8 @@ def test_idle_http_connections_are_bounded(gateway_factory) -> None:
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while _http(mport, "GET", "/healthz")[0] != 200:  # the slots come back as the idle ones close
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # the slots come back as the idle ones close
+    wait_until(lambda: _http(mport, "GET", "/healthz")[0] == 200, 10, "/healthz answered 200 again")
     assert gw.alive() and "Traceback" not in gw.log(), gw.log()
 
 

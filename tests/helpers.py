@@ -268,6 +268,20 @@ class GatewayProcess(processes.GatewayProcess):
 # ---- cards ------------------------------------------------------------------------------
 
 
+def card_serial(card_dir: str | os.PathLike) -> str:
+    """The serial in a directory card's label."""
+    from kvgate.cards.directory import LABEL_NAME
+
+    return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
+
+
+def logged_fingerprint(log: str) -> str:
+    """The key layout fingerprint a gateway logged at its start."""
+    m = re.search(r"Key layout fingerprint ([0-9a-f]{16})\b", log)
+    assert m, f"no fingerprint in the log:\n{log}"
+    return m.group(1)
+
+
 def object_files(card: Path) -> list[Path]:
     """The objects on a directory card (named by the key digest, in hex)."""
     return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]

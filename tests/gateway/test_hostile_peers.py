@@ -49,7 +49,7 @@ HELLO_TIMEOUT_S = 3.0
 FRAME_TIMEOUT_S = 2.0
 CALL_LIMIT_S = 5.0  # each client call under attack: generous for a loaded 2-core machine
 STAGE = 64 << 10  # the gateway's staging buffer per connection (connection.STAGE_BYTES)
-MAX_REFUSING = 64  # refused connections waited on at once (server.MAX_REFUSING)
+MAX_REFUSING = 64  # refused connections waited on at once (listeners.MAX_REFUSING)
 
 
 def rss_bound_kib(base_kib: int) -> int:
@@ -400,7 +400,7 @@ def test_a_full_listener_answers_the_hello_with_too_many_connections(gateway_fac
 
 def test_idle_connections_of_one_peer_do_not_fill_a_listener(gateway_factory, token_file) -> None:
     gw, port = _hostile_gateway(gateway_factory, token_file)
-    from kvgate.gateway.server import PENDING_PER_PEER
+    from kvgate.gateway.listeners import PENDING_PER_PEER
 
     idle = [socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0))
             for _ in range(PENDING_PER_PEER)]

@@ -529,16 +529,17 @@ class CardSet:
             if not mc.index:
                 self._spawn(self._drop(serial, "drained").close())
 
-    def status(self) -> list[dict]:
-        """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots."""
+    def status(self, pending: bool = False) -> list[dict]:
+        """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots; with
+        ``pending``, a short row for each entry with no card yet."""
         rows = []
         for mc in self.cards:
             row = mc.snapshot()
             row["state"] = ("draining" if mc.serial in self._draining else "serving") if mc.active else "inactive"
             row["slots"] = len(self.slot_map.slots_of(mc.serial)) if mc.serial in self.slot_map.serials else 0
             rows.append(row)
-        for mc in self.pending:
-            rows.append({"serial": None, "location": mc.where, "state": "pending", "slots": 0})
+        if pending:
+            rows += [{"serial": None, "location": mc.where, "state": "pending", "slots": 0} for mc in self.pending]
         return rows
 
     # ---- figures --------------------------------------------------------------

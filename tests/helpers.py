@@ -15,19 +15,25 @@ because most tests import them from here.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import multiprocessing.process
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from kvgate.bench import processes
 from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
 
 REPO = Path(__file__).resolve().parents[1]
+
+T = TypeVar("T")
 
 # Small, fast defaults: no TCP or HTTP listener, a small RAM tier and small
 # per-session shared-memory regions (each local engine session fallocates one).
@@ -72,6 +78,89 @@ def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None 
     """Run a ``kvgate`` CLI command to completion (stat, clean, fingerprint, serve that must fail...)."""
     return subprocess.run([sys.executable, "-m", "kvgate", *args], env=kvgate_env(env), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---- waiting for something to happen ----------------------------------------------------
+
+
+def _say(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+               interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something true, and return that; after ``timeout`` s fail
+    saying ``what`` did not happen (a callable ``what`` is asked then, e.g. for a log's tail)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+                           interval: float = 0.01) -> T:
+    """``wait_until`` on an event loop: the loop runs on between polls."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        await asyncio.sleep(interval)
+    return value
+
+
+# ---- processes the suite starts ----------------------------------------------------------
+
+
+class UnmarkedProcess(Exception):
+    """A test not marked slow tried to start a process."""
+
+
+class ProcessGuard:
+    """Refuses to start a process (``subprocess``, ``multiprocessing``, ``os.fork``) while a test that
+    is not marked ``slow`` runs: ``make test-fast`` must start none.  ``tests/conftest.py`` installs it
+    for the session and says which test is running (``watching``)."""
+
+    def __init__(self) -> None:
+        self.test: str | None = None  # the running test not marked slow, if any
+        self._undo: list[tuple[object, str, object]] = []
+
+    def check(self, what: object) -> None:
+        if self.test is not None:
+            raise UnmarkedProcess(f"{self.test} starts a process ({what!r}) but is not marked slow: add "
+                                  f"@pytest.mark.slow, or use a fixture of tests/conftest.py PROCESS_FIXTURES")
+
+    @contextlib.contextmanager
+    def watching(self, test: str | None) -> Iterator[None]:
+        """While the block runs, ``test`` (a node id; None: a slow test) may start no process."""
+        before, self.test = self.test, test
+        try:
+            yield
+        finally:
+            self.test = before
+
+    def install(self) -> None:
+        guard = self
+
+        def wrap(owner: object, name: str, describe: Callable[..., object]) -> None:
+            real = getattr(owner, name)
+
+            def guarded(*args, **kwargs):
+                guard.check(describe(*args))
+                return real(*args, **kwargs)
+
+            self._undo.append((owner, name, real))
+            setattr(owner, name, guarded)
+
+        wrap(subprocess.Popen, "_execute_child", lambda popen, args, *_: args)  # run, Popen, check_output...
+        wrap(multiprocessing.process.BaseProcess, "start", lambda proc: proc)  # every start method
+        wrap(os, "fork", lambda: "os.fork()")
+
+    def uninstall(self) -> None:
+        while self._undo:
+            owner, name, real = self._undo.pop()
+            setattr(owner, name, real)
 
 
 def rss_kib(pid: int) -> int:
@@ -174,6 +263,28 @@ class GatewayProcess(processes.GatewayProcess):
         while (sets := self.ram_sets()) < n and time.monotonic() < deadline:
             time.sleep(0.2)
         return sets
+
+
+# ---- cards ------------------------------------------------------------------------------
+
+
+def card_serial(card_dir: str | os.PathLike) -> str:
+    """The serial in a directory card's label."""
+    from kvgate.cards.directory import LABEL_NAME
+
+    return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
+
+
+def logged_fingerprint(log: str) -> str:
+    """The key layout fingerprint a gateway logged at its start."""
+    m = re.search(r"Key layout fingerprint ([0-9a-f]{16})\b", log)
+    assert m, f"no fingerprint in the log:\n{log}"
+    return m.group(1)
+
+
+def object_files(card: Path) -> list[Path]:
+    """The objects on a directory card (named by the key digest, in hex)."""
+    return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]
 
 
 # ---- the page cache ---------------------------------------------------------------------

@@ -903,7 +903,7 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
     c.claim(False)
     r = server.raw()
     before = json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"]
-    time.sleep(0.05)
+    time.sleep(0.05)  # the point: the clock moves on, so a renewed lease expires later
     c.check()
     assert json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"] > before
     assert 0 < r.pttl(LEASE_KEY) <= LEASE_TTL_MS

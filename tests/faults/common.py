@@ -163,14 +163,3 @@ def restore(client, wl: Workload, dialogs: Sequence[int], calls: Calls,
         out[d] = (hits, n)
     return out
 
-
-def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``pred`` until it returns something true; returns (value, seconds waited)."""
-    t0 = time.monotonic()
-    while True:
-        v = pred()
-        if v:
-            return v, time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)

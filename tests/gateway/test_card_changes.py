@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_kvgate
+from tests.helpers import run_kvgate, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,16 +95,6 @@ def _cards(gw) -> dict:
     return json.loads(out.stdout)
 
 
-def _wait(what: str, predicate, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout} s")
-
-
 def _objects(card: Path) -> set[str]:
     return {p.name for p in card.glob("db*/*/*") if not p.name.startswith(".")}
 
@@ -123,7 +113,7 @@ def test_cards_join_drain_and_leave_while_a_client_writes_and_restores(tmp_path:
     traffic = Traffic(gw)
     traffic.start()
     try:
-        _wait("some dialogs written", lambda: len(traffic.dialogs) > 30)
+        wait_until(lambda: len(traffic.dialogs) > 30, 60, "some dialogs written")
 
         traffic.phase = "join"
         out = run_kvgate("cards", "add", str(cards["c"]), "--socket", gw.socket)
@@ -132,13 +122,13 @@ def test_cards_join_drain_and_leave_while_a_client_writes_and_restores(tmp_path:
         assert listed["generation"] == 1 and len(listed["cards"]) == 3
         joined = next(c for c in listed["cards"] if c["location"] == str(cards["c"]))
         assert joined["state"] == "serving" and joined["slots"] > 0
-        _wait("objects copied to the joined card", lambda: _cards(gw)["cards"][2]["objects"] > 0)
+        wait_until(lambda: _cards(gw)["cards"][2]["objects"] > 0, 60, "objects copied to the joined card")
 
         traffic.phase = "drain"
         serial_a = next(c["serial"] for c in listed["cards"] if c["location"] == str(cards["a"]))
         out = run_kvgate("cards", "drain", serial_a, "--socket", gw.socket)
         assert out.returncode == 0, out.stderr
-        _wait("the drained card left", lambda: all(c["serial"] != serial_a for c in _cards(gw)["cards"]))
+        wait_until(lambda: all(c["serial"] != serial_a for c in _cards(gw)["cards"]), 60, "the drained card left")
         left_on_a = _objects(cards["a"])
         elsewhere = _objects(cards["b"]) | _objects(cards["c"])
         assert left_on_a <= elsewhere, "the drained card left with objects no other card holds"
@@ -153,8 +143,8 @@ def test_cards_join_drain_and_leave_while_a_client_writes_and_restores(tmp_path:
         config.write_text(f"storage_devices: [{cards['b']}, {cards['c']}, {cards['d']}]\n"
                           f"io_timeout_ms: {IO_TIMEOUT_MS}\n")
         os.kill(gw.pid, signal.SIGHUP)
-        _wait("the card of the new entry joined",
-              lambda: any(c["location"] == str(cards["d"]) for c in _cards(gw)["cards"]))
+        wait_until(lambda: any(c["location"] == str(cards["d"]) for c in _cards(gw)["cards"]), 60,
+                   "the card of the new entry joined")
         time.sleep(1.0)  # traffic on the new layout
 
         traffic.phase = "remove"

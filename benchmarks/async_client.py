@@ -11,7 +11,7 @@ stored with retention "short" (RAM tier only).  Figures, all in one run:
            over TCP (received straight into the buffers), next to
            ``np.copyto`` of the same bytes from one set of buffers into
            another, one thread.  The passes alternate between contenders
-           (kvgate.bench.measure), so load on the shared machine lands on all.
+           (kvgate.bench.measure.measure), so load on the shared machine lands on all.
   loop     the longest time the event loop could not run a 1 ms ticker:
            idle (the machine's noise), during the client's own copy of 64
            MiB on the loop and on a worker thread, and during 64 MiB
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -37,7 +36,9 @@ import numpy as np
 
 from kvgate import AsyncClient, Client
 from kvgate import asyncclient
-from kvgate.bench import Contender, GatewayProcess, measure, size_arg
+from kvgate.bench.command import size_arg
+from kvgate.bench.harness import bench_gateway
+from kvgate.bench.measure import Contender, measure
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -137,22 +138,21 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = tempfile.mkdtemp(prefix="kvg-async-bench-")
     sockdir = tempfile.mkdtemp(prefix="kvg-", dir="/tmp")
-    gw = GatewayProcess("async", workdir, sockdir, max_bytes=2 * total + 128 * MIB, threads=2,
-                        card_capacity=1 << 30, tcp=True, extra=["--shared-memory-size", str(region)])
-    tcp = f"127.0.0.1:{gw.args[gw.args.index('--port') + 1]}"
+    gw = bench_gateway("async", workdir, sockdir, max_bytes=2 * total + 128 * MIB, threads=2,
+                       card_capacity=1 << 30, tcp=True, extra=["--shared-memory-size", str(region)])
+    tcp = f"127.0.0.1:{gw.tcp_port}"
     loop = asyncio.new_event_loop()
     out: dict[str, Any] = {"objects": n, "object_size": size, "pass_bytes": total, "session_region": region,
                            "offload_bytes": asyncclient.OFFLOAD_BYTES}
     try:
         say(f"gateway: RAM tier, session region {region >> 20} MiB, {n} x {size} B objects")
-        gw.start()
-        gw.wait_ready()
+        gw.start(60.0)
         srcs = _fill(n, size)
         dests = [np.empty(size, np.uint8) for _ in range(n)]
         keys = [f"obj-{i}".encode() for i in range(n)]
-        sync_u = Client.connect(gw.socket_path, namespace="bench", engine_id="bench")
+        sync_u = Client.connect(gw.socket, namespace="bench", engine_id="bench")
         sync_t = Client.connect(tcp, namespace="bench", engine_id="bench")
-        async_u = loop.run_until_complete(AsyncClient.connect(gw.socket_path, namespace="bench", engine_id="bench"))
+        async_u = loop.run_until_complete(AsyncClient.connect(gw.socket, namespace="bench", engine_id="bench"))
         async_t = loop.run_until_complete(AsyncClient.connect(tcp, namespace="bench", engine_id="bench"))
         if not all(sync_u.put_many(keys, srcs, retention="short")):
             raise SystemExit("the gateway did not store every object (RAM tier too small?)")

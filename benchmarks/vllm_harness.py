@@ -1,14 +1,14 @@
 """Shared pieces of the vLLM demo and benchmark: a kvgate gateway process, engine runs, page-cache drops.
 
-Only the standard library is imported here (plus kvgate's client for gateway
-stats), so the orchestrating scripts start fast; everything that imports
-vLLM, torch or transformers runs in ``vllm_engine.py`` (one engine process
-per run, so every run after the first is a real engine restart).
+Only the standard library and kvgate are imported here, so the orchestrating
+scripts start fast; everything that imports vLLM, torch or transformers runs
+in ``vllm_engine.py`` (one engine process per run, so every run after the
+first is a real engine restart).
 
-Every process started here runs in its own session and is stopped (process
-group SIGTERM, then SIGKILL) by ``Processes.close()``, which the scripts call
-in a ``finally``; SIGTERM/SIGHUP to the orchestrator are turned into
-``SystemExit`` so that the ``finally`` runs on those too.
+Every process started here runs in its own session and is stopped by the
+scripts in a ``finally`` (an engine's whole process group: SIGTERM, then
+SIGKILL); SIGTERM/SIGHUP to the orchestrator are turned into ``SystemExit``
+so that the ``finally`` runs on those too.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgate.bench.processes import GatewayProcess
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
 VENV_PY = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # the KV block size of vLLM's CPU platform (tokens)
-
-_SUN_PATH_MAX = 100
 
 
 def log(msg: str) -> None:
@@ -103,78 +103,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
     return proc.returncode
 
 
-class Gateway:
-    """One ``python -m kvgate serve`` process with its own socket, card and log."""
+class Gateway(GatewayProcess):
+    """One gateway of the vLLM runs: started by the engine venv's interpreter with the engines'
+    environment, in its own session, cwd the repository, a status file beside its log."""
 
     def __init__(self, workdir: Path, card: Path, *, name: str = "gateway", max_bytes: str = "1G",
                  extra_args: Sequence[str] = ()):
-        self.workdir = Path(workdir)
-        self.card = Path(card)
-        self.name = name
-        sock = self.workdir / f"{name}.sock"
-        if len(str(sock)) > _SUN_PATH_MAX:
-            sock = Path(f"/tmp/kvgate-{name}-{os.getpid()}.sock")
-        self.socket = str(sock)
-        self.log_path = self.workdir / f"{name}.log"
-        self.argv = [engine_python(), "-m", "kvgate", "serve", "--storage-devices", str(self.card),
-                     "--socket", self.socket, "--port", "0", "--metrics-port", "0", "--max-bytes", max_bytes,
-                     "--shared-memory-size", "64M", "--status-file", str(self.workdir / f"{name}.status.prom"),
-                     *extra_args]
-        self.proc: subprocess.Popen | None = None
+        workdir = Path(workdir)
+        super().__init__(workdir, ["--storage-devices", str(card), "--port", "0", "--metrics-port", "0",
+                                   "--max-bytes", max_bytes, "--shared-memory-size", "64M",
+                                   "--status-file", str(workdir / f"{name}.status.prom"), *extra_args],
+                         name=name, python=engine_python(), env=engine_env(), cwd=REPO)
 
     def start(self, timeout: float = 30.0) -> Gateway:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.card.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as f:
-            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=engine_env(),
-                                         cwd=str(REPO), start_new_session=True)
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {self.proc.returncode} before it was ready; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
-            try:
-                if self.stats(timeout=2.0)["gateway"]["pid"] == self.proc.pid:
-                    return self
-                last = RuntimeError(f"{self.socket} is served by another gateway")
-            except Exception as e:  # noqa: BLE001 (not listening yet: any error means "try again")
-                last = e
-            time.sleep(0.1)
-        raise TimeoutError(f"gateway not ready on {self.socket} within {timeout} s ({last}); log:\n{self.log_tail()}")
-
-    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        from kvgate.client import Client
-
-        with Client.connect(self.socket, role="admin", want_shm=False, timeout=timeout) as c:
-            return c.stats()
-
-    def wait_scanned(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Stats once every card's start-up scan is done (the index then answers lookups by itself)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            snap = self.stats()
-            if all(c["scanned"] for c in snap["cards"]) or time.monotonic() > deadline:
-                return snap
-            time.sleep(0.05)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        rc = stop_process(self.proc)
-        self.proc = None
-        try:
-            if self.socket.startswith("/tmp/kvgate-") and os.path.exists(self.socket):
-                os.unlink(self.socket)
-        except OSError:
-            pass
-        return rc
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        super().start(timeout)
+        return self
 
 
 class EngineFailed(RuntimeError):

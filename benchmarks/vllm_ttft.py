@@ -233,12 +233,12 @@ def main(argv=None) -> int:
         gw_stats_1 = gw.stats()
 
         # the gateway restarts: its RAM tier is empty, everything comes from the card
-        gw.stop()
+        gw.cleanup()
         gw = Gateway(work, card, name="gw", max_bytes=gateway_ram, extra_args=args.gateway_arg).start()
         # restores start once the start-up scan is done, so every run measures the same thing (a
         # restore during the scan also works: the card is asked for what its index lacks)
         t = time.monotonic()
-        cards = gw.wait_scanned()["cards"]
+        cards = gw.wait_scanned(60.0)["cards"]
         log(f"gateway restarted (pid {gw.proc.pid}): RAM tier empty, "
             f"{sum(c['objects'] for c in cards)} objects on the card (scan done after {time.monotonic() - t:.2f} s)")
 
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     finally:
         runner.close()
         if gw is not None:
-            gw.stop()
+            gw.cleanup()
 
     report = summarize(args, runs, prompts, names, hit_tokens, can_drop)
     report["setup"] = {

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     finally:
         runner.close()
         if gw is not None:
-            gw.stop()
+            gw.cleanup()
             say("gateway stopped")
     say(f"demo took {time.monotonic() - t0:.0f} s (logs in {runs})")
     return 0 if ok else 1

@@ -1,9 +1,12 @@
-"""Real gateway processes for end-to-end tests.
+"""Real gateway processes for end-to-end tests, and the other helpers tests share.
 
-``GatewayProcess`` runs ``python -m kvgate serve ...`` with PYTHONPATH set to
-this checkout's ``src``, captures its stderr in a file, and waits until its
-Unix socket accepts a connection.  The ``gateway_factory`` fixture in
-``tests/conftest.py`` starts them and always stops them at teardown.
+``GatewayProcess`` is ``kvgate.bench.processes.GatewayProcess`` with the
+tests' small default flags and test-only conveniences: it runs ``python -m
+kvgate serve ...`` with PYTHONPATH set to this checkout's ``src``, captures
+its stderr in a file, and waits until it answers.  The ``gateway_factory``
+fixture in ``tests/conftest.py`` starts them and always stops them at
+teardown.  ``free_port`` and ``kvgate_env`` are the package's, named here
+because most tests import them from here.
 
     gw = GatewayProcess(tmp_path, ["--max-bytes", "128M"]).start()
     with gw.client("ns") as c: ...
@@ -12,20 +15,25 @@ Unix socket accepts a connection.  The ``gateway_factory`` fixture in
 
 from __future__ import annotations
 
-import glob
+import asyncio
+import contextlib
 import json
+import multiprocessing.process
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
+
+from kvgate.bench import processes
+from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
 
 REPO = Path(__file__).resolve().parents[1]
-SRC = str(REPO / "src")
+
+T = TypeVar("T")
 
 # Small, fast defaults: no TCP or HTTP listener, a small RAM tier and small
 # per-session shared-memory regions (each local engine session fallocates one).
@@ -37,17 +45,6 @@ DEFAULT_FLAGS: dict[str, list[str]] = {
     "--shared-memory-size": ["8M"],
     "--thread-pool-size": ["2"],
 }
-
-_SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes; keep a margin
-
-
-def kvgate_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = SRC + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if extra:
-        env.update(extra)
-    return env
 
 
 def venv_python(venv: str) -> Path:
@@ -83,27 +80,87 @@ def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None 
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _is_redis(location: str) -> bool:
-    return location.startswith(("redis://", "rediss://", "unix://"))
+# ---- waiting for something to happen ----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _say(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
 
 
-def _flag_groups(args: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """["--a", "1", "--b", "x", "y"] -> [("--a", ["1"]), ("--b", ["x", "y"])]."""
-    groups: list[tuple[str, list[str]]] = []
-    for a in args:
-        if a.startswith("--"):
-            groups.append((a, []))
-        elif not groups:
-            raise ValueError(f"value {a!r} before any flag")
-        else:
-            groups[-1][1].append(a)
-    return groups
+def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+               interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something true, and return that; after ``timeout`` s fail
+    saying ``what`` did not happen (a callable ``what`` is asked then, e.g. for a log's tail)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
+                           interval: float = 0.01) -> T:
+    """``wait_until`` on an event loop: the loop runs on between polls."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{_say(what)}: not within {timeout} s (last: {value!r})")
+        await asyncio.sleep(interval)
+    return value
+
+
+# ---- processes the suite starts ----------------------------------------------------------
+
+
+class UnmarkedProcess(Exception):
+    """A test not marked slow tried to start a process."""
+
+
+class ProcessGuard:
+    """Refuses to start a process (``subprocess``, ``multiprocessing``, ``os.fork``) while a test that
+    is not marked ``slow`` runs: ``make test-fast`` must start none.  ``tests/conftest.py`` installs it
+    for the session and says which test is running (``watching``)."""
+
+    def __init__(self) -> None:
+        self.test: str | None = None  # the running test not marked slow, if any
+        self._undo: list[tuple[object, str, object]] = []
+
+    def check(self, what: object) -> None:
+        if self.test is not None:
+            raise UnmarkedProcess(f"{self.test} starts a process ({what!r}) but is not marked slow: add "
+                                  f"@pytest.mark.slow, or use a fixture of tests/conftest.py PROCESS_FIXTURES")
+
+    @contextlib.contextmanager
+    def watching(self, test: str | None) -> Iterator[None]:
+        """While the block runs, ``test`` (a node id; None: a slow test) may start no process."""
+        before, self.test = self.test, test
+        try:
+            yield
+        finally:
+            self.test = before
+
+    def install(self) -> None:
+        guard = self
+
+        def wrap(owner: object, name: str, describe: Callable[..., object]) -> None:
+            real = getattr(owner, name)
+
+            def guarded(*args, **kwargs):
+                guard.check(describe(*args))
+                return real(*args, **kwargs)
+
+            self._undo.append((owner, name, real))
+            setattr(owner, name, guarded)
+
+        wrap(subprocess.Popen, "_execute_child", lambda popen, args, *_: args)  # run, Popen, check_output...
+        wrap(multiprocessing.process.BaseProcess, "start", lambda proc: proc)  # every start method
+        wrap(os, "fork", lambda: "os.fork()")
+
+    def uninstall(self) -> None:
+        while self._undo:
+            owner, name, real = self._undo.pop()
+            setattr(owner, name, real)
 
 
 def rss_kib(pid: int) -> int:
@@ -114,15 +171,15 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-class GatewayProcess:
-    """One ``kvgate serve`` process.
+class GatewayProcess(processes.GatewayProcess):
+    """A ``kvgate serve`` process for a test: small, fast default flags, in its own session.
 
-    ``workdir``: where the card (``card`` unless given), the log and (when the
-    path is short enough) the socket live.  ``args``: extra ``serve`` flags;
-    a flag given here replaces the default of the same name.
-    ``create_cards``: ``start`` creates the directories of the plain
-    ``--storage-devices`` paths first (a gateway creates no configured card
-    directory itself); off, a test sees what a missing one does.
+    ``workdir``: where the card (``card`` unless given), its stderr and
+    stdout logs and (when the path is short enough) the socket live, and its
+    cwd.  ``args``: extra ``serve`` flags; a flag given here replaces the
+    default of the same name.  ``create_cards``: off, a test sees what a
+    missing card directory does.  A killed or stopped one's session regions
+    left in /dev/shm are removed.
     """
 
     _count = 0
@@ -131,100 +188,18 @@ class GatewayProcess:
                  socket_path: str | os.PathLike | None = None, defaults: bool = True, name: str | None = None,
                  create_cards: bool = True):
         GatewayProcess._count += 1
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.name = name or f"gw{GatewayProcess._count}"
-        self._sockdir: str | None = None
-        if socket_path is None:
-            socket_path = self.workdir / f"{self.name}.sock"
-            if len(str(socket_path)) > _SUN_PATH_MAX:
-                self._sockdir = tempfile.mkdtemp(prefix="kvg-", dir="/tmp")
-                socket_path = Path(self._sockdir) / f"{self.name}.sock"
-        self.socket = str(socket_path)
-        self.card = str(card if card is not None else self.workdir / "card")
+        workdir = Path(workdir)
+        name = name or f"gw{GatewayProcess._count}"
         flags: dict[str, list[str]] = dict(DEFAULT_FLAGS) if defaults else {}
-        flags["--storage-devices"] = [self.card]
-        flags["--socket"] = [self.socket]
-        for flag, values in _flag_groups(list(args)):
+        flags["--storage-devices"] = [str(card if card is not None else workdir / "card")]
+        if socket_path is not None:
+            flags["--socket"] = [str(socket_path)]
+        for flag, values in processes.flag_groups(list(args)):
             flags[flag] = values
-        if "--storage-devices" in flags:
-            self.card = flags["--storage-devices"][0]
-        self.card_dirs = [p for p in flags.get("--storage-devices", []) if not _is_redis(p) and not glob.has_magic(p)]
-        self.create_cards = create_cards
-        self.argv = [sys.executable, "-m", "kvgate", "serve"] + [x for f, v in flags.items() for x in (f, *v)]
-        self.log_path = self.workdir / f"{self.name}.stderr.log"
-        self.out_path = self.workdir / f"{self.name}.stdout.log"
-        self.proc: subprocess.Popen | None = None
+        super().__init__(workdir, [x for f, v in flags.items() for x in (f, *v)], name=name, cwd=workdir,
+                         log_path=workdir / f"{name}.stderr.log", out_path=workdir / f"{name}.stdout.log",
+                         create_cards=create_cards)
         self._shm_files: set[str] = set()
-
-    # ---- life cycle ------------------------------------------------------------
-
-    def start(self, timeout: float = 20.0) -> "GatewayProcess":
-        if self.create_cards:
-            for d in self.card_dirs:
-                (self.workdir / d).mkdir(parents=True, exist_ok=True)  # relative paths: the gateway's cwd
-        with open(self.log_path, "ab") as err, open(self.out_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, env=kvgate_env(), stdout=out, stderr=err,
-                                         cwd=str(self.workdir), start_new_session=True)
-        self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            rc = self.proc.poll()
-            if rc is not None:
-                raise RuntimeError(f"gateway {self.name} exited with code {rc} before it was ready; "
-                                   f"argv {self.argv}; stderr:\n{self.log()}")
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.settimeout(1.0)
-                    s.connect(self.socket)
-                # the TCP and HTTP listeners start after the Unix socket: wait for them too
-                for port in (self.tcp_port, self.metrics_port):
-                    if port:
-                        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-                # and the socket must be this process's, not another gateway's on the same path
-                with self.admin(timeout=5.0) as c:
-                    pid = c.stats()["gateway"]["pid"]
-                if pid == self.pid:
-                    return
-                last_error = RuntimeError(f"{self.socket} is served by another gateway (pid {pid})")
-            except OSError as e:
-                last_error = e
-            time.sleep(0.05)
-        raise TimeoutError(f"gateway {self.name} did not accept connections on {self.socket} within {timeout} s "
-                           f"(last error: {last_error}); stderr:\n{self.log()}")
-
-    def _flag(self, name: str) -> str | None:
-        if name in self.argv:
-            i = self.argv.index(name)
-            return self.argv[i + 1] if i + 1 < len(self.argv) else None
-        return None
-
-    @property
-    def tcp_port(self) -> int:
-        """The TCP port given with --port (0: no TCP listener)."""
-        v = self._flag("--port")
-        return int(v) if v is not None else 5557
-
-    @property
-    def metrics_port(self) -> int:
-        v = self._flag("--metrics-port")
-        return int(v) if v is not None else 9557
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss_kib(self) -> int:
-        return rss_kib(self.pid)
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
         """Send ``sig``; for SIGKILL/SIGTERM wait for the exit and return the exit code."""
@@ -241,28 +216,13 @@ class GatewayProcess:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM and wait (SIGKILL if it does not exit in time); returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self._note_shm()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+        if not self.alive():
+            return super().stop(timeout)
+        self._note_shm()
+        try:
+            return super().stop(timeout)
+        finally:
             self._reap_shm()
-        return self.proc.returncode
-
-    def cleanup(self) -> None:
-        self.stop()
-        if self._sockdir is not None:
-            try:
-                for p in Path(self._sockdir).iterdir():
-                    p.unlink()
-                os.rmdir(self._sockdir)
-            except OSError:
-                pass
 
     def _note_shm(self) -> None:
         """Remember the session regions this process has mapped (a killed gateway leaves them)."""
@@ -284,29 +244,14 @@ class GatewayProcess:
                 pass
         self._shm_files.clear()
 
-    # ---- helpers ---------------------------------------------------------------
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+    def rss_kib(self) -> int:
+        return rss_kib(self.pid)
 
     def client(self, namespace: str = "test-ns", **kwargs):
         from kvgate.client import Client
 
         kwargs.setdefault("timeout", 30.0)
         return Client.connect(self.socket, namespace=namespace, **kwargs)
-
-    def admin(self, **kwargs):
-        from kvgate.client import Client
-
-        kwargs.setdefault("timeout", 30.0)
-        return Client.connect(self.socket, role="admin", want_shm=False, **kwargs)
-
-    def stats(self) -> dict:
-        with self.admin() as c:
-            return c.stats()
 
     def ram_sets(self) -> int:
         """Objects stored into its RAM tier so far (engine stores are asynchronous: tests wait on this)."""
@@ -319,19 +264,27 @@ class GatewayProcess:
             time.sleep(0.2)
         return sets
 
-    def wait_scanned(self, timeout: float = 10.0) -> dict:
-        """Wait until every active card's startup index scan is done; returns the stats."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if all(c["scanned"] for c in st["cards"] if c["active"]):
-                return st
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"card scan not finished after {timeout} s: {st['cards']}")
-            time.sleep(0.05)
 
-    def __repr__(self) -> str:
-        return f"<GatewayProcess {self.name} pid={self.proc.pid if self.proc else None} socket={self.socket}>"
+# ---- cards ------------------------------------------------------------------------------
+
+
+def card_serial(card_dir: str | os.PathLike) -> str:
+    """The serial in a directory card's label."""
+    from kvgate.cards.directory import LABEL_NAME
+
+    return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
+
+
+def logged_fingerprint(log: str) -> str:
+    """The key layout fingerprint a gateway logged at its start."""
+    m = re.search(r"Key layout fingerprint ([0-9a-f]{16})\b", log)
+    assert m, f"no fingerprint in the log:\n{log}"
+    return m.group(1)
+
+
+def object_files(card: Path) -> list[Path]:
+    """The objects on a directory card (named by the key digest, in hex)."""
+    return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]
 
 
 # ---- the page cache ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kvgate import AsyncClient
 from kvgate import asyncclient as ac
 from kvgate import protocol as p
 from tests.test_client import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
+from tests.helpers import wait_until_async
 
 
 def run(coro):
@@ -37,15 +38,13 @@ async def answered(peer: socket.socket, reply, awaitable):
 
 async def request_arrived(peer: socket.socket, timeout: float = 10.0) -> None:
     """Until the client's request is waiting at the peer (not read)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def waiting() -> bool:
         try:
-            if peer.recv(1, socket.MSG_PEEK):
-                return
+            return bool(peer.recv(1, socket.MSG_PEEK))
         except BlockingIOError:
-            pass
-        assert time.monotonic() < deadline, "no request arrived"
-        await asyncio.sleep(0.005)
+            return False
+
+    await wait_until_async(waiting, timeout, "a request at the peer", interval=0.005)
 
 
 def peer_closed(peer: socket.socket) -> bool:
@@ -158,7 +157,7 @@ def test_a_task_cancelled_while_waiting_for_the_client_changes_nothing(pair) -> 
         first = asyncio.ensure_future(c.lookup(KEYS))
         await request_arrived(b)
         second = asyncio.ensure_future(c.delete_many(KEYS))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # it waits for the client now, behind the first
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
             await second
@@ -178,7 +177,7 @@ def test_calls_from_several_tasks_run_one_at_a_time_in_order(pair) -> None:  # n
         tasks = [asyncio.ensure_future(c.lookup([f"k{i}".encode()])) for i in range(5)]
         for i in range(5):
             await request_arrived(b)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the point: time for a client that does not wait to send the next
             b.setblocking(True)
             _kind, hlen, _blen = p.parse_preamble(b.recv(p.PREAMBLE_SIZE, socket.MSG_WAITALL), 1 << 30)
             req = p.decode_request(b.recv(hlen, socket.MSG_WAITALL))
@@ -207,17 +206,18 @@ def test_close_wakes_a_call_in_progress(pair) -> None:  # noqa: F811
 
 def test_a_copy_on_a_worker_thread_ends_before_its_cancelled_caller_goes_on() -> None:
     """No byte of a caller's buffer may move after its cancelled call has returned."""
-    done = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
     def slow_copy() -> int:
-        time.sleep(0.3)
+        started.set()
+        time.sleep(0.3)  # the point: a copy still running when its caller is cancelled
         done.set()
         return 1
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(ac._off_loop(loop, slow_copy))
-        await asyncio.sleep(0.05)
+        await wait_until_async(started.is_set, 5, "the copy started on its thread")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

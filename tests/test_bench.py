@@ -98,7 +98,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
 
 
 def test_measure_alternates_and_gives_every_side_the_same_passes() -> None:
-    from kvgate.bench import Contender, measure
+    from kvgate.bench.measure import Contender, measure
 
     calls: list[str] = []
     series = measure([Contender("a", lambda r: calls.append(f"a{r}"), after=lambda r: calls.append(f"a-after{r}")),
@@ -111,12 +111,12 @@ def test_measure_alternates_and_gives_every_side_the_same_passes() -> None:
 
 
 def test_chunks_split_like_the_gateway_pool() -> None:
-    from kvgate.bench import _chunks
+    from kvgate.bench.baselines import chunks
 
-    assert [len(c) for c in _chunks(list(range(32)), 4)] == [8, 8, 8, 8]
-    assert [len(c) for c in _chunks(list(range(5)), 4)] == [2, 2, 1]
-    assert [len(c) for c in _chunks(list(range(3)), 8)] == [1, 1, 1]
-    assert _chunks(list(range(3)), 1) == [[0, 1, 2]]
+    assert [len(c) for c in chunks(list(range(32)), 4)] == [8, 8, 8, 8]
+    assert [len(c) for c in chunks(list(range(5)), 4)] == [2, 2, 1]
+    assert [len(c) for c in chunks(list(range(3)), 8)] == [1, 1, 1]
+    assert chunks(list(range(3)), 1) == [[0, 1, 2]]
 
 
 CARDS_FIGURES = ("single_warm", "single_cold", "concurrent_warm", "concurrent_cold")
@@ -187,7 +187,7 @@ def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
 def test_placement_without_cards_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from kvgate.bench import add_arguments, run_bench
+    from kvgate.bench.command import add_arguments, run_bench
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from kvgate.bench import BenchError
-from kvgate.benchtrace import (
-    Capacity,
+from kvgate.bench.replay import Capacity
+from kvgate.bench.trace import (
     TraceError,
     TraceRequest,
     expected_payload,

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     try:  # optional: a missing bench module must not break serve/stat/clean
-        from kvgate.bench import add_arguments
+        from kvgate.bench.command import add_arguments
     except ImportError:
         add_arguments = None
     if add_arguments is not None:
@@ -77,7 +77,7 @@ def cmd_serve(args) -> int:
     cfg = _config_from(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(run_gateway(cfg))
+        asyncio.run(run_gateway(cfg, reload=lambda: _config_from(args)))
     except StartupError as e:
         logging.getLogger("kvgate").error("cannot start: %s", e)
         return 2
@@ -176,8 +176,8 @@ def print_stats(snap: dict[str, Any]) -> None:
                 "written", "copy / direct"):
         t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
     for c in snap["cards"]:
-        state = ("[yellow]read-only[/]" if c["read_only"] else c.get("state", "active")) if c["active"] \
-            else "[red]inactive[/]"
+        state = ("[yellow]read-only[/]" if c["read_only"] else "[yellow]draining[/]" if c.get("state") == "draining"
+                 else "active") if c["active"] else "[red]inactive[/]"
         t.add_row(c["serial"] or "-", c["location"], state, str(c["objects"]),
                   _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
                   str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cards":
             return cmd_cards(args)
         if args.command == "bench":
-            from kvgate.bench import run_bench
+            from kvgate.bench.command import run_bench
 
             return run_bench(args)
     except ConfigError as e:

@@ -61,6 +61,7 @@ class ErrorCode:
     ENGINE_BUSY = "ENGINE_BUSY"
     UNSALTED_REFUSED = "UNSALTED_REFUSED"
     CLEAN_REFUSED = "CLEAN_REFUSED"
+    CARDS_REFUSED = "CARDS_REFUSED"  # a change of the card set that cannot be made (the message says why)
     TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
     INTERNAL = "INTERNAL"
 

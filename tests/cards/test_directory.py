@@ -39,7 +39,7 @@ from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
-from tests.helpers import as_newer_format, evict, pages_cached
+from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 
 P = CHECKSUM_PIECE
 GUARD = 4096
@@ -434,6 +434,7 @@ def _open_after(location: str, go: multiprocessing.synchronize.Event, out: multi
     out.put(DirectoryCard(location).open())
 
 
+@pytest.mark.slow  # starts processes
 def test_processes_racing_to_label_agree(tmp_path: Path) -> None:
     for round_ in range(3):
         loc = str(tmp_path / f"race{round_}")
@@ -608,6 +609,7 @@ def _write_forever(location: str, start: int, done: multiprocessing.sharedctypes
         i += 1
 
 
+@pytest.mark.slow  # starts processes
 def test_sigkill_mid_write_leaves_only_whole_objects(tmp_path: Path) -> None:
     loc = str(tmp_path / "card")
     DirectoryCard(loc, num_dbs=2).open()
@@ -615,9 +617,7 @@ def test_sigkill_mid_write_leaves_only_whole_objects(tmp_path: Path) -> None:
         done = _MP.Value("i", 0, lock=False)
         proc = _MP.Process(target=_write_forever, args=(loc, round_ * 9, done))
         proc.start()
-        deadline = time.monotonic() + 20
-        while done.value < writes and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: done.value >= writes, 20, f"the writer's first {writes} writes", interval=0.001)
         time.sleep(delay)  # the writer is almost always inside a write now
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
@@ -789,12 +789,16 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(card: DirectoryCa
     assert leftovers == [os.path.basename(card.object_path(k))]  # no temp left behind
 
 
-def test_write_probe_leaves_nothing_and_fails_on_a_read_only_mount(card: DirectoryCard, tmp_path: Path) -> None:
+def test_write_probe_leaves_nothing(card: DirectoryCard) -> None:
     before = sorted(os.listdir(card.location))
     card.check_writable()
     assert sorted(os.listdir(card.location)) == before
-    if os.geteuid() != 0:
-        return  # root ignores permission bits: only a read-only mount refuses it
+
+
+@pytest.mark.slow  # runs mount
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount")
+def test_write_probe_fails_on_a_read_only_mount(card: DirectoryCard) -> None:
+    # root ignores permission bits: only a read-only mount refuses it
     loc = card.location
     assert subprocess.run(["mount", "--bind", loc, loc]).returncode == 0
     try:
@@ -846,6 +850,7 @@ def test_shared_claims_mix_only_with_shared_ones(tmp_path) -> None:
     c.close()
 
 
+@pytest.mark.slow  # starts processes
 def test_a_killed_holder_releases_its_claim(tmp_path) -> None:
     loc = str(tmp_path / "card")
     DirectoryCard(loc).open()
@@ -900,6 +905,7 @@ def test_scan_counts_what_it_deletes_as_corrupt(card: DirectoryCard) -> None:
     assert card.scan_corrupt == 2
 
 
+@pytest.mark.slow  # starts processes
 def test_shared_heads_list_from_several_processes_is_their_union(tmp_path) -> None:
     """Gateways on other hosts append to the same list: concurrent appends lose nothing, a torn tail is dropped."""
     import multiprocessing

@@ -12,20 +12,17 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
-import redis
 
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import (
     BufferTooSmall,
     Card,
@@ -54,7 +51,6 @@ from kvgate.cards.redis import (
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.helpers import as_newer_format
 
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None,
     reason="redis-server is not installed (apt-get install -y --no-install-recommends redis-server)",
@@ -75,98 +71,6 @@ def payload_for(k: bytes, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """One redis-server process on a loopback port and a Unix socket; restartable in place."""
-
-    def __init__(self, workdir: str, policy: str = "allkeys-lru", extra: tuple[str, ...] = ()):
-        self.workdir = workdir
-        self.policy = policy
-        self.extra = extra
-        self.port = _free_port()
-        self.sock = os.path.join(workdir, "redis.sock")
-        self.proc: subprocess.Popen | None = None
-        self.stopped = False
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    @property
-    def unix_url(self) -> str:
-        return f"unix://{self.sock}"
-
-    def start(self, policy: str | None = None, extra: tuple[str, ...] | None = None) -> "RedisServer":
-        if policy is not None:
-            self.policy = policy
-        if extra is not None:
-            self.extra = extra
-        args = [
-            REDIS_SERVER, "--save", "", "--appendonly", "no", "--port", str(self.port), "--bind", "127.0.0.1",
-            "--unixsocket", self.sock, "--daemonize", "no", "--dir", self.workdir,
-            "--maxmemory-policy", self.policy, *self.extra,
-        ]
-        log = open(os.path.join(self.workdir, "redis.log"), "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
-            if self._answers():
-                return self
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer: {self.log()}")
-            time.sleep(0.01)
-
-    def _answers(self) -> bool:
-        """PING on the Unix socket; a NOAUTH answer counts (the server is up, with a password)."""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(0.5)
-                s.connect(self.sock)
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-        except OSError:
-            return False
-
-    def log(self) -> str:
-        try:
-            return Path(self.workdir, "redis.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if self.stopped:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-        self.stopped = False
-
-    def restart_empty(self) -> None:
-        self.kill()
-        self.start()
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        self.stopped = True
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-        self.stopped = False
-
-    def raw(self, **kw) -> redis.Redis:
-        return redis.Redis(unix_socket_path=self.sock, socket_timeout=5, **kw)
-
-
 @pytest.fixture
 def server_factory() -> Iterator:
     servers: list[RedisServer] = []
@@ -176,7 +80,7 @@ def server_factory() -> Iterator:
         # A short directory: a Unix socket path must fit in 108 bytes.
         d = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
         dirs.append(d)
-        s = RedisServer(d, policy, extra)
+        s = RedisServer(d, policy, extra, unix_socket=True)
         servers.append(s)
         return s.start() if start else s
 
@@ -999,7 +903,7 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
     c.claim(False)
     r = server.raw()
     before = json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"]
-    time.sleep(0.05)
+    time.sleep(0.05)  # the point: the clock moves on, so a renewed lease expires later
     c.check()
     assert json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"] > before
     assert 0 < r.pttl(LEASE_KEY) <= LEASE_TTL_MS

@@ -1,4 +1,4 @@
-"""Helpers of the fault-injection suite: card labels, redis-server processes, workloads, timed calls.
+"""Helpers of the fault-injection suite: card labels, workloads, timed calls.
 
 Every byte a test writes derives from its key, so every hit can be compared
 with what it must be; every client call is timed, so a request that blocks
@@ -8,10 +8,6 @@ past ``io_timeout_ms`` (plus slack) is caught.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,13 +15,12 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
+from kvgate.bench.processes import RedisServer
 from kvgate.cards.base import new_label, parse_label
 from kvgate.cards.directory import LABEL_NAME
 from kvgate.cards.redis import LABEL_KEY
 from kvgate.keys import NO_DIALOG, dialog_digest
 from kvgate.placement import SlotMap, slot_of
-
-REDIS_SERVER = shutil.which("redis-server")
 
 
 # ---- labels -------------------------------------------------------------------------
@@ -35,6 +30,19 @@ def label_directory(path: str | os.PathLike, serial: str) -> None:
     """Make ``path`` a directory card with a chosen serial (before any gateway opens it)."""
     os.makedirs(path, exist_ok=True)
     Path(path, LABEL_NAME).write_bytes(new_label(serial))
+
+
+def label_redis(server: RedisServer, serial: str) -> None:
+    """Make ``server`` a Redis card with a chosen serial (before any gateway opens it)."""
+    with server.raw() as r:
+        r.set(LABEL_KEY, new_label(serial))
+
+
+def redis_label(server: RedisServer) -> str | None:
+    """The serial of the Redis card ``server`` holds; None when it holds no label."""
+    with server.raw() as r:
+        raw = r.get(LABEL_KEY)
+    return parse_label(raw, server.url) if raw is not None else None
 
 
 def balanced_serials(names: Sequence[str], slots: int, low: int, high: int, tag: str) -> dict[str, str]:
@@ -56,83 +64,6 @@ def serial_of_dialog(slot_map: SlotMap, mark: bytes) -> str:
     d = dialog_digest(mark)
     assert d != NO_DIALOG
     return slot_map.serial_of_slot(slot_of(bytes(16), d, "dialog", slot_map.slots))
-
-
-# ---- redis-server -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """One ``redis-server`` on a loopback port, no persistence; can be stopped, killed and restarted empty."""
-
-    def __init__(self, workdir: str | os.PathLike, port: int | None = None):
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 15.0) -> "RedisServer":
-        assert REDIS_SERVER is not None
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--maxmemory-policy", "allkeys-lru", "--daemonize", "no", "--dir", str(self.workdir)]
-        with open(self.workdir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not self.answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {self.port} did not answer: {self.log()}")
-            time.sleep(0.02)
-        return self
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def log(self) -> str:
-        try:
-            return (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def raw(self):
-        import redis
-
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
-
-    def label(self, serial: str) -> None:
-        with self.raw() as r:
-            r.set(LABEL_KEY, new_label(serial))
-
-    def read_label(self) -> str | None:
-        with self.raw() as r:
-            raw = r.get(LABEL_KEY)
-        return parse_label(raw, self.url) if raw is not None else None
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # SIGKILL ends a stopped process too
-            self.proc.wait(10)
 
 
 # ---- workloads ----------------------------------------------------------------------
@@ -232,14 +163,3 @@ def restore(client, wl: Workload, dialogs: Sequence[int], calls: Calls,
         out[d] = (hits, n)
     return out
 
-
-def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``pred`` until it returns something true; returns (value, seconds waited)."""
-    t0 = time.monotonic()
-    while True:
-        v = pred()
-        if v:
-            return v, time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)

@@ -40,22 +40,22 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import DirectoryCard
 from kvgate.keys import encode_namespace, full_key
 from kvgate.placement import SlotMap, fingerprint
 from tests.faults.common import (
-    REDIS_SERVER,
     Calls,
-    RedisServer,
     Workload,
     balanced_serials,
     label_directory,
+    label_redis,
+    redis_label,
     restore,
     serial_of_dialog,
-    wait_until,
     write,
 )
-from tests.helpers import GatewayProcess
+from tests.helpers import GatewayProcess, object_files, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -116,7 +116,7 @@ class Rig:
             label_directory(self.path(name), self.serials[name])
         for name in REDIS_CARDS:
             self.redis[name] = RedisServer(self.base / name).start()
-            self.redis[name].label(self.serials[name])
+            label_redis(self.redis[name], self.serials[name])
         for name in ("gw1", "gw2"):
             self.start_gateway(name)
         expected = fingerprint(self.slot_map, 1, "dialog")
@@ -194,9 +194,10 @@ class Rig:
                 c = self.card(gw, name)
                 return c["active"] == active and (location is None or c["location"] == location)
 
-            _, dt = wait_until(ok, timeout, f"card {name} {'active' if active else 'inactive'}"
-                                            f"{' at ' + location if location else ''} in {gw.name}")
-            waited = max(waited, dt)
+            t0 = time.monotonic()
+            wait_until(ok, timeout, f"card {name} {'active' if active else 'inactive'}"
+                                    f"{' at ' + location if location else ''} in {gw.name}", interval=0.1)
+            waited = max(waited, time.monotonic() - t0)
         return waited
 
     def workload(self, tag: str, n: int = N_DIALOGS) -> Workload:
@@ -430,8 +431,8 @@ def test_read_only_card_serves_reads_fails_its_writes_and_takes_writes_again(env
         finally:
             _umount(path)
         assert not os.path.ismount(path)
-        _, waited = wait_until(lambda: not rig.card(rig.gw1, victim)["read_only"], COME_BACK_S,
-                               f"card {victim} writable again in gw1")
+        wait_until(lambda: not rig.card(rig.gw1, victim)["read_only"], COME_BACK_S,
+                   f"card {victim} writable again in gw1", interval=0.1)
         assert rig.card(rig.gw1, victim)["active"] is True
         assert_logged(rig, "gw1", victim, "takes writes again")
         store_all(rig, c1, during, sorted(failed_puts), calls)
@@ -484,7 +485,10 @@ def check_full_card(rig: Rig, wl: Workload, fill: list[int], others: list[int], 
         # (unless the card also overran its deadline: machine overloaded)
         assert all(all(stored[d]) for d in fill[-3:]) or victim in rig.excused("gw1", None), (
             f"no room was made: failed dialogs {failed}")
-        time.sleep(0.5)  # evicted objects are deleted in the background
+        # the objects evicted are deleted in the background: wait until the card holds what gw1 indexes
+        wait_until(lambda: len(object_files(rig.path(victim))) == rig.card(rig.gw1, victim)["objects"], 10,
+                   lambda: f"{len(object_files(rig.path(victim)))} object files on {victim}, "
+                           f"{rig.card(rig.gw1, victim)['objects']} indexed")
         result = restore(c2, wl, order, calls)
         judge(rig, wl, result, victim, exact=False, max_share=None, via="gw2")  # most dialogs are on this card
         # the card keeps serving what it holds: a block is a hit exactly when its object is on the card
@@ -562,7 +566,7 @@ def test_redis_card_restarted_empty_loses_only_its_dialogs_and_comes_back(env: R
         server.start()  # same port, empty: no label, no objects
         waited = rig.wait_card(victim, True, server.url)
         assert waited < COME_BACK_S
-        assert server.read_label() == rig.serials[victim], "the card came back under another serial"
+        assert redis_label(server) == rig.serials[victim], "the card came back under another serial"
         for gw in ("gw1", "gw2"):
             assert_logged(rig, gw, victim, "moved from active to inactive", "moved from inactive to active")
         # its dialogs are gone: misses, never wrong bytes -- through either gateway
@@ -634,7 +638,7 @@ def test_a_different_card_at_the_old_path_is_not_used(env: Rig) -> None:
             failed_puts = check_puts(rig, during, stored, victim)
             judge(rig, during, restore(c2, during, range(during.n), calls), victim, via="gw2")
             judge(rig, before, restore(c2, before, range(before.n), calls), victim, via="gw2")
-            time.sleep(1.5)  # a health check or two later, still not used
+            time.sleep(1.5)  # the point: a health check or two later, still not used
             assert not rig.card(rig.gw1, victim)["active"] and not rig.card(rig.gw2, victim)["active"]
             # nothing was written onto the other card
             assert not [p for p in path.rglob("*") if p.is_file() and p.name != "kvgate-card.json"]

@@ -146,7 +146,7 @@ def test_gateways_sharing_cards_never_return_torn_or_wrong_reads(tmp_path: Path,
     threads += [threading.Thread(target=reader, args=(i,)) for i in range(N_GATEWAYS)]
     for t in threads:
         t.start()
-    time.sleep(RUN_S)
+    time.sleep(RUN_S)  # the point: writers and readers race this long
     stop.set()
     for t in threads:
         t.join(30)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.test_card_capacity import object_files, redis_server, wait_log  # noqa: F401 (a fixture)
-from tests.helpers import GatewayProcess
+from tests.gateway.test_card_capacity import redis_server, wait_log  # noqa: F401 (a fixture)
+from tests.helpers import GatewayProcess, object_files, wait_until
 
 DIALOGS = (None, b"dialog-a", b"dialog-b")
 
@@ -120,16 +120,14 @@ def test_expired_objects_are_misses_everywhere(tmp_path: Path, gateway_factory) 
         assert all(c.put_many(stale, [blob(k) for k in stale]))
         last_put = time.monotonic()
     gw.stop()
-    time.sleep(max(0.0, last_put + ttl + 1 - time.monotonic()))
+    time.sleep(max(0.0, last_put + ttl + 1 - time.monotonic()))  # the point: they expire while it is down
     gw.start()
     assert int(wait_log(gw, r"; (\d+) objects past the ttl deleted").group(1)) >= 8
     assert answers(gw, stale, None) == (0, [False] * 8, [False] * 8)
     with gw.client() as c:
         assert c.prewarm(stale) == 0
-    deadline = time.monotonic() + 10
-    while object_files(Path(gw.card)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert object_files(Path(gw.card)) == []
+    wait_until(lambda: object_files(Path(gw.card)) == [], 10,
+               lambda: f"expired objects left on the card: {object_files(Path(gw.card))}")
     assert gw.stats()["expired_objects"] >= 8
 
 
@@ -150,7 +148,7 @@ def test_an_unindexed_object_past_the_ttl_is_a_miss_for_every_question(tmp_path:
     card.mkdir()
     reader, keys = _objects_another_gateway_wrote(gateway_factory, str(card), "2s")
     assert answers(reader, keys, None) == (6, [True] * 6, [True] * 6), "found on the card, unindexed, in time"
-    time.sleep(2.5)
+    time.sleep(2.5)  # the point: past the 2 s ttl
     assert answers(reader, keys, None) == (0, [False] * 6, [False] * 6)
 
 
@@ -158,5 +156,5 @@ def test_an_unindexed_object_past_the_ttl_is_a_miss_on_a_redis_card(gateway_fact
     srv = redis_server()
     reader, keys = _objects_another_gateway_wrote(gateway_factory, srv.url, "2s")
     assert answers(reader, keys, None) == (6, [True] * 6, [True] * 6)
-    time.sleep(2.5)
+    time.sleep(2.5)  # the point: past the 2 s ttl
     assert answers(reader, keys, None) == (0, [False] * 6, [False] * 6)

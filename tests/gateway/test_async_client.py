@@ -168,7 +168,7 @@ def test_tasks_sharing_one_client_each_get_their_own_bytes(gw, transport: str) -
             sizes = [KIB + ((t * 3 + r * 5 + o * 7) % 8) * 200 * KIB + o for o in range(objects)]
             wants = [content(t, r, o, s) for o, s in enumerate(sizes)]
             assert await c.put_many(keys, wants, retention="short") == [True] * objects
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # let the other tasks' calls in between this task's
             dests = [np.zeros(2 * MIB, np.uint8) for _ in range(objects)]
             got = await c.get_many(keys, into=dests)
             for o in range(objects):
@@ -205,7 +205,7 @@ def test_a_call_cancelled_at_any_moment_never_leaves_a_reply_to_misread(gw, tran
         for _ in range(25):
             dests = [np.zeros(MIB, np.uint8) for _ in range(n)]
             task = asyncio.ensure_future(c.get_many(keys, into=dests))
-            await asyncio.sleep(rng.uniform(0, 0.02))
+            await asyncio.sleep(rng.uniform(0, 0.02))  # the point: a cancel at a random moment of the call
             task.cancel()
             try:
                 got = await task
@@ -265,7 +265,7 @@ def test_a_gateway_killed_mid_call_raises_connectionerror_within_the_deadline(gw
         os.kill(gw.pid, signal.SIGSTOP)  # the request goes out and waits: the call is mid-way when it dies
         t0 = time.monotonic()
         task = asyncio.ensure_future(c.get_many(keys, into=[bytearray(MIB) for _ in keys]))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # time for the request to go out; the stopped gateway cannot answer it
         assert not task.done()
         await asyncio.get_running_loop().run_in_executor(None, gw.kill, signal.SIGKILL)
         with pytest.raises(ConnectionError):

@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 
-from tests.cards.test_redis import REDIS_SERVER, RedisServer
-from tests.helpers import DEFAULT_FLAGS, GatewayProcess
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
+from tests.helpers import DEFAULT_FLAGS, GatewayProcess, object_files, wait_until
 
 MiB = 1 << 20
 
@@ -38,13 +37,8 @@ def payload(i: int, size: int = MiB) -> bytes:
 
 
 def wait_log(gw: GatewayProcess, pattern: str, timeout: float = 30.0) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(pattern, gw.log())
-        if m:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"no log line matching {pattern!r} within {timeout} s:\n{gw.log()}")
+    return wait_until(lambda: re.search(pattern, gw.log()), timeout,
+                      lambda: f"no log line matching {pattern!r}:\n{gw.log()}")
 
 
 def restart(gw: GatewayProcess) -> None:
@@ -53,11 +47,6 @@ def restart(gw: GatewayProcess) -> None:
     gw.log_path.write_text("")
     gw.start()
     gw.wait_scanned()
-
-
-def object_files(card: Path) -> list[Path]:
-    """The objects on a directory card (named by the key digest, in hex)."""
-    return [p for p in card.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{32}", p.name)]
 
 
 @pytest.fixture
@@ -122,8 +111,8 @@ def test_card_below_its_reserve_takes_no_puts_and_says_so(tmp_path: Path, tmpfs,
     keys = [b"a", b"b"]
     with gw.client() as c:
         assert c.put_many(keys, [payload(1), b""]) == [False, False]
-    time.sleep(0.5)  # a delete of an object written and evicted at once would be under way
-    assert object_files(card) == []
+    # an object written and evicted at once is deleted in the background
+    wait_until(lambda: object_files(card) == [], 10, lambda: f"objects left on the card: {object_files(card)}")
     restart(gw)
     with gw.client() as c:
         assert c.get_many(keys) == [None, None]
@@ -143,8 +132,9 @@ def test_object_larger_than_the_card_is_not_acknowledged(tmp_path: Path, gateway
         assert [g is not None for g in c.get_many(keys)] == ok
         assert 1 <= ok.count(True) <= 2
         assert c.get_many([b"big"]) == [None]
-    time.sleep(0.5)
-    assert len(object_files(Path(gw.card))) == 2
+    # what the batch evicted is deleted in the background
+    wait_until(lambda: len(object_files(Path(gw.card))) == 2, 10,
+               lambda: f"not the two objects the card holds: {object_files(Path(gw.card))}")
 
 
 # ------------------------------------------------------------------ Redis cards
@@ -160,7 +150,7 @@ def redis_server():
     def start(*extra: str) -> RedisServer:
         import tempfile
 
-        s = RedisServer(tempfile.mkdtemp(prefix="kvr", dir="/tmp"), "noeviction", extra)
+        s = RedisServer(tempfile.mkdtemp(prefix="kvr", dir="/tmp"), "noeviction", extra, unix_socket=True)
         servers.append(s)
         return s.start()
 

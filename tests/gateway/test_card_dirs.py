@@ -11,24 +11,22 @@ from __future__ import annotations
 import time
 
 from kvgate.cards.directory import LABEL_NAME
-from tests.helpers import GatewayProcess
+from tests.helpers import GatewayProcess, wait_until
 
 
 def wait_active(gw: GatewayProcess, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    def all_active() -> dict | None:
         st = gw.stats()
-        if st["cards"] and all(c["active"] for c in st["cards"]):
-            return st
-        assert time.monotonic() < deadline, f"no active card after {timeout} s: {st['cards']}\n{gw.log()}"
-        time.sleep(0.1)
+        return st if st["cards"] and all(c["active"] for c in st["cards"]) else None
+
+    return wait_until(all_active, timeout, lambda: f"no active card: {gw.stats()['cards']}\n{gw.log()}")
 
 
 def test_a_missing_configured_card_directory_is_not_created_and_taken_once_it_exists(gateway_factory,
                                                                                       tmp_path) -> None:
     card = tmp_path / "mnt" / "nvme0" / "kv"
     gw = gateway_factory(["--storage-devices", str(card)], name="waits", create_cards=False)
-    time.sleep(1.5)  # a few pending retries
+    time.sleep(1.5)  # the point: a few pending retries pass, and none creates the directory
     assert not card.exists() and not card.parent.exists(), "the gateway created a configured card directory"
     warning = next((ln for ln in gw.log().splitlines() if str(card) in ln and "WARNING" in ln), None)
     assert warning is not None, gw.log()

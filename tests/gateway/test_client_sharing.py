@@ -178,7 +178,7 @@ def test_abort_wakes_the_thread_in_a_call_and_the_one_waiting_for_the_client(gat
         threads = [threading.Thread(target=call, args=(name,)) for name in ("first", "second")]
         for th in threads:
             th.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the point: nothing returns meanwhile, and both threads are waiting by then
         assert results == {}, "a call returned from a stopped gateway"
         c.abort()
         for th in threads:

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvgate.cards.base import HOST_TAG
 from kvgate.cards.directory import STALE_TEMP_SECONDS
-from tests.helpers import GatewayProcess
+from tests.helpers import GatewayProcess, wait_until
 
 
 def dead_pid() -> int:
@@ -46,10 +46,8 @@ def leave_temp(next_to: Path, owner: str, age_s: float = 0.0) -> Path:
 
 
 def wait_gone(paths: list[Path], gw: GatewayProcess, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(p.exists() for p in paths):
-        assert time.monotonic() < deadline, f"left on the card: {[p.name for p in paths if p.exists()]}\n{gw.log()}"
-        time.sleep(0.05)
+    wait_until(lambda: not any(p.exists() for p in paths), timeout,
+               lambda: f"left on the card: {[p.name for p in paths if p.exists()]}\n{gw.log()}")
 
 
 def fill(gw: GatewayProcess, n: int) -> list[bytes]:

@@ -8,7 +8,6 @@ give the same marks, and so must a gateway after a restart.
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from kvgate.heads import BRANCHES
 from kvgate.keys import DialogMark, dialog_digest
 from kvgate.placement import SlotMap, slot_of
+from tests.helpers import wait_until
 
 HEAD = 8  # blocks of the shared system prompt
 
@@ -57,10 +57,8 @@ def test_marks_agree_across_gateways_and_restarts_and_conversations_spread(gatew
         assert first[-1].mark == b"conv-%d-0" % BRANCHES
 
     with b.client() as cb:  # b saw none of these prompts: it learns the head from the cards
-        deadline = time.monotonic() + 10
-        while cb.stats()["shared_heads"]["blocks"] < HEAD:
-            assert time.monotonic() < deadline, f"gateway b never got the shared heads: {cb.stats()['shared_heads']}"
-            time.sleep(0.2)
+        wait_until(lambda: cb.stats()["shared_heads"]["blocks"] >= HEAD, 10,
+                   lambda: f"gateway b never got the shared heads: {cb.stats()['shared_heads']}", interval=0.2)
         with a.client() as ca:
             for c in range(100, 120):
                 keys = conversation(c)

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from kvgate.bench import ShmRegion
+from kvgate.bench.harness import ShmRegion
 from kvgate.cards.directio import SUPPORTED
 from kvgate.client import Client
 from tests.helpers import evict, pages_cached

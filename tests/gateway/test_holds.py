@@ -3,11 +3,10 @@ evicted around it, until released or its session ends; a session cannot hold wit
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvgate.tiers.holds import MAX_PER_SESSION
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -51,9 +50,7 @@ def test_a_sessions_holds_end_with_it_and_are_bounded(gateway_factory) -> None:
         assert got == [True] * MAX_PER_SESSION + [False] * 10
         snap = gw.stats()["holds"]
         assert snap == {"objects": MAX_PER_SESSION, "refused": 10}
-    deadline = time.monotonic() + 10  # the first session is gone, and its holds with it
-    while gw.stats()["holds"]["objects"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gw.stats()["holds"]["objects"] == 0
+    # the first session is gone, and its holds with it
+    wait_until(lambda: gw.stats()["holds"]["objects"] == 0, 10, lambda: f"holds left: {gw.stats()['holds']}")
     with gw.client(NS) as other:
         assert other.hold_many(keys[:3]) == [True] * 3

@@ -64,7 +64,7 @@ def test_bodies_in_pieces_and_frames_sharing_a_read(tcp_gateway) -> None:
         frame = _frame(p.Put(id=2, keys=[b"big"], sizes=[len(datas[0])]), datas[0])
         for i in range(0, len(frame), 1 << 20):
             s.sendall(frame[i : i + (1 << 20)])
-            time.sleep(0.05)
+            time.sleep(0.05)  # the point: the gateway sees the body in separate reads
         assert _read_reply(s)[0].stored == [True]
         # small frames back to back in one send: several preambles, headers and bodies in one read
         s.sendall(b"".join(_frame(p.Put(id=10 + i, keys=[f"k{i}".encode()], sizes=[len(d)]), d)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import GatewayProcess, free_port
+from tests.helpers import GatewayProcess, free_port, wait_until
 from kvgate.client import Client
 from kvgate.keys import MAX_KEY_BYTES
 from kvgate.protocol import (
@@ -433,10 +433,7 @@ def _connections(t: Target) -> int:
 
 
 def _wait_connections(t: Target, want: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (n := _connections(t)) != want:
-        assert time.monotonic() < deadline, f"{n} connections still open, expected {want}"
-        time.sleep(0.05)
+    wait_until(lambda: _connections(t) == want, timeout, lambda: f"{_connections(t)} connections open, not {want}")
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])

@@ -247,28 +247,6 @@ def test_shared_storage_with_start_clean_refuses_to_start(tmp_path) -> None:
     assert not os.path.exists(tmp_path / "s.sock")
 
 
-def test_clean_without_shared_storage_deletes_everything(gateway_factory) -> None:
-    gw = gateway_factory()
-    with gw.client("a", engine_id="e") as c:
-        assert c.put_many(KEYS, [data_for("c", i) for i in range(10)]) == [True] * 10
-        assert c.put_many([b"short"], [b"s"], retention="short") == [True]
-    with gw.client("b", engine_id="e") as c:
-        assert c.put_many(KEYS[:4], [b"b"] * 4) == [True] * 4
-    r = run_kvgate("clean", "--socket", gw.socket)
-    assert r.returncode == 0, r.stderr
-    assert "deleted" in r.stdout
-    with gw.client("a", engine_id="e") as c:
-        assert c.lookup(KEYS) == 0
-        assert c.get_many(KEYS + [b"short"]) == [None] * 11
-    with gw.client("b", engine_id="e") as c:
-        assert c.lookup(KEYS[:4]) == 0
-    st = gw.stats()
-    assert st["cards"][0]["objects"] == 0 and st["tiers"]["ram"]["objects"] == 0
-    label_and_lock = ("kvgate-card.json", "kvgate-card.lock")
-    objects = [f for _, _, files in os.walk(gw.card) for f in files if f not in label_and_lock]
-    assert objects == []
-
-
 # ---- retention ---------------------------------------------------------------------------
 
 

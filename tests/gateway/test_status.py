@@ -1,5 +1,5 @@
-"""Status and tools against real gateway processes: the status file, HTTP /metrics and
-prewarm, the layout fingerprint, `kvgate stat`, and config errors at `kvgate serve`."""
+"""Status against real gateway processes: the status file, HTTP /metrics and prewarm, figures
+per namespace, and config errors at `kvgate serve` (the other commands: tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import json
 import os
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.helpers import free_port, run_kvgate
+from tests.helpers import card_serial, free_port, logged_fingerprint, run_kvgate, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -27,30 +26,17 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1))
 
 
-def _serial(card_dir: str) -> str:
-    with open(os.path.join(card_dir, "kvgate-card.json")) as f:
-        return json.load(f)["serial"]
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _read_when(path: str, pred, timeout: float = 5.0) -> str:
-    deadline = time.monotonic() + timeout
-    text = ""
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            text = ""
-        if text and pred(text):
-            return text
-        time.sleep(0.05)
-    raise AssertionError(f"status file {path} not as expected after {timeout} s:\n{text}")
-
-
-def _fingerprint_from_log(log: str) -> str:
-    m = re.search(r"Key layout fingerprint ([0-9a-f]{16})\b", log)
-    assert m, log
-    return m.group(1)
+    return wait_until(lambda: (text := _read(path)) and pred(text) and text, timeout,
+                      lambda: f"status file {path} not as expected:\n{_read(path)}")
 
 
 def test_status_file(gateway_factory, tmp_path) -> None:
@@ -58,8 +44,8 @@ def test_status_file(gateway_factory, tmp_path) -> None:
     gw = gateway_factory(["--status-file", status])
     # written within ~2 s of the gateway accepting connections (it is rewritten every second)
     text = _read_when(status, lambda t: "kvgate_storage_groups_active" in t, timeout=2.5)
-    serial = _serial(gw.card)
-    fp = _fingerprint_from_log(gw.log())
+    serial = card_serial(gw.card)
+    fp = logged_fingerprint(gw.log())
     assert f'kvgate_storage_group_active{{group="{serial}"}} 1.0' in text
     assert f'kvgate_storage_group_read_only{{group="{serial}"}} 0.0' in text
     assert re.search(r"^kvgate_storage_groups_active 1\.0$", text, re.M)
@@ -112,8 +98,8 @@ def test_http_metrics_and_prewarm(gateway_factory) -> None:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/plain")
         text = r.read().decode()
-    serial = _serial(gw.card)
-    fp = _fingerprint_from_log(gw.log())
+    serial = card_serial(gw.card)
+    fp = logged_fingerprint(gw.log())
     for needle in (f'kvgate_storage_group_active{{group="{serial}"}} 1.0', "kvgate_storage_groups_active 1.0",
                    f'kvgate_key_layout_info{{fingerprint="{fp}"}} 1.0', 'kvgate_key_placement_info{placement="dialog"}',
                    "kvgate_worker_oldest_io_age_seconds", 'kvgate_hits_total{tier="ram"}', 'kvgate_sets_total{tier="long"}'):
@@ -149,46 +135,6 @@ def test_http_metrics_and_prewarm(gateway_factory) -> None:
         urllib.request.urlopen(f"{base}/nope", timeout=10)
     assert ei.value.code == 404
     assert gw.alive()
-
-
-def test_fingerprint_in_log_matches_cli(gateway_factory) -> None:
-    gw = gateway_factory()
-    fp = _fingerprint_from_log(gw.log())
-    r = run_kvgate("fingerprint", "--storage-devices", gw.card)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == fp
-    with gw.client(NS) as c:
-        assert c.fingerprint == fp
-    # another placement is another layout
-    r = run_kvgate("fingerprint", "--storage-devices", gw.card, "--key-placement", "stripe")
-    assert r.returncode == 0 and re.fullmatch(r"[0-9a-f]{16}", r.stdout.strip()) and r.stdout.strip() != fp
-
-
-def test_kvgate_stat(gateway_factory) -> None:
-    gw = gateway_factory()
-    with gw.client(NS) as c:
-        assert c.put_many([b"s1"], [b"z" * 5000]) == [True]
-    serial = _serial(gw.card)
-    r = run_kvgate("stat", "--socket", gw.socket, env={"COLUMNS": "250"})  # wide enough for whole serials
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
-    assert "tiers" in out and "cards" in out
-    assert re.search(r"\bram\b", out) and re.search(r"\blong\b", out)
-    assert serial in out and "active" in out
-    assert _fingerprint_from_log(gw.log()) in out
-    assert re.search(r"reads at (realtime|normal) priority", out)
-
-    r = run_kvgate("stat", "--socket", gw.socket, "--json")
-    assert r.returncode == 0, r.stderr
-    snap = json.loads(r.stdout)
-    assert set(snap["tiers"]) == {"ram", "long"}
-    assert snap["tiers"]["long"]["sets"] == 1 and snap["tiers"]["ram"]["objects"] == 1
-    assert [c["serial"] for c in snap["cards"]] == [serial]
-    assert snap["cards"][0]["active"] is True and snap["cards"][0]["objects"] == 1
-    assert snap["gateway"]["pid"] == gw.pid
-
-    r = run_kvgate("stat", "--socket", gw.socket + ".nope")
-    assert r.returncode != 0 and "cannot reach" in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -317,10 +263,8 @@ def test_idle_http_connections_are_bounded(gateway_factory) -> None:
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while _http(mport, "GET", "/healthz")[0] != 200:  # the slots come back as the idle ones close
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # the slots come back as the idle ones close
+    wait_until(lambda: _http(mport, "GET", "/healthz")[0] == 200, 10, "/healthz answered 200 again")
     assert gw.alive() and "Traceback" not in gw.log(), gw.log()
 
 

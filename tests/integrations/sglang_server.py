@@ -1,7 +1,7 @@
 """A real SGLang 0.5.23 server on CPU with the kvgate HiCache backend, for tests and benchmarks.
 
-Standard library only: it runs in the project venv and starts the server under
-``.venv-sglang/bin/python``.  The server gets ``tests/integrations/sglang_stubs``
+Standard library and kvgate only (no torch, no SGLang): it runs in the
+project venv and starts the server under ``.venv-sglang/bin/python``.  The server gets ``tests/integrations/sglang_stubs``
 on PYTHONPATH (pure-torch stand-ins for CUDA-only ``sgl_kernel`` ops; test
 scaffolding, not part of the backend) and the checkout's ``src``.
 
@@ -23,18 +23,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvgate.bench.processes import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VENV_PY = REPO / ".venv-sglang" / "bin" / "python"
 STUBS = HERE / "sglang_stubs"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(model_dir: str | os.PathLike, layers: int | None = None) -> None:

@@ -50,13 +50,19 @@ def test_every_field_but_the_hash_separates_namespaces():
     assert "tenant-a" not in salted  # the salt is digested, never sent as is
 
 
+def printed_under_two_hash_seeds(code: str) -> set[str]:
+    """What ``code`` prints in two interpreters with different PYTHONHASHSEEDs (one answer: no Python hash())."""
+    return {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=kvgate_env({"PYTHONHASHSEED": seed})).stdout for seed in ("1", "2")}
+
+
+@pytest.mark.slow  # starts interpreters
 def test_mapping_is_stable_across_processes():
     """No Python hash(): another interpreter with another PYTHONHASHSEED gives the same names."""
-    code = ("from kvgate.integrations.lmcache.settings import namespace_for, key_bytes\n"
-            "class K: chunk_hash=b'abc'; model_name='m'; kv_rank=2; object_group_id=0; cache_salt='s'\n"
-            "print(namespace_for(K()), key_bytes(K()).hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env=kvgate_env({"PYTHONHASHSEED": seed})).stdout for seed in ("1", "2")}
+    outs = printed_under_two_hash_seeds(
+        "from kvgate.integrations.lmcache.settings import namespace_for, key_bytes\n"
+        "class K: chunk_hash=b'abc'; model_name='m'; kv_rank=2; object_group_id=0; cache_salt='s'\n"
+        "print(namespace_for(K()), key_bytes(K()).hex())")
     assert len(outs) == 1
     k = Key(b"abc", "m", 2, 0, "s")
     assert outs.pop().split() == [namespace_for(k), key_bytes(k).hex()]
@@ -117,13 +123,6 @@ def test_cache_engine_key_mapping_is_deterministic_and_separates_what_lmcache_se
     assert engine_key_namespace(k) == "lmcache|org/m|w2r1|float16"
     assert engine_key_namespace(k, "prod") == "prod|w2r1|float16"
     assert engine_key_bytes(k) == (0x75BCD15).to_bytes(4, "big", signed=True)
-    # the same in a process with another hash seed
-    code = ("from kvgate.integrations.lmcache.settings import engine_key_bytes as b;"
-            "from tests.integrations.test_lmcache_settings import EngineKey as K;"
-            "print(b(K('org/m', 2, 1, 123, tags=(('user', 'a'),))).hex())")
-    seen = {subprocess.run([sys.executable, "-c", code], env=kvgate_env({"PYTHONHASHSEED": seed}), text=True,
-                           capture_output=True, check=True).stdout for seed in ("1", "2")}
-    assert len(seen) == 1
     tagged = EngineKey("org/m", 2, 1, 0x75BCD15, tags=(("user", "a"),))
     assert engine_key_namespace(tagged) == engine_key_namespace(k)  # one namespace per worker
     assert engine_key_bytes(tagged) != engine_key_bytes(k)
@@ -132,6 +131,15 @@ def test_cache_engine_key_mapping_is_deterministic_and_separates_what_lmcache_se
     for other in (EngineKey("org/n", 2, 1, 0x75BCD15), EngineKey("org/m", 2, 0, 0x75BCD15),
                   EngineKey("org/m", 1, 1, 0x75BCD15), EngineKey("org/m", 2, 1, 0x75BCD15, "torch.bfloat16")):
         assert engine_key_namespace(other) != engine_key_namespace(k), other
+
+
+@pytest.mark.slow  # starts interpreters
+def test_cache_engine_key_mapping_is_stable_across_processes():
+    seen = printed_under_two_hash_seeds(
+        "from kvgate.integrations.lmcache.settings import engine_key_bytes as b;"
+        "from tests.integrations.test_lmcache_settings import EngineKey as K;"
+        "print(b(K('org/m', 2, 1, 123, tags=(('user', 'a'),))).hex())")
+    assert len(seen) == 1
 
 
 def test_connector_extra_config():

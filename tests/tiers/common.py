@@ -10,6 +10,7 @@ from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import CardIo, IoPool
 from kvgate.tiers.usage import NamespaceUsage
+from tests.helpers import wait_until_async
 
 
 def serving_card(card: Card, io: CardIo, cfg: Config | None = None, serial: str = "test-serial",
@@ -23,3 +24,17 @@ def serving_card(card: Card, io: CardIo, cfg: Config | None = None, serial: str 
 
 def card_set(cfg: Config, threads: int = 2) -> CardSet:
     return CardSet(cfg, IoPool(threads), TierHooks(NamespaceUsage(), Holds()))
+
+
+async def scanned_card_set(cfg: Config, threads: int = 2) -> CardSet:
+    """A started ``card_set`` whose cards have all finished their start-up scan."""
+    cards = card_set(cfg, threads)
+    await cards.start()
+    await wait_until_async(lambda: all(mc.scanned for mc in cards.cards), 10, "every card's start-up scan")
+    return cards
+
+
+async def background_deletes_done(mc: ManagedCard, timeout: float = 10.0) -> None:
+    """Until the card's background deletes (evictions, expiries) have ended: their keys are ``leaving``
+    from the moment they are decided, so one decided but not yet started counts too."""
+    await wait_until_async(lambda: not mc.leaving, timeout, lambda: f"deletes of {sorted(mc.leaving)} still under way")

@@ -16,7 +16,7 @@ from kvgate.keys import dialog_digest
 from kvgate.tiers.eviction import LONG
 
 from kvgate.tiers.cardset import CardSet
-from tests.tiers.common import card_set
+from tests.tiers.common import background_deletes_done, scanned_card_set
 from kvgate.tiers.ram import RamTier
 
 PAGE = 4096
@@ -54,11 +54,7 @@ async def _long_tier(tmp_path: Path, n_cards: int, **cfg) -> CardSet:
     for d in dirs:
         d.mkdir(exist_ok=True)
     config = Config(storage_devices=[str(d) for d in dirs], storage_slots=16 * n_cards, **cfg)
-    tier = card_set(config, 2)
-    await tier.start()
-    while not all(cs.scanned for cs in tier.cards):
-        await asyncio.sleep(0.01)
-    return tier
+    return await scanned_card_set(config)
 
 
 def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Path) -> None:
@@ -108,10 +104,7 @@ def test_find_calls_an_indexed_object_past_the_ttl_a_miss_and_deletes_it(tmp_pat
         assert tier.note_written(cs, b"old", stored, 100, old)
         assert tier.find(b"old", cs) == (None, None), "a miss, not 'ask the card'"
         assert tier.find(b"old", cs) == (None, None)
-        for _ in range(1000):  # its delete runs in the background
-            if b"old" not in cs.index:
-                break
-            await asyncio.sleep(0.01)
+        await background_deletes_done(cs)
         assert b"old" not in cs.index and not cs.card.exists(b"old")
         await tier.stop()
 

@@ -13,7 +13,8 @@ from kvgate.config import Config
 from kvgate.keys import dialog_digest, full_key
 from kvgate.tiers import mover
 from kvgate.tiers.cardset import CardChangeError, CardSet
-from tests.tiers.common import card_set
+from tests.helpers import wait_until_async
+from tests.tiers.common import scanned_card_set
 
 SIZE = 4096
 
@@ -26,11 +27,7 @@ async def _started(tmp_path: Path, names: list[str]) -> CardSet:
     for n in names:
         (tmp_path / n).mkdir()
     cfg = Config(storage_devices=[str(tmp_path / n) for n in names], card_capacity=64 << 20, storage_slots=64)
-    cards = card_set(cfg)
-    await cards.start()
-    while not all(mc.scanned for mc in cards.cards):
-        await asyncio.sleep(0.01)
-    return cards
+    return await scanned_card_set(cfg)
 
 
 async def _write_dialog(cards: CardSet, d: int, blocks: int = 4) -> list[bytes]:
@@ -118,11 +115,8 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
 
 
 async def _settle(cards: CardSet) -> None:
-    for _ in range(400):
-        await asyncio.sleep(0.02)
-        if not any(cards.mover.misplaced(mc) for mc in cards.cards) and not cards._draining:
-            return
-    raise AssertionError("the mover did not settle")
+    await wait_until_async(lambda: not any(cards.mover.misplaced(mc) for mc in cards.cards) and not cards._draining,
+                           8, "the mover settled", interval=0.02)
 
 
 def test_adding_a_card_in_use_or_missing_says_why(tmp_path: Path) -> None:

@@ -174,3 +174,27 @@ def test_a_refused_priority_switch_still_runs_the_call(monkeypatch, caplog) -> N
     finally:
         pool.shutdown()
     assert "cannot switch an I/O thread's scheduling class" in caplog.text
+
+
+def test_a_call_on_a_card_that_left_the_set_fails_as_io_not_as_a_crash() -> None:
+    """A request that found a card just before it was removed gets a failed I/O (a miss), not an internal error."""
+    import threading
+
+    from kvgate.tiers.io import CardGone
+
+    async def main() -> None:
+        io = CardIo(1, 5.0, "leaving")
+        release = threading.Event()
+        busy = asyncio.ensure_future(io.run(release.wait, 5))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(io.run(lambda: "ran"))  # waits for the card's one thread
+        await asyncio.sleep(0.05)
+        io.shutdown(wait=False)  # the card leaves
+        release.set()
+        assert await busy is True
+        with pytest.raises(CardGone):
+            await queued
+        with pytest.raises(OSError):
+            await io.run(lambda: "ran")
+
+    asyncio.run(main())

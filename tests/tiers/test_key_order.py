@@ -15,7 +15,8 @@ from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.tiers.io import KeyOrder
 from kvgate.tiers.cardset import CardSet
-from tests.tiers.common import card_set
+from tests.helpers import wait_until_async
+from tests.tiers.common import background_deletes_done, scanned_card_set
 
 
 def test_operations_on_one_key_run_in_issue_order_and_others_do_not_wait() -> None:
@@ -32,13 +33,13 @@ def test_operations_on_one_key_run_in_issue_order_and_others_do_not_wait() -> No
         await asyncio.sleep(0)  # issued first
         second = asyncio.create_task(op("write a", [b"a", b"b"], 0.0, write=True))
         other = asyncio.create_task(op("write c", [b"c"], 0.0, write=True))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: "write c end" in log, 5, "the write of another key ran")
         assert order.writing(b"a") and order.writing(b"b"), "a write waiting for its turn counts as under way"
         assert log == ["delete a start", "write c start", "write c end"], log
         await asyncio.gather(first, second, other)
         assert log[-2:] == ["write a start", "write a end"]
         assert not order.writing(b"a") and not order.writing(b"c")
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the last turn's ending runs once its task is done
         assert order.pending() == 0
 
     asyncio.run(main())
@@ -55,11 +56,11 @@ def test_a_cancelled_waiter_does_not_let_later_operations_jump_the_queue() -> No
                 log.append(f"{name} end")
 
         first = asyncio.create_task(op("first", 0.2))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # issued first
         waiting = asyncio.create_task(op("cancelled", 0.0))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # it waits for its turn now
         waiting.cancel()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # and is cancelled while the first still holds the key
         third = asyncio.create_task(op("third", 0.0))
         await asyncio.gather(first, third)
         assert log == ["first start", "first end", "third start", "third end"], log
@@ -85,11 +86,7 @@ def _slow_deletes(card, seconds: float) -> threading.Event:
 async def _tier(tmp_path: Path, capacity: int) -> CardSet:
     card = tmp_path / "card"
     card.mkdir()
-    tier = card_set(Config(storage_devices=[str(card)], card_capacity=capacity, eviction_policy="lru"), 2)
-    await tier.start()
-    while not tier.cards[0].scanned:
-        await asyncio.sleep(0.01)
-    return tier
+    return await scanned_card_set(Config(storage_devices=[str(card)], card_capacity=capacity, eviction_policy="lru"))
 
 
 async def _put(tier: CardSet, key: bytes, fill: int, size: int) -> bool:
@@ -117,10 +114,9 @@ def test_a_rewrite_after_an_eviction_is_not_deleted_by_it(tmp_path: Path) -> Non
             assert await _put(tier, k, i, size)
         assert await _put(tier, b"d", 3, size)  # over capacity: "a" is evicted, its delete is slow
         assert b"a" not in cs.index
-        await asyncio.sleep(0.05)
-        assert started.is_set(), "the eviction's delete is running"
+        await wait_until_async(started.is_set, 5, "the eviction's delete running")
         assert await _put(tier, b"a", 9, size)  # written again while that delete runs
-        await asyncio.sleep(0.8)  # every delete has ended
+        await background_deletes_done(cs)
         assert b"a" in cs.index
         assert await _read(tier, b"a", size) == bytes([9]) * size, "the acknowledged rewrite is on the card"
         await tier.stop()
@@ -141,18 +137,17 @@ def test_an_eviction_issued_while_a_rewrite_is_under_way_leaves_the_new_object(t
 
         def slow_write_many(items, still_wanted=None):
             in_write.set()
-            time.sleep(0.3)
+            time.sleep(0.3)  # the point: the rewrite is still under way when the eviction is decided
             return real_write(items, still_wanted)
 
         cs.card.write_many = slow_write_many
         rewrite = asyncio.create_task(_put(tier, b"a", 9, size))
-        while not in_write.is_set():
-            await asyncio.sleep(0.01)
+        await wait_until_async(in_write.is_set, 5, "the rewrite in its card write")
         cs.card.write_many = real_write
         _slow_deletes(cs.card, 0.5)  # the victim's delete would end after the rewrite's rename
         assert await _put(tier, b"d", 3, size)  # over capacity: the old "a" is the victim, its rewrite under way
         assert await rewrite
-        await asyncio.sleep(0.8)
+        await background_deletes_done(cs)
         assert await _read(tier, b"a", size) == bytes([9]) * size, "the rewrite survived the old object's eviction"
         await tier.stop()
 
@@ -172,9 +167,8 @@ def test_an_evicted_object_is_a_miss_while_its_delete_is_pending(tmp_path: Path)
         assert b"a" not in cs.index and cs.card.exists(b"a"), "evicted, still on the card"
         assert tier.find(b"a", cs) == (None, None), "a probe would find what the put said is not stored"
         assert tier.find(b"b", cs)[1] is not None
-        await asyncio.sleep(0.05)
+        await background_deletes_done(cs)
         assert started.is_set()
-        await asyncio.sleep(0.6)
         assert not cs.card.exists(b"a") and b"a" not in cs.leaving
         assert await _put(tier, b"a", 7, size)  # stored again: found again
         assert tier.find(b"a", cs)[1] is not None and await _read(tier, b"a", size) == bytes([7]) * size

@@ -2,8 +2,9 @@
 
 The caller has its answer (a miss) by then and may have reused the buffer: a
 client's region, the session region, an aborted RAM reservation now holding
-another object.  Real cards (a directory on a real file, a real redis-server
-stalled with SIGSTOP), in process, with a short deadline.
+another object (tests/tiers/test_store.py: a prewarm's).  Real cards (a
+directory on a real file, a real redis-server stalled with SIGSTOP), in
+process, with a short deadline.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ import time
 import numpy as np
 import pytest
 
+from kvgate.bench.processes import REDIS_SERVER
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
-from kvgate.config import Config
-from kvgate.types import Retention
-from kvgate.tiers.io import CardIo, IoPool, IoTimeout
+from kvgate.tiers.io import CardIo, IoTimeout
 from kvgate.tiers.card import ManagedCard
 from tests.tiers.common import serving_card
-from kvgate.tiers.store import GetItem, PutItem, TieredStore
-from tests.cards.test_redis import REDIS_SERVER, server_factory  # noqa: F401 - a fixture
+from tests.cards.test_redis import server_factory  # noqa: F401 - a fixture
 from tests.helpers import evict, pages_cached
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,7 +71,7 @@ async def _read_late(cs: ManagedCard, key: bytes, dest: memoryview, slowed: Slow
     assert isinstance(res.error, IoTimeout), res  # the answer: a miss
     assert not any(dest), "bytes landed before the answer"
     assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # the point: any late delivery would have landed by now
     assert slowed.calls == 1
     assert not any(dest), "bytes landed after the answer"
     assert not isinstance(slowed.outcome, Header), "the late read went on to deliver"
@@ -139,7 +138,7 @@ def test_a_redis_read_stalled_past_its_deadline_writes_nothing(server_factory) -
             finally:
                 srv.resume()
             assert await asyncio.to_thread(done.wait, 30), "the stalled read never ended"
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the point: any late delivery would have landed by now
             assert not any(dest), "bytes landed after the answer"
         finally:
             cs.io.shutdown(wait=True)
@@ -150,36 +149,3 @@ def test_a_redis_read_stalled_past_its_deadline_writes_nothing(server_factory) -
         assert dest.tobytes() == _payload(2)
     finally:
         card.close()
-
-
-def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tmp_path) -> None:
-    """Prewarm reads into a RAM reservation; when its deadline passes the reservation is aborted and its
-    pages go to the next object: the late read must not overwrite that object."""
-    loc = str(tmp_path / "card")
-    os.mkdir(loc)
-    cfg = Config(storage_devices=[loc], max_bytes=8 << 20, io_timeout_ms=int(DEADLINE_S * 1000),
-                 thread_pool_size=1)
-    meta = ObjectMeta()
-    old, new = _payload(3), _payload(4)
-
-    async def main() -> None:
-        store = TieredStore(cfg, IoPool(1))
-        await store.start()
-        try:
-            assert await store.put([PutItem(b"old", memoryview(old), meta)], Retention.LONG) == [True]
-            store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
-            slowed = Slowed(store.long.cards[0].card, "_read_buffered")
-            assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
-            assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
-            # The next object of the same size gets the same pages.
-            assert await store.put([PutItem(b"new", memoryview(new), meta)], Retention.SHORT) == [True]
-            assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
-            await asyncio.sleep(0.1)
-            dest = memoryview(bytearray(SIZE))
-            sizes, _ = await store.get([GetItem(b"new", meta.dialog, dest)])
-            assert sizes == [SIZE]
-            assert dest.tobytes() == new, "the late read overwrote the object now in its pages"
-        finally:
-            await store.stop()
-
-    asyncio.run(main())

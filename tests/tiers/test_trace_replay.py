@@ -1,7 +1,7 @@
 """The eviction policies replayed over a public request trace, in-process: the default beats LRU.
 
 The Mooncake synthetic trace (benchmarks/data) holds 3,993 requests as
-prefix block ids.  ``kvgate.benchtrace.simulate`` replays each as an engine
+prefix block ids.  ``kvgate.bench.trace.simulate`` replays each as an engine
 makes it: its dialog mark as the gateway answers ``dialog_mark``, the
 leading blocks present restored (read), the rest stored from the first miss
 on, then the policy evicts down to the capacity.  The figure is
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.benchtrace import load_trace, simulate, trace_marks, unique_blocks, with_shared_head
+from kvgate.bench.trace import load_trace, simulate, trace_marks, unique_blocks, with_shared_head
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "mooncake-synthetic-trace.jsonl"
 

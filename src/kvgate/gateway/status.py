@@ -3,6 +3,12 @@
 The snapshot is taken on the event loop (where the counters live), so the
 renderers in other threads never read state that is being changed.  The
 same dict answers the ``stats`` op that ``kvgate stat`` uses.
+
+``snapshot`` is called on the loop: by the ``stats`` op, the gateway's
+status file task, and /metrics.  ``HttpStatus`` serves from threads of its
+own and reaches the gateway only through the callables it is given, run on
+the loop, so a slow HTTP peer never blocks it; a snapshot only reads
+counters.
 """
 
 from __future__ import annotations
@@ -14,15 +20,23 @@ import logging
 import os
 import sys
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from kvgate.gateway.server import Gateway
+from kvgate import __version__
+from kvgate.config import Config
+from kvgate.gateway.headsync import HeadSync
+from kvgate.gateway.listeners import Listeners
+from kvgate.gateway.sessions import Sessions
+from kvgate.heads import SharedHeads
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.status")
 
@@ -74,6 +88,57 @@ NAMESPACE_FIELDS = (  # at most kvgate.tiers.usage.MAX_ROWS namespaces, then one
     ("sets", "objects stored", True),
     ("bytes_written", "payload bytes stored", True),
 )
+
+
+def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, head_sync: HeadSync,
+             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None) -> dict[str, Any]:
+    """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
+    c = store.counters
+    ram = store.ram
+    cards = store.long.status()
+    long_tier = {
+        "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
+        "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
+        "evictions": sum(x["evictions"] for x in cards),
+        "used_bytes": sum(x["used_bytes"] for x in cards if x["active"]),
+        "capacity_bytes": sum(x["capacity_bytes"] for x in cards if x["active"]),
+        "objects": sum(x["objects"] for x in cards if x["active"]),
+    }
+    ram_tier = {
+        "sets": c.ram.sets, "gets": c.ram.gets, "hits": c.ram.hits, "misses": c.ram.misses,
+        "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram.evictions,
+        "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity, "objects": ram.entries,
+    }
+    engine = None
+    if sessions.engine is not None:
+        engine = {"engine_id": sessions.engine.engine_id, "pid": sessions.engine.pid,
+                  "connections": sessions.engine.connections}
+    return {
+        "gateway": {
+            "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - started_at, 3),
+            "fingerprint": store.long.fingerprint, "placement": cfg.key_placement, "storage_slots": store.long.slots,
+            "card_generation": store.long.generation,
+            "socket": cfg.socket_path, "port": tcp_port, "sessions": len(sessions),
+            "connections": listeners.open_connections,
+            "refused_connections": listeners.refused_connections, "engine": engine,
+            "shared_storage": cfg.shared_storage,
+            "read_priority": "realtime" if pool.realtime else "normal",
+        },
+        "tiers": {"ram": ram_tier, "long": long_tier},
+        "namespaces": store.usage.snapshot(),
+        "holds": {"objects": len(store.holds), "refused": store.holds.refused},
+        "lookups": c.lookups,
+        "corrupt_objects": c.corrupt,
+        "expired_objects": c.expired,
+        "io_timeouts": store.long.io_timeouts,
+        "io_errors": store.long.io_errors,
+        "oldest_io_age_s": max(pool.oldest_age(), store.long.oldest_io_age()),
+        "cards": cards,
+        "card_moves": {"objects": store.long.mover.moved, "bytes": store.long.mover.moved_bytes,
+                       "failed": store.long.mover.failed},
+        "shared_heads": {"blocks": len(heads), "learned": heads.learned,
+                         "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
+    }
 
 
 class _SnapshotCollector:
@@ -191,13 +256,19 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
 class HttpStatus:
     """/metrics, /healthz and POST /v1/cache/prewarm, served from threads.
 
+    The gateway starts and stops it; each request runs on a thread of its own and calls ``snapshot``
+    (/metrics) and ``prewarm`` (namespace, keys, dialog -> objects in RAM) on ``loop``, waiting for them
+    there, so the loop is never blocked by a slow HTTP peer.
+
     ``token``: when set, every path but /healthz needs ``Authorization: Bearer <token>`` (the gateway
     sets it for a listener beyond loopback).  A bad request gets a 400 with a JSON ``error``.
     """
 
-    def __init__(self, gateway: "Gateway", loop: asyncio.AbstractEventLoop, host: str, port: int,
-                 token: str | None = None):
-        self.gateway = gateway
+    def __init__(self, snapshot: Callable[[], dict[str, Any]],
+                 prewarm: Callable[[str, list[bytes], bytes | None], Awaitable[int]],
+                 loop: asyncio.AbstractEventLoop, host: str, port: int, token: str | None = None):
+        self.snapshot = snapshot
+        self.prewarm = prewarm
         self.loop = loop
         self.token = token.encode() if token is not None else None
         handler = self._handler_class()
@@ -217,6 +288,9 @@ class HttpStatus:
 
     def _call(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _snapshot_on_loop(self) -> dict[str, Any]:
+        return self.snapshot()
 
     def _handler_class(self):
         outer = self
@@ -258,7 +332,7 @@ class HttpStatus:
                 elif not self._authorized():
                     return
                 elif path == "/metrics":
-                    snap = outer._call(outer.gateway.snapshot_async())
+                    snap = outer._call(outer._snapshot_on_loop())
                     self._send(200, render(snap), CONTENT_TYPE_LATEST)
                 else:
                     self._error(404, "not found")
@@ -276,7 +350,7 @@ class HttpStatus:
                     req = json.loads(self.rfile.read(length) or b"{}")
                     namespace, keys, dialog = _parse_prewarm(req)
                     # a bad namespace or key (BadKey) is the client's error too
-                    n = outer._call(outer.gateway.prewarm(namespace, keys, dialog))
+                    n = outer._call(outer.prewarm(namespace, keys, dialog))
                 except (ValueError, TypeError) as e:
                     self._error(400, str(e))
                     return

@@ -54,7 +54,7 @@ from kvgate.memcopy import MemoryFault
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
-from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, split
+from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split
 from kvgate.tiers.restart import IndexKeeper
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
@@ -99,7 +99,7 @@ class CardRead:
             return cls(ReadOutcome.HIT, header=r)
         if isinstance(r, BufferTooSmall):
             return cls(ReadOutcome.TOO_SMALL, needed=r.needed, error=r)
-        if isinstance(r, ObjectTooNew):  # before ObjectMissing, its base class
+        if isinstance(r, ObjectTooNew):  # before ObjectMissing, which it is a kind of
             return cls(ReadOutcome.TOO_NEW, error=r)
         if isinstance(r, ObjectMissing):
             return cls(ReadOutcome.MISSING, error=r)
@@ -208,7 +208,7 @@ class ManagedCard:
         self.unreadable: set[bytes] = set()
         self.refused_serial: str | None = None  # the other card last seen at our path
         self._warned_empty = False  # said that it can hold nothing (said again only after it could hold some)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = Tasks()
 
     # ---- naming -------------------------------------------------------------
 
@@ -243,12 +243,6 @@ class ManagedCard:
 
     # ---- life -----------------------------------------------------------------
 
-    def spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def adopt(self) -> None:
         """Take the card's index snapshot (if usable), size the card, and check the index against the card
         in the background."""
@@ -265,14 +259,12 @@ class ManagedCard:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
             self.capacity = max(0, free - self.card.reserve_bytes(self.cfg.card_reserve)) + self.used
-        self.spawn(self.keeper.check())
-        self.spawn(self.keeper.save_now_and_then())
+        self.tasks.spawn(self.keeper.check())
+        self.tasks.spawn(self.keeper.save_now_and_then())
 
     async def stop(self) -> None:
         """Save the index snapshot (when it changed and the card is in service), then ``close``."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel()
         if self.active and self.serial and self.index.changes != self.keeper.saved_changes:
             try:
                 await self.keeper.save("at stop")
@@ -282,9 +274,7 @@ class ManagedCard:
 
     async def close(self) -> None:
         """End the card's tasks, its threads (not waiting for a hung one) and its claim."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel()
         self.io.shutdown(wait=False)
         try:
             self.card.close()
@@ -452,7 +442,7 @@ class ManagedCard:
     def spawn_delete(self, digests: list[bytes]) -> asyncio.Task:
         """``delete_quietly`` as a task; its objects are misses from now on, not from when the task first runs."""
         self.leaving.update(digests)
-        return self.spawn(self._delete_quietly(digests))
+        return self.tasks.spawn(self._delete_quietly(digests))
 
     async def _delete_quietly(self, digests: list[bytes]) -> None:
         """Delete objects (by key digest) the index has already let go of (evicted, expired, stale copies).

@@ -47,7 +47,7 @@ from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.index import IndexEntry
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
 from kvgate.tiers.rows import digest_array
 
@@ -129,7 +129,7 @@ class CardSet:
         self._by_serial: dict[str, ManagedCard] = {}
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
         self.mover = CardMover(self, MOVE_BYTES_PER_S, self._let_drained_go)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
         self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
 
     @property
@@ -214,16 +214,11 @@ class CardSet:
 
     async def stop(self) -> None:
         """Let the cards go, each saving its index snapshot first (``ManagedCard.stop``)."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         await asyncio.gather(*(mc.stop() for mc in self.cards), *(mc.close() for mc in self.pending))
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     # ---- placement --------------------------------------------------------
 
@@ -622,16 +617,17 @@ class CardSet:
             if not mc.index:
                 self._spawn(self._drop(serial, "drained").close())
 
-    def status(self) -> list[dict]:
-        """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots."""
+    def status(self, pending: bool = False) -> list[dict]:
+        """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots; with
+        ``pending``, a short row for each entry with no card yet."""
         rows = []
         for mc in self.cards:
             row = mc.snapshot()
             row["state"] = ("draining" if mc.serial in self._draining else "serving") if mc.active else "inactive"
             row["slots"] = len(self.slot_map.slots_of(mc.serial)) if mc.serial in self.slot_map.serials else 0
             rows.append(row)
-        for mc in self.pending:
-            rows.append({"serial": None, "location": mc.where, "state": "pending", "slots": 0})
+        if pending:
+            rows += [{"serial": None, "location": mc.where, "state": "pending", "slots": 0} for mc in self.pending]
         return rows
 
     # ---- figures --------------------------------------------------------------

@@ -42,6 +42,7 @@ backstop.
 from __future__ import annotations
 
 import asyncio
+import errno
 import contextlib
 import itertools
 import logging
@@ -201,6 +202,13 @@ class IoPool:
         self._executor.shutdown(wait=wait, cancel_futures=True)
 
 
+class CardGone(OSError):
+    """A call on a card that has left the card set (its pool shut down): a failed I/O, as for a card gone."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ESHUTDOWN, "the card has left the card set")
+
+
 class CardIo(IoPool):
     """The pool of one card: calls bounded by a deadline.
 
@@ -248,15 +256,22 @@ class CardIo(IoPool):
             self._progress = time.monotonic()
             self._free.release()
 
-        fut = self._submit(fn, args, urgent)
+        try:
+            fut = self._submit(fn, args, urgent)
+        except RuntimeError:  # shut down: the card left the card set while this call waited for a thread
+            done(None)
+            raise CardGone() from None
         fut.add_done_callback(done)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
         except (asyncio.TimeoutError, TimeoutError):
             fut.add_done_callback(_swallow)
             raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
-        except asyncio.CancelledError:  # the request went away: its buffers may be reused or unmapped
-            fut.add_done_callback(_swallow)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and not (task is not None and task.cancelling()):
+                raise CardGone() from None  # queued when the card left: a failed I/O, not a cancelled request
+            fut.add_done_callback(_swallow)  # the request went away: its buffers may be reused or unmapped
             raise
         finally:
             if abandon is not None:  # after the call's own end this changes nothing
@@ -293,6 +308,29 @@ class CardIo(IoPool):
     def shutdown(self, wait: bool = True) -> None:
         self._hints.shutdown(wait=False, cancel_futures=True)
         super().shutdown(wait)
+
+
+class Tasks:
+    """Background tasks of one owner (a card, the card set, the gateway), on the loop: each kept until it is
+    done (a task nobody holds may be collected mid-flight), all cancelled together when the owner stops."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def wait(self) -> None:
+        """Until the tasks running now are done."""
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        for t in list(self._running):
+            t.cancel()
+        await self.wait()
 
 
 def _swallow(fut) -> None:

@@ -1,4 +1,5 @@
-"""A card that answers ENOSPC: a card lowers its capacity once per episode, not once per failed write.
+"""ManagedCard on its own: what each card answer reads as, and what a full card does (ENOSPC lowers its
+capacity once per episode, not once per failed write).
 
 One request that meets a full card fails several objects at once; lowering
 the capacity to 90 % of what is held for each of them shrank it to
@@ -38,9 +39,22 @@ def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path:
         assert cs.capacity == 90_000, "lowered once per failed object"
         assert cs.used <= 90_000 and cs.counters.evictions == 10
         assert cs.active, "a full card is not a broken card"
-        await asyncio.gather(*list(cs._tasks))  # the evicted objects are deleted
+        await cs.tasks.wait()  # the evicted objects are deleted
         cs.note_result(full)  # full again with the room made: the medium is smaller still
         assert cs.capacity == 81_000
         await cs.close()
 
     asyncio.run(main())
+
+
+def test_each_card_answer_reads_as_its_own_outcome() -> None:
+    """``CardRead.of``: an object a newer kvgate wrote is TOO_NEW (left in place), not a plain miss."""
+    from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMissing, ObjectTooNew
+    from kvgate.tiers.card import CardRead, ReadOutcome
+
+    header = Header(64, 3, 0, ObjectMeta(), b"k", 64)
+    cases = [(header, ReadOutcome.HIT), (ObjectMissing("k"), ReadOutcome.MISSING),
+             (ObjectTooNew("k"), ReadOutcome.TOO_NEW), (ObjectCorrupt("k"), ReadOutcome.CORRUPT),
+             (BufferTooSmall(10), ReadOutcome.TOO_SMALL), (TimeoutError("late"), ReadOutcome.FAILED)]
+    for answer, outcome in cases:
+        assert CardRead.of(answer).outcome is outcome, answer

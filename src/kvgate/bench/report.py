@@ -1,0 +1,312 @@
+"""What ``kvgate bench`` prints: the tables of each mode, the notes under them, the bars, and the plot.
+
+Called from the command's thread once everything is measured; only prints
+(or draws a PNG), nothing here measures.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvgate.bench import BenchError
+from kvgate.bench.measure import fmt_size
+from kvgate.bench.restores import CARDS_FIGURES
+
+# The bars: what a healthy gateway reaches on any machine, as ratios to the
+# physical baseline (or, for lookups, a latency an engine's scheduler can
+# afford on every request).
+BAR_RAM_GET_RATIO = 0.5
+BAR_CARD_GET_WARM_RATIO = 0.6
+BAR_LOOKUP_P50_MS = 2.0
+
+MODEL_TOLERANCE = 0.01  # gateway vs model, in share of all blocks, before a note says they differ
+
+
+def gib_s(x: float) -> str:
+    return f"{x:.2f} GiB/s"
+
+
+def base_label(base: dict[str, Any], plain: str) -> str:
+    return "direct" if base.get("o_direct") else plain
+
+
+# ---- figures 1-5 ---------------------------------------------------------------------------
+
+
+def bars_passed(figures: dict[str, Any]) -> dict[str, bool]:
+    return {
+        "ram_get": figures["ram_get"]["ratio"] >= BAR_RAM_GET_RATIO,
+        "card_get_warm": figures["card_get_warm"]["ratio"] >= BAR_CARD_GET_WARM_RATIO,
+        "lookup_p50": figures["lookup"]["p50_ms"] <= BAR_LOOKUP_P50_MS,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cfg, figs, bars = result["config"], result["figures"], result["bars"]
+
+    def bar(ok: bool, text: str) -> str:
+        return f"[green]pass[/] {text}" if ok else f"[bold red]FAIL[/] {text}"
+
+    def gib(side: dict[str, Any], note: str = "") -> str:
+        return f"{gib_s(side['best_gib_s'])}\n[dim]{note}med {side['median_gib_s']:.2f}[/]"
+
+    short = {"ram_get": "copyto", "tcp_get": "socket", "card_get_warm": "preadv", "card_get_cold": "preadv",
+             "card_put": "pwritev"}
+
+    # Sized to fit 80 columns: the second line of a cell says what the baseline is, and the medians.
+    t = Table(title=f"kvgate bench{' --quick' if cfg['quick'] else ''}: best pass, ratio = kvgate / baseline")
+    t.add_column("figure")
+    t.add_column("kvgate", justify="right")
+    t.add_column("baseline", justify="right")
+    t.add_column("ratio", justify="right")
+    t.add_column("bar")
+    rows = [("RAM get to shm", "ram_get", f">={BAR_RAM_GET_RATIO}"), ("RAM get over TCP", "tcp_get", None),
+            ("card get, warm", "card_get_warm", f">={BAR_CARD_GET_WARM_RATIO}"),
+            ("card get, cold", "card_get_cold", None), ("card put", "card_put", None)]
+    for label, name, limit in rows:
+        f = figs[name]
+        if f is None:
+            t.add_row(label, "[yellow]skipped[/]", "-", "-", "-")
+            continue
+        b = f["baseline"]
+        t.add_row(label, gib(f["kvgate"]), gib(b, f"{base_label(b, short[name])} x{b['threads']}, "), f"{f['ratio']:.2f}",
+                  bar(bars[name], limit) if limit else "-")
+    f = figs["lookup"]
+    t.add_row(f"lookup {f['keys']} keys", f"p50 {f['p50_ms']:.2f} ms\n[dim]p99 {f['p99_ms']:.2f}\nbest {f['best_ms']:.2f}[/]",
+              f"[dim]1 key: p50\n{f['one_key_p50_ms']:.2f} ms[/]", "-", bar(bars["lookup_p50"], f"<={BAR_LOOKUP_P50_MS:g}ms"))
+    con.print(t)
+    con.print(f"machine: {cfg['cores']} cores; {fmt_size(cfg['object_size'])} objects x {cfg['batch']} = "
+              f"{fmt_size(cfg['pass_bytes'])} per pass; gateway and baseline threads {cfg['threads']}; "
+              f"passes RAM/TCP/warm/cold/put {figs['ram_get']['kvgate']['passes']}/{figs['tcp_get']['kvgate']['passes']}/"
+              f"{figs['card_get_warm']['kvgate']['passes']}/"
+              f"{figs['card_get_cold']['kvgate']['passes'] if figs['card_get_cold'] else 0}/"
+              f"{figs['card_put']['kvgate']['passes']}, {figs['lookup']['reps']} lookups; "
+              f"{result['elapsed_s']:.1f} s")
+    for name, why in result["skipped"].items():
+        con.print(f"[yellow]{name} skipped:[/] {why}")
+
+
+# ---- --cards --------------------------------------------------------------------------------
+
+
+def cards_comparison(placements: dict[str, Any]) -> dict[str, Any] | None:
+    """stripe / dialog of each figure both measured: kvgate's best pass, and the ratios to each one's baseline."""
+    if "dialog" not in placements or "stripe" not in placements:
+        return None
+    out: dict[str, Any] = {}
+    for name in CARDS_FIGURES:
+        d, s = placements["dialog"]["figures"][name], placements["stripe"]["figures"][name]
+        if d is None or s is None:
+            continue
+        out[name] = {"kvgate": s["kvgate"]["best_gib_s"] / d["kvgate"]["best_gib_s"],
+                     "ratio": s["ratio"] / d["ratio"]}
+    return out
+
+
+def cards_notes(cfg: dict[str, Any], placements: dict[str, Any]) -> list[str]:
+    n, t = cfg["cards"], cfg["threads"]
+    notes = []
+    if n == 1:
+        notes.append("One card: both placements put every block on it; the figures compare the gateway with raw "
+                     "reads, not placements.")
+    elif cfg["cards_share_one_filesystem"]:
+        notes.append(f"All {n} cards are directories on one filesystem: a stripe restore reads from {n} cards at "
+                     f"once, but here they share one disk and one page cache, so stripe cannot gain what it gains "
+                     f"from {n} separate devices; a difference between placements measured here comes from the "
+                     f"gateway (its per-card I/O pools, how the dialogs fell on the cards) and from noise. The "
+                     f"figures are what this machine measured, nothing more.")
+    else:
+        notes.append(f"The {n} cards are on {cfg['card_filesystems']} different filesystems.")
+    notes.append(f"The gateway runs one I/O pool of {t} threads per card: a restore from one card (dialog) "
+                 f"reads on at most {t} threads, one spread over {n} cards (stripe) on up to {t * n}; the "
+                 f"single-restore baseline is the best of {', '.join(map(str, cfg['baseline_threads']))} threads. "
+                 f"The gateways run with the default card I/O deadline ({cfg['io_timeout_ms']} ms): 8 restores "
+                 f"queued on one card wait their turn while the card makes progress, so a slow pass stays a slow "
+                 f"pass.")
+    for p, r in placements.items():
+        bad = [i for i, c in enumerate(r["gateway_cards"]) if c.get("timeouts") or c.get("errors") or c.get("misses")]
+        if bad:
+            notes.append(f"{p}: the gateway counted timeouts, errors or misses on card(s) {bad}: see gateway_cards.")
+    return notes
+
+
+def print_cards_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cfg, places = result["config"], result["placements"]
+    n, nr = cfg["cards"], cfg["restores"]
+
+    def gib(side: dict[str, Any], note: str = "") -> str:
+        return f"{gib_s(side['best_gib_s'])}\n[dim]{note}med {side['median_gib_s']:.2f}[/]"
+
+    def spread(counts: list[int]) -> str:
+        return f"{sum(1 for c in counts if c)} of {len(counts)}\n[dim]{'/'.join(map(str, counts))}[/]"
+
+    t = Table(title=f"kvgate bench --cards {n}{' --quick' if cfg['quick'] else ''}: restores of "
+                    f"{cfg['blocks']} x {fmt_size(cfg['object_size'])} dialogs; best pass, ratio = kvgate / baseline")
+    for col, just in (("placement", "left"), ("figure", "left"), ("kvgate", "right"), ("baseline", "right"),
+                      ("ratio", "right"), ("cards read\n[dim]blocks/card[/]", "right")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    labels = {"single_warm": "1 restore, warm", "single_cold": "1 restore, cold",
+              "concurrent_warm": f"{nr} restores, warm", "concurrent_cold": f"{nr} restores, cold"}
+    for p, r in places.items():
+        for i, name in enumerate(CARDS_FIGURES):
+            f = r["figures"][name]
+            where = spread(r["single_blocks_per_card"] if name.startswith("single") else r["concurrent_blocks_per_card"])
+            if f is None:
+                t.add_row(p if i == 0 else "", labels[name], "[yellow]skipped[/]", "-", "-", where)
+                continue
+            b = f["baseline"]
+            t.add_row(p if i == 0 else "", labels[name], gib(f["kvgate"]),
+                      gib(b, f"{base_label(b, 'preadv')} x{b['threads']}, "),
+                      f"{f['ratio']:.2f}", where, end_section=i == len(CARDS_FIGURES) - 1)
+    con.print(t)
+    passes = [str(r["figures"][name]["kvgate"]["passes"]) if r["figures"][name] else "0"
+              for r in places.values() for name in CARDS_FIGURES]
+    con.print(f"machine: {cfg['cores']} cores; {n} directory cards, {cfg['slots']} slots; a dialog is "
+              f"{cfg['blocks']} x {fmt_size(cfg['object_size'])} = {fmt_size(cfg['dialog_bytes'])}, one get_many "
+              f"into registered shm; {nr} restores = {nr} client threads and connections, one dialog each; "
+              f"gateway --thread-pool-size {cfg['threads']}; passes {'/'.join(passes)}; {result['elapsed_s']:.1f} s")
+    for p, r in places.items():
+        con.print(f"{p}: the single dialog's blocks are on {r['cards_used']} of {n} cards "
+                  f"({'/'.join(map(str, r['single_blocks_per_card']))}); the {nr} dialogs touch each card "
+                  f"{'/'.join(map(str, r['concurrent_dialogs_per_card']))} times")
+    cmp = result.get("stripe_vs_dialog")
+    if cmp:
+        parts = [f"{labels[k]} x{v['kvgate']:.2f} (ratio x{v['ratio']:.2f})" for k, v in cmp.items()]
+        con.print("stripe / dialog: kvgate's best pass (the two placements ran one after the other, so this "
+                  "carries the machine's drift) and, in brackets, of the ratios to each one's own baseline (the "
+                  "fairer comparison): " + "; ".join(parts))
+    for note in result["notes"]:
+        con.print(f"[dim]{note}[/]")
+    for name, why in result["skipped"].items():
+        con.print(f"[yellow]{name} skipped:[/] {why}")
+
+
+# ---- --trace --------------------------------------------------------------------------------
+
+
+def trace_notes(result: dict[str, Any]) -> list[str]:
+    cfg = result["config"]
+    notes = []
+    if cfg["in_process"]:
+        notes.append("In process: the eviction policies alone, one pool of the whole capacity (no cards, no "
+                     "gateway), with the dialog marks a gateway gives (shared heads learned the same way).")
+        return notes
+    notes.append(f"Marks come from the gateway's dialog_mark; placement is dialog over {cfg['slots']} slots; "
+                 f"RAM tier {fmt_size(cfg['ram']) if cfg['ram'] else 'off'}. 'in process' is the same policy "
+                 "with one pool of the whole capacity; 'model' is the policy per card with the gateway's marks and "
+                 "card map.")
+    if cfg["ram"]:
+        notes.append("With a RAM tier, the reads it serves never reach the cards' policies and it holds blocks of "
+                     "its own, so the model (cards only) need not match the gateway.")
+    for row in result["runs"]:
+        gw = row.get("gateway")
+        if gw is None:
+            continue
+        gap = gw["share_of_all"] - gw["model"]["share_of_all"]
+        if abs(gap) > MODEL_TOLERANCE and not cfg["ram"]:
+            notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway restored {gap:+.1%} of all blocks "
+                         "against the model of its own cards.")
+        if gw["marks_as_in_process"] != gw["requests"]:
+            notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway's dialog marks differ from the "
+                         f"in-process ones for {gw['requests'] - gw['marks_as_in_process']} requests.")
+        if gw["puts_refused"]:
+            notes.append(f"{row['policy']} {row['capacity']['spec']}: {gw['puts_refused']} blocks were not stored "
+                         "(evicted by their own put: a request longer than a card).")
+        if gw["corrupt_objects"] or gw["io_errors"] or gw["io_timeouts"]:
+            notes.append(f"{row['policy']} {row['capacity']['spec']}: the gateway counted {gw['corrupt_objects']} "
+                         f"corrupt objects, {gw['io_errors']} I/O errors, {gw['io_timeouts']} timeouts.")
+    return notes
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def print_trace(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    tr, cfg = result["trace"], result["config"]
+    gateway = not cfg["in_process"]
+    head = f" --shared-head {tr['shared_head']}" if tr["shared_head"] else ""
+    t = Table(title=f"kvgate bench --trace {tr['name']}{head}{'' if gateway else ' --in-process'}")
+    cols = ["policy", "capacity\n[dim]blocks[/]", "restored\n[dim]of infinite[/]"]
+    if gateway:
+        cols += ["in process\n[dim]model[/]", "restore\n[dim]GiB/s[/]", "dialogs\n[dim]per card[/]",
+                 "bytes\n[dim]per card[/]"]
+    for i, col in enumerate(cols):
+        t.add_column(col, justify="left" if i == 0 else "right")
+    for row in result["runs"]:
+        cap = row["capacity"]
+        cells = [row["policy"], f"{cap['spec']}\n[dim]{cap['blocks']:,}[/]"]
+        gw = row.get("gateway")
+        fig = gw if gw is not None else row["in_process"]
+        cells.append(f"{pct(fig['share_of_all'])}\n[dim]{pct(fig['share_of_infinite'])}[/]")
+        if gw is not None:
+            def per(key: str) -> str:
+                return "/".join(f"{100 * c[key]:.0f}" for c in gw["cards"])
+
+            cells += [f"{pct(row['in_process']['share_of_all'])}\n[dim]{pct(gw['model']['share_of_all'])}[/]",
+                      "-" if gw["restore_gib_s"] is None else f"{gw['restore_gib_s']:.2f}",
+                      per("conversations_share"), per("bytes_share")]
+        t.add_row(*cells)
+    con.print(t)
+    inf = tr["infinite_cache"]
+    con.print(f"{tr['requests']:,} requests, {tr['blocks']:,} blocks ({tr['distinct_blocks']:,} distinct); an "
+              f"infinite cache restores {inf['restored_blocks']:,} = {pct(inf['share_of_all'])} of all blocks. "
+              "'restored': leading blocks found, as a share of all blocks (below: of the infinite cache's); capacity "
+              "over all cards, as a share of the distinct blocks" +
+              (f"; {cfg['cards']} directory cards per gateway, one gateway per row, blocks of "
+               f"{fmt_size(cfg['block_size'])}; per card: shares in %; {result['elapsed_s']:.1f} s" if gateway
+               else f"; {result['elapsed_s']:.1f} s"))
+    for note in result["notes"]:
+        con.print(f"[dim]{note}[/]")
+
+
+def check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib, which is not installed: pip install 'kvgate[plot]'") from None
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = result["trace"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    source = "in_process" if result["config"]["in_process"] else "gateway"
+    for policy in result["config"]["policies"]:
+        rows = sorted((r for r in result["runs"] if r["policy"] == policy),
+                      key=lambda r: r["capacity"]["share_of_distinct"])
+        xs = [100 * r["capacity"]["share_of_distinct"] for r in rows]
+        ys = [100 * r[source]["share_of_all"] for r in rows]
+        ax.plot(xs, ys, marker="o", label=policy)
+    ax.axhline(100 * tr["infinite_cache"]["share_of_all"], color="grey", linestyle="--", label="infinite cache")
+    ax.set_xlabel("capacity, % of the distinct blocks")
+    ax.set_ylabel("restored prefix blocks, % of all blocks")
+    head = f", shared head {tr['shared_head']}" if tr["shared_head"] else ""
+    ax.set_title(f"{tr['name']}{head} ({'in process' if source == 'in_process' else 'kvgate gateways'})")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,357 @@
+"""The operations clients ask for, one handler per request type, and the answer to each request.
+
+``Operations.dispatch`` runs as a task of its own for each request a
+connection's task (``Listeners``) read after the hello, so a client may
+pipeline and a slow card read never holds up a lookup.  It runs on the event
+loop and only checks requests and does bookkeeping: bytes move in ``IoPool``
+threads (see ``TieredStore``), and no handler may block the loop.
+
+A wrong request gets an ``Error`` reply, and any unexpected exception in a
+handler is logged and answered with ``INTERNAL``: nothing a client asks can
+stop the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.cards import ObjectMeta
+from kvgate.config import Config
+from kvgate.gateway.connection import Connection
+from kvgate.gateway.sessions import Session, reply
+from kvgate.gateway.shm import RegionError, map_client_region
+from kvgate.heads import SharedHeads
+from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
+from kvgate.memcopy import MemoryFault
+from kvgate.protocol import (
+    Cards,
+    CardsReply,
+    Clean,
+    CountReply,
+    Delete,
+    Error,
+    ErrorCode,
+    Exists,
+    ExistsReply,
+    Get,
+    GetReply,
+    Hello,
+    Hold,
+    INLINE,
+    Lookup,
+    Mark,
+    MarkReply,
+    MISS,
+    NOT_DONE,
+    Prewarm,
+    Put,
+    PutReply,
+    RegionReply,
+    RegisterRegion,
+    Release,
+    RequestError,
+    Stats,
+    StatsReply,
+    TOO_SMALL,
+)
+from kvgate.tiers.cardset import CardChangeError
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.store import GetItem, PutItem, TieredStore
+from kvgate.types import Retention
+
+log = logging.getLogger("kvgate.gateway")
+
+MAX_KEYS_PER_REQUEST = 65536
+_EMPTY = memoryview(bytearray(0))
+
+# A handler answers (session, request, body) with its reply and the reply's body (None: no body).
+Handler = Callable[[Session, Any, bytes], Awaitable[tuple[Any, Any]]]
+
+
+@dataclass(frozen=True)
+class Operation:
+    handler: Handler
+    engine_only: bool  # only an engine session may ask for it
+
+
+class Operations:
+    """What each request type does: one table, keyed by the request's message type.
+
+    Called on the event loop: ``dispatch`` from the task a connection starts for each request,
+    ``prewarm_by_name`` from the HTTP status threads through the loop.  Handlers await the store and the
+    pool, never block the loop.
+    """
+
+    def __init__(self, cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads,
+                 snapshot: Callable[[], dict[str, Any]]):
+        self.cfg = cfg
+        self.store = store
+        self.pool = pool
+        self.heads = heads
+        self.snapshot = snapshot
+        keyed = self._keyed
+        self.table: dict[type, Operation] = {
+            Stats: Operation(self._stats, engine_only=False),
+            Clean: Operation(self._clean, engine_only=False),
+            Cards: Operation(self._cards, engine_only=False),
+            Hello: Operation(self._hello_again, engine_only=False),
+            RegisterRegion: Operation(self._register, engine_only=True),
+            Mark: Operation(self._mark, engine_only=True),
+            Put: Operation(keyed(self._put), engine_only=True),
+            Get: Operation(keyed(self._get), engine_only=True),
+            Lookup: Operation(keyed(self._lookup), engine_only=True),
+            Exists: Operation(keyed(self._exists), engine_only=True),
+            Delete: Operation(keyed(self._delete), engine_only=True),
+            Prewarm: Operation(keyed(self._prewarm), engine_only=True),
+            Hold: Operation(keyed(self._hold), engine_only=True),
+            Release: Operation(keyed(self._release), engine_only=True),
+        }
+
+    async def dispatch(self, session: Session, req, body: bytes | bytearray, blen: int, conn: Connection) -> None:
+        """Answer one request; its body's ``blen`` inline bytes go back to the session's share."""
+        reply_body = None
+        try:
+            answer, reply_body = await self.handle(session, req, body)
+        except RequestError as e:
+            answer = Error(id=req.id, code=e.code, message=str(e))
+        except (BadKey, RegionError) as e:
+            answer = Error(id=req.id, code=ErrorCode.BAD_REQUEST, message=str(e))
+        except MemoryFault as e:  # the client shrank a region it shares with us: its request fails, nothing else
+            region = session.regions.get(getattr(req, "region", INLINE)) if session is not None else None
+            where = f"region {req.region} ({region.path})" if region is not None else "a shared region"
+            answer = Error(id=req.id, code=ErrorCode.BAD_REQUEST,
+                           message=f"{where} is shorter than when it was mapped ({e.strerror}): keep region files "
+                                   "at their size while the gateway has them")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed", type(req).__name__)
+            answer = Error(id=req.id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
+        finally:
+            await session.inline.release(blen)
+        answer.id = req.id
+        try:
+            await reply(conn, answer, reply_body)
+        finally:
+            if reply_body is not None:
+                await session.inline.release(len(reply_body))
+
+    async def handle(self, sess: Session, req, body: bytes) -> tuple[Any, Any]:
+        op = self.table.get(type(req))
+        if (op is None or op.engine_only) and sess.role != "engine":
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{type(req).__name__.lower()} needs an engine session")
+        if op is None:
+            raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {type(req).__name__}")
+        return await op.handler(sess, req, body)
+
+    def _keyed(self, handler: Callable[..., Awaitable[tuple[Any, Any]]]) -> Handler:
+        """The handler of an op on keys, given them full (namespaced, checked) and the dialog's digest."""
+        async def on_keys(sess: Session, req, body: bytes) -> tuple[Any, Any]:
+            keys = self._full_keys(sess, req.keys)
+            return await handler(sess, req, keys, dialog_digest(req.dialog), body)
+        return on_keys
+
+    def _full_keys(self, sess: Session, keys: list[bytes]) -> list[bytes]:
+        """``full_key(namespace, key)`` of every key, checked.
+
+        Done in bulk (one C-level pass over the lengths, one concatenation per
+        key) rather than two Python calls per key: an engine looks up 1,000s
+        of keys on every scheduling step, and per-key calls were a third of a
+        lookup's time.  The decoder already guarantees ``bytes``; only the
+        lengths need checking, and ``check_key`` names the bad one.
+        """
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise RequestError(ErrorCode.TOO_LARGE, f"{len(keys)} keys in one request (limit {MAX_KEYS_PER_REQUEST})")
+        if keys and (min(map(len, keys)) == 0 or max(map(len, keys)) > MAX_KEY_BYTES):
+            for k in keys:
+                check_key(k)
+        prefix = full_key(sess.namespace, b"")
+        return [prefix + k for k in keys]
+
+    # ---- any session ----------------------------------------------------------------
+
+    async def _stats(self, sess: Session, req: Stats, body: bytes) -> tuple[StatsReply, None]:
+        return StatsReply(stats=self.snapshot()), None
+
+    async def _clean(self, sess: Session, req: Clean, body: bytes) -> tuple[CountReply, None]:
+        if self.cfg.shared_storage:
+            log.warning("clean refused: shared_storage is true, other gateways use these cards; nothing was deleted")
+            raise RequestError(ErrorCode.CLEAN_REFUSED,
+                               "shared_storage is true: this gateway never deletes all data; nothing was deleted")
+        n = await self.store.clean()
+        log.info("clean: deleted %d objects", n)
+        return CountReply(count=n), None
+
+    async def _cards(self, sess: Session, req: Cards, body: bytes) -> tuple[CardsReply, None]:
+        """List or change the card set: an admin session on the Unix socket only (a change points the
+        gateway at a path or server of the asker's choosing)."""
+        if req.action != "list" and not (sess.local and sess.role == "admin"):
+            raise RequestError(ErrorCode.NOT_AUTHORIZED,
+                               "card changes need an admin session on the gateway's Unix socket")
+        cards = self.store.long
+        message = ""
+        try:
+            if req.action == "add":
+                mc = await cards.add(req.target)
+                message = f"card {mc.where} ({mc.serial}) added"
+            elif req.action == "drain":
+                mc = cards.drain(req.target, now=req.now)
+                message = (f"card {mc.where} ({mc.serial}) " +
+                           ("removed without copying" if req.now else f"draining: {len(mc.index)} objects to copy"))
+            elif req.action == "undrain":
+                mc = cards.undrain(req.target)
+                message = f"card {mc.where} ({mc.serial}) takes writes again"
+            elif req.action == "remove":
+                await cards.remove(req.target)
+                message = f"card {req.target} removed"
+        except CardChangeError as e:
+            raise RequestError(ErrorCode.CARDS_REFUSED, str(e)) from None
+        if message and req.action == "add":
+            message += "; until a restart: add it to storage_devices to keep it"
+        return CardsReply(generation=cards.generation, fingerprint=cards.fingerprint, cards=cards.status(pending=True),
+                          message=message), None
+
+    async def _hello_again(self, sess: Session, req: Hello, body: bytes) -> tuple[Any, Any]:
+        raise RequestError(ErrorCode.BAD_REQUEST, "this connection already has a session")
+
+    # ---- engine sessions ----------------------------------------------------------------
+
+    async def _register(self, sess: Session, req: RegisterRegion, body: bytes) -> tuple[RegionReply, None]:
+        if not sess.local:
+            raise RequestError(ErrorCode.BAD_REQUEST, "regions can only be registered over the Unix socket")
+        if "\x00" in req.path:
+            raise RequestError(ErrorCode.BAD_REQUEST, "region path contains a NUL byte")
+        region = await self.pool.run(map_client_region, req.path, sess.uid)
+        rid = max(sess.regions, default=0) + 1
+        sess.regions[rid] = region
+        return RegionReply(region=rid, size=region.size), None
+
+    async def _mark(self, sess: Session, req: Mark, body: bytes) -> tuple[MarkReply, None]:
+        # only the first MARK_KEYS count: the rest are neither keyed nor hashed
+        shared, starts = self.heads.shared_prefix(self._full_keys(sess, req.keys[:MARK_KEYS]))
+        return MarkReply(mark=req.keys[shared] if shared < len(req.keys) else None, shared=shared,
+                         heads=starts), None
+
+    async def _lookup(self, sess: Session, req: Lookup, keys: list[bytes], dialog: bytes,
+                      body: bytes) -> tuple[CountReply, None]:
+        return CountReply(count=await self.store.lookup(keys, dialog, sess.local)), None
+
+    async def _exists(self, sess: Session, req: Exists, keys: list[bytes], dialog: bytes,
+                      body: bytes) -> tuple[ExistsReply, None]:
+        return ExistsReply(present=await self.store.exists(keys, dialog, sess.local)), None
+
+    async def _delete(self, sess: Session, req: Delete, keys: list[bytes], dialog: bytes,
+                      body: bytes) -> tuple[CountReply, None]:
+        return CountReply(count=await self.store.delete(keys, dialog)), None
+
+    async def _prewarm(self, sess: Session, req: Prewarm, keys: list[bytes], dialog: bytes,
+                       body: bytes) -> tuple[CountReply, None]:
+        return CountReply(count=await self.store.prewarm(keys, dialog)), None
+
+    async def _hold(self, sess: Session, req: Hold, keys: list[bytes], dialog: bytes,
+                    body: bytes) -> tuple[ExistsReply, None]:
+        return ExistsReply(present=await self.store.hold(sess.id, keys, dialog, sess.local)), None
+
+    async def _release(self, sess: Session, req: Release, keys: list[bytes], dialog: bytes,
+                       body: bytes) -> tuple[CountReply, None]:
+        return CountReply(count=self.store.holds.release(sess.id, keys)), None
+
+    async def _put(self, sess: Session, req: Put, keys: list[bytes], dialog: bytes,
+                   body: bytes) -> tuple[PutReply, None]:
+        n = len(keys)
+        if len(req.sizes) != n:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{n} keys but {len(req.sizes)} sizes")
+        if any(s < 0 for s in req.sizes):
+            raise RequestError(ErrorCode.BAD_REQUEST, "negative size")
+        if req.position + n > (1 << 63):  # object headers hold positions as int64
+            raise RequestError(ErrorCode.BAD_REQUEST, f"position {req.position} out of range for {n} keys")
+        if req.region == INLINE:
+            if sum(req.sizes) != len(body):
+                raise RequestError(ErrorCode.BAD_REQUEST, f"sizes add up to {sum(req.sizes)} but the body has {len(body)} bytes")
+            mv = memoryview(body)
+            views, off = [], 0
+            for s in req.sizes:
+                views.append(mv[off : off + s])
+                off += s
+        else:
+            region = sess.region(req.region)
+            if req.offsets is None or len(req.offsets) != n:
+                raise RequestError(ErrorCode.BAD_REQUEST, "a put from a region needs one offset per key")
+            views = [region.slice(o, s) for o, s in zip(req.offsets, req.sizes)]
+        now = time.time_ns()
+        pos = req.position
+        last = len(keys) - 1
+        items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now, i == last))
+                 for i, (k, v) in enumerate(zip(keys, views))]
+        return PutReply(stored=await self.store.put(items, Retention.parse(req.retention))), None
+
+    async def _get(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes, body: bytes):
+        n = len(keys)
+        if req.offsets is not None:
+            if req.region == INLINE:
+                raise RequestError(ErrorCode.BAD_REQUEST, "offsets need a region; inline gets are packed by the gateway")
+            region = sess.region(req.region)
+            if req.capacities is None or len(req.capacities) != n or len(req.offsets) != n:
+                raise RequestError(ErrorCode.BAD_REQUEST, "a get into a region needs one offset and one capacity per key")
+            dests = [region.slice(o, c) for o, c in zip(req.offsets, req.capacities)]
+            sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)], sess.local)
+            return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None), None
+        return await self._get_packed(sess, req, keys, dialog)
+
+    async def _get_packed(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
+        """Place results one after another: from offset 0 of a region, or in the reply body."""
+        hints = [self.store.size_hint(k, dialog) for k in keys]
+        unknown = [i for i, h in enumerate(hints) if h is None]
+        if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
+            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
+            for i, s, need in zip(unknown, probe, needed):
+                hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
+        if req.region == INLINE:
+            limit = self.cfg.max_frame_bytes - (1 << 20)
+        else:
+            limit = sess.region(req.region).size
+        offsets = [0] * len(keys)
+        sizes = [MISS] * len(keys)
+        wanted, cursor = [], 0
+        for i, h in enumerate(hints):
+            if h == MISS:
+                continue
+            # inline: the first object always goes, even past the limit (it came in one frame, so one
+            # frame carries it back); otherwise an object near max_frame_bytes could never be read
+            if cursor + h > limit and (wanted or req.region != INLINE):
+                for j in range(i, len(keys)):
+                    if hints[j] != MISS:
+                        sizes[j] = NOT_DONE
+                break
+            offsets[i] = cursor
+            wanted.append(i)
+            cursor += h
+        if req.region == INLINE:
+            await sess.inline.acquire(cursor)
+            buf = memoryview(bytearray(cursor))
+            body = buf
+        else:
+            buf = sess.region(req.region).view
+            body = None
+        try:
+            got, _needed = await self.store.get([GetItem(keys[i], dialog, buf[offsets[i] : offsets[i] + hints[i]])
+                                                 for i in wanted], sess.local)
+        except BaseException:
+            if body is not None:
+                await sess.inline.release(cursor)
+            raise
+        for i, s in zip(wanted, got):
+            sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
+        return GetReply(sizes=sizes, offsets=offsets), body
+
+    # ---- over HTTP ------------------------------------------------------------------------
+
+    async def prewarm_by_name(self, namespace: str, keys: list[bytes], dialog: bytes | None) -> int:
+        """Prewarm for the HTTP endpoint (keys are the client's, not yet namespaced)."""
+        ns = encode_namespace(namespace)
+        return await self.store.prewarm([full_key(ns, check_key(k)) for k in keys], dialog_digest(dialog))

@@ -1,0 +1,212 @@
+"""Sessions: what one client connection's session holds, how its hello opens it and how it ends.
+
+A session holds its namespace, its role, its part of the listener's inline
+byte budget, the shared-memory regions mapped for it, and (for an engine)
+a share in the gateway's one engine claim; when it ends its holds lapse and
+its regions are unmapped.
+
+Everything here runs on the event loop: a connection's task (``Listeners``)
+opens a session with ``Sessions.hello`` and closes it when the connection
+ends; ``Gateway.stop`` closes the rest.  Nothing may block the loop: a
+session region is created in the ``IoPool``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from kvgate import __version__
+from kvgate.config import Config
+from kvgate.gateway.connection import Connection
+from kvgate.gateway.shm import Region, RegionError, create_session_region
+from kvgate.keys import BadKey, encode_namespace
+from kvgate.protocol import (
+    KIND_REPLY,
+    SESSION_REGION,
+    VERSION,
+    Error,
+    ErrorCode,
+    Hello,
+    HelloReply,
+    RequestError,
+    encode_frame,
+)
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.store import TieredStore
+
+log = logging.getLogger("kvgate.gateway")
+
+
+async def reply(conn: Connection, msg, body: bytes | bytearray | memoryview | None = None,
+                deadline: float | None = None) -> None:
+    """Send a reply frame; the body goes out from its buffer, uncopied."""
+    await conn.send(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY), body, deadline)
+
+
+class InlineBudget:
+    """Bounds the inline bytes (bodies, headers over the staging buffer, inline get replies) that the
+    sessions of one listener hold at once: ``limit`` in all, ``share`` per connection, so one connection
+    never holds all of it.  A taker that holds nothing may always take (one frame of any allowed size
+    must get through); see ``InlineShare``.
+
+    Used on the event loop by the connection tasks of one listener and their request tasks; a taker
+    waits here, never the loop."""
+
+    def __init__(self, limit: int, share: int):
+        self.limit = limit
+        self.share = share
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, taker: "InlineShare", n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: (self.used + n <= self.limit or self.used == 0)
+                                      and (taker.held + n <= self.share or taker.held == 0))
+            self.used += n
+            taker.held += n
+
+    async def release(self, taker: "InlineShare", n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            taker.held -= n
+            self._cond.notify_all()
+
+
+class InlineShare:
+    """One session's part of its listener's ``InlineBudget``."""
+
+    def __init__(self, budget: InlineBudget):
+        self.budget = budget
+        self.held = 0
+
+    async def acquire(self, n: int) -> None:
+        if n:
+            await self.budget.acquire(self, n)
+
+    async def release(self, n: int) -> None:
+        if n:
+            await self.budget.release(self, n)
+
+
+@dataclass
+class Session:
+    id: int
+    local: bool
+    pid: int | None
+    uid: int | None
+    inline: InlineShare  # this connection's part of its listener's inline byte budget
+    role: str = ""
+    namespace: bytes = b""
+    engine_id: str = ""
+    regions: dict[int, Region] = field(default_factory=dict)
+
+    def region(self, rid: int) -> Region:
+        r = self.regions.get(rid)
+        if r is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"no region {rid} in this session")
+        return r
+
+
+@dataclass
+class EngineClaim:
+    engine_id: str
+    pid: int
+    connections: int = 0
+
+
+class Sessions:
+    """The open sessions, and the one engine they may belong to.
+
+    Called on the event loop: ``hello`` from a connection's task when its hello arrives, ``close`` when
+    that connection ends, ``close_all`` from ``Gateway.stop``.  ``hello`` waits on the pool (a session
+    region) and on the peer (its reply by the hello deadline), never blocks the loop.
+    """
+
+    def __init__(self, cfg: Config, store: TieredStore, pool: IoPool):
+        self.cfg = cfg
+        self.store = store
+        self.pool = pool
+        self.token: str | None = None  # what a TCP peer's hello must present (auth_token_file, read at start)
+        self.engine: EngineClaim | None = None
+        self.by_id: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    async def hello(self, req: Hello, conn: Connection, local: bool, pid: int | None, uid: int | None,
+                    inline: InlineShare, deadline: float | None) -> Session | None:
+        """The session of an accepted hello (replied to by ``deadline``), or None (refused, and answered why)."""
+        async def refuse(code: str, message: str) -> None:
+            await reply(conn, Error(id=req.id, code=code, message=message), deadline=deadline)
+
+        if req.protocol != VERSION:
+            await refuse(ErrorCode.BAD_VERSION, f"client speaks protocol {req.protocol}, gateway {VERSION}")
+            return None
+        if not local and self.token is not None:
+            if req.token is None or not hmac.compare_digest(req.token.encode(), self.token.encode()):
+                await refuse(ErrorCode.NOT_AUTHORIZED, "a valid token is required on this listener")
+                return None
+        sess = Session(next(self._ids), local, pid if local else None, uid, inline, role=req.role)
+        if req.role == "engine":
+            try:
+                sess.namespace = encode_namespace(req.namespace)
+            except BadKey as e:
+                await refuse(ErrorCode.BAD_REQUEST, str(e))
+                return None
+            if self.cfg.refuse_unsalted and not req.salted:
+                await refuse(ErrorCode.UNSALTED_REFUSED, "this gateway refuses sessions without a tenant salt")
+                return None
+            engine_id = req.engine_id or f"pid:{pid or req.pid}"
+            if self.engine is not None and self.engine.engine_id != engine_id:
+                await refuse(ErrorCode.ENGINE_BUSY,
+                             f"this gateway serves engine {self.engine.engine_id!r} (pid {self.engine.pid}); "
+                             "one engine per gateway: start another gateway for this engine")
+                return None
+            if self.engine is None:
+                self.engine = EngineClaim(engine_id, pid or req.pid)
+                log.info("engine %r (pid %s) connected, namespace %r", engine_id, pid or req.pid, req.namespace)
+            self.engine.connections += 1
+            sess.engine_id = engine_id
+        shm_path, shm_size = None, 0
+        if local and req.want_shm and req.role == "engine":
+            try:
+                region = await self.pool.run(create_session_region, str(sess.id),
+                                             self.cfg.shared_memory_size)
+            except RegionError as e:
+                self._release_engine(sess)
+                await refuse(ErrorCode.INTERNAL, str(e))
+                return None
+            sess.regions[SESSION_REGION] = region
+            shm_path, shm_size = region.path, region.size
+        self.by_id[sess.id] = sess
+        await reply(conn, HelloReply(
+            id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
+            max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.long.fingerprint,
+            placement=self.cfg.key_placement,
+        ), deadline=deadline)
+        return sess
+
+    def _release_engine(self, sess: Session) -> None:
+        if sess.engine_id and self.engine is not None and self.engine.engine_id == sess.engine_id:
+            self.engine.connections -= 1
+            if self.engine.connections <= 0:
+                log.info("engine %r disconnected", self.engine.engine_id)
+                self.engine = None
+        sess.engine_id = ""
+
+    def close(self, sess: Session) -> None:
+        self.by_id.pop(sess.id, None)
+        self.store.holds.release_all(sess.id)
+        self._release_engine(sess)
+        for region in sess.regions.values():
+            region.close()
+        sess.regions.clear()
+
+    def close_all(self) -> None:
+        for sess in list(self.by_id.values()):
+            self.close(sess)

@@ -1,0 +1,153 @@
+"""TieredStore (``kvgate.tiers.store``): the RAM tier in front of the cards, in process, on real
+directory cards.
+
+Where a put's retention puts an object, what a get answers from each tier,
+and the one rule every question follows: a key is present when the RAM tier
+holds it, any card's index holds it (whatever the dialog), or its own card
+for the request's dialog has it unindexed (another gateway wrote it).  The
+same rules against real gateways: tests/gateway/test_answers_agree.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+from kvgate.cards import ObjectMeta
+from kvgate.config import Config
+from kvgate.keys import dialog_digest, encode_namespace, full_key
+from kvgate.tiers.io import IoPool
+from kvgate.tiers.store import GetItem, PutItem, TieredStore
+from kvgate.types import Retention, SizeCode
+from tests.helpers import wait_until_async
+from tests.tiers.test_late_reads import DEADLINE_S, SIZE, Slowed
+
+NS = encode_namespace("store-ns")
+DIALOG = dialog_digest(b"a dialog")
+
+
+def fk(key: bytes) -> bytes:
+    return full_key(NS, key)
+
+
+def payload(key: bytes, size: int = 10_000) -> bytes:
+    return (hashlib.sha256(key).digest() * (size // 32 + 1))[:size]
+
+
+@contextlib.asynccontextmanager
+async def started_store(tmp_path: Path, n_cards: int = 1, **cfg) -> AsyncIterator[TieredStore]:
+    """A started store over ``n_cards`` directory cards in ``tmp_path``, their start-up scans done."""
+    dirs = [tmp_path / f"card{i}" for i in range(n_cards)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    cfg = {"max_bytes": 8 << 20, "card_capacity": 64 << 20, "thread_pool_size": 2, **cfg}
+    store = TieredStore(Config(storage_devices=[str(d) for d in dirs], storage_slots=16 * n_cards, **cfg),
+                        IoPool(cfg["thread_pool_size"]))
+    await store.start()
+    try:
+        await wait_until_async(lambda: all(mc.scanned for mc in store.long.cards), 10, "every card's start-up scan")
+        yield store
+    finally:
+        await store.stop()
+
+
+async def put(store: TieredStore, keys: list[bytes], retention: Retention, dialog: bytes = DIALOG) -> list[bool]:
+    items = [PutItem(fk(k), memoryview(payload(k)), ObjectMeta(dialog, i, time.time_ns())) for i, k in enumerate(keys)]
+    return await store.put(items, retention)
+
+
+def test_a_put_reaches_the_tiers_its_retention_names(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with started_store(tmp_path) as store:
+            assert await put(store, [b"long"], Retention.LONG) == [True]
+            assert await put(store, [b"short"], Retention.SHORT) == [True]
+            assert await put(store, [b"none"], Retention.NONE) == [False]
+            mc = store.long.cards[0]
+            assert store.ram.contains(fk(b"long")) and fk(b"long") in mc.index and mc.card.exists(fk(b"long"))
+            assert store.ram.contains(fk(b"short")) and not mc.card.exists(fk(b"short"))
+            assert not store.ram.contains(fk(b"none")) and not mc.card.exists(fk(b"none"))
+            assert (store.counters.ram.sets, store.counters.long.sets) == (2, 1)
+        # A restart keeps what reached a card, and only that.
+        async with started_store(tmp_path) as store:
+            assert await store.exists([fk(b"long"), fk(b"short"), fk(b"none")], DIALOG) == [True, False, False]
+
+    asyncio.run(main())
+
+
+def test_get_answers_ram_and_card_hits_and_says_miss_and_too_small(tmp_path: Path) -> None:
+    size = len(payload(b"x"))
+
+    async def get(store: TieredStore, key: bytes, room: int) -> tuple[int, int, bytes]:
+        dest = memoryview(bytearray(room))
+        sizes, needed = await store.get([GetItem(fk(key), DIALOG, dest)])
+        return sizes[0], needed[0], dest.tobytes()[: max(sizes[0], 0)]
+
+    async def main() -> None:
+        async with started_store(tmp_path) as store:
+            assert await put(store, [b"in-ram", b"on-card"], Retention.LONG) == [True, True]
+            store.ram.delete(fk(b"on-card"))  # on the card only
+            assert await get(store, b"in-ram", size + 100) == (size, 0, payload(b"in-ram"))
+            assert store.counters.ram.hits == 1 and store.counters.long.gets == 0, "a RAM hit asks no card"
+            assert await get(store, b"on-card", size + 100) == (size, 0, payload(b"on-card"))
+            assert store.counters.long.hits == 1
+            assert await get(store, b"never-put", size) == (SizeCode.MISS, 0, b"")
+            assert await get(store, b"in-ram", size - 1) == (SizeCode.TOO_SMALL, size, b"")
+            assert await get(store, b"on-card", size - 1) == (SizeCode.TOO_SMALL, size, b"")
+            # a destination too small takes nothing away: both still read whole
+            assert await get(store, b"on-card", size) == (size, 0, payload(b"on-card"))
+
+    asyncio.run(main())
+
+
+def test_lookup_counts_leading_keys_present_in_ram_or_on_any_card(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=2) as store:
+            keys = [b"k%d" % i for i in range(8)]
+            # Two dialogs whose objects live on different cards.
+            d1, d2 = DIALOG, next(d for d in (dialog_digest(b"d%d" % i) for i in range(100))
+                                  if store.long.card_for(fk(b"k1"), d) is not store.long.card_for(fk(b"k1"), DIALOG))
+            assert await put(store, [b"k0"], Retention.SHORT) == [True]  # RAM only
+            assert await put(store, [b"k1"], Retention.LONG, d1) == [True]
+            assert await put(store, [b"k2"], Retention.LONG, d2) == [True]
+            for k in (b"k1", b"k2"):
+                store.ram.delete(fk(k))  # on a card only: the one of its dialog, not the one asked with
+            home = store.long.card_for(fk(b"k3"), DIALOG)
+            home.card.write(fk(b"k3"), memoryview(payload(b"k3")), ObjectMeta(DIALOG, 3, time.time_ns()))  # unindexed
+            assert await put(store, keys[5:], Retention.LONG) == [True] * 3  # k4 is never stored
+            for ask in (d1, d2):  # k3 is found only on its card for the dialog asked with
+                found_k3 = ask == DIALOG
+                assert await store.lookup([fk(k) for k in keys], ask) == (4 if found_k3 else 3)
+                assert await store.exists([fk(k) for k in keys], ask) == [True, True, True, found_k3, False] + [True] * 3
+            assert await store.lookup([fk(k) for k in keys[5:]], DIALOG) == 3
+            assert await store.lookup([fk(b"k4")] + [fk(k) for k in keys[:4]], DIALOG) == 0
+
+    asyncio.run(main())
+
+
+def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tmp_path: Path) -> None:
+    """Prewarm reads into a RAM reservation; when its deadline passes the reservation is aborted and its
+    pages go to the next object: the late read must not overwrite that object."""
+    old, new = payload(b"old", SIZE), payload(b"new", SIZE)
+    meta = ObjectMeta()
+
+    async def main() -> None:
+        async with started_store(tmp_path, io_timeout_ms=int(DEADLINE_S * 1000), thread_pool_size=1) as store:
+            assert await store.put([PutItem(b"old", memoryview(old), meta)], Retention.LONG) == [True]
+            store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
+            slowed = Slowed(store.long.cards[0].card, "_read_buffered")
+            assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
+            assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
+            # The next object of the same size gets the same pages.
+            assert await store.put([PutItem(b"new", memoryview(new), meta)], Retention.SHORT) == [True]
+            assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
+            await asyncio.sleep(0.1)  # the point: any late delivery would have landed by now
+            dest = memoryview(bytearray(SIZE))
+            sizes, _ = await store.get([GetItem(b"new", meta.dialog, dest)])
+            assert sizes == [SIZE]
+            assert dest.tobytes() == new, "the late read overwrote the object now in its pages"
+
+    asyncio.run(main())

@@ -57,6 +57,7 @@ from kvgate.bench.trace import (
 from kvgate.config import Config, parse_size
 from kvgate.placement import PLACEMENTS
 from kvgate.tiers.eviction import POLICIES
+from kvgate.tiers.sampled import card_policy
 
 MAX_BLOCK_SIZE = 16 << 20
 
@@ -355,11 +356,12 @@ def run_trace_bench(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"kvgate bench: {e}", file=sys.stderr)
         return 2
-    # The policies alone, one pool of the whole capacity: cheap, so always there beside the gateway's figure.
+    # The policies alone (as the cards run them), one pool of the whole capacity: cheap, so always there
+    # beside the gateway's figure.
     marks = trace_marks(requests)
     cards = 1 if opts.in_process else opts.cards
-    in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, r.policy, [r.blocks_per_card * cards],
-                                                        block_size=opts.block_size)
+    in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, card_policy(r.policy),
+                                                        [r.blocks_per_card * cards], block_size=opts.block_size)
                   for r in runs}
     if not opts.in_process:
         steps = ["starting gateways", *[r.label for r in runs], "stopping gateways"]

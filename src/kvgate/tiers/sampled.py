@@ -613,9 +613,17 @@ class SampledEvictionPolicy(EvictionPolicy):
         return isinstance(ident, Hashable) and self._row(ident) >= 0
 
 
+SAMPLED_POLICIES: Final = ("sampled-prefix", "sampled-lru")
+
+
 def make_sampled_policy(name: str) -> SampledEvictionPolicy:
     """``sampled-prefix`` or ``sampled-lru`` by identity (the trace replay's names for the cards' policies)."""
     kind = name.removeprefix("sampled-")
-    if not name.startswith("sampled-") or kind not in ("prefix", "lru"):
-        raise ValueError(f"unknown sampled policy {name!r}")
+    if name not in SAMPLED_POLICIES:
+        raise ValueError(f"unknown sampled policy {name!r}; choose one of {', '.join(SAMPLED_POLICIES)}")
     return SampledEvictionPolicy(kind)
+
+
+def card_policy(eviction_policy: str) -> str:
+    """The name the trace replay knows a card's policy by, for the ``eviction_policy`` a gateway was given."""
+    return f"sampled-{eviction_policy}"

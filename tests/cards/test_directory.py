@@ -39,6 +39,7 @@ from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 
 P = CHECKSUM_PIECE
@@ -957,18 +958,5 @@ def test_names_list_every_object_and_stored_objects_read_their_headers(card: Dir
 
 
 def test_the_index_snapshot_is_replaced_whole_or_not_at_all(card: DirectoryCard) -> None:
-    assert card.read_snapshot() is None
-    w = card.snapshot_writer()
-    w.write(b"first ")
-    w.write(memoryview(b"snapshot"))
-    assert card.read_snapshot() is None, "not visible before its commit"
-    w.commit()
-    assert card.read_snapshot() == b"first snapshot"
-    w = card.snapshot_writer()
-    w.write(b"half of a second one")
-    w.abort()
-    assert card.read_snapshot() == b"first snapshot"
+    check_snapshot_round_trip(card, 0)
     assert not [p for p in os.listdir(card.location) if ".tmp." in p], "no temp file left"
-    card.drop_snapshot()
-    assert card.read_snapshot() is None
-    assert list(card.scan()) == [], "the snapshot is no object"

@@ -49,6 +49,7 @@ from kvgate.cards.redis import (
     _ZeroCopyPacker,
 )
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
 
 pytestmark = pytest.mark.skipif(
@@ -935,17 +936,4 @@ def test_names_and_the_index_snapshot(card: RedisCard) -> None:
     (obj,) = card.stored_objects([key_digest(keys[2])])
     assert obj is not None and obj.full_key == keys[2] and obj.meta.position == 3
     assert card.delete_named(key_digest(keys[2])) and card.stored_objects([key_digest(keys[2])]) == [None]
-    assert card.read_snapshot() is None
-    w = card.snapshot_writer()
-    w.write(b"an index ")
-    w.write(memoryview(b"snapshot"))
-    assert card.read_snapshot() is None
-    w.commit()
-    assert card.read_snapshot() == b"an index snapshot"
-    w = card.snapshot_writer()
-    w.write(b"torn")
-    w.abort()
-    assert card.read_snapshot() == b"an index snapshot"
-    assert len(list(card.scan())) == 29, "the snapshot is no object"
-    card.drop_snapshot()
-    assert card.read_snapshot() is None
+    check_snapshot_round_trip(card, 29)

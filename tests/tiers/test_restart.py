@@ -53,6 +53,14 @@ async def _started(cfg: Config) -> CardSet:
     return cards
 
 
+async def _holding(cfg: Config, keys: list[bytes]) -> CardSet:
+    """Started, checked, and ``keys`` written to its first card."""
+    cards = await _started(cfg)
+    await _scanned(cards)
+    await _write(cards, keys)
+    return cards
+
+
 async def _scanned(cards: CardSet) -> None:
     for _ in range(1000):
         if all(mc.scanned for mc in cards.cards):
@@ -87,9 +95,7 @@ def test_the_snapshot_is_loaded_then_checked_against_the_card(tmp_path: Path, ca
 
     async def main() -> None:
         cfg = _config(tmp_path, ["card"])
-        cards = await _started(cfg)
-        await _scanned(cards)
-        await _write(cards, [_key(i) for i in range(N)])
+        cards = await _holding(cfg, [_key(i) for i in range(N)])
         used = cards.cards[0].used
         await cards.stop()  # a clean stop writes the snapshot
         assert (tmp_path / "card" / "kvgate-index").is_file()
@@ -162,9 +168,7 @@ def test_an_unusable_snapshot_is_ignored_with_a_log_line(tmp_path: Path, caplog,
 def test_broken_objects_the_snapshot_lists_are_misses_at_their_first_read(tmp_path: Path) -> None:
     async def main() -> None:
         cfg = _config(tmp_path, ["card"])
-        cards = await _started(cfg)
-        await _scanned(cards)
-        await _write(cards, [_key(i) for i in range(8)])
+        cards = await _holding(cfg, [_key(i) for i in range(8)])
         await cards.stop()
         card = DirectoryCard(str(tmp_path / "card"))
         with open(card.object_path(_key(1)), "r+b") as f:  # a flipped bit in the header
@@ -228,10 +232,8 @@ def test_a_snapshot_row_knows_its_dialog_and_place_in_eviction(tmp_path: Path) -
     """Reloaded, the index evicts as it would have (reused blocks last) and the mover places by dialog."""
     async def main() -> None:
         cfg = _config(tmp_path, ["card"])
-        cards = await _started(cfg)
-        await _scanned(cards)
         keys = [_key(i) for i in range(N)]
-        await _write(cards, keys)
+        cards = await _holding(cfg, keys)
         mc = cards.cards[0]
         for k in keys[:8]:
             mc.note_hit(k, SIZE)  # the dialog's head is read again: it is the last to go

@@ -53,10 +53,10 @@ class SampledLruMachine(SampledMachine):
     policy_name = "lru"
 
 
-TestSampledMachine = SampledMachine.TestCase
-TestSampledMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-TestSampledLruMachine = SampledLruMachine.TestCase
-TestSampledLruMachine.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+# As in test_eviction: sized so a broken order is found every time; LRU needs fewer examples.
+TestSampledMachine, TestSampledLruMachine = SampledMachine.TestCase, SampledLruMachine.TestCase
+for case, examples in ((TestSampledMachine, 100), (TestSampledLruMachine, 40)):
+    case.settings = settings(max_examples=examples, stateful_step_count=50, deadline=None)
 
 
 def drain(pol, skip=None) -> list:

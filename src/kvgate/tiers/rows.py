@@ -151,15 +151,7 @@ class DigestRows:
 
     def find1(self, lo: int, hi: int) -> int:
         """The row of one digest, or -1."""
-        slots, los, his, mask = self.slots, self.lo, self.hi, self.mask
-        i = lo & mask
-        while True:
-            r = slots.item(i)
-            if r < 0:
-                return -1
-            if los.item(r) == lo and his.item(r) == hi:
-                return r
-            i = (i + 1) & mask
+        return self._probe_from(lo & self.mask, lo, hi)
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The rows of many digests (int64, -1 where absent)."""

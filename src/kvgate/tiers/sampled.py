@@ -219,17 +219,32 @@ class SampledPolicy:
         else:
             dialogs.tail[d] = row
 
-    def _unlink(self, row: int, d: int) -> None:
+    def _unlink(self, row: int) -> None:
+        """Out of its list (its dialog's, or LRU's)."""
         rows = self.rows
         p, n = rows.prev.item(row), rows.next.item(row)
         if n < 0:
-            self.dialogs.tail[d] = p
+            self._ends(row, last=p)
         else:
             rows.prev[n] = p
         if p < 0:
-            self.dialogs.head[d] = n
+            self._ends(row, first=n)
         else:
             rows.next[p] = n
+
+    def _ends(self, of_row: int, first: int | None = None, last: int | None = None) -> None:
+        """Set the first and/or last row of the list ``of_row`` is in (its dialog's, or LRU's one list)."""
+        if self.prefix:
+            d = self.rows.dlg.item(of_row)
+            if first is not None:
+                self.dialogs.head[d] = first
+            if last is not None:
+                self.dialogs.tail[d] = last
+            return
+        if first is not None:
+            self._lru_head = first
+        if last is not None:
+            self._lru_tail = last
 
     def touch(self, row: int) -> None:
         """The row's object was read."""
@@ -237,7 +252,7 @@ class SampledPolicy:
         self._clock += 1
         if not self.prefix:
             rows.tick[row] = self._clock
-            self._lru_unlink(row)
+            self._unlink(row)
             self._lru_append(row)
             return
         seg = rows.seg.item(row)
@@ -260,14 +275,14 @@ class SampledPolicy:
         rows = self.rows
         d = rows.dlg.item(row)
         if not self.prefix:
-            self._lru_unlink(row)
+            self._unlink(row)
         else:
             seg = rows.seg.item(row)
             if seg == REUSED:
                 self._reused -= 1
             if rows.pos.item(row) >= 0:
                 self.dialogs.count[d, seg] -= 1
-                self._unlink(row, d)
+                self._unlink(row)
         if d >= 0:
             refs = self.dialogs.refs.item(d) - 1
             self.dialogs.refs[d] = refs
@@ -282,16 +297,12 @@ class SampledPolicy:
         p, n = rows.prev.item(dst), rows.next.item(dst)
         if p >= 0:
             rows.next[p] = dst
-        elif not self.prefix:
-            self._lru_head = dst
         else:
-            self.dialogs.head[rows.dlg.item(dst)] = dst
+            self._ends(dst, first=dst)
         if n >= 0:
             rows.prev[n] = dst
-        elif not self.prefix:
-            self._lru_tail = dst
         else:
-            self.dialogs.tail[rows.dlg.item(dst)] = dst
+            self._ends(dst, last=dst)
 
     def _lru_append(self, row: int) -> None:
         """LRU keeps one exact list over every row, oldest first."""
@@ -304,18 +315,6 @@ class SampledPolicy:
         else:
             self._lru_head = row
         self._lru_tail = row
-
-    def _lru_unlink(self, row: int) -> None:
-        rows = self.rows
-        p, n = rows.prev.item(row), rows.next.item(row)
-        if p >= 0:
-            rows.next[p] = n
-        else:
-            self._lru_head = n
-        if n >= 0:
-            rows.prev[n] = p
-        else:
-            self._lru_tail = p
 
     def _seen(self, lo: int) -> None:
         # As PrefixPolicy: a filter sized at 3x the rows when it starts, so the pair

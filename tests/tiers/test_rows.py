@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvgate.tiers import rows as rows_module
 from kvgate.tiers.rows import DigestRows, digest_array, split_digest
 
 
@@ -81,3 +82,37 @@ def test_removal_keeps_every_probe_run_whole() -> None:
         for lo, hi in colliding + pushed:
             assert (rows.find1(lo, hi) >= 0) == ((lo, hi) in live), (victim, (lo, hi))
     assert len(rows) == len(live)
+
+
+def test_a_table_that_doubles_moves_over_while_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MIGRATE_FROM slots the table doubles by migration: every digest stays findable, one by one and in
+    batches, through adds and removals while both tables are in use."""
+    monkeypatch.setattr(rows_module, "MIGRATE_FROM", 64)
+    monkeypatch.setattr(rows_module, "MIGRATE_PER_ADD", 3)
+    monkeypatch.setattr(rows_module, "MIGRATE_PER_FIND", 16)
+    monkeypatch.setattr(rows_module, "RESERVE_FROM", 256)
+    rows = DigestRows({"v": np.int64})
+    ref: dict[bytes, int] = {}
+    rng = random.Random(11)
+    keys = digests(5000)
+    migrating = 0
+    for step in range(20000):
+        k = rng.choice(keys)
+        r = rows.find1(*split_digest(k))
+        assert (r >= 0) == (k in ref)
+        if r >= 0:
+            assert rows.v[r] == ref[k]
+            if rng.random() < 0.3:
+                rows.remove(r)
+                del ref[k]
+        else:
+            r = rows.add1(*split_digest(k))
+            rows.v[r] = step
+            ref[k] = step
+        migrating += rows._old is not None
+        if step % 500 == 0:
+            found = rows.find(*digest_array(keys).T)
+            assert [int(x) >= 0 for x in found] == [k in ref for k in keys]
+            assert all(rows.v[int(x)] == ref[k] for k, x in zip(keys, found) if x >= 0)
+    assert migrating > 100, "the steps ran while the table was doubling"
+    assert rows.cap >= rows_module.RESERVE_ROWS or rows.cap >= len(ref), "columns grew"

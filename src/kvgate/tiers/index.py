@@ -52,6 +52,11 @@ class IndexEntry:
 class CardIndex:
     """Rows by key digest, their eviction order (``policy``) and the bytes they take on the card (``used``).
 
+    Its ``ManagedCard`` writes it; ``CardSet.find_many`` reads it for every
+    lookup; all on the event loop, never blocking (no I/O).  A fresh one
+    may be filled from a snapshot on a pool thread before the loop takes
+    it over (``kvgate.tiers.restart``).
+
     Every row added or removed is counted in ``usage`` (per namespace), so
     the namespaces' card figures always add up to what the indexes hold.
     ``find`` answers a whole request's keys in one call.

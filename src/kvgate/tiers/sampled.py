@@ -62,6 +62,11 @@ RowSkip = Callable[[int], bool]
 class SampledPolicy:
     """See the module docstring.  ``rows``: the owner's rows, with ``ROW_COLUMNS`` among their columns.
 
+    Called by its ``CardIndex`` (``add``, ``touch``, ``removing``,
+    ``moved``) and its ``ManagedCard`` (``choose_victim``) on the event loop;
+    a victim costs one ranked sample of numpy operations (tens of
+    microseconds), ``hottest_first`` a sort of the rows (the mover, rarely).
+
     Every row of an object with a dialog names it (``dlg``, an id into
     ``dialogs``, whatever the kind: a card's mover places objects by it);
     under "prefix" the rows with a known position are also in their dialog's

@@ -16,9 +16,10 @@ Real gateway processes (``kvgate serve``), one directory card, RAM tier off:
               the scan's time; RSS once indexed
     restart   that gateway stopped (it writes the snapshot) and started again
               with a cold page cache: from its start, lookups of 1,000 keys of
-              a stored dialog, back to back; when one first found all 1,000;
-              lookups during the check of the snapshot against the card; the
-              check's time; RSS once checked
+              stored dialogs (``WAITING_DIALOGS`` of them in turn, an engine's
+              queue), back to back; when one first found all 1,000; lookups
+              during the check of the snapshot against the card; the check's
+              time; RSS once checked
 
 The index's cost per object is (RSS - empty RSS) / N.  A cold page cache is
 ``drop_caches`` where the bench may write it (root); elsewhere every file of
@@ -58,6 +59,9 @@ FILL_THREADS = 4
 FILLED = "kvgate-bench-filled"  # in a card the bench filled whole
 SNAPSHOT_FILE = "kvgate-index"
 AFTER_S = 3.0  # lookups go on this long after the background work ended: the steady figure
+# Lookups cycle over this many stored dialogs, as an engine looks up the prompts waiting in its queue on every
+# step (each new one also has its files prepared for the load that would follow: a cold stat of each).
+WAITING_DIALOGS = 16
 ENGINE_STEP_S = 0.002  # between two lookups: an engine's scheduler step, not a loop that starves the gateway
 # The requirement this bench answers (README, "A card of millions of objects").
 BAR_READY_S = 30.0  # after a restart, cold page cache: lookups of stored objects at full speed within this
@@ -125,6 +129,8 @@ class ObjectsBench:
         self.cold_how = ""
         self.gateways: list[GatewayProcess] = []
         self.died: list[str] = []  # what a gateway that exited on its own said
+        self.waiting = random.sample(range(max(1, self.n // self.blocks)), min(WAITING_DIALOGS,
+                                                                               max(1, self.n // self.blocks)))
 
     # ---- the card ----------------------------------------------------------------------
 
@@ -204,8 +210,8 @@ class ObjectsBench:
             return c
 
     def _stored(self) -> tuple[list[bytes], bytes]:
-        """The first 1,000 keys of a random stored dialog, and its mark."""
-        d = random.randrange(max(1, self.n // self.blocks))
+        """The first 1,000 keys of one of the waiting dialogs, and its mark."""
+        d = random.choice(self.waiting)
         first = d * self.blocks
         return [_key(i) for i in range(first, min(first + self.blocks, first + LOOKUP_KEYS, self.n))], _mark(d)
 

@@ -304,11 +304,13 @@ class IndexKeeper:
                 batch = await mc.pool.run(next, names, None)
                 if batch is None:
                     break
-                index = mc.index
-                rows = index.find(digest_array(batch))
-                known = rows[rows >= 0]
-                index.rows.flags[known] |= CHECKED
-                new = [batch[i] for i in np.flatnonzero(rows < 0).tolist()]
+                if self.loaded:
+                    index = mc.index
+                    rows = index.find(digest_array(batch))
+                    index.rows.flags[rows[rows >= 0]] |= CHECKED
+                    new = [batch[i] for i in np.flatnonzero(rows < 0).tolist()]
+                else:  # no snapshot: every name is new but for the few written since the start (_index_new)
+                    new = batch
                 for start in range(0, len(new), CHECK_HEADERS):
                     f, e = await self._index_new(new[start:start + CHECK_HEADERS], by_free_space)
                     found += f

@@ -499,7 +499,7 @@ class SampledPolicy:
         rows.next[rows_] = -1
         dlg = np.full(n, -1, np.int32)
         if has.any():
-            uniq, inv = np.unique(dialogs[has], axis=0, return_inverse=True)
+            uniq, inv = _unique_digests(dialogs[has])
             ids = self.dialogs.add_many(uniq[:, 0], uniq[:, 1])
             self.dialogs.refs[ids] = np.bincount(inv.ravel(), minlength=len(ids))
             self.dialogs.head[ids] = self.dialogs.tail[ids] = -1
@@ -539,6 +539,22 @@ class SampledPolicy:
         # What was written before the restart is not young: the window starts now.
         self._adds = len(self._add_clock)
         self._add_clock.fill(self._clock)
+
+
+def _unique_digests(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``(n, 2)`` digests and each row's index among them.
+
+    By the high half alone, checked against the low half: a sort of one
+    column, where ``np.unique(axis=0)`` took a second for a million rows.
+    """
+    hi_values, inv = np.unique(digests[:, 1], return_inverse=True)
+    inv = inv.ravel()
+    first = np.zeros(len(hi_values), np.int64)
+    first[inv[::-1]] = np.arange(len(inv))[::-1]  # a row of each distinct high half
+    if (digests[first[inv], 0] == digests[:, 0]).all():
+        return digests[first], inv
+    uniq, inv = np.unique(digests, axis=0, return_inverse=True)  # two digests share a high half: rare
+    return uniq, inv.ravel()
 
 
 class SampledEvictionPolicy(EvictionPolicy):

@@ -325,11 +325,14 @@ class ManagedCard:
     def entry(self, fkey: bytes) -> IndexEntry | None:
         """The live index entry of ``fkey``: None when unindexed, or known past the ttl (then deleted)."""
         entry = self.index.get(fkey)
-        if entry is not None and self.cfg.ttl is not None and (entry.expiring
-                                                               or expired(entry.created_ns, self.cfg.ttl)):
-            self._expire(fkey, entry)
-            return None
-        return entry
+        return entry if entry is not None and self.live(fkey, entry) else None
+
+    def live(self, fkey: bytes, entry: IndexEntry) -> bool:
+        """False when ``entry`` (of ``fkey``, in this index) is past the ttl: a miss, and its delete starts."""
+        if self.cfg.ttl is None or not (entry.expiring or expired(entry.created_ns, self.cfg.ttl)):
+            return True
+        self._expire(fkey, entry)
+        return False
 
     def _expire(self, fkey: bytes, entry: IndexEntry) -> None:
         """Delete an object past the ttl; its entry stays (a miss, never probed) until the delete is done."""

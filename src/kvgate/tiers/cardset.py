@@ -246,10 +246,8 @@ class CardSet:
                 if home is not None and fkey in home.leaving:
                     return None, None
                 return home, None
-        if self.cfg.ttl is not None:
-            entry = home.entry(fkey)  # type: ignore[union-attr]
-            if entry is None:
-                return None, None
+        if self.cfg.ttl is not None and not home.live(fkey, entry):  # type: ignore[union-attr]
+            return None, None
         return home, entry
 
     def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:

@@ -49,6 +49,7 @@ class Traffic(threading.Thread):
         self.slowest = 0.0
         self.phase = "start"
         self.error: BaseException | None = None
+        self.error_phase = ""
 
     @staticmethod
     def keys(d: int) -> list[bytes]:
@@ -87,6 +88,7 @@ class Traffic(threading.Thread):
                         self.failed.append((self.phase, old, n))
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
+            self.error_phase = self.phase
 
 
 def _cards(gw) -> dict:
@@ -158,7 +160,7 @@ def test_cards_join_drain_and_leave_while_a_client_writes_and_restores(tmp_path:
     finally:
         traffic.stop.set()
         traffic.join(30)
-    assert traffic.error is None, traffic.error
+    assert traffic.error is None, f"{traffic.error!r} in phase {traffic.error_phase}; log:\n{gw.log()[-4000:]}"
     assert traffic.wrong == 0, "a wrong byte reached the client"
     assert failed_before_remove == [], f"restores failed while cards joined or drained: {failed_before_remove}"
     assert traffic.restores > 50, traffic.restores

@@ -160,3 +160,43 @@ def test_a_new_device_list_adds_and_drains(tmp_path: Path, monkeypatch) -> None:
             await cards.stop()
 
     asyncio.run(main())
+
+
+def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_path: Path) -> None:
+    """What the README promises of the mover: at most its rate in bytes a second, hottest dialogs first."""
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a"])
+        try:
+            dialogs = {d: await _write_dialog(cards, d) for d in range(24)}
+            (src,) = cards.cards
+            hot = list(range(0, 24, 3))
+            for d in hot:  # read again: these are the hot ones now
+                for k in dialogs[d]:
+                    src.note_hit(k, SIZE)
+            cards.mover.rate = 20 * SIZE  # bytes a second: the half of 96 objects that move take about 2.4 s
+            copied: list[bytes] = []
+            real_note_written = cards.note_written
+
+            def note_written(mc, fkey, stored, payload_len, meta):
+                copied.append(fkey)
+                return real_note_written(mc, fkey, stored, payload_len, meta)
+
+            cards.note_written = note_written  # type: ignore[method-assign]
+            (tmp_path / "b").mkdir()
+            await cards.add(str(tmp_path / "b"))  # one source card: one order to check
+            started = asyncio.get_running_loop().time()
+            await asyncio.sleep(1.0)
+            in_one_second = cards.mover.moved_bytes
+            assert 0 < in_one_second <= 20 * SIZE + 8 * SIZE, in_one_second  # the rate, plus one batch
+            await _settle(cards)
+            took = asyncio.get_running_loop().time() - started
+            assert took >= cards.mover.moved_bytes / cards.mover.rate - 8 * SIZE / cards.mover.rate, took
+            moved_dialogs = [next(d for d, ks in dialogs.items() if k in ks) for k in copied]
+            first = list(dict.fromkeys(moved_dialogs))
+            hot_moved = [d for d in first if d in hot]
+            assert hot_moved and first[: len(hot_moved)] == hot_moved, f"cold dialogs copied before hot ones: {first}"
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())

@@ -8,8 +8,10 @@ import os
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvgate.tiers.io import HINT_BACKLOG, CardIo, IoPool, realtime_permitted
+from kvgate.tiers.io import CALL_BYTES, CALL_OBJECTS, HINT_BACKLOG, CardIo, IoPool, realtime_permitted, split_calls
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -198,3 +200,24 @@ def test_a_call_on_a_card_that_left_the_set_fails_as_io_not_as_a_crash() -> None
             await io.run(lambda: "ran")
 
     asyncio.run(main())
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 * CALL_BYTES // 2), max_size=200), parts=st.integers(1, 16))
+def test_card_calls_keep_every_item_once_in_order_and_each_call_bounded(sizes: list[int], parts: int) -> None:
+    """``split_calls``: io_timeout_ms bounds one call, so no call carries more than a fixed amount of work."""
+    items = list(range(len(sizes)))
+    chunks = split_calls(items, parts, sizes)
+    assert [i for c in chunks for i in c] == items
+    assert all(c for c in chunks)
+    assert len(chunks) >= min(parts, len(items))
+    for c in chunks:
+        assert len(c) <= CALL_OBJECTS
+        assert len(c) == 1 or sum(sizes[i] for i in c) <= CALL_BYTES
+
+
+def test_a_large_batch_is_many_calls_that_queue_on_the_card() -> None:
+    """A put of 1,024 small objects on 2 threads: 32 calls of 32, not 2 of 512 under one deadline each."""
+    chunks = split_calls(list(range(1024)), 2, [100] * 1024)
+    assert [len(c) for c in chunks] == [32] * 32
+    assert [len(c) for c in split_calls(list(range(8)), 4, [1 << 20] * 8)] == [2, 2, 2, 2]

@@ -151,3 +151,40 @@ def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tm
             assert dest.tobytes() == new, "the late read overwrote the object now in its pages"
 
     asyncio.run(main())
+
+
+def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_card(tmp_path: Path) -> None:
+    """``kvgate cards remove`` in the middle of a write: the writer is told stored, and it is (elsewhere)."""
+
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=2) as store:
+            home = store.long.card_for(fk(b"k0"), DIALOG)
+            entered, release = asyncio.Event(), asyncio.Event()
+            loop = asyncio.get_running_loop()
+            write_many = home.card.write_many
+
+            def held_write(*args, **kw):  # runs on the card's I/O thread
+                loop.call_soon_threadsafe(entered.set)
+                asyncio.run_coroutine_threadsafe(release.wait(), loop).result(10)
+                return write_many(*args, **kw)
+
+            home.card.write_many = held_write
+            keys = [b"k0", b"k1", b"k2"]
+            putting = asyncio.ensure_future(put(store, keys, Retention.LONG))
+            await asyncio.wait_for(entered.wait(), 10)
+            remove = asyncio.ensure_future(store.long.remove(home.serial))
+            await asyncio.sleep(0.05)
+            release.set()
+            await remove
+            assert await putting == [True] * 3
+            other = store.long.card_for(fk(b"k0"), DIALOG)
+            assert other is not None and other is not home
+            assert all(fk(k) in other.index for k in keys)
+            for k in keys:
+                store.ram.delete(fk(k))  # on the card only
+            items = [GetItem(fk(k), DIALOG, memoryview(bytearray(10_000))) for k in keys]
+            sizes, _ = await store.get(items)
+            assert sizes == [10_000] * 3
+            assert [bytes(it.dest) for it in items] == [payload(k) for k in keys]
+
+    asyncio.run(main())

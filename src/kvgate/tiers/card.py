@@ -54,7 +54,7 @@ from kvgate.memcopy import MemoryFault
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
-from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split
+from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split_calls
 from kvgate.tiers.restart import IndexKeeper
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
@@ -579,7 +579,8 @@ class ManagedCard:
         ``MemoryFault`` when a ``dest`` is memory that is gone (a client's
         region shrunk under its mapping): the client's doing, not the card's.
         """
-        out = await self._chunked([self._read_chunk(chunk, urgent) for chunk in split(items, self.io.threads)])
+        chunks = split_calls(items, self.io.threads, [len(dest) for _k, dest in items])
+        out = await self._chunked([self._read_chunk(chunk, urgent) for chunk in chunks])
         fault = next((r for r in out if isinstance(r, MemoryFault)), None)
         if fault is not None:
             raise fault
@@ -632,8 +633,8 @@ class ManagedCard:
                 fit.append(i)
         if fit:
             async with self.order.turn((key_digest(items[i][0]) for i in fit), write=True):
-                done = await self._chunked([self._write_chunk(chunk)
-                                            for chunk in split([items[i] for i in fit], self.io.threads)])
+                chunks = split_calls([items[i] for i in fit], self.io.threads, [len(items[i][1]) for i in fit])
+                done = await self._chunked([self._write_chunk(chunk) for chunk in chunks])
             for i, r in zip(fit, done):
                 out[i] = r
         return out  # type: ignore[return-value]

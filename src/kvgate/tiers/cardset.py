@@ -235,6 +235,10 @@ class CardSet:
         mc = self._by_serial[serial]
         return mc if mc.active else None
 
+    def serves(self, mc: ManagedCard) -> bool:
+        """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
+        return self._by_serial.get(mc.serial) is mc
+
     def cards_for(self, fkeys: list[bytes], dialog: bytes) -> list[ManagedCard | None]:
         """``card_for`` of many keys of one request, computed once where placement allows.
 

@@ -465,14 +465,21 @@ class PrefixPolicy(EvictionPolicy):
         return None
 
     def hottest_first(self) -> list[Ident]:
-        # Dialogs in reverse eviction order (a dialog in several segments at
-        # its last place), each from its head: a copy cut short still leaves
-        # usable prefixes.
-        last: dict[int, _Dialog] = {}
-        for d in self._order():
-            last.pop(id(d), None)
-            last[id(d)] = d
-        return [ident for d in reversed(last.values()) for p in d.positions for ident in d.at[p]]
+        # Long before short; in each, dialogs used again (most recent first),
+        # then the ones seen once, then tails; each dialog once (at its
+        # hottest place), from its head, so a copy cut short still leaves
+        # usable prefixes.  Not the reverse of the eviction order: that
+        # spares young dialogs for a while, which says nothing of reuse.
+        out: list[Ident] = []
+        seen: set[tuple[int, Hashable]] = set()
+        for k in reversed(range(_CLASSES)):
+            for segment in (Segment.REUSED, Segment.NEW, Segment.TAIL):
+                for dkey in reversed(self._segments[k][segment]):
+                    if (k, dkey) not in seen:
+                        seen.add((k, dkey))
+                        d = self._whole[(k, dkey)]
+                        out += [ident for p in d.positions for ident in d.at[p]]
+        return out
 
     def segment_of(self, ident: Ident) -> Segment | None:
         """The segment an object is in (None if unknown): for stats and tests."""

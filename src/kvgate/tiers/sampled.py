@@ -440,26 +440,32 @@ class SampledPolicy:
         return -1
 
     def hottest_first(self, which: np.ndarray | None = None) -> np.ndarray:
-        """Rows (all, or ``which``) in reverse eviction order, each dialog from its head (what a mover copies first).
+        """Rows (all, or ``which``) in the order a mover copies them: dialogs used again (most recent
+        first), then new ones, then tails; each dialog once, from its head, in the place of its hottest
+        group.
 
-        A dialog takes the place of its warmest group; computed over the
-        rows at once (O(n log n)), for the rare moves between cards.
+        Not the reverse of the eviction order: eviction shields young new
+        dialogs for a while, which would put one-off dialogs ahead of the
+        ones being reused.  Computed over the rows at once (O(n log n)), for
+        the rare moves between cards.
         """
         rows = self.rows
         sel = np.arange(rows.n) if which is None else np.asarray(which, np.int64)
         if not sel.size:
             return sel
-        phase, gt = self._rank(sel)
+        _phase, gt = self._rank(sel)
         if not self.prefix:
             return sel[np.argsort(-gt, kind="stable")]
-        key = np.lexsort((gt, phase)).argsort()  # each row's place in eviction order
+        seg = rows.seg[sel].astype(np.int64)
+        worth = np.where(seg == REUSED, 0, np.where(seg == NEW, 1, 2))
+        key = np.lexsort((-gt, worth)).argsort()  # each row's place in copy order, on its own
         listed = rows.pos[sel] >= 0
         group = np.where(listed, rows.dlg[sel].astype(np.int64), -1 - sel)  # unlisted rows are groups of their own
         _, inv = np.unique(group, return_inverse=True)
         inv = inv.ravel()
-        group_key = np.full(inv.max() + 1, -1, np.int64)
-        np.maximum.at(group_key, inv, key)
-        order = np.lexsort((rows.pos[sel], inv, -group_key[inv]))
+        group_key = np.full(inv.max() + 1, len(sel), np.int64)
+        np.minimum.at(group_key, inv, key)
+        order = np.lexsort((rows.pos[sel], inv, group_key[inv]))
         return sel[order]
 
     def segment_of(self, row: int) -> Segment:

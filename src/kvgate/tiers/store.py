@@ -200,9 +200,13 @@ class TieredStore:
                 source[id(it)] = views[0]
         staged = [it for it in items if id(it) not in source]
         card_ok = [False] * len(items)
+        card_left: list[int] = []
 
-        async def one_card(cs: ManagedCard, idx: list[int]) -> None:
+        async def one_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
             results = await cs.write([(items[i].fkey, source[id(items[i])], items[i].meta) for i in idx])
+            if not last_try and not self.long.serves(cs):
+                card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
+                return
             for i, r in zip(idx, results):
                 it = items[i]
                 if isinstance(r, int):
@@ -221,6 +225,10 @@ class TieredStore:
                 source.update((id(it), buf) for it, buf in zip(staged, buffers))
             groups = group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i) for i, it in enumerate(items))
             await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
+            if card_left:  # once: a writer never notices a card removed under it
+                groups = group_by_card((self.long.card_for(items[i].fkey, items[i].meta.dialog), i)
+                                       for i in card_left)
+                await asyncio.gather(*(one_card(cs, idx, last_try=True) for cs, idx in groups.values()))
         finally:
             if staged:
                 await self.staging.give_back(buffers)

@@ -195,3 +195,31 @@ def test_placement_without_cards_is_refused(capsys: pytest.CaptureFixture[str]) 
     assert "--placement needs --cards" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         p.parse_args(["--cards", "2", "--placement", "sideways"])
+
+
+@pytest.mark.slow
+def test_objects_bench_restarts_a_card_without_and_with_its_snapshot(tmp_path: Path) -> None:
+    workdir = tmp_path / "bench"
+    workdir.mkdir()
+    n = 3000
+    cmd = [sys.executable, "-m", "kvgate", "bench", "--objects", str(n), "--dialog-blocks", "300", "--json",
+           "--dir", str(workdir)]
+    out, _err, _pid = _run_bench(cmd, tmp_path)
+    result = json.loads(out)
+    cfg = result["config"]
+    assert (cfg["objects"], cfg["object_size"], cfg["dialog_blocks"], cfg["lookup_keys"]) == (n, 4096, 300, 300)
+    assert result["fill_s"] > 0 and result["snapshot_bytes"] > 71 * n, "the stop wrote a snapshot of every object"
+    scan, restart = result["scan"], result["restart"]
+    for life in (scan, restart):
+        assert 0 < life["listening_s"] <= life["indexed_s"]
+        assert life["lookups_after"]["n"] > 0 and life["lookups_after"]["p50_ms"] > 0
+        assert math.isfinite(life["index_bytes_per_object"])
+    assert restart["all_keys_found_s"] is not None and restart["all_keys_found_s"] < restart["indexed_s"] + 3.5
+    log = "\n".join(result["log"])
+    assert "no index snapshot; scanning the card" in log and f"index snapshot of {n + 1000} objects" in log
+    assert f"{n + 1000} from its snapshot, 0 found on the card, 0 gone from it" in log
+    assert set(result["bars"]) == {"ready_s", "background_lookup_p99_ms", "index_bytes_per_object"}
+    # The filled card stays for the next run; nothing else is left behind.
+    assert [p.name for p in workdir.iterdir()] == [f"objects-{n}-4096"]
+    out, _err, _pid = _run_bench(cmd, tmp_path)
+    assert json.loads(out)["fill_s"] == 0, "the card of an earlier run is used again"

@@ -39,6 +39,7 @@ from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.directory import LABEL_NAME, STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 
 P = CHECKSUM_PIECE
@@ -933,3 +934,29 @@ def _append_heads(location: str, ids) -> None:
     card.open()
     for start in range(0, len(ids), 100):
         card.merge_heads(set(ids[start : start + 100]))
+
+
+# ---------------------------------------------------------------- names and the index snapshot
+
+
+def test_names_list_every_object_and_stored_objects_read_their_headers(card: DirectoryCard) -> None:
+    keys = [key(i) for i in range(40)]
+    for i, k in enumerate(keys):
+        card.write(k, memoryview(payload_for(k, 100 + i)), ObjectMeta(position=i))
+    leftover = card.object_path(keys[0]) + f".tmp.{HOST_TAG}.999999999.1"  # a dead writer's
+    Path(leftover).write_bytes(b"partial")
+    batches = list(card.names())
+    assert sorted(d for b in batches for d in b) == sorted(key_digest(k) for k in keys)
+    assert not os.path.exists(leftover)
+    gone = key("never written")
+    found = card.stored_objects([key_digest(keys[5]), key_digest(gone)])
+    assert found[0] is not None and (found[0].full_key, found[0].payload_len, found[0].meta.position) == (
+        keys[5], 105, 5)
+    assert found[1] is None
+    assert card.delete_named(key_digest(keys[5])) and not card.delete_named(key_digest(keys[5]))
+    assert card.stored_objects([key_digest(keys[5])]) == [None]
+
+
+def test_the_index_snapshot_is_replaced_whole_or_not_at_all(card: DirectoryCard) -> None:
+    check_snapshot_round_trip(card, 0)
+    assert not [p for p in os.listdir(card.location) if ".tmp." in p], "no temp file left"

@@ -49,6 +49,7 @@ from kvgate.cards.redis import (
     _ZeroCopyPacker,
 )
 from kvgate.keys import dialog_digest, full_key, key_digest
+from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
 
 pytestmark = pytest.mark.skipif(
@@ -925,3 +926,14 @@ def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: 
     assert two.merge_heads({3, 4, 2**64 - 1}) == {1, 2, 3, 4, 2**64 - 1}
     assert one.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}
     assert one.clean() >= 0 and two.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}, "clean keeps the heads"
+
+
+def test_names_and_the_index_snapshot(card: RedisCard) -> None:
+    keys = [full_key(b"ns", b"k%d" % i) for i in range(30)]
+    for k in keys:
+        card.write(k, memoryview(b"v" * 10), ObjectMeta(position=3))
+    assert sorted(d for b in card.names() for d in b) == sorted(key_digest(k) for k in keys)
+    (obj,) = card.stored_objects([key_digest(keys[2])])
+    assert obj is not None and obj.full_key == keys[2] and obj.meta.position == 3
+    assert card.delete_named(key_digest(keys[2])) and card.stored_objects([key_digest(keys[2])]) == [None]
+    check_snapshot_round_trip(card, 29)

@@ -21,6 +21,9 @@ def test_objects_of_a_newer_format_are_misses_and_stay(gateway_factory) -> None:
     with gw.client(namespace="upgrade") as c:
         assert all(c.put_many(keys, [k * 1000 for k in keys], retention="long"))
     assert gw.stop() == 0
+    # Without an index snapshot the scan reads every header (with one, the first read finds the newer
+    # object: tests/tiers/test_restart.py).
+    os.unlink(os.path.join(gw.card, "kvgate-index"))
     (path,) = [p for p in glob.glob(os.path.join(gw.card, "db*", "*", "*"))
                if b"new-b" in Path(p).read_bytes()[:200]]
     full = next(o.full_key for o in DirectoryCard(str(gw.card)).scan() if o.full_key.endswith(b"new-b"))

@@ -71,7 +71,7 @@ def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Pat
         assert any(h is not written[k] for k, h in zip(keys, no_dialog_homes)), "some keys live off their key's card"
         for k, home in zip(keys, no_dialog_homes):
             cs, entry = tier.find(k, home)
-            assert cs is written[k] and entry is written[k].index.get(k)
+            assert cs is written[k] and entry == written[k].index.get(k)
         home = tier.card_for(b"unknown", dialog_digest(None))
         assert tier.find(b"unknown", home) == (home, None)
         await tier.stop()

@@ -18,7 +18,6 @@ from pathlib import Path
 from kvgate.cards import ObjectMeta, make_card
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
-from kvgate.tiers.eviction import make_policy
 from kvgate.tiers.io import CardIo
 from tests.tiers.common import serving_card
 
@@ -30,7 +29,6 @@ def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path:
         card = make_card(str(tmp_path / "card"), cfg)
         io = CardIo(1, 5.0, "test-card")
         cs = serving_card(card, io, cfg, serial=await io.run(card.open))
-        cs.policy = make_policy("prefix")
         for i in range(100):
             cs.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
         assert cs.used == 100_000

@@ -13,7 +13,6 @@ import numpy as np
 from kvgate.cards import CardUnavailable, DirectoryCard, ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import full_key
-from kvgate.tiers.eviction import make_policy
 from kvgate.tiers.io import CardIo
 from kvgate.tiers.health import READ_ONLY_RECHECK_S
 from tests.tiers.common import serving_card
@@ -43,7 +42,6 @@ def test_a_read_only_card_serves_reads_and_takes_writes_again(tmp_path: Path) ->
         card = SwitchableCard(loc)
         io = CardIo(2, 5.0, "test-card")
         cs = serving_card(card, io, Config(storage_devices=[loc], card_capacity=1 << 30), serial=await io.run(card.open))
-        cs.policy = make_policy("prefix")
         payload = memoryview(np.arange(50_000, dtype=np.uint8))
         k1, k2 = full_key(b"ns", b"one"), full_key(b"ns", b"two")
         assert all(isinstance(r, int) for r in await cs.write([(k1, payload, ObjectMeta())]))

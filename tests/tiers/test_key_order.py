@@ -69,16 +69,17 @@ def test_a_cancelled_waiter_does_not_let_later_operations_jump_the_queue() -> No
 
 
 def _slow_deletes(card, seconds: float) -> threading.Event:
-    """Card deletes that wait ``seconds`` before they remove anything (a slow or busy device)."""
+    """Card deletes (by name: what an eviction runs) that wait ``seconds`` before they remove anything (a slow
+    or busy device)."""
     started = threading.Event()
-    real = card.delete
+    real = card.delete_named
 
-    def delete(full_key: bytes) -> bool:
+    def delete_named(digest: bytes) -> bool:
         started.set()
         time.sleep(seconds)
-        return real(full_key)
+        return real(digest)
 
-    card.delete = delete
+    card.delete_named = delete_named
     return started
 
 

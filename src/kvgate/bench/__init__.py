@@ -18,6 +18,7 @@ The modules, by job (each imports only those above it in this list):
     trace      a request trace, its block payloads, and the eviction policies replayed in process
     harness    ``Bench``: the gateways, clients and region of figures 1-5
     restores   ``CardsBench``: long restores from N cards under each placement (``--cards``)
+    objects    ``ObjectsBench``: a card of N objects started cold, its index's cost (``--objects``)
     replay     ``TraceBench``: a trace replayed against real gateways (``--trace``)
     report     tables, notes and the plot
     command    the flags, and ``run_bench``, which ``kvgate bench`` calls

@@ -21,6 +21,8 @@ from typing import Any, Callable
 from kvgate.bench import BenchError
 from kvgate.bench.harness import Bench
 from kvgate.bench.measure import Plan, fmt_size
+from kvgate.bench.objects import STEPS as OBJECTS_STEPS
+from kvgate.bench.objects import ObjectsBench
 from kvgate.bench.replay import (
     DEFAULT_CAPACITIES,
     DEFAULT_POLICIES,
@@ -40,6 +42,7 @@ from kvgate.bench.report import (
     check_matplotlib,
     plot,
     print_cards_table,
+    print_objects,
     print_table,
     print_trace,
     trace_notes,
@@ -57,8 +60,11 @@ from kvgate.bench.trace import (
 from kvgate.config import Config, parse_size
 from kvgate.placement import PLACEMENTS
 from kvgate.tiers.eviction import POLICIES
+from kvgate.tiers.sampled import card_policy
 
 MAX_BLOCK_SIZE = 16 << 20
+DEFAULT_OBJECT_SIZE = 2 << 20
+OBJECTS_OBJECT_SIZE = 4 << 10  # --objects: a card of many small objects, as the index sees it
 
 
 class _Terminated(BaseException):
@@ -104,8 +110,8 @@ _positive_int = int_arg(1)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure (no table, no progress)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions: the whole bench in well under a minute")
-    p.add_argument("--object-size", type=_size_arg, default=2 << 20, metavar="SIZE",
-                   help="bytes per object, e.g. 2M or 256K (default 2M)")
+    p.add_argument("--object-size", type=_size_arg, metavar="SIZE",
+                   help="bytes per object, e.g. 2M or 256K (default 2M; 4K with --objects)")
     p.add_argument("--batch", type=_positive_int, default=32, metavar="N", help="objects per request (default 32)")
     p.add_argument("--dir", metavar="DIR",
                    help="where the cards and scratch files go; a fresh temp dir is made inside it and removed at "
@@ -123,6 +129,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks (of --object-size) per dialog, all restored by one get (default 64)")
     g.add_argument("--restores", type=_positive_int, default=8, metavar="N",
                    help="concurrent restores of different dialogs, one client connection each (default 8)")
+    g = p.add_argument_group("a card of many objects", "with --objects: one directory card of N objects started "
+                                                      "cold without and with its index snapshot, instead of the "
+                                                      "figures above")
+    g.add_argument("--objects", type=int_arg(1000), metavar="N",
+                   help="objects on the card (filled once, kept under --dir for the next run with the same N and "
+                        "size)")
+    g.add_argument("--dialog-blocks", type=_positive_int, default=1000, metavar="N",
+                   help="blocks per dialog; a lookup asks for the first 1,000 of one dialog (default 1000)")
     add_trace_arguments(p)
 
 
@@ -248,6 +262,10 @@ def _drive(make: Callable[[Callable[[str], None]], Bench], steps: list[str], qui
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run every figure; 0 even when a bar fails (a measurement is not a test), 1 on errors, 2 on bad usage."""
+    if getattr(args, "objects", None) is not None:
+        return run_objects_bench(args)
+    if args.object_size is None:
+        args.object_size = DEFAULT_OBJECT_SIZE
     if wants_trace(args):
         return run_trace_bench(args)
     if getattr(args, "cards", None) is not None:
@@ -282,6 +300,21 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
+    return 0
+
+
+def run_objects_bench(args: argparse.Namespace) -> int:
+    """``--objects N``: one card of N objects, its start-up without and with a snapshot, and its index's memory."""
+    started = time.monotonic()
+    size = args.object_size or OBJECTS_OBJECT_SIZE
+    measured = _drive(lambda step: ObjectsBench(args, size, step), OBJECTS_STEPS, args.json)  # type: ignore[arg-type]
+    if isinstance(measured, int):
+        return measured
+    measured["elapsed_s"] = time.monotonic() - started
+    if args.json:
+        print(json.dumps(measured, indent=2))
+    else:
+        print_objects(measured)
     return 0
 
 
@@ -355,11 +388,12 @@ def run_trace_bench(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"kvgate bench: {e}", file=sys.stderr)
         return 2
-    # The policies alone, one pool of the whole capacity: cheap, so always there beside the gateway's figure.
+    # The policies alone (as the cards run them), one pool of the whole capacity: cheap, so always there
+    # beside the gateway's figure.
     marks = trace_marks(requests)
     cards = 1 if opts.in_process else opts.cards
-    in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, r.policy, [r.blocks_per_card * cards],
-                                                        block_size=opts.block_size)
+    in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, card_policy(r.policy),
+                                                        [r.blocks_per_card * cards], block_size=opts.block_size)
                   for r in runs}
     if not opts.in_process:
         steps = ["starting gateways", *[r.label for r in runs], "stopping gateways"]

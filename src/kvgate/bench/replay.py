@@ -55,6 +55,7 @@ from kvgate.client import Client
 from kvgate.config import Config, parse_size
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
+from kvgate.tiers.sampled import card_policy
 
 DEFAULT_POLICIES = ("prefix", "lru")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")
@@ -378,8 +379,8 @@ class TraceBench:
         convs = [0] * o.cards
         for mark in {dm.mark for dm in marks if dm.mark is not None}:
             convs[card_of(0, mark)] += 1
-        model = simulate(self.requests, marks, run.policy, [run.blocks_per_card] * o.cards, card_of=card_of,
-                         block_size=o.block_size)
+        model = simulate(self.requests, marks, card_policy(run.policy), [run.blocks_per_card] * o.cards,
+                         card_of=card_of, block_size=o.block_size)
         used = sum(cd["used_bytes"] for cd in cards)
         n_convs = sum(convs)
         for cd, nconv, resident in zip(cards, convs, model.resident):

@@ -193,6 +193,44 @@ def print_cards_table(result: dict[str, Any]) -> None:
 # ---- --trace --------------------------------------------------------------------------------
 
 
+def print_objects(result: dict[str, Any]) -> None:
+    """``--objects N``: the scan and the restart of one card, and what its index costs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvgate.bench.objects import BAR_BACKGROUND_LOOKUP_MS, BAR_INDEX_BYTES_PER_OBJECT, BAR_READY_S
+
+    con = Console()
+    cfg, bars = result["config"], result["bars"]
+
+    def ms(f: dict[str, Any]) -> str:
+        return f"p50 {f['p50_ms']:.2f} ms\n[dim]p99 {f['p99_ms']:.2f}, max {f['max_ms']:.2f} ({f['n']})[/]" if f["n"] else "-"
+
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f} s"
+
+    t = Table(title=f"kvgate bench --objects {cfg['objects']:,}: {fmt_size(cfg['object_size'])} objects, "
+                    f"{cfg['dialog_blocks']} per dialog, lookups of {cfg['lookup_keys']} keys; cold: {cfg['cold']}")
+    for col in ("start", "listening", "all keys of a stored dialog found", "indexed", "lookups meanwhile",
+                "lookups after", "index bytes/object"):
+        t.add_column(col)
+    for name, label in (("scan", "no snapshot (every header read)"), ("restart", "snapshot, then checked")):
+        f = result[name]
+        t.add_row(label, s(f["listening_s"]), s(f["all_keys_found_s"]), s(f["indexed_s"]),
+                  ms(f["lookups_during_background"]), ms(f["lookups_after"]), f"{f['index_bytes_per_object']:.0f}")
+    con.print(t)
+    con.print(f"snapshot {result['snapshot_bytes']:,} bytes; the stop that wrote it took {result['stop_s']:.2f} s; "
+              f"empty-card RSS {result['empty_rss_kib'] / 1024:.1f} MiB")
+    for line in result["log"]:
+        con.print(f"[dim]{line}[/]")
+    for key, ok, text in (("ready_s", bars["ready_s"], f"lookups at full speed within {BAR_READY_S:g} s"),
+                          ("background_lookup_p99_ms", bars["background_lookup_p99_ms"],
+                           f"lookups during a scan or check: p99 <= {BAR_BACKGROUND_LOOKUP_MS:g} ms"),
+                          ("index_bytes_per_object", bars["index_bytes_per_object"],
+                           f"index <= {BAR_INDEX_BYTES_PER_OBJECT:g} bytes/object")):
+        con.print(("[green]pass[/] " if ok else "[bold red]FAIL[/] ") + text)
+
+
 def trace_notes(result: dict[str, Any]) -> list[str]:
     cfg = result["config"]
     notes = []

@@ -34,7 +34,8 @@ import numpy as np
 from kvgate.bench import BenchError
 from kvgate.heads import SharedHeads
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key
-from kvgate.tiers.eviction import LONG, make_policy
+from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
+from kvgate.tiers.sampled import SAMPLED_POLICIES, make_sampled_policy
 
 NAMESPACE = "kvgate-bench-trace"
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces (not used in any figure; for the record)
@@ -180,6 +181,11 @@ def trace_marks(requests: Iterable[Any], namespace: str = NAMESPACE) -> list[Dia
     return out
 
 
+def replay_policy(name: str) -> EvictionPolicy:
+    """A policy by name: the RAM tier's (``prefix``, ``lru``) or a card's (``sampled-prefix``, ``sampled-lru``)."""
+    return make_sampled_policy(name) if name in SAMPLED_POLICIES else make_policy(name)
+
+
 def _accepts_tail(policy: Any) -> bool:
     """Whether ``policy.add`` takes ``tail=`` (the last block of its put batch), as newer policies do."""
     try:
@@ -204,7 +210,7 @@ def simulate(requests: Iterable[Any], marks: Sequence[DialogMark], policy_name: 
              card_of: Callable[[int, bytes | None], int] | None = None, block_size: int = DEFAULT_BLOCK_SIZE
              ) -> Simulated:
     """One policy per card, each holding at most ``capacities[card]`` blocks, driven as the gateway's
-    card index drives it.
+    card index drives it (``policy_name``: see ``replay_policy``).
 
     Per request: the leading blocks held on any card are restored and
     touched; the blocks missing from the first miss on are added at their
@@ -213,7 +219,7 @@ def simulate(requests: Iterable[Any], marks: Sequence[DialogMark], policy_name: 
     each put run with ``tail=True`` where the policy takes it; then each
     card evicts while it holds more than its capacity.
     """
-    policies = [make_policy(policy_name) for _ in capacities]
+    policies = [replay_policy(policy_name) for _ in capacities]
     tail = _accepts_tail(policies[0])
     where: dict[int, int] = {}  # block id -> card
     restored = total = 0

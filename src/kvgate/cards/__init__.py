@@ -1,6 +1,6 @@
 """Cards: the media of the long tier, one interface for every kind."""
 
-from kvgate.cards.base import Card, CardInUse, CardUnavailable, StoredObject, WriteAbandoned
+from kvgate.cards.base import Card, CardInUse, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, make_card
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
@@ -19,6 +19,7 @@ __all__ = [
     "ObjectTooNew",
     "REDIS_PREFIXES",
     "RedisCard",
+    "SnapshotWriter",
     "StoredObject",
     "WriteAbandoned",
     "expand",

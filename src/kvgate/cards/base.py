@@ -25,6 +25,14 @@ Contract:
 - ``claim`` takes the card for this process's life, exclusively or shared
   with other ``shared_storage`` gateways; a card another gateway holds in a
   way that does not mix is ``CardInUse`` and must not be used.
+- Objects are named by ``key_digest(full_key)``: ``names`` lists them
+  without reading them, ``stored_objects`` reads the headers of named ones,
+  ``delete_named`` removes one.  What a name alone says is a hint (another
+  gateway may have replaced the object since); the header is checked on
+  every read.
+- A card keeps one snapshot of the gateway's index of it (bytes the gateway
+  writes and reads back whole, ``kvgate.tiers.restart``), written so that a
+  reader sees the previous snapshot or the new one whole, never a mix.
 """
 
 from __future__ import annotations
@@ -182,11 +190,24 @@ class StoredObject:
     meta: ObjectMeta
 
 
+class SnapshotWriter(ABC):
+    """Bytes of a new index snapshot, in pieces; ``commit`` publishes them whole, ``abort`` leaves the old one."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
 class Card(ABC):
     """One medium of the long tier, whatever its kind (the contract is the module's).
 
     The long tier calls every method that touches the medium from a card's
-    I/O threads, never from the event loop; ``object_place``,
+    I/O threads, never from the event loop; ``object_place``, ``named_place``,
     ``reserve_bytes`` and ``why_empty`` do no I/O and run anywhere.
     """
 
@@ -214,7 +235,10 @@ class Card(ABC):
         the key holds); the shard comes from the same digest, the same way
         for every kind, so one key layout fingerprint covers them all.
         """
-        digest = key_digest(full_key)
+        return self.named_place(key_digest(full_key))
+
+    def named_place(self, digest: bytes) -> tuple[int, str]:
+        """``object_place`` of the object whose key digest is ``digest``."""
         return int.from_bytes(digest[:4], "little") % self.num_dbs, digest.hex()
 
     @abstractmethod
@@ -278,8 +302,42 @@ class Card(ABC):
         """Remove the object; False when it was not there."""
 
     @abstractmethod
+    def delete_named(self, digest: bytes) -> bool:
+        """Remove the object named ``digest`` (whatever key it holds); False when it was not there."""
+
+    @abstractmethod
+    def names(self) -> Iterator[list[bytes]]:
+        """The names (key digests) of every object on the card, in batches, without reading one.
+
+        Leftover temp files are removed on the way, and an object stored
+        where another ``num_dbs`` put it is moved to where reads look (when
+        that place holds the key already, that copy wins).  A name may come
+        twice where the medium's listing repeats itself (Redis SCAN).
+        """
+
+    @abstractmethod
+    def stored_objects(self, digests: list[bytes]) -> list[StoredObject | None]:
+        """The headers of named objects (no payload read): None where it is gone, of a newer format, or
+        broken (then deleted and counted in ``scan_corrupt``)."""
+
     def scan(self) -> Iterator[StoredObject]:
-        """Every whole object on the card (for rebuilding the index at start)."""
+        """Every whole object on the card: ``names``, then their headers."""
+        for batch in self.names():
+            for found in self.stored_objects(batch):
+                if found is not None:
+                    yield found
+
+    @abstractmethod
+    def snapshot_writer(self) -> SnapshotWriter:
+        """A writer of a new index snapshot (see the module contract)."""
+
+    @abstractmethod
+    def read_snapshot(self) -> bytes | None:
+        """The last index snapshot committed, or None when there is none."""
+
+    @abstractmethod
+    def drop_snapshot(self) -> None:
+        """Remove the index snapshot (after ``clean``: it describes objects that are gone)."""
 
     @abstractmethod
     def clean(self) -> int:

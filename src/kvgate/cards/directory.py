@@ -4,6 +4,7 @@ Layout::
 
     <location>/kvgate-card.json           label: serial, format, creation time
     <location>/kvgate-card.lock           claim: an advisory lock, and who took it last
+    <location>/kvgate-index               the gateway's index snapshot (kvgate.tiers.restart)
     <location>/db<NN>/<hh>/<digest hex>   one object per file (header + payload)
 
 Objects are named by the digest of their full key, so the name is fixed-size
@@ -55,6 +56,7 @@ from kvgate.cards.base import (
     Card,
     CardInUse,
     CardUnavailable,
+    SnapshotWriter,
     StoredObject,
     WriteAbandoned,
     byte_view,
@@ -99,6 +101,7 @@ log = logging.getLogger("kvgate.cards.directory")
 LABEL_NAME = "kvgate-card.json"
 LOCK_NAME = "kvgate-card.lock"
 HEADS_NAME = "kvgate-heads"  # shared-head ids, little-endian u64s, appended under flock
+SNAPSHOT_NAME = "kvgate-index"
 # struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK = struct.Struct("hhqqi4x")
 _HOLDER_MAX = 4096
@@ -176,6 +179,40 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class _FileSnapshotWriter(SnapshotWriter):
+    """A temp file beside the snapshot, renamed over it on commit (a crash leaves the old one whole)."""
+
+    def __init__(self, final: str, tmp: str, sync: bool) -> None:
+        self.final, self.tmp, self.sync = final, tmp, sync
+        self.fd: int | None = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.offset = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self.fd is not None
+        _pwrite_all(self.fd, data, self.offset)
+        self.offset += len(data)
+
+    def commit(self) -> None:
+        assert self.fd is not None
+        try:
+            if self.sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:
+            _unlink_quiet(self.tmp)
+            raise
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        _unlink_quiet(self.tmp)
 
 
 class DirectoryCard(Card):
@@ -396,7 +433,11 @@ class DirectoryCard(Card):
 
     def object_path(self, full_key: bytes) -> str:
         """Where the object for ``full_key`` lives (whether or not it exists)."""
-        db, name = self.object_place(full_key)
+        return self.named_path(key_digest(full_key))
+
+    def named_path(self, digest: bytes) -> str:
+        """Where the object named ``digest`` lives."""
+        db, name = self.named_place(digest)
         return os.path.join(self.location, self._db_names[db], name[:2], name)
 
     def _location_missing(self) -> CardUnavailable | None:
@@ -706,9 +747,12 @@ class DirectoryCard(Card):
         return not_before_ns is None or st.st_mtime_ns >= not_before_ns
 
     def delete(self, full_key: bytes) -> bool:
+        return self.delete_named(key_digest(full_key))
+
+    def delete_named(self, digest: bytes) -> bool:
         try:
             with self._card_errors():
-                os.unlink(self.object_path(full_key))
+                os.unlink(self.named_path(digest))
         except FileNotFoundError:
             return False
         return True
@@ -729,59 +773,96 @@ class DirectoryCard(Card):
             return []
 
     def _leaf_dirs(self) -> Iterator[str]:
+        for _db, _fan, path in self._leaves():
+            yield path
+
+    def _leaves(self) -> Iterator[tuple[int | None, str, str]]:
+        """(db index, or None for a db beyond ``num_dbs``; fan-out name; path) of every leaf directory."""
         for db in self._list(self.location):
             if not _DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
                 continue
+            i = int(db.name[2:])
+            index = i if i < self.num_dbs and self._db_names[i] == db.name else None
             for fan in self._list(db.path):
                 if _FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
-                    yield fan.path
+                    yield index, fan.name, fan.path
 
-    def scan(self) -> Iterator[StoredObject]:
-        """Every whole object; removes leftover temp files and broken objects (counted in ``scan_corrupt``)."""
+    def names(self) -> Iterator[list[bytes]]:
+        """One batch per leaf directory; removes leftover temp files, moves misplaced objects home.
+
+        A name is turned into its digest in bulk (one ``bytes.fromhex`` per
+        leaf): at a million objects the per-name Python work of a listing
+        was most of a restart, on the GIL the event loop waits for.
+        """
         now = time.time()
         relocated: set[str] = set()
-        for leaf in self._leaf_dirs():
-            for entry in self._list(leaf):
-                name = entry.name
-                if _TEMP_MARK in name:
-                    self._reap_temp(entry, now)
-                    continue
+        for db, fan, leaf in self._leaves():
+            try:
+                with self._card_errors(None, leaf):
+                    listed = os.listdir(leaf)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            names = []
+            for name in listed:
+                if len(name) == 32:
+                    names.append(name)
+                elif _TEMP_MARK in name:
+                    self._reap_temp(os.path.join(leaf, name), name, now)
                 # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
                 # an editor's backup) is left alone.
-                if not _OBJECT_RE.fullmatch(name) or entry.path in relocated:
-                    continue
-                found = self._scan_one(entry.path, name, relocated)
-                if found is not None:
-                    yield found
+            try:
+                raw = bytes.fromhex("".join(names))
+            except ValueError:  # a foreign name of 32 characters: judge each
+                names = [n for n in names if _OBJECT_RE.fullmatch(n)]
+                raw = bytes.fromhex("".join(names))
+            batch = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+            if self.num_dbs == 1 and db == 0:
+                home = [n[:2] == fan for n in names]
+            else:
+                home = [n[:2] == fan and db == self.named_place(d)[0] for n, d in zip(names, batch)]
+            if relocated or not all(home):  # objects moved here already, or to be moved where reads look
+                keep = []
+                for n, d, at_home in zip(names, batch, home):
+                    path = os.path.join(leaf, n)
+                    if at_home:
+                        if path not in relocated:
+                            keep.append(d)
+                    elif self._relocate(path, self.named_path(d), relocated):
+                        keep.append(d)
+                batch = keep
+            if batch:
+                yield batch
 
-    def _reap_temp(self, entry: os.DirEntry[str], now: float) -> None:
+    def stored_objects(self, digests: list[bytes]) -> list[StoredObject | None]:
+        """Header-only checks; payload hashes are left to reads (reading every payload at start would take
+        as long as reading the card)."""
+        return [self._scan_one(self.named_path(d), d.hex()) for d in digests]
+
+    def _reap_temp(self, path: str, name: str, now: float) -> None:
         """Remove a temp file whose write is known to be over (see the module doc)."""
-        owner = _TEMP_OWNER_RE.fullmatch(entry.name.rpartition(_TEMP_MARK)[2])
+        owner = _TEMP_OWNER_RE.fullmatch(name.rpartition(_TEMP_MARK)[2])
         mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
         if mine:
             return  # a write of this process, in progress
         if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
-            _unlink_quiet(entry.path)
+            _unlink_quiet(path)
             return
         this_host, this_boot = HOST_TAG.split("-")
         if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
-            _unlink_quiet(entry.path)  # this host's, of an earlier boot or a dead process
+            _unlink_quiet(path)  # this host's, of an earlier boot or a dead process
             return
         try:  # another host's (or a reused pid's): only age tells
-            if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
-                os.unlink(entry.path)
+            if now - os.lstat(path).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(path)
         except OSError:
             pass
 
-    def _scan_one(self, path: str, name: str, relocated: set[str]) -> StoredObject | None:
-        """Header-only check of one object file; payload hashes are left to reads.
-
-        Reading every payload at start would take as long as reading the card.
-        """
+    def _scan_one(self, path: str, name: str) -> StoredObject | None:
+        """Header-only check of one object file."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            if exc.errno == errno.ENOENT:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
             self._raise_card_error(exc)
             _unlink_quiet(path)
@@ -807,9 +888,6 @@ class DirectoryCard(Card):
             return None
         finally:
             os.close(fd)
-        home = self.object_path(header.full_key)
-        if home != path and not self._relocate(path, home, relocated):
-            return None
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
 
     def _relocate(self, path: str, home: str, relocated: set[str]) -> bool:
@@ -854,6 +932,26 @@ class DirectoryCard(Card):
                     continue
                 deleted += is_object
         return deleted
+
+    def snapshot_writer(self) -> SnapshotWriter:
+        path = os.path.join(self.location, SNAPSHOT_NAME)
+        now = time.time()
+        with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
+            for entry in it:  # a snapshot a dead gateway was writing
+                if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
+                    self._reap_temp(entry.path, entry.name, now)
+        return _FileSnapshotWriter(path, f"{path}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
+                                   self.sync_writes)
+
+    def read_snapshot(self) -> bytes | None:
+        try:
+            with self._card_errors(), open(os.path.join(self.location, SNAPSHOT_NAME), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def drop_snapshot(self) -> None:
+        _unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
         # Append-only under an exclusive flock: gateways on other hosts append

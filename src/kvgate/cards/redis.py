@@ -7,6 +7,7 @@ Locations are redis-py URLs: ``redis://host:port``, ``redis://host:port/<db>``,
 Layout, in the logical database the URL selects::
 
     kvgate:card-label               label: JSON {"serial", "format", "created"}
+    kvgate:index                    the gateway's index snapshot (kvgate.tiers.restart)
     kvgate:o:<N>:<digest hex>       one object per string value (header + payload)
 
 ``N`` spreads objects over ``num_dbs`` key prefixes (the same choice of db as
@@ -101,6 +102,7 @@ from kvgate.cards.base import (
     Card,
     CardInUse,
     CardUnavailable,
+    SnapshotWriter,
     StoredObject,
     WriteAbandoned,
     byte_view,
@@ -144,6 +146,8 @@ HEADS_KEY = b"kvgate:heads"  # a set of 8-byte shared-head ids; outside OBJECT_P
 # killed on another host, or cut off from the server) free the card.  A
 # gateway on this host that was killed frees it at once (its pid is dead).
 LEASE_TTL_MS = 15_000
+SNAPSHOT_KEY = b"kvgate:index"  # outside OBJECT_PREFIX too
+SNAPSHOT_TEMP = b"kvgate:index-tmp:"  # + a writer's uuid; renamed to SNAPSHOT_KEY when whole
 OBJECT_PREFIX = b"kvgate:o:"
 OBJECT_MATCH = OBJECT_PREFIX + b"*"
 
@@ -291,6 +295,28 @@ _CLUSTER = _error_classes("MovedError", "AskError", "ClusterDownError", "Cluster
 
 def _decode(v: Any) -> Any:
     return v.decode() if isinstance(v, bytes) else v
+
+
+class _RedisSnapshotWriter(SnapshotWriter):
+    """APPENDs to a temp key of its own, RENAMEd over the snapshot on commit (atomic in the server)."""
+
+    def __init__(self, card: RedisCard) -> None:
+        self.card = card
+        self.key = SNAPSHOT_TEMP + uuid.uuid4().hex.encode()
+
+    def write(self, data: bytes | memoryview) -> None:
+        with self.card._io():
+            self.card._r.append(self.key, bytes(data))
+
+    def commit(self) -> None:
+        with self.card._io():
+            self.card._r.rename(self.key, SNAPSHOT_KEY)
+
+    def abort(self) -> None:
+        try:
+            self.card._r.unlink(self.key)
+        except (rexc.RedisError, OSError):
+            pass
 
 
 class RedisCard(Card):
@@ -571,7 +597,11 @@ class RedisCard(Card):
 
     def object_key(self, full_key: bytes) -> bytes:
         """The Redis key of the object for ``full_key`` (whether or not it exists)."""
-        db, name = self.object_place(full_key)
+        return self.named_key(key_digest(full_key))
+
+    def named_key(self, digest: bytes) -> bytes:
+        """The Redis key of the object named ``digest``."""
+        db, name = self.named_place(digest)
         return self._prefixes[db] + name.encode()
 
     def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
@@ -790,8 +820,11 @@ class RedisCard(Card):
         return [self._map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
 
     def delete(self, full_key: bytes) -> bool:
+        return self.delete_named(key_digest(full_key))
+
+    def delete_named(self, digest: bytes) -> bool:
         with self._io():
-            return bool(self._r.unlink(self.object_key(full_key)))
+            return bool(self._r.unlink(self.named_key(digest)))
 
     # --------------------------------------------------------- whole-card ops
 
@@ -814,38 +847,52 @@ class RedisCard(Card):
             return None
         return int(db), hexd
 
-    def scan(self) -> Iterator[StoredObject]:
-        """Header-only check of every object; payload hashes are left to reads.
-
-        Objects stored under another ``num_dbs`` are renamed (RENAMENX) to
-        where reads look; a corrupt one is deleted; a key under our prefix
-        whose name is not ours is left alone.  SCAN may report a key twice,
-        so may this (the gateway skips keys it has indexed already).
-        """
+    def names(self) -> Iterator[list[bytes]]:
+        """One batch per SCAN page.  Objects stored under another ``num_dbs`` are renamed (RENAMENX) to where
+        reads look; a key under our prefix whose name is not ours is left alone."""
         relocated: set[bytes] = set()
         for names in self._object_names():
-            names = [n for n in names if n not in relocated and self._parse_name(n) is not None]
-            for start in range(0, len(names), _SCAN_PIPELINE):
-                batch = names[start:start + _SCAN_PIPELINE]
-                with self._io():
-                    pipe = self._r.pipeline(transaction=False)
-                    for n in batch:
-                        pipe.getrange(n, 0, _SCAN_READ - 1)
-                        pipe.strlen(n)
-                    replies = pipe.execute(raise_on_error=False)
-                for j, name in enumerate(batch):
-                    found = self._scan_one(name, replies[2 * j], replies[2 * j + 1], relocated)
-                    if found is not None:
-                        yield found
+            batch = []
+            for name in names:
+                parsed = self._parse_name(name)
+                if parsed is None or name in relocated:
+                    continue
+                digest = bytes.fromhex(parsed[1].decode())
+                home = self.named_key(digest)
+                if home != name:
+                    with self._io():
+                        moved = self._r.renamenx(name, home)
+                        if not moved:  # the right place holds the key already: that copy wins
+                            self._r.unlink(name)
+                            continue
+                    relocated.add(home)
+                batch.append(digest)
+            if batch:
+                yield batch
 
-    def _scan_one(self, name: bytes, buf: Any, size: Any, relocated: set[bytes]) -> StoredObject | None:
+    def stored_objects(self, digests: list[bytes]) -> list[StoredObject | None]:
+        """Header-only checks, pipelined; payload hashes are left to reads."""
+        out: list[StoredObject | None] = []
+        for start in range(0, len(digests), _SCAN_PIPELINE):
+            names = [self.named_key(d) for d in digests[start:start + _SCAN_PIPELINE]]
+            with self._io():
+                pipe = self._r.pipeline(transaction=False)
+                for n in names:
+                    pipe.getrange(n, 0, _SCAN_READ - 1)
+                    pipe.strlen(n)
+                replies = pipe.execute(raise_on_error=False)
+            for j, name in enumerate(names):
+                out.append(self._scan_one(name, replies[2 * j], replies[2 * j + 1]))
+        return out
+
+    def _scan_one(self, name: bytes, buf: Any, size: Any) -> StoredObject | None:
         if isinstance(buf, BaseException) or isinstance(size, BaseException):
             err = buf if isinstance(buf, BaseException) else size
             if "WRONGTYPE" in str(err):
                 self._discard(name, None)
                 return None
             raise self._map_error(err)
-        if size == 0:  # deleted since SCAN saw it (or an empty value, garbage either way)
+        if size == 0:  # deleted since it was listed (or an empty value, garbage either way)
             self._discard(name, b"")
             return None
 
@@ -857,9 +904,7 @@ class RedisCard(Card):
 
         try:
             header = peek_header(buf, size, read_head)
-            parsed = self._parse_name(name)
-            assert parsed is not None
-            if key_digest(header.full_key).hex().encode() != parsed[1]:
+            if self.object_key(header.full_key) != name:
                 raise ObjectCorrupt("object key name does not match the key inside")
         except ObjectTooNew as exc:
             self._skip_newer(name.decode(errors="replace"), exc)
@@ -867,15 +912,18 @@ class RedisCard(Card):
         except ObjectCorrupt:
             self._discard(name, bytes(buf))
             return None
-        home = self.object_key(header.full_key)
-        if home != name:
-            with self._io():
-                moved = self._r.renamenx(name, home)
-                if not moved:  # the right place holds the key already: that copy wins
-                    self._r.unlink(name)
-                    return None
-            relocated.add(home)
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
+
+    def snapshot_writer(self) -> SnapshotWriter:
+        return _RedisSnapshotWriter(self)
+
+    def read_snapshot(self) -> bytes | None:
+        with self._io():
+            return self._r.get(SNAPSHOT_KEY)
+
+    def drop_snapshot(self) -> None:
+        with self._io():
+            self._r.unlink(SNAPSHOT_KEY)
 
     def clean(self) -> int:
         """UNLINK every ``kvgate:o:*`` key; the label and foreign keys stay (never FLUSHDB)."""

@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from kvgate.tiers.cardset import LayoutMismatch
 from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.gateway")
+GIL_SWITCH_S = 0.001  # sys.setswitchinterval of a serving gateway (see run_gateway)
 
 
 class StartupError(RuntimeError):
@@ -247,6 +249,10 @@ async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
     """Start, serve until SIGINT/SIGTERM, stop cleanly; on SIGHUP, ``reload`` the config (its cards)."""
     import signal
 
+    # A pool thread running Python code (a card's scan or listing, a snapshot's rows) keeps the GIL until
+    # the interpreter takes it away, 5 ms by default, while the loop waits to answer a lookup.  Measured
+    # with one such thread busy: loop work of 0.1 ms took 5.5 ms at p50 (13.7 p99); at 1 ms, 1.4 (5.3).
+    sys.setswitchinterval(GIL_SWITCH_S)
     gw = Gateway(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -69,7 +69,9 @@ CARD_FIELDS = (  # the value of each is a number or a bool (1 / 0)
     ("bytes_read", "payload bytes read from the card", True),
     ("bytes_written", "bytes written to the card", True),
     ("evictions", "objects evicted from the card", True),
-    ("read_hints", "objects a lookup found on the card and passed on for their reads to be prepared", True),
+    ("read_hints", "objects a lookup found on the card and passed on for their reads to be prepared (each file "
+     "prepared at most once in 30-60 s)", True),
+    ("index_bytes", "memory the card's index takes in the gateway (its columns and tables)", False),
     ("cached_copy_bytes_per_second", "directory card: recent rate of reads copied out of the page cache", False),
     ("direct_read_bytes_per_second", "directory card: recent rate of O_DIRECT reads (the faster one serves "
      "cached files)", False),

@@ -39,6 +39,8 @@ import asyncio
 import logging
 from typing import Iterable, TypeVar
 
+import numpy as np
+
 from kvgate.cards import Card, CardInUse, expand, is_redis, make_card
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
@@ -47,6 +49,7 @@ from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.index import IndexEntry
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
+from kvgate.tiers.rows import digest_array
 
 log = logging.getLogger("kvgate.long")
 
@@ -71,6 +74,23 @@ class CardChangeError(ValueError):
     def __init__(self, message: str, unavailable: bool = False) -> None:
         super().__init__(message)
         self.unavailable = unavailable
+
+
+FoundOnCard = tuple[ManagedCard, list[bytes], np.ndarray]  # a card, keys its index holds, their digests
+
+
+def found_on_cards(where: list[ManagedCard | None], fkeys: list[bytes], digests: np.ndarray,
+                   found: np.ndarray) -> list[FoundOnCard]:
+    """The keys ``found`` (a mask over the first keys) on their cards, per card (what lookups hint)."""
+    idx = np.flatnonzero(found)
+    if not idx.size:
+        return []
+    m = len(found)
+    first = where[int(idx[0])]
+    if len(idx) == m and where[:m].count(first) == m:  # the common case: the whole prefix on one card
+        return [(first, fkeys[:m], digests[:m])] if first is not None else []
+    groups = group_by_card((where[i], i) for i in idx.tolist())
+    return [(mc, [fkeys[i] for i in ix], digests[ix]) for mc, ix in groups.values()]
 
 
 def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tuple[ManagedCard, list[T]]]:
@@ -193,8 +213,9 @@ class CardSet:
                             "16 slots per card or more spread the load", self.slot_map.slots, n)
 
     async def stop(self) -> None:
+        """Let the cards go, each saving its index snapshot first (``ManagedCard.stop``)."""
         await self._tasks.cancel()
-        await asyncio.gather(*(mc.close() for mc in self.cards + self.pending))
+        await asyncio.gather(*(mc.stop() for mc in self.cards), *(mc.close() for mc in self.pending))
 
     def _spawn(self, coro) -> asyncio.Task:
         return self._tasks.spawn(coro)
@@ -224,7 +245,8 @@ class CardSet:
         With dialog placement and a dialog mark, or a single slot, every key
         of the request lands on the same card: one hash instead of 1,000s.
         """
-        if self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG):
+        if (self.slot_map.slots == 1 or len(self.slot_map.serials) == 1
+                or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)):
             return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
         return [self.card_for(k, dialog) for k in fkeys]
 
@@ -236,23 +258,87 @@ class CardSet:
         ``(card, entry)``: an active card's index holds it (``home``'s
         first); ``(home, None)``: no index holds it, ask ``home``; ``(None,
         None)``: a miss without asking (no card serves it, or the index knows
-        it is past the ttl).  Hot path: a lookup calls this for 1,000s of keys.
+        it is past the ttl).  One key; a request's keys go to ``find_many``.
         """
-        entry = home.index.get(fkey) if home is not None else None
-        if entry is None:
-            for mc in self.cards:
-                if mc is not home and mc.active:
-                    entry = mc.index.get(fkey)
-                    if entry is not None:
-                        home = mc
+        digest = key_digest(fkey)
+        mc, r = home, home.index.row(digest) if home is not None else -1
+        if r < 0:
+            for other in self.cards:
+                if other is not home and other.active:
+                    r = other.index.row(digest)
+                    if r >= 0:
+                        mc = other
                         break
             else:
-                if home is not None and fkey in home.leaving:
+                if home is not None and digest in home.leaving:
                     return None, None
                 return home, None
-        if self.cfg.ttl is not None and not home.live(fkey, entry):  # type: ignore[union-attr]
+        assert mc is not None
+        if self.cfg.ttl is not None and mc.past_ttl(np.array([r]))[0]:
+            mc.expire_rows(np.array([r]))
             return None, None
-        return home, entry
+        return mc, mc.index.entry(r)
+
+    def find_many(self, fkeys: list[bytes], homes: list[ManagedCard | None]
+                  ) -> tuple[list[ManagedCard | None], np.ndarray, np.ndarray]:
+        """``find`` of a request's keys at once: per key the card, and whether its index holds the key
+        (and the keys' digests, ``digest_array``).
+
+        ``(card, True)``: indexed on that card; ``(home, False)``: no index
+        holds it, ask its home; ``(None, False)``: a miss without asking.
+        Each card's index answers all the keys it is asked about in one
+        call: a lookup of 1,000 keys on one card is a handful of numpy
+        operations, not 1,000 probes.
+        """
+        n = len(fkeys)
+        where: list[ManagedCard | None] = list(homes)
+        indexed = np.zeros(n, bool)
+        digests = digest_array(list(map(key_digest, fkeys)))
+        if not n:
+            return where, indexed, digests
+        settled = np.zeros(n, bool)  # indexed, or known to be a miss
+        first = homes[0]
+        if homes.count(first) == n:  # one home for the whole request: dialog placement, or a single card
+            if first is not None:
+                self._look(first, np.arange(n), digests, where, indexed, settled)
+        else:
+            for mc, ix in group_by_card(zip(homes, range(n))).values():
+                self._look(mc, np.asarray(ix), digests, where, indexed, settled)
+        for mc in self.cards:
+            rest = np.flatnonzero(~settled)
+            if not rest.size:
+                break
+            if mc.active:
+                self._look(mc, rest, digests, where, indexed, settled)
+        for i in np.flatnonzero(~settled).tolist():
+            home = homes[i]
+            if home is not None and home.leaving and key_digest(fkeys[i]) in home.leaving:
+                where[i] = None
+        return where, indexed, digests
+
+    def _look(self, mc: ManagedCard, idx: np.ndarray, digests: np.ndarray, where: list[ManagedCard | None],
+              indexed: np.ndarray, settled: np.ndarray) -> None:
+        """Keys ``idx`` in ``mc``'s index: found ones are settled there (past the ttl: a miss, and deleted)."""
+        rows = mc.index.find(digests[idx])
+        hit = rows >= 0
+        if not hit.any():
+            return
+        idx, rows = idx[hit], rows[hit]
+        if self.cfg.ttl is not None:
+            old = mc.past_ttl(rows)
+            if old.any():
+                mc.expire_rows(rows[old])
+                for i in idx[old].tolist():
+                    where[i] = None
+                settled[idx[old]] = True
+                idx, rows = idx[~old], rows[~old]
+        indexed[idx] = True
+        settled[idx] = True
+        if len(idx) == len(where):
+            where[:] = [mc] * len(where)
+        else:
+            for i in idx.tolist():
+                where[i] = mc
 
     def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
         """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
@@ -260,11 +346,20 @@ class CardSet:
         A copy on any other card is deleted: the key is now on ``mc``, and a
         stale copy elsewhere must not answer for it (``find``).
         """
+        digest = key_digest(fkey)
         for other in self.cards:
-            if other is not mc and fkey in other.index:
-                other.note_gone(fkey)
-                other.spawn_delete([fkey])
+            if other is not mc and other.index.has(digest):
+                other.note_gone_digest(digest)
+                other.spawn_delete([digest])
         return mc.note_written(fkey, stored, payload_len, meta)
+
+    def slot_cards(self) -> list[ManagedCard | None]:
+        """``card_for`` of every slot: the active card serving it, or None."""
+        out: list[ManagedCard | None] = []
+        for serial in self.slot_map.owner:
+            mc = self._by_serial.get(serial) if serial is not None else None
+            out.append(mc if mc is not None and mc.active else None)
+        return out
 
     async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], urgent: bool = False) -> int:
         """How many leading keys exist on their ``homes`` (the cards themselves are asked)."""
@@ -294,10 +389,10 @@ class CardSet:
         await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(zip(homes, range(len(fkeys)))).values()))
         return out
 
-    def hint_reads(self, on_cards: dict[int, tuple[ManagedCard, list[bytes]]], urgent: bool = False) -> None:
+    def hint_reads(self, found: list[FoundOnCard], urgent: bool = False) -> None:
         """Tell cards which of their objects a lookup just found (``ManagedCard.hint_reads``)."""
-        for mc, fkeys in on_cards.values():
-            mc.hint_reads(fkeys, urgent)
+        for mc, fkeys, digests in found:
+            mc.hint_reads(fkeys, urgent, digests)
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         """Delete keys from every card ``find`` could answer from; returns how many objects were there."""
@@ -396,11 +491,11 @@ class CardSet:
                     continue
                 self.pending.remove(mc)
                 mc.serve(probe, loc, serial)
+                await mc.adopt()  # its index snapshot loaded before any request can reach it
                 self.cards.append(mc)
                 self._by_serial[serial] = mc
                 log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
                 self._remap()
-                await mc.adopt()
                 break
 
     # ---- changes while serving ---------------------------------------------------
@@ -441,9 +536,9 @@ class CardSet:
             raise CardChangeError(f"card {mc.where} cannot be used: {e}",
                                   unavailable=not isinstance(e, CardInUse)) from None
         mc.serve(mc.card, location, serial)
+        await mc.adopt()  # its index snapshot loaded before any request can reach it
         self.cards.append(mc)
         self._by_serial[serial] = mc
-        await mc.adopt()
         self._changed(f"card {mc.where} ({serial}) added")
         return mc
 

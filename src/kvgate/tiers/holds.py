@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Final
 
+from kvgate.keys import key_digest
+
 MAX_PER_SESSION: Final = 4096
 MAX_TOTAL: Final = 32768
 HOLD_S: Final = 60.0
@@ -41,6 +43,8 @@ class Holds:
         self.max_total = max_total
         self.hold_s = hold_s
         self._count: dict[bytes, int] = {}  # full key -> sessions holding it
+        # key digest -> held keys with that digest: a card's index knows its objects by digest only
+        self._digests: dict[bytes, int] = {}
         # session -> full key -> when its hold lapses, oldest first
         self._sessions: dict[int, OrderedDict[bytes, float]] = {}
         self._total = 0
@@ -51,6 +55,10 @@ class Holds:
 
     def __len__(self) -> int:
         return len(self._count)
+
+    def holds_digest(self, digest: bytes) -> bool:
+        """Whether a held key has this digest (what a card's eviction asks)."""
+        return digest in self._digests
 
     def hold(self, session: int, fkeys: Iterable[bytes], now: float | None = None) -> list[bool]:
         """Hold each key for ``session`` (again: its hold is renewed); False where a cap was reached."""
@@ -67,7 +75,11 @@ class Holds:
                 out.append(False)
                 continue
             else:
-                self._count[k] = self._count.get(k, 0) + 1
+                c = self._count.get(k, 0)
+                self._count[k] = c + 1
+                if not c:
+                    d = key_digest(k)
+                    self._digests[d] = self._digests.get(d, 0) + 1
                 self._total += 1
             mine[k] = until
             out.append(True)
@@ -120,5 +132,11 @@ class Holds:
         c = self._count[k] - 1
         if c:
             self._count[k] = c
+            return
+        del self._count[k]
+        d = key_digest(k)
+        n = self._digests[d] - 1
+        if n:
+            self._digests[d] = n
         else:
-            del self._count[k]
+            del self._digests[d]

@@ -17,6 +17,11 @@ second, so an engine's restores keep their place in front of it.
 A key names its content (a prefix's hash), so a copy that races a client's
 write of the same key writes the same bytes: whichever lands last, the object
 is right.
+
+A card's index knows its objects by key digest, so the mover finds what is
+misplaced from the index's columns at once (the slot of each row, from its
+dialog or key digest, as ``slot_of`` computes it), and reads each object's
+header to learn its full key before it copies it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from kvgate.tiers.card import ManagedCard
+from kvgate.tiers.rows import join_digest
 
 if TYPE_CHECKING:
     from kvgate.tiers.cardset import CardSet
@@ -35,6 +43,20 @@ log = logging.getLogger("kvgate.long")
 
 BATCH = 8  # objects per read or write call
 RETRY_S = 1.0  # after a round that could not move everything (a card out of service, full)
+
+
+class Misplaced:
+    """A card's misplaced objects, hottest first: ``(key digest, destination card)`` by index or slice."""
+
+    def __init__(self, digests: np.ndarray, dst: np.ndarray, cards: list[ManagedCard]) -> None:
+        self.digests, self.dst, self.cards = digests, dst, cards
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+    def __getitem__(self, i: slice) -> list[tuple[bytes, ManagedCard]]:
+        d, dst = self.digests[i], self.dst[i]
+        return [(join_digest(lo, hi), self.cards[c]) for (lo, hi), c in zip(d.tolist(), dst.tolist())]
 
 
 class CardMover:
@@ -77,17 +99,34 @@ class CardMover:
                     await asyncio.sleep(RETRY_S)
                 await asyncio.sleep(0)  # never a loop that does not yield
 
-    def misplaced(self, src: ManagedCard) -> list[tuple[bytes, ManagedCard]]:
+    def misplaced(self, src: ManagedCard) -> Misplaced:
         """``src``'s objects whose placement card is another card in service, hottest first."""
-        out = []
-        for fkey in src.policy.hottest_first():
-            entry = src.entry(fkey)
-            if entry is None:
-                continue
-            dst = self.cards.card_for(fkey, entry.dialog)
-            if dst is not None and dst is not src:
-                out.append((fkey, dst))
-        return out
+        index = src.index
+        n = index.rows.n
+        targets = self.cards.slot_cards()
+        cards = list({id(mc): mc for mc in targets if mc is not None}.values())
+        if not n or not cards:
+            return Misplaced(np.empty((0, 2), np.uint64), np.empty(0, np.int64), cards)
+        rows = np.arange(n)
+        rows = rows[~src.past_ttl(rows)]  # past the ttl: deleted at their next lookup, not moved
+        # slot_of: the dialog's digest under dialog placement (when there is one), else the key's.
+        source = index.rows.hi[rows]
+        if self.cards.cfg.key_placement == "dialog":
+            dialogs = index.policy.dialog_digests(rows)
+            has = (dialogs[:, 0] != 0) | (dialogs[:, 1] != 0)
+            source = np.where(has, dialogs[:, 1], source)
+        slot = (source % np.uint64(len(targets))).astype(np.int64)
+        number = {id(mc): i for i, mc in enumerate(cards)}
+        owner = np.array([number[id(mc)] if mc is not None else -1 for mc in targets], np.int64)
+        dst = owner[slot]
+        mine = number.get(id(src), -2)
+        away = (dst >= 0) & (dst != mine)
+        order = index.policy.hottest_first(rows[away])
+        dst_of = np.full(n, -1, np.int64)
+        dst_of[rows[away]] = dst[away]
+        digests = np.empty((len(order), 2), np.uint64)
+        digests[:, 0], digests[:, 1] = index.rows.lo[order], index.rows.hi[order]
+        return Misplaced(digests, dst_of[order], cards)
 
     async def _round(self) -> bool:
         """One pass over every card; True when something could not be moved (and is worth trying again)."""
@@ -110,13 +149,19 @@ class CardMover:
 
     async def _move(self, src: ManagedCard, batch: list[tuple[bytes, ManagedCard]]) -> bool:
         """Copy one batch; True when some of it did not land."""
-        reads = []
-        for fkey, dst in batch:
-            entry = src.index.get(fkey)
-            if entry is not None and dst.active and not dst.read_only:
-                reads.append((fkey, dst, memoryview(bytearray(entry.payload_len))))
-        if not reads:
+        wanted = [(d, dst) for d, dst in batch if src.index.has(d) and dst.active and not dst.read_only]
+        if not wanted:
             return bool(batch)
+        # The index knows digests; a read names the full key, which the header holds.
+        found = await src.stored_objects([d for d, _dst in wanted])
+        reads = []
+        for (digest, dst), obj in zip(wanted, found):
+            if obj is None:
+                src.note_gone_digest(digest)
+            elif src.index.has(digest):
+                reads.append((obj.full_key, dst, memoryview(bytearray(obj.payload_len))))
+        if not reads:
+            return True
         results = await src.read([(fkey, buf) for fkey, _dst, buf in reads])
         by_dst: dict[int, tuple[ManagedCard, list]] = {}
         for (fkey, dst, buf), r in zip(reads, results):

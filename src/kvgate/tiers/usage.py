@@ -49,7 +49,9 @@ class NamespaceUsage:
         self._other = NamespaceRow()
 
     def row(self, full_key: bytes) -> NamespaceRow:
-        ns = namespace_of(full_key)
+        return self.namespace_row(namespace_of(full_key))
+
+    def namespace_row(self, ns: bytes) -> NamespaceRow:
         r = self._rows.get(ns)
         if r is None:
             if len(self._rows) >= self.max_rows:
@@ -65,7 +67,11 @@ class NamespaceUsage:
 
     def card(self, full_key: bytes, nbytes: int, objects: int) -> None:
         """An object entered or left a card's index."""
-        r = self.row(full_key)
+        self.card_namespace(namespace_of(full_key), nbytes, objects)
+
+    def card_namespace(self, ns: bytes, nbytes: int, objects: int) -> None:
+        """Objects of namespace ``ns`` entered or left a card's index (a card index keeps namespaces, not keys)."""
+        r = self.namespace_row(ns)
         r.card_objects += objects
         r.card_bytes += nbytes
 

@@ -1,0 +1,475 @@
+"""A card's index across restarts: a snapshot kept on the card, loaded at start, then checked against the card.
+
+Why.  Rebuilding the index by reading every object's header cost 18-19 s for
+100,000 objects on a cold page cache (a 4 TB card of 2 MiB blocks holds 2
+million: six minutes), and a lookup during that scan took 25-160 ms.  A
+snapshot of the index is one sequential read: ``IndexKeeper.load`` reads it
+before the card serves, builds the index from it off the loop, and the card
+answers lookups from the first request on.
+
+Trusting it.  A snapshot is a hint, never the truth: a read checks the
+object's own header, always (a gone or corrupt object is a miss and drops
+its row; a header of another size corrects it).  And right after the load,
+``IndexKeeper.check`` lists the card's object names (no object is opened)
+and compares: a name the index lacks is an object written after the
+snapshot, or by another gateway on a shared card; its header is read and it
+is indexed.  A row whose name is not on the card is an object deleted behind
+the gateway's back; it is dropped.  Without a usable snapshot the same check
+reads every header (the full scan of before).  A snapshot that cannot be
+used is ignored with one log line: unreadable, truncated, failing its hash,
+of another format version, or written for another card (serial) or another
+``num_dbs``.
+
+Writing it.  On a clean stop, at the end of the start-up check when it
+changed anything, and every ``SAVE_EVERY_S`` while rows change.  The rows
+are copied ``SAVE_ROWS`` at a time on the loop (a copy of a whole card's
+index at once would hold the loop for tens of milliseconds per million
+objects) and written by a pool thread between copies; rows that move
+between two copies may be written twice or not at all, which the load
+(duplicates) and the check (missing names) absorb.
+
+The file (``Card.snapshot_writer``: a temp name renamed over the old one;
+Redis: a temp key renamed), little-endian::
+
+    head     magic "KVGINDEX", u32 format, u32 num_dbs, i64 written (ns), u16 serial length, serial
+    rows     n x ROW (71 bytes: key digest, dialog digest, payload and stored bytes, created, group tick,
+             position, namespace id, segment)
+    tail     namespaces (u8 length + bytes each), then u64 n, u32 namespaces, u64 offset of the tail,
+             magic "KVGIEND1"
+    hash     XXH3-64 of everything before it
+
+Runs on the loop, with the file I/O, the decoding and the building of the
+index on the general pool (a slow card must not hold its own I/O threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Final
+
+import numpy as np
+import xxhash
+
+from kvgate.cards import CardUnavailable, SnapshotWriter
+from kvgate.tiers.index import CHECKED, OVERSIZE, CardIndex
+from kvgate.tiers.rows import digest_array
+
+if TYPE_CHECKING:
+    from kvgate.tiers.card import ManagedCard
+
+log = logging.getLogger("kvgate.long")
+
+MAGIC: Final = b"KVGINDEX"
+END: Final = b"KVGIEND1"
+FORMAT: Final = 1
+_HEAD = struct.Struct("<8sIIqH")
+_TAIL = struct.Struct("<QIQ8s")
+_HASH = struct.Struct("<Q")
+ROW: Final = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("dlo", "<u8"), ("dhi", "<u8"), ("payload", "<u8"),
+                       ("stored", "<u8"), ("created", "<i8"), ("tick", "<i8"), ("pos", "<i4"), ("ns", "<u2"),
+                       ("seg", "u1")])
+assert ROW.itemsize == 71
+
+SAVE_ROWS: Final = 65536  # rows copied per loop step while saving: 4.6 MB, about a millisecond
+SAVE_EVERY_S: Final = 300.0
+CHECK_HEADERS: Final = 128  # unindexed names whose headers one pool call reads (then indexed on the loop)
+# The loop indexes what a scan found for at most this long at a time: a row costs 25-100 us (more when
+# its dialog's blocks come out of order, as a scan finds them), and a lookup waits for the loop.
+SLICE_S: Final = 0.002
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def give_back_memory() -> None:
+    """Return the allocator's free pages to the system after a load or scan.
+
+    Decoding a snapshot, building an index and scanning a card allocate
+    temporaries of megabytes; glibc keeps what they freed (its mmap threshold
+    rises with each large free), which counted 50 bytes per object in the
+    gateway's RSS on a 100,000-object card.  ``malloc_trim(0)`` hands free
+    pages back without changing how later allocations are served.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+class SnapshotUnusable(ValueError):
+    """Why a snapshot is ignored (the message is the log line's reason)."""
+
+
+@dataclass
+class Snapshot:
+    rows: np.ndarray  # ROW records
+    namespaces: list[bytes]
+    written_ns: int
+
+
+def encode_head(serial: str, num_dbs: int) -> bytes:
+    s = serial.encode()
+    return _HEAD.pack(MAGIC, FORMAT, num_dbs, time.time_ns(), len(s)) + s
+
+
+def encode_rows(index: CardIndex, start: int, stop: int) -> bytes:
+    """Rows ``start..stop`` of ``index`` as ROW records (on the loop: a consistent copy of each row)."""
+    rows = index.rows
+    sel = np.arange(start, stop)
+    out = np.empty(len(sel), ROW)
+    out["lo"], out["hi"] = rows.lo[sel], rows.hi[sel]
+    dialogs = index.policy.dialog_digests(sel)
+    out["dlo"], out["dhi"] = dialogs[:, 0], dialogs[:, 1]
+    payload = rows.payload[sel].astype(np.uint64)
+    out["payload"], out["stored"] = payload, payload + rows.head[sel]
+    for i in np.flatnonzero(payload == OVERSIZE).tolist():
+        out["stored"][i], out["payload"][i] = index.sizes(int(sel[i]))
+    out["created"] = rows.created[sel]
+    out["tick"] = index.policy.group_ticks(sel)
+    out["pos"] = rows.pos[sel]
+    out["ns"] = rows.ns[sel]
+    out["seg"] = rows.seg[sel]
+    return out.tobytes()
+
+
+def encode_tail(namespaces: list[bytes], n_rows: int, tail_offset: int) -> bytes:
+    table = b"".join(bytes([len(ns)]) + ns for ns in namespaces)
+    return table + _TAIL.pack(n_rows, len(namespaces), tail_offset, END)
+
+
+def decode(raw: bytes, serial: str, num_dbs: int) -> Snapshot:
+    """Check a snapshot whole and split it; ``SnapshotUnusable`` says why it cannot be used."""
+    if len(raw) < _HEAD.size + _TAIL.size + _HASH.size:
+        raise SnapshotUnusable(f"truncated ({len(raw)} bytes)")
+    magic, fmt, dbs, written, slen = _HEAD.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise SnapshotUnusable("not an index snapshot (bad magic)")
+    (want,) = _HASH.unpack_from(raw, len(raw) - _HASH.size)
+    if xxhash.xxh3_64_intdigest(memoryview(raw)[: len(raw) - _HASH.size]) != want:
+        raise SnapshotUnusable("its hash does not match (torn or corrupt)")
+    if fmt != FORMAT:
+        raise SnapshotUnusable(f"format {fmt}; this build reads {FORMAT}")
+    head_end = _HEAD.size + slen
+    found = bytes(raw[_HEAD.size:head_end]).decode(errors="replace")
+    if found != serial:
+        raise SnapshotUnusable(f"written for card {found}, not this card ({serial})")
+    if dbs != num_dbs:
+        raise SnapshotUnusable(f"written with num_dbs {dbs}, now {num_dbs}")
+    n, n_ns, tail_at, end = _TAIL.unpack_from(raw, len(raw) - _HASH.size - _TAIL.size)
+    if end != END or tail_at != head_end + n * ROW.itemsize or tail_at > len(raw):
+        raise SnapshotUnusable("its layout does not add up")
+    namespaces, at = [], tail_at
+    for _ in range(n_ns):
+        k = raw[at]
+        namespaces.append(bytes(raw[at + 1 : at + 1 + k]))
+        at += 1 + k
+    if at != len(raw) - _HASH.size - _TAIL.size:
+        raise SnapshotUnusable("its namespace table does not add up")
+    rows = np.frombuffer(raw, ROW, count=n, offset=head_end)
+    if n and int(rows["ns"].max()) >= max(1, n_ns):
+        raise SnapshotUnusable("a row names a namespace the snapshot lacks")
+    return Snapshot(rows, namespaces, written)
+
+
+def build_index(snap: Snapshot, index: CardIndex) -> None:
+    """Fill an empty ``index`` from a snapshot (on a pool thread: nothing else uses ``index`` yet).
+
+    Rows come in unchecked (``CHECKED`` clear); the namespaces' figures are
+    counted when the loop takes the index over (``count_usage``).
+    """
+    rec = snap.rows
+    if not len(rec):
+        return
+    # A row moved while the snapshot was written may be in it twice: keep one.
+    _, first = np.unique(rec["lo"], return_index=True)
+    rec = rec[np.sort(first)]
+    rows = index.rows
+    sel = rows.add_many(rec["lo"], rec["hi"])
+    payload, stored = rec["payload"], rec["stored"]
+    head = stored - payload
+    big = (payload >= OVERSIZE) | (stored < payload) | (head > 0xFFFF)
+    rows.payload[sel] = np.where(big, OVERSIZE, payload).astype(np.uint32)
+    rows.head[sel] = np.where(big, 0, head).astype(np.uint16)
+    for i in np.flatnonzero(big).tolist():
+        index.note_oversize(rows.digest(int(sel[i])), int(stored[i]), int(payload[i]))
+    rows.created[sel] = rec["created"]
+    rows.ns[sel] = rec["ns"]
+    rows.flags[sel] = 0
+    index.set_namespaces(snap.namespaces)
+    index.used = int(stored.sum())
+    dialogs = np.empty((len(rec), 2), np.uint64)
+    dialogs[:, 0], dialogs[:, 1] = rec["dlo"], rec["dhi"]
+    index.policy.restore(sel, dialogs, rec["pos"], rec["seg"], rec["tick"])
+
+
+def count_usage(index: CardIndex) -> None:
+    """Add a freshly built index's rows to the namespaces' figures (on the loop)."""
+    n = index.rows.n
+    if not n:
+        return
+    ns = index.rows.ns[:n]
+    stored = index.stored_of(np.arange(n))
+    counts = np.bincount(ns, minlength=len(index.namespaces))
+    sums = np.bincount(ns, weights=stored, minlength=len(index.namespaces))
+    for i in np.flatnonzero(counts).tolist():
+        index.usage.card_namespace(index.namespaces[i], int(sums[i]), int(counts[i]))
+
+
+class IndexKeeper:
+    """Keeps one card's index across restarts (the module docstring): load, check, save.
+
+    Owned by its ``ManagedCard``; every method runs on the loop, its I/O and
+    heavy numpy work on the general pool.  ``gone`` collects the digests the
+    card let go of while a check runs, so the check does not index an object
+    whose delete is under way.
+    """
+
+    def __init__(self, mc: ManagedCard) -> None:
+        self.mc = mc
+        self.loaded = 0  # rows the last load took from a snapshot
+        self.checking = False
+        self.gone: set[bytes] = set()
+        self.saved_changes = 0  # the index's change count at the last save (or load)
+        self.saves = 0
+
+    # ---- load ---------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Take the card's snapshot as its index, when it has a usable one; logs what it did."""
+        mc = self.mc
+        t0 = time.monotonic()
+        try:
+            raw = await mc.pool.run(mc.card.read_snapshot)
+        except (OSError, NotImplementedError) as e:
+            log.warning("card %s (%s): index snapshot not read (%s); scanning the card", mc.where, mc.serial, e)
+            return
+        if raw is None:
+            log.info("card %s (%s): no index snapshot; scanning the card", mc.where, mc.serial)
+            return
+        fresh = CardIndex(mc.hooks.usage, mc.cfg.eviction_policy)
+
+        def build() -> Snapshot:
+            snap = decode(raw, mc.serial or "", mc.cfg.num_dbs)
+            build_index(snap, fresh)
+            return snap
+
+        try:
+            snap = await mc.pool.run(build)
+        except SnapshotUnusable as e:
+            log.warning("card %s (%s): index snapshot ignored: %s; scanning the card", mc.where, mc.serial, e)
+            return
+        finally:
+            del raw
+        written_ns = snap.written_ns
+        del snap, build  # the snapshot's bytes: gone before the memory is given back
+        await mc.pool.run(give_back_memory)
+        if mc.index:  # written to before the load ended (never at start): keep what it knows, check finds the rest
+            log.warning("card %s (%s): index snapshot not used: the card took writes while it loaded",
+                        mc.where, mc.serial)
+            return
+        mc.index = fresh
+        count_usage(fresh)
+        self.loaded = len(fresh)
+        self.saved_changes = fresh.changes
+        age = (time.time_ns() - written_ns) / 1e9
+        log.info("card %s (%s): index snapshot of %d objects (%d bytes, written %.0f s ago) loaded in %.2f s; "
+                 "checking it against the card", mc.where, mc.serial, len(fresh), fresh.used, age,
+                 time.monotonic() - t0)
+
+    # ---- check ----------------------------------------------------------------------
+
+    async def check(self) -> None:
+        """Compare the index with the card's names: index what it lacks, drop what the card lacks."""
+        mc = self.mc
+        corrupt0 = mc.card.scan_corrupt
+        by_free_space = mc.cfg.card_capacity is None
+        self.checking, self.gone = True, set()
+        found = dropped = expired = 0
+        t0 = time.monotonic()
+        try:
+            names = await mc.pool.run(mc.card.names)
+            while True:
+                batch = await mc.pool.run(next, names, None)
+                if batch is None:
+                    break
+                if self.loaded:
+                    index = mc.index
+                    rows = index.find(digest_array(batch))
+                    index.rows.flags[rows[rows >= 0]] |= CHECKED
+                    new = [batch[i] for i in np.flatnonzero(rows < 0).tolist()]
+                else:  # no snapshot: every name is new but for the few written since the start (_index_new)
+                    new = batch
+                for start in range(0, len(new), CHECK_HEADERS):
+                    f, e = await self._index_new(new[start:start + CHECK_HEADERS], by_free_space)
+                    found += f
+                    expired += e
+            dropped = await self._drop_unchecked(by_free_space)
+            expired += self._drop_expired()
+            evictions, used = mc.counters.evictions, mc.used
+            if by_free_space:
+                await mc.resize()
+            else:
+                mc.evict_over_capacity()
+            mc.scanned = True
+            await mc.pool.run(give_back_memory)
+            log.info("card %s (%s): %d objects, %d bytes indexed, capacity %d bytes; %s, in %.1f s%s", mc.where,
+                     mc.serial, len(mc.index), mc.used, mc.capacity,
+                     f"{self.loaded} from its snapshot, {found} found on the card, {dropped} gone from it"
+                     if self.loaded else "no snapshot: every header read", time.monotonic() - t0,
+                     f"; {expired} objects past the ttl deleted" if expired else "")
+            if mc.counters.evictions > evictions:
+                log.warning("card %s (%s) held more than its capacity of %d bytes at start: %d objects (%d bytes) "
+                            "evicted", mc.where, mc.serial, mc.capacity, mc.counters.evictions - evictions,
+                            used - mc.used)
+        except OSError as e:
+            log.warning("card %s: index scan stopped: %s", mc.where, e)
+        finally:
+            self.checking, self.gone = False, set()
+        # Counted also when the scan stopped: what it deleted is gone either way.
+        corrupt = mc.card.scan_corrupt - corrupt0
+        if corrupt:
+            log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or "
+                        "misnamed)", mc.where, mc.serial, corrupt)
+            if mc.hooks.on_corrupt is not None:
+                mc.hooks.on_corrupt(corrupt)
+        if mc.scanned and mc.index.changes != self.saved_changes:
+            await self.save("after the start-up check")
+
+    async def _index_new(self, digests: list[bytes], by_free_space: bool) -> tuple[int, int]:
+        """Read the headers of names the index lacks and index them; (indexed, expired)."""
+        mc = self.mc
+        objs = await mc.pool.run(mc.card.stored_objects, digests)
+        ttl = mc.cfg.ttl
+        too_old, n = [], 0
+        step = time.perf_counter()
+        for digest, obj in zip(digests, objs):
+            if time.perf_counter() - step > SLICE_S:  # let requests in between
+                await asyncio.sleep(0)
+                step = time.perf_counter()
+            if obj is None or digest in self.gone or digest in mc.leaving or mc.index.has(digest):
+                continue  # gone, being deleted, or written since it was listed (newer than the header read)
+            if ttl is not None and obj.meta.created_ns + ttl * 1e9 < time.time_ns():
+                too_old.append(digest)
+                continue
+            mc.index.put(obj.full_key, obj.stored_bytes, obj.payload_len, obj.meta, obj.meta.created_ns)
+            n += 1
+            if by_free_space:  # the free space measured before the scan did not count these bytes
+                mc.capacity += obj.stored_bytes
+        if too_old:
+            mc.hooks.on_expired(len(too_old))
+            mc.spawn_delete(too_old)
+        return n, len(too_old)
+
+    async def _drop_unchecked(self, by_free_space: bool) -> int:
+        """Rows the check did not see on the card: their objects are gone."""
+        mc = self.mc
+        index = mc.index
+        n = index.rows.n
+        gone = index.rows.digests(np.flatnonzero((index.rows.flags[:n] & CHECKED) == 0))
+        dropped = 0
+        step = time.perf_counter()
+        for digest in gone:
+            if time.perf_counter() - step > SLICE_S:
+                await asyncio.sleep(0)
+                step = time.perf_counter()
+            r = mc.index.row(digest)
+            if r < 0 or mc.index.rows.flags.item(r) & CHECKED:
+                continue  # dropped, or written again, meanwhile
+            stored, _ = mc.index.sizes(r)
+            mc.index.pop_row(r)
+            dropped += 1
+            if by_free_space:
+                mc.capacity -= stored
+        return dropped
+
+    def _drop_expired(self) -> int:
+        """With a ttl, rows the snapshot brought that are past it: deleted now, not at their first lookup."""
+        mc = self.mc
+        if mc.cfg.ttl is None or not mc.index:
+            return 0
+        n = mc.index.rows.n
+        old = np.flatnonzero(mc.index.rows.created[:n] < time.time_ns() - int(mc.cfg.ttl * 1e9))
+        if not old.size:
+            return 0
+        digests = mc.index.rows.digests(old)
+        for d in digests:
+            mc.note_gone_digest(d)
+        mc.hooks.on_expired(len(digests))
+        mc.spawn_delete(digests)
+        return len(digests)
+
+    # ---- save -------------------------------------------------------------------------
+
+    async def save(self, why: str) -> bool:
+        """Write the index to the card as its snapshot; False (logged) when the card would not take it."""
+        mc = self.mc
+        index = mc.index
+        changes = index.changes
+        t0 = time.monotonic()
+        writer: SnapshotWriter | None = None
+        try:
+            writer = await mc.pool.run(mc.card.snapshot_writer)
+            hasher = xxhash.xxh3_64()
+            head = encode_head(mc.serial or "", mc.cfg.num_dbs)
+            written = len(head)
+            hasher.update(head)
+            await mc.pool.run(writer.write, head)
+            start = n_rows = 0
+            while start < index.rows.n:
+                if index is not mc.index:
+                    raise OSError("the index was replaced (cleaned) while it was written")
+                chunk = encode_rows(index, start, min(start + SAVE_ROWS, index.rows.n))
+                hasher.update(chunk)
+                await mc.pool.run(writer.write, chunk)
+                n_rows += len(chunk) // ROW.itemsize
+                written += len(chunk)
+                start += SAVE_ROWS
+            tail = encode_tail(list(index.namespaces), n_rows, written)
+            hasher.update(tail)
+            await mc.pool.run(writer.write, tail + _HASH.pack(hasher.intdigest()))
+            await mc.pool.run(writer.commit)
+        except (OSError, NotImplementedError) as e:
+            if writer is not None:
+                await mc.pool.run(writer.abort)
+            log.warning("card %s (%s): index snapshot not written (%s)", mc.where, mc.serial, e)
+            return False
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        self.saved_changes = changes
+        self.saves += 1
+        await mc.pool.run(give_back_memory)  # the copies of rows were megabytes each
+        log.info("card %s (%s): index snapshot of %d objects written %s in %.2f s", mc.where, mc.serial, n_rows,
+                 why, time.monotonic() - t0)
+        return True
+
+    async def save_now_and_then(self) -> None:
+        """Every ``SAVE_EVERY_S``, a snapshot if the index changed since the last one (a crash then loses
+        less: the check at the next start finds what the snapshot missed)."""
+        while True:
+            await asyncio.sleep(SAVE_EVERY_S)
+            mc = self.mc
+            if mc.scanned and mc.active and mc.index.changes != self.saved_changes:
+                try:
+                    await self.save("periodically")
+                except CardUnavailable:
+                    pass
+
+    def digest_gone(self, digest: bytes) -> None:
+        """The card let go of ``digest`` (evicted, deleted, expired): a check under way must not index it."""
+        if self.checking:
+            self.gone.add(digest)
+

@@ -1,0 +1,118 @@
+"""``DigestRows``: rows found by digest, one at a time and in batches, through growth and removals."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvgate.tiers import rows as rows_module
+from kvgate.tiers.rows import DigestRows, digest_array, split_digest
+
+
+def digests(n: int, salt: bytes = b"") -> list[bytes]:
+    return [xxhash.xxh3_128_digest(salt + b"%d" % i) for i in range(n)]
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_random_adds_and_removes_agree_with_a_dict(stable: bool) -> None:
+    moves: list[tuple[int, int]] = []
+    rows = DigestRows({"v": np.int64}, on_move=lambda s, d: moves.append((s, d)), stable=stable)
+    ref: dict[bytes, int] = {}
+    rng = random.Random(7)
+    keys = digests(3000)
+    for step in range(12000):
+        k = rng.choice(keys)
+        r = rows.find1(*split_digest(k))
+        if k in ref:
+            assert r >= 0 and rows.v[r] == ref[k]
+            if rng.random() < 0.5:
+                n0 = rows.n
+                moved = rows.remove(r)
+                del ref[k]
+                if stable:
+                    assert moved == -1 and rows.n == n0, "a stable table leaves a hole"
+                elif moved >= 0:
+                    assert moves[-1] == (moved, r) and moved == n0 - 1, "the last row filled the hole"
+        else:
+            assert r == -1
+            r = rows.add1(*split_digest(k))
+            rows.v[r] = step
+            ref[k] = step
+        if step % 3000 == 0:
+            found = rows.find(*digest_array(keys).T)
+            assert [int(x) >= 0 for x in found] == [k in ref for k in keys]
+            assert all(rows.v[int(x)] == ref[k] for k, x in zip(keys, found) if x >= 0)
+            assert len(rows) == len(ref)
+            if not stable:
+                assert rows.n == len(ref), "dense: every row below n is live"
+    assert len(rows) == len(ref)
+
+
+def test_bulk_add_then_find_many_and_digests_back() -> None:
+    rows = DigestRows({})
+    keys = digests(50_000)
+    arr = digest_array(keys)
+    got = rows.add_many(arr[:, 0], arr[:, 1])
+    assert list(got) == list(range(50_000))
+    probe = digests(50_000)[::7] + digests(1000, b"absent")
+    found = rows.find(*digest_array(probe).T)
+    assert (found[: len(keys[::7])] == np.arange(0, 50_000, 7)).all()
+    assert (found[len(keys[::7]):] == -1).all()
+    assert rows.digests(np.array([0, 49_999])) == [keys[0], keys[49_999]]
+    assert rows.slots.size >= 2 * rows.n, "at most half the slots in use"
+
+
+def test_removal_keeps_every_probe_run_whole() -> None:
+    """Keys sharing a home slot, and keys their run pushed along: removing any one leaves the rest findable
+    (the run is shifted back, no tombstones)."""
+    rows = DigestRows({}, capacity=16)
+    mask = rows.mask
+    colliding = [(3 + (i << 40), i) for i in range(4)]  # all at home in slot 3
+    pushed = [(4, 100), (5, 101), (mask, 102), (mask + 1, 103)]  # homes 4 and 5, then a run that wraps
+    live = colliding + pushed
+    for lo, hi in live:
+        rows.add1(lo, hi)
+    assert rows.mask == mask, "no growth in between"
+    for victim in [colliding[1], pushed[0], colliding[0], pushed[2], colliding[3]]:
+        rows.remove(rows.find1(*victim))
+        live.remove(victim)
+        for lo, hi in colliding + pushed:
+            assert (rows.find1(lo, hi) >= 0) == ((lo, hi) in live), (victim, (lo, hi))
+    assert len(rows) == len(live)
+
+
+def test_a_table_that_doubles_moves_over_while_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MIGRATE_FROM slots the table doubles by migration: every digest stays findable, one by one and in
+    batches, through adds and removals while both tables are in use."""
+    monkeypatch.setattr(rows_module, "MIGRATE_FROM", 64)
+    monkeypatch.setattr(rows_module, "MIGRATE_PER_ADD", 3)
+    monkeypatch.setattr(rows_module, "MIGRATE_PER_FIND", 16)
+    monkeypatch.setattr(rows_module, "RESERVE_FROM", 256)
+    rows = DigestRows({"v": np.int64})
+    ref: dict[bytes, int] = {}
+    rng = random.Random(11)
+    keys = digests(5000)
+    migrating = 0
+    for step in range(20000):
+        k = rng.choice(keys)
+        r = rows.find1(*split_digest(k))
+        assert (r >= 0) == (k in ref)
+        if r >= 0:
+            assert rows.v[r] == ref[k]
+            if rng.random() < 0.3:
+                rows.remove(r)
+                del ref[k]
+        else:
+            r = rows.add1(*split_digest(k))
+            rows.v[r] = step
+            ref[k] = step
+        migrating += rows._old is not None
+        if step % 500 == 0:
+            found = rows.find(*digest_array(keys).T)
+            assert [int(x) >= 0 for x in found] == [k in ref for k in keys]
+            assert all(rows.v[int(x)] == ref[k] for k, x in zip(keys, found) if x >= 0)
+    assert migrating > 100, "the steps ran while the table was doubling"
+    assert rows.cap >= rows_module.RESERVE_ROWS or rows.cap >= len(ref), "columns grew"

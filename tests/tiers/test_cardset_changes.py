@@ -200,3 +200,70 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
             await cards.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("placement", ["dialog", "stripe"])
+def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(tmp_path: Path,
+                                                                              placement: str) -> None:
+    """Objects another gateway of a shared card wrote are in no index here, so the mover does not know
+    them: while it settles a join, a miss on a slot's new card asks the slot's old one (lookup, exists,
+    get, prewarm).  Once it has settled, they are misses on their new card, as the README says."""
+    from kvgate.tiers.store import GetItem, PutItem
+    from kvgate.types import Retention
+    from tests.tiers.test_store import started_store
+
+    def keys_of(d: int) -> list[bytes]:
+        return [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(4)]
+
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
+            cards = store.long
+            (old,) = cards.cards
+
+            async def put(d: int) -> None:
+                dialog = dialog_digest(b"dialog-%d" % d)
+                items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys_of(d))]
+                assert await store.put(items, Retention.LONG) == [True] * 4
+                for k in keys_of(d):
+                    store.ram.delete(k)  # on the card only
+
+            theirs = range(40)  # written by "another gateway": on the card, in no index here
+            for d in theirs:
+                await put(d)
+                for k in keys_of(d):
+                    old.note_gone(k)
+            for d in range(100, 140):  # ours, indexed: the mover has these to copy, slowly
+                await put(d)
+            cards.mover.rate = 2 * SIZE
+
+            async def restorable(d: int) -> tuple[int, list[bool], int]:
+                dialog = dialog_digest(b"dialog-%d" % d)
+                keys = keys_of(d)
+                n = await store.lookup(keys, dialog)
+                present = await store.exists(keys, dialog)
+                items = [GetItem(k, dialog, memoryview(bytearray(SIZE))) for k in keys]
+                sizes, _ = await store.get(items)
+                for it, size in zip(items, sizes):
+                    if size == SIZE:
+                        assert it.dest.tobytes() == _payload(it.fkey), "a wrong byte"
+                return n, present, sum(s == SIZE for s in sizes)
+
+            (tmp_path / "card1").mkdir()
+            new = await cards.add(str(tmp_path / "card1"))
+            moved = [d for d in theirs if cards.card_for(keys_of(d)[0], dialog_digest(b"dialog-%d" % d)) is new]
+            assert moved and cards.mover.misplaced(old), "some slots moved, and the mover is still copying"
+            for d in theirs:
+                assert await restorable(d) == (4, [True] * 4, 4), f"dialog {d} lost hits to the join"
+            dialog = dialog_digest(b"dialog-%d" % moved[0])
+            assert await store.prewarm(keys_of(moved[0]), dialog) == 4  # into RAM, from the old card
+
+            cards.mover.rate = 1 << 30
+            cards.mover.wake()
+            await wait_until_async(lambda: not cards._unsettled, 10, "the mover settled the join", interval=0.02)
+            if placement == "dialog":  # whole dialogs moved: theirs are misses on the new card now
+                for d in moved[1:]:
+                    assert (await restorable(d))[0] == 0
+            for d in range(100, 140):  # ours were copied: every block still there
+                assert (await restorable(d))[0] == 4
+
+    asyncio.run(main())

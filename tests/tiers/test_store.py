@@ -44,8 +44,9 @@ async def started_store(tmp_path: Path, n_cards: int = 1, **cfg) -> AsyncIterato
     dirs = [tmp_path / f"card{i}" for i in range(n_cards)]
     for d in dirs:
         d.mkdir(exist_ok=True)
-    cfg = {"max_bytes": 8 << 20, "card_capacity": 64 << 20, "thread_pool_size": 2, **cfg}
-    store = TieredStore(Config(storage_devices=[str(d) for d in dirs], storage_slots=16 * n_cards, **cfg),
+    cfg = {"max_bytes": 8 << 20, "card_capacity": 64 << 20, "thread_pool_size": 2, "storage_slots": 16 * n_cards,
+           **cfg}
+    store = TieredStore(Config(storage_devices=[str(d) for d in dirs], **cfg),
                         IoPool(cfg["thread_pool_size"]))
     await store.start()
     try:

@@ -57,6 +57,10 @@ CHECK_INTERVAL_S = 1.0
 # What the mover copies between cards after a change, at most: a quarter of
 # a SATA SSD's write rate, a small share of an NVMe's.
 MOVE_BYTES_PER_S = 128 << 20
+# How many changes back a miss still asks a slot's earlier card while the
+# mover has not settled them (``CardSet.earlier_home``): each is one more card
+# a miss may ask, and several changes within one move are rare.
+UNSETTLED_LAYOUTS = 4
 
 T = TypeVar("T")
 
@@ -102,6 +106,14 @@ def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tu
     return groups
 
 
+def _run_end(cards: list, start: int, end: int) -> int:
+    """Where the run of the same card that starts at ``start`` ends (at ``end`` at the latest)."""
+    i = start + 1
+    while i < end and cards[i] is cards[start]:
+        i += 1
+    return i
+
+
 class CardSet:
     """The configured cards, the slot map over them, and the rule of where a key is.
 
@@ -128,8 +140,11 @@ class CardSet:
         self.generation = 0  # changes of the card set since start
         self._by_serial: dict[str, ManagedCard] = {}
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
-        self.mover = CardMover(self, MOVE_BYTES_PER_S, self._let_drained_go)
+        self.mover = CardMover(self, MOVE_BYTES_PER_S, self._after_move_round)
         self._tasks = Tasks()
+        # The slot maps before each change the mover has not settled yet (newest last): a key not in any
+        # index (another gateway of a shared card wrote it) may still be on its slot's card of then.
+        self._unsettled: list[SlotMap] = []
         self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
 
     @property
@@ -234,6 +249,24 @@ class CardSet:
             return None
         mc = self._by_serial[serial]
         return mc if mc.active else None
+
+    def earlier_home(self, fkey: bytes, dialog: bytes, home: ManagedCard | None) -> ManagedCard | None:
+        """While the mover settles a change: the card ``fkey``'s slot had before it (the newest such map
+        where that is another card in service), to ask when ``home`` does not hold it; else None.
+
+        So a join costs no hits of objects this gateway has not indexed (a
+        shared card's objects another gateway wrote): until they are moved or
+        the move settles, a miss on the slot's new card asks its old one.
+        """
+        if not self._unsettled:
+            return None
+        slot = slot_of(key_digest(fkey), dialog, self.cfg.key_placement, self.slot_map.slots)
+        for before in reversed(self._unsettled):
+            serial = before.serial_of_slot(slot % before.slots)
+            mc = self._by_serial.get(serial) if serial is not None else None
+            if mc is not None and mc is not home and mc.active:
+                return mc
+        return None
 
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
@@ -361,32 +394,46 @@ class CardSet:
             out.append(mc if mc is not None and mc.active else None)
         return out
 
-    async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], urgent: bool = False) -> int:
-        """How many leading keys exist on their ``homes`` (the cards themselves are asked)."""
+    async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
+                           urgent: bool = False) -> int:
+        """How many leading keys exist on their ``homes`` (the cards themselves are asked; where a home
+        does not hold a key, its ``earlier_home`` too)."""
         n = 0
         while n < len(fkeys):
             mc = homes[n]
             if mc is None:
                 break
-            end = n + 1
-            while end < len(fkeys) and homes[end] is mc:
-                end += 1
-            found = await mc.probe_prefix(fkeys[n:end], urgent)
+            end = _run_end(homes, n, len(fkeys))
+            n += await mc.probe_prefix(fkeys[n:end], urgent)
+            if n == end:
+                continue
+            earlier = [self.earlier_home(k, dialog, mc) for k in fkeys[n:end]]
+            if earlier[0] is None:
+                break
+            stop = n + _run_end(earlier, 0, len(earlier))
+            found = await earlier[0].probe_prefix(fkeys[n:stop], urgent)
             n += found
-            if n < end:
+            if n < stop:
                 break
         return n
 
-    async def probe_each(self, fkeys: list[bytes], homes: list[ManagedCard | None],
+    async def probe_each(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
                          urgent: bool = False) -> list[bool]:
-        """Whether each key exists on its home card (the cards themselves are asked; no home: False)."""
+        """Whether each key exists on its home card (the cards themselves are asked; no home: False; not on
+        its home: its ``earlier_home`` is asked)."""
         out = [False] * len(fkeys)
 
-        async def one(mc: ManagedCard, idx: list[int]) -> None:
-            for i, found in zip(idx, await mc.probe_each([fkeys[i] for i in idx], urgent)):
-                out[i] = found
+        async def ask(pairs) -> None:
+            async def one(mc: ManagedCard, idx: list[int]) -> None:
+                for i, found in zip(idx, await mc.probe_each([fkeys[i] for i in idx], urgent)):
+                    out[i] = found
 
-        await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(zip(homes, range(len(fkeys)))).values()))
+            await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(pairs).values()))
+
+        await ask(zip(homes, range(len(fkeys))))
+        if self._unsettled:
+            await ask((self.earlier_home(fkeys[i], dialog, homes[i]), i)
+                      for i in range(len(fkeys)) if not out[i] and homes[i] is not None)
         return out
 
     def hint_reads(self, found: list[FoundOnCard], urgent: bool = False) -> None:
@@ -399,8 +446,9 @@ class CardSet:
         per_card: dict[int, tuple[ManagedCard, list[bytes]]] = {}
         for k, home in zip(fkeys, self.cards_for(fkeys, dialog)):
             targets = [mc for mc in self.cards if mc.active and k in mc.index]
-            if home is not None and home not in targets:
-                targets.append(home)
+            for also in (home, self.earlier_home(k, dialog, home)):
+                if also is not None and also not in targets:
+                    targets.append(also)
             for mc in targets:
                 per_card.setdefault(id(mc), (mc, []))[1].append(k)
         return sum(await asyncio.gather(*(mc.delete(keys) for mc, keys in per_card.values())))
@@ -512,6 +560,7 @@ class CardSet:
 
     def _changed(self, what: str) -> None:
         self.generation += 1
+        self._unsettled = [*self._unsettled[-(UNSETTLED_LAYOUTS - 1):], self.slot_map]
         self._remap()
         log.warning("card set generation %d: %s; layout fingerprint %s", self.generation, what, self.fingerprint)
         self.mover.wake()
@@ -614,8 +663,11 @@ class CardSet:
         self.patterns = list(patterns)
         return problems
 
-    def _let_drained_go(self) -> None:
-        """After each mover round: a draining card with nothing left to copy leaves."""
+    def _after_move_round(self, settled: bool) -> None:
+        """After each mover round: a draining card with nothing left to copy leaves; once the mover has
+        settled every change, misses no longer fall back to the cards slots had before."""
+        if settled:
+            self._unsettled.clear()
         for serial in list(self._draining):
             mc = self._by_serial[serial]
             if not mc.index:

@@ -62,12 +62,13 @@ class Misplaced:
 class CardMover:
     """Copies misplaced objects to their placement card; see the module docstring.
 
-    ``after_round`` is called after each pass over the cards (the card set
-    lets fully drained cards go then).  ``moved`` / ``moved_bytes`` count
+    ``after_round(settled)`` is called after each pass over the cards (the
+    card set lets fully drained cards go then); ``settled``: the pass found
+    nothing left to move, and the card set's changes so far are done.  ``moved`` / ``moved_bytes`` count
     what landed on its new card.
     """
 
-    def __init__(self, cards: CardSet, rate_bytes_per_s: int, after_round: Callable[[], None]) -> None:
+    def __init__(self, cards: CardSet, rate_bytes_per_s: int, after_round: Callable[[bool], None]) -> None:
         self.cards = cards
         self.rate = rate_bytes_per_s
         self.after_round = after_round
@@ -92,7 +93,7 @@ class CardMover:
                 except Exception:  # noqa: BLE001 - the mover must outlive any one round
                     log.exception("card mover: a round failed")
                     left = True
-                self.after_round()
+                self.after_round(not left and not self._wake.is_set())
                 if not left:
                     break
                 if not self._wake.is_set():

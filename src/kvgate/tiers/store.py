@@ -276,9 +276,16 @@ class TieredStore:
                 c.ram.hits += 1
                 c.ram.bytes_read += entry.size
 
-        async def from_card(cs: ManagedCard, idx: list[int]) -> None:
+        earlier: list[tuple[ManagedCard, int]] = []
+
+        async def from_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
             results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
+                if not last_try and r.outcome is ReadOutcome.MISSING:
+                    before = self.long.earlier_home(items[i].fkey, items[i].dialog, cs)
+                    if before is not None:  # the card set changed and the mover has not settled it yet
+                        earlier.append((before, i))
+                        continue
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
         card_for = self.long.card_for
@@ -289,6 +296,9 @@ class TieredStore:
         # must not leave others still writing the destinations.
         done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
                                     return_exceptions=True)
+        if earlier and not any(isinstance(r, BaseException) for r in done):
+            done = await asyncio.gather(*(from_card(cs, idx, last_try=True)
+                                          for cs, idx in group_by_card(earlier).values()), return_exceptions=True)
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
@@ -390,7 +400,7 @@ class TieredStore:
                 self.long.hint_reads(hints, urgent)
             if not unknown:
                 return n
-            found = await self.long.probe_prefix(fkeys[n : n + len(unknown)], unknown, urgent)
+            found = await self.long.probe_prefix(fkeys[n : n + len(unknown)], unknown, dialog, urgent)
             n += found
             if found < len(unknown):
                 return n
@@ -415,7 +425,7 @@ class TieredStore:
         if self.cfg.prepare_reads and indexed.any():
             self.long.hint_reads(found_on_cards(where, asked, digests, indexed), urgent)
         if unknown:
-            found = await self.long.probe_each([fkeys[i] for i in unknown], unknown_homes, urgent)
+            found = await self.long.probe_each([fkeys[i] for i in unknown], unknown_homes, dialog, urgent)
             for i, f in zip(unknown, found):
                 present[i] = f
         return present
@@ -446,6 +456,9 @@ class TieredStore:
                 size = entry.payload_len
             else:  # no index holds it: ask its card (as lookup and get do)
                 size = await self._unindexed_size(cs, k)
+                before = self.long.earlier_home(k, dialog, cs) if size is None else None
+                if before is not None:  # the card set changed and the mover has not settled it yet
+                    cs, size = before, await self._unindexed_size(before, k)
                 if size is None:
                     break
             # The meta is the header's once read (its creation time counts for the ttl in RAM too).

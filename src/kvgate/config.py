@@ -169,6 +169,11 @@ class Config:
     shared_storage: bool = _key(_parse_bool, False, "cards are shared with other gateways: never delete all data")
     start_clean: bool = _key(_parse_bool, False,
                              "delete every object on the cards at start (refused with shared_storage)")
+    # A quarter of a SATA SSD's write rate, a small share of an NVMe's: the engine's own writes and restores
+    # keep the card.
+    card_move_rate: int = _key(parse_size, 128 << 20,
+                               "bytes a second the mover copies between cards after a card joins or drains",
+                               minimum=1 << 20)
     io_timeout_ms: int = _key(_parse_int, 2000, "deadline of one card I/O in milliseconds", minimum=1)
     io_timeout_strikes: int = _key(_parse_int, 3,
                                    "I/Os in a row past the deadline or failing that take a card out of service",

@@ -64,6 +64,7 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
     async def main() -> None:
         cards = await _started(tmp_path, ["a", "b"])
         try:
+            assert cards.mover.rate == cards.cfg.card_move_rate == 128 << 20
             dialogs = {d: await _write_dialog(cards, d) for d in range(40)}
             gen0, fp0 = cards.generation, cards.fingerprint
 

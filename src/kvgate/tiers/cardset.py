@@ -54,9 +54,6 @@ from kvgate.tiers.rows import digest_array
 log = logging.getLogger("kvgate.long")
 
 CHECK_INTERVAL_S = 1.0
-# What the mover copies between cards after a change, at most: a quarter of
-# a SATA SSD's write rate, a small share of an NVMe's.
-MOVE_BYTES_PER_S = 128 << 20
 # How many changes back a miss still asks a slot's earlier card while the
 # mover has not settled them (``CardSet.earlier_home``): each is one more card
 # a miss may ask, and several changes within one move are rare.
@@ -140,7 +137,7 @@ class CardSet:
         self.generation = 0  # changes of the card set since start
         self._by_serial: dict[str, ManagedCard] = {}
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
-        self.mover = CardMover(self, MOVE_BYTES_PER_S, self._after_move_round)
+        self.mover = CardMover(self, cfg.card_move_rate, self._after_move_round)
         self._tasks = Tasks()
         # The slot maps before each change the mover has not settled yet (newest last): a key not in any
         # index (another gateway of a shared card wrote it) may still be on its slot's card of then.

@@ -78,7 +78,7 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
             await _settle(cards)
             assert len(joined.index) > 0, "the mover copied the joined card's slots over"
             for mc in cards.cards:
-                assert not cards.mover.misplaced(mc)
+                assert not await cards.mover.misplaced(mc)
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
 
             # Drain: no new writes land there; once its objects are elsewhere it leaves.
@@ -115,9 +115,15 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
     asyncio.run(main())
 
 
+async def _misplaced(cards: CardSet) -> int:
+    return sum([len(await cards.mover.misplaced(mc)) for mc in cards.cards])
+
+
 async def _settle(cards: CardSet) -> None:
-    await wait_until_async(lambda: not any(cards.mover.misplaced(mc) for mc in cards.cards) and not cards._draining,
-                           8, "the mover settled", interval=0.02)
+    deadline = asyncio.get_running_loop().time() + 8
+    while await _misplaced(cards) or cards._draining:
+        assert asyncio.get_running_loop().time() < deadline, "the mover did not settle within 8 s"
+        await asyncio.sleep(0.02)
 
 
 def test_adding_a_card_in_use_or_missing_says_why(tmp_path: Path) -> None:
@@ -252,7 +258,7 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
             (tmp_path / "card1").mkdir()
             new = await cards.add(str(tmp_path / "card1"))
             moved = [d for d in theirs if cards.card_for(keys_of(d)[0], dialog_digest(b"dialog-%d" % d)) is new]
-            assert moved and cards.mover.misplaced(old), "some slots moved, and the mover is still copying"
+            assert moved and await cards.mover.misplaced(old), "some slots moved, and the mover is still copying"
             for d in theirs:
                 assert await restorable(d) == (4, [True] * 4, 4), f"dialog {d} lost hits to the join"
             dialog = dialog_digest(b"dialog-%d" % moved[0])
@@ -260,11 +266,49 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
 
             cards.mover.rate = 1 << 30
             cards.mover.wake()
-            await wait_until_async(lambda: not cards._unsettled, 10, "the mover settled the join", interval=0.02)
+            await wait_until_async(lambda: not cards._unsettled, 30, "the mover settled the join", interval=0.02)
             if placement == "dialog":  # whole dialogs moved: theirs are misses on the new card now
                 for d in moved[1:]:
                     assert (await restorable(d))[0] == 0
             for d in range(100, 140):  # ours were copied: every block still there
                 assert (await restorable(d))[0] == 4
+
+    asyncio.run(main())
+
+
+def test_a_move_waits_for_a_card_out_of_service_and_goes_on_when_it_is_back(tmp_path: Path, monkeypatch) -> None:
+    """The joined card goes out of service before the mover copied anything to it: the mover tries again
+    less and less often (each round copies the index's columns), and goes on as soon as the card is
+    back; misses keep asking the old card meanwhile."""
+    monkeypatch.setattr(mover, "RETRY_S", 0.1)
+
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a"])
+        try:
+            dialogs = {d: await _write_dialog(cards, d) for d in range(24)}
+            rounds = 0
+            real_round = cards.mover._round
+
+            async def counted_round() -> bool:
+                nonlocal rounds
+                rounds += 1
+                return await real_round()
+
+            cards.mover._round = counted_round  # type: ignore[method-assign]
+            (tmp_path / "b").mkdir()
+            joined = await cards.add(str(tmp_path / "b"))
+            joined.health.take_out("test: out of service", by_error=True)
+            await asyncio.sleep(1.6)  # at RETRY_S 0.1 without backing off: 16 rounds
+            assert 2 <= rounds <= 6, rounds
+            assert cards._unsettled, "the join is not settled while its card is out"
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
+            joined.health.taken_out_by_error = False  # it answers its next check: back at once
+            await wait_until_async(lambda: joined.active, 5, "the card back in service")
+            await _settle(cards)
+            assert len(joined.index) > 0, "the mover went on once the card was back"
+            await wait_until_async(lambda: not cards._unsettled, 10, "the join settled")
+            assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
+        finally:
+            await cards.stop()
 
     asyncio.run(main())

@@ -468,8 +468,11 @@ class CardSet:
                 log.exception("card health check failed")
 
     async def _check(self, mc: ManagedCard) -> None:
+        was_active = mc.active
         if not await mc.check():
             await self._relocate(mc)
+        elif mc.active and not was_active and (self._unsettled or self._draining):
+            self.mover.wake()  # what waited for this card can move now
 
     async def _relocate(self, mc: ManagedCard) -> None:
         """Look for the card's serial under the other locations its entry matches."""

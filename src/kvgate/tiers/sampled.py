@@ -43,6 +43,7 @@ identity, for the trace replay and tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -57,6 +58,73 @@ REUSED: Final = int(Segment.REUSED)
 _FAR_PAST: Final = -(1 << 62)
 
 RowSkip = Callable[[int], bool]
+
+
+def _rank(prefix: bool, seg: np.ndarray, tick: np.ndarray, dlg: np.ndarray, pos: np.ndarray, gtick: np.ndarray,
+          young_after: int, rows_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(phase, group tick) of rows, from a policy's columns (``SampledPolicy._rank``)."""
+    gt = tick[rows_]
+    if not prefix:
+        return np.zeros(len(rows_), np.int64), gt
+    seg_ = seg[rows_].astype(np.int64)
+    listed = pos[rows_] >= 0
+    if listed.any():
+        gt = np.where(listed, gtick[np.where(listed, dlg[rows_], 0), seg_], gt)
+    young = (seg_ != REUSED) & (gt > young_after)
+    phase = np.where(young, seg_ + 3, np.where(seg_ == REUSED, 2, seg_))
+    return phase, gt
+
+
+@dataclass(frozen=True)
+class OrderColumns:
+    """A policy's columns as of one moment (``SampledPolicy.order_columns``): what the copy order of its
+    rows is worked out from, on the loop (views) or on a pool thread (a copy)."""
+
+    prefix: bool
+    seg: np.ndarray
+    tick: np.ndarray
+    dlg: np.ndarray
+    pos: np.ndarray
+    gtick: np.ndarray  # per dialog
+    dialog_lo: np.ndarray  # per dialog
+    dialog_hi: np.ndarray  # per dialog
+    young_after: int
+
+    def dialog_digests(self, rows_: np.ndarray) -> np.ndarray:
+        """``(n, 2)`` uint64 dialog digests of rows (zeros: none)."""
+        d = self.dlg[rows_]
+        out = np.zeros((len(rows_), 2), np.uint64)
+        has = d >= 0
+        out[has, 0] = self.dialog_lo[d[has]]
+        out[has, 1] = self.dialog_hi[d[has]]
+        return out
+
+    def hottest_first(self, rows_: np.ndarray) -> np.ndarray:
+        """``rows_`` in the order a mover copies them: dialogs used again (most recent first), then new
+        ones, then tails; each dialog once, from its head, in the place of its hottest group.
+
+        Not the reverse of the eviction order: eviction shields young new
+        dialogs for a while, which would put one-off dialogs ahead of the
+        ones being reused.  O(n log n) over the rows at once, for the rare
+        moves between cards.
+        """
+        sel = np.asarray(rows_, np.int64)
+        if not sel.size:
+            return sel
+        _phase, gt = _rank(self.prefix, self.seg, self.tick, self.dlg, self.pos, self.gtick, self.young_after, sel)
+        if not self.prefix:
+            return sel[np.argsort(-gt, kind="stable")]
+        seg = self.seg[sel].astype(np.int64)
+        worth = np.where(seg == REUSED, 0, np.where(seg == NEW, 1, 2))
+        key = np.lexsort((-gt, worth)).argsort()  # each row's place in copy order, on its own
+        listed = self.pos[sel] >= 0
+        group = np.where(listed, self.dlg[sel].astype(np.int64), -1 - sel)  # unlisted rows are groups of their own
+        _, inv = np.unique(group, return_inverse=True)
+        inv = inv.ravel()
+        group_key = np.full(inv.max() + 1, len(sel), np.int64)
+        np.minimum.at(group_key, inv, key)
+        order = np.lexsort((self.pos[sel], inv, group_key[inv]))
+        return sel[order]
 
 
 class SampledPolicy:
@@ -372,16 +440,8 @@ class SampledPolicy:
     def _rank(self, rows_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(phase, group tick) per row: evicted in order of phase, then of tick (see the module docstring)."""
         rows = self.rows
-        gt = rows.tick[rows_]
-        if not self.prefix:
-            return np.zeros(len(rows_), np.int64), gt
-        seg = rows.seg[rows_].astype(np.int64)
-        listed = rows.pos[rows_] >= 0
-        if listed.any():
-            gt = np.where(listed, self.dialogs.gtick[np.where(listed, rows.dlg[rows_], 0), seg], gt)
-        young = (seg != REUSED) & (gt > self._young_after())
-        phase = np.where(young, seg + 3, np.where(seg == REUSED, 2, seg))
-        return phase, gt
+        return _rank(self.prefix, rows.seg, rows.tick, rows.dlg, rows.pos, self.dialogs.gtick, self._young_after(),
+                     rows_)
 
     def _tail_of(self, row: int, skip: RowSkip | None) -> int:
         """The victim ``row``'s dialog offers: its last block not held; -1 when a held block shields it."""
@@ -440,33 +500,21 @@ class SampledPolicy:
         return -1
 
     def hottest_first(self, which: np.ndarray | None = None) -> np.ndarray:
-        """Rows (all, or ``which``) in the order a mover copies them: dialogs used again (most recent
-        first), then new ones, then tails; each dialog once, from its head, in the place of its hottest
-        group.
+        """Rows (all, or ``which``) in the order a mover copies them (``OrderColumns.hottest_first``)."""
+        return self.order_columns().hottest_first(np.arange(self.rows.n) if which is None else which)
 
-        Not the reverse of the eviction order: eviction shields young new
-        dialogs for a while, which would put one-off dialogs ahead of the
-        ones being reused.  Computed over the rows at once (O(n log n)), for
-        the rare moves between cards.
-        """
-        rows = self.rows
-        sel = np.arange(rows.n) if which is None else np.asarray(which, np.int64)
-        if not sel.size:
-            return sel
-        _phase, gt = self._rank(sel)
-        if not self.prefix:
-            return sel[np.argsort(-gt, kind="stable")]
-        seg = rows.seg[sel].astype(np.int64)
-        worth = np.where(seg == REUSED, 0, np.where(seg == NEW, 1, 2))
-        key = np.lexsort((-gt, worth)).argsort()  # each row's place in copy order, on its own
-        listed = rows.pos[sel] >= 0
-        group = np.where(listed, rows.dlg[sel].astype(np.int64), -1 - sel)  # unlisted rows are groups of their own
-        _, inv = np.unique(group, return_inverse=True)
-        inv = inv.ravel()
-        group_key = np.full(inv.max() + 1, len(sel), np.int64)
-        np.minimum.at(group_key, inv, key)
-        order = np.lexsort((rows.pos[sel], inv, group_key[inv]))
-        return sel[order]
+    def order_columns(self, copy: bool = False) -> OrderColumns:
+        """The columns the copy order is worked out from: views of the live ones, or (``copy``) a copy that
+        another thread may read while the loop changes the index (a memcpy of about 30 bytes a row)."""
+        rows, dialogs = self.rows, self.dialogs
+        n, nd = rows.n, dialogs.n
+
+        def take(col: np.ndarray) -> np.ndarray:
+            return col.copy() if copy else col
+
+        return OrderColumns(self.prefix, take(rows.seg[:n]), take(rows.tick[:n]), take(rows.dlg[:n]),
+                            take(rows.pos[:n]), take(dialogs.gtick[:nd]), take(dialogs.lo[:nd]),
+                            take(dialogs.hi[:nd]), self._young_after())
 
     def segment_of(self, row: int) -> Segment:
         return Segment(self.rows.seg.item(row))
@@ -479,12 +527,7 @@ class SampledPolicy:
 
     def dialog_digests(self, rows_: np.ndarray) -> np.ndarray:
         """``(n, 2)`` uint64 dialog digests of rows (zeros: none)."""
-        d = self.rows.dlg[rows_]
-        out = np.zeros((len(rows_), 2), np.uint64)
-        has = d >= 0
-        out[has, 0] = self.dialogs.lo[d[has]]
-        out[has, 1] = self.dialogs.hi[d[has]]
-        return out
+        return self.order_columns().dialog_digests(rows_)
 
     def restore(self, rows_: np.ndarray, dialogs: np.ndarray, positions: np.ndarray, segs: np.ndarray,
                 ticks: np.ndarray) -> None:

@@ -189,3 +189,40 @@ def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_c
             assert [bytes(it.dest) for it in items] == [payload(k) for k in keys]
 
     asyncio.run(main())
+
+
+def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Path) -> None:
+    """A read found the key in an old card's index; before it ran, the mover copied the object to its new
+    card and deleted the old copy.  The read misses there, and is made again where the index now says."""
+    from tests.tiers.common import background_deletes_done
+
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=2) as store:
+            assert await put(store, [b"k"], Retention.LONG) == [True]
+            store.ram.delete(fk(b"k"))  # on its card only
+            old = store.long.card_for(fk(b"k"), DIALOG)
+            (new,) = [mc for mc in store.long.cards if mc is not old]
+            entered, release = asyncio.Event(), asyncio.Event()
+            loop = asyncio.get_running_loop()
+            read_many_into = old.card.read_many_into
+
+            def held_read(*args, **kw):  # runs on the old card's I/O thread
+                loop.call_soon_threadsafe(entered.set)
+                asyncio.run_coroutine_threadsafe(release.wait(), loop).result(10)
+                return read_many_into(*args, **kw)
+
+            old.card.read_many_into = held_read
+            dest = memoryview(bytearray(20_000))
+            getting = asyncio.ensure_future(store.get([GetItem(fk(b"k"), DIALOG, dest)]))
+            await asyncio.wait_for(entered.wait(), 10)
+            # What the mover does: the object lands on its new card, and the old copy goes.
+            meta = ObjectMeta(DIALOG, 0, time.time_ns())
+            (stored,) = await new.write([(fk(b"k"), memoryview(payload(b"k")), meta)])
+            assert store.long.note_written(new, fk(b"k"), stored, len(payload(b"k")), meta)
+            await background_deletes_done(old)
+            release.set()
+            sizes, _ = await getting
+            assert sizes == [len(payload(b"k"))]
+            assert dest[: sizes[0]].tobytes() == payload(b"k")
+
+    asyncio.run(main())

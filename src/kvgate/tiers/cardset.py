@@ -265,6 +265,16 @@ class CardSet:
                 return mc
         return None
 
+    def elsewhere(self, fkey: bytes, dialog: bytes, tried: ManagedCard) -> ManagedCard | None:
+        """Where else to read ``fkey`` after ``tried`` did not have it: the card whose index holds it now
+        (the mover copied it there and deleted the copy just read from), else its ``earlier_home``; None:
+        nowhere else."""
+        home = self.card_for(fkey, dialog)
+        mc, entry = self.find(fkey, home)
+        if mc is not None and mc is not tried and entry is not None:
+            return mc
+        return self.earlier_home(fkey, dialog, tried)
+
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
         return self._by_serial.get(mc.serial) is mc

@@ -276,15 +276,15 @@ class TieredStore:
                 c.ram.hits += 1
                 c.ram.bytes_read += entry.size
 
-        earlier: list[tuple[ManagedCard, int]] = []
+        again: list[tuple[ManagedCard, int]] = []
 
         async def from_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
             results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
                 if not last_try and r.outcome is ReadOutcome.MISSING:
-                    before = self.long.earlier_home(items[i].fkey, items[i].dialog, cs)
-                    if before is not None:  # the card set changed and the mover has not settled it yet
-                        earlier.append((before, i))
+                    elsewhere = self.long.elsewhere(items[i].fkey, items[i].dialog, cs)
+                    if elsewhere is not None:
+                        again.append((elsewhere, i))
                         continue
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
@@ -296,9 +296,9 @@ class TieredStore:
         # must not leave others still writing the destinations.
         done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
                                     return_exceptions=True)
-        if earlier and not any(isinstance(r, BaseException) for r in done):
+        if again and not any(isinstance(r, BaseException) for r in done):
             done = await asyncio.gather(*(from_card(cs, idx, last_try=True)
-                                          for cs, idx in group_by_card(earlier).values()), return_exceptions=True)
+                                          for cs, idx in group_by_card(again).values()), return_exceptions=True)
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed

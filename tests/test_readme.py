@@ -156,3 +156,9 @@ def test_the_configuration_table_lists_every_key_with_its_default() -> None:
             assert shown[f.name] == expected, (f.name, shown[f.name], expected)
         elif "(default: " not in f.help:  # a default derived at start is described, not "unset"
             assert shown[f.name] == "unset", (f.name, shown[f.name])
+
+
+def test_every_benchmark_script_the_readme_names_exists() -> None:
+    text = README.read_text()
+    for script in set(re.findall(r"benchmarks/\w+\.py", text)):
+        assert (README.parent / script).exists(), script

@@ -59,6 +59,7 @@ import xxhash
 from kvgate.cards import CardUnavailable, SnapshotWriter
 from kvgate.tiers.index import CHECKED, OVERSIZE, CardIndex
 from kvgate.tiers.rows import digest_array
+from kvgate.tiers.slices import LoopSlices
 
 if TYPE_CHECKING:
     from kvgate.tiers.card import ManagedCard
@@ -78,10 +79,9 @@ assert ROW.itemsize == 71
 
 SAVE_ROWS: Final = 65536  # rows copied per loop step while saving: 4.6 MB, about a millisecond
 SAVE_EVERY_S: Final = 300.0
-CHECK_HEADERS: Final = 128  # unindexed names whose headers one pool call reads (then indexed on the loop)
-# The loop indexes what a scan found for at most this long at a time: a row costs 25-100 us (more when
-# its dialog's blocks come out of order, as a scan finds them), and a lookup waits for the loop.
-SLICE_S: Final = 0.002
+# Unindexed names whose headers one pool call reads, then indexed on the loop in slices (``LoopSlices``):
+# a row costs 25-100 us (more when its dialog's blocks come out of order, as a scan finds them).
+CHECK_HEADERS: Final = 128
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:
@@ -106,6 +106,11 @@ def give_back_memory() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # an abandoned read's error is not "never retrieved"
 
 
 class SnapshotUnusable(ValueError):
@@ -298,6 +303,8 @@ class IndexKeeper:
         self.checking, self.gone = True, set()
         found = dropped = expired = 0
         t0 = time.monotonic()
+        slices = LoopSlices()
+        reading: asyncio.Future | None = None  # the headers of the next names to index, read meanwhile
         try:
             names = await mc.pool.run(mc.card.names)
             while True:
@@ -312,9 +319,18 @@ class IndexKeeper:
                 else:  # no snapshot: every name is new but for the few written since the start (_index_new)
                     new = batch
                 for start in range(0, len(new), CHECK_HEADERS):
-                    f, e = await self._index_new(new[start:start + CHECK_HEADERS], by_free_space)
-                    found += f
-                    expired += e
+                    # A pool thread reads the next headers while the loop indexes the last ones.
+                    digests = new[start:start + CHECK_HEADERS]
+                    last, reading = reading, asyncio.ensure_future(self._read_headers(digests))
+                    if last is not None:
+                        f, e = await self._index_new(*await last, by_free_space, slices)
+                        found += f
+                        expired += e
+            if reading is not None:
+                last, reading = reading, None
+                f, e = await self._index_new(*await last, by_free_space, slices)
+                found += f
+                expired += e
             dropped = await self._drop_unchecked(by_free_space)
             expired += self._drop_expired()
             evictions, used = mc.counters.evictions, mc.used
@@ -337,6 +353,9 @@ class IndexKeeper:
             log.warning("card %s: index scan stopped: %s", mc.where, e)
         finally:
             self.checking, self.gone = False, set()
+            if reading is not None:  # stopped (an error, or the card left): the read ahead is not wanted
+                reading.cancel()
+                reading.add_done_callback(_retrieve)
         # Counted also when the scan stopped: what it deleted is gone either way.
         corrupt = mc.card.scan_corrupt - corrupt0
         if corrupt:
@@ -347,17 +366,18 @@ class IndexKeeper:
         if mc.scanned and mc.index.changes != self.saved_changes:
             await self.save("after the start-up check")
 
-    async def _index_new(self, digests: list[bytes], by_free_space: bool) -> tuple[int, int]:
-        """Read the headers of names the index lacks and index them; (indexed, expired)."""
+    async def _read_headers(self, digests: list[bytes]) -> tuple[list[bytes], list]:
+        return digests, await self.mc.pool.run(self.mc.card.stored_objects, digests)
+
+    async def _index_new(self, digests: list[bytes], objs: list, by_free_space: bool,
+                         slices: LoopSlices) -> tuple[int, int]:
+        """Index the objects whose headers were read for names the index lacked; (indexed, expired)."""
         mc = self.mc
-        objs = await mc.pool.run(mc.card.stored_objects, digests)
         ttl = mc.cfg.ttl
         too_old, n = [], 0
-        step = time.perf_counter()
+        slices.restart()
         for digest, obj in zip(digests, objs):
-            if time.perf_counter() - step > SLICE_S:  # let requests in between
-                await asyncio.sleep(0)
-                step = time.perf_counter()
+            await slices.give_way()
             if obj is None or digest in self.gone or digest in mc.leaving or mc.index.has(digest):
                 continue  # gone, being deleted, or written since it was listed (newer than the header read)
             if ttl is not None and obj.meta.created_ns + ttl * 1e9 < time.time_ns():
@@ -379,11 +399,9 @@ class IndexKeeper:
         n = index.rows.n
         gone = index.rows.digests(np.flatnonzero((index.rows.flags[:n] & CHECKED) == 0))
         dropped = 0
-        step = time.perf_counter()
+        slices = LoopSlices()
         for digest in gone:
-            if time.perf_counter() - step > SLICE_S:
-                await asyncio.sleep(0)
-                step = time.perf_counter()
+            await slices.give_way()
             r = mc.index.row(digest)
             if r < 0 or mc.index.rows.flags.item(r) & CHECKED:
                 continue  # dropped, or written again, meanwhile

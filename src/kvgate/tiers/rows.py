@@ -50,9 +50,11 @@ from kvgate.keys import DIGEST_BYTES
 
 _DIGEST = struct.Struct("<QQ")
 _MMAP_FROM = 64 << 10  # bytes; smaller columns come from the heap
-# Probe rounds run batched before the few keys still probing finish one by one:
-# past two rounds almost every key is answered (at most half the slots are in use).
-_BATCHED_ROUNDS = 2
+# Probe rounds run batched until this few keys are still probing; those finish one by one in Python.
+# Stopping after two rounds instead left a lookup's misses (their runs end at an empty slot, 2.5 probes
+# on average at half load) to Python: 1,000 keys in a 200,000-row index took 0.66 ms when none was
+# there, 0.25-0.30 ms this way (hits: 0.20-0.37 ms, now 0.17).
+_PROBED_ONE_BY_ONE = 8
 # A slot holds its row's number + 1: 0 is empty, so a fresh mapping is an empty table with no page written.
 _EMPTY = 0
 _MOVED = -1  # an old table's slot whose row moved to the new table: probing goes on past it
@@ -268,9 +270,7 @@ class DigestRows:
                  out: np.ndarray) -> None:
         mask = len(slots) - 1
         pos = (lo[active] & np.uint64(mask)).astype(np.int64)
-        for _ in range(_BATCHED_ROUNDS):
-            if not active.size:
-                return
+        while active.size > _PROBED_ONE_BY_ONE:
             v = slots[pos].astype(np.int64)
             live = v > 0
             rr = np.where(live, v - 1, 0)

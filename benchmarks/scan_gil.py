@@ -2,7 +2,7 @@
 
 Fills a directory card with N objects (kept for the next run), indexes 100,000
 of them, then times the index part of a lookup of 1,000 keys (digests and one
-batched find, as ``CardSet.find_many`` does) every 2 ms for a few seconds:
+batched find, as ``KeyFinder.find_many`` does) every 2 ms for a few seconds:
 alone, beside a thread reading headers as the start-up scan does
 (``DirectoryCard.stored_objects``, 128 names a call), and beside a child
 process doing the same reads.  The GIL switch interval is the serving

@@ -1,4 +1,4 @@
-"""In process: the RAM tier's ttl, where ``CardSet.find`` answers from, and what a scan counts.
+"""In process: the RAM tier's ttl, where ``KeyFinder.find`` answers from, and what a scan counts.
 
 The same behaviours are proven end to end in tests/gateway/test_answers_agree.py
 and tests/gateway/test_card_capacity.py; these pin the rules down one by one.
@@ -16,6 +16,7 @@ from kvgate.keys import dialog_digest
 from kvgate.tiers.eviction import LONG
 
 from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.finder import KeyFinder
 from tests.tiers.common import background_deletes_done, scanned_card_set
 from kvgate.tiers.ram import RamTier
 
@@ -70,10 +71,10 @@ def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Pat
         no_dialog_homes = tier.cards_for(keys, dialog_digest(None))
         assert any(h is not written[k] for k, h in zip(keys, no_dialog_homes)), "some keys live off their key's card"
         for k, home in zip(keys, no_dialog_homes):
-            cs, entry = tier.find(k, home)
+            cs, entry = KeyFinder(tier).find(k, home)
             assert cs is written[k] and entry == written[k].index.get(k)
         home = tier.card_for(b"unknown", dialog_digest(None))
-        assert tier.find(b"unknown", home) == (home, None)
+        assert KeyFinder(tier).find(b"unknown", home) == (home, None)
         await tier.stop()
 
     asyncio.run(main())
@@ -88,7 +89,7 @@ def test_a_rewrite_on_another_card_drops_the_old_copy(tmp_path: Path) -> None:
         tier.note_written(first, k, 100, 90, ObjectMeta(created_ns=time.time_ns()))
         tier.note_written(second, k, 100, 90, ObjectMeta(dialog_digest(b"d"), -1, time.time_ns()))
         assert k not in first.index and first.used == 0
-        assert tier.find(k, first)[0] is second
+        assert KeyFinder(tier).find(k, first)[0] is second
         await tier.stop()
 
     asyncio.run(main())
@@ -102,8 +103,8 @@ def test_find_calls_an_indexed_object_past_the_ttl_a_miss_and_deletes_it(tmp_pat
         old = ObjectMeta(created_ns=time.time_ns() - 3_000_000_000)
         (stored,) = await cs.write([(b"old", payload, old)])
         assert tier.note_written(cs, b"old", stored, 100, old)
-        assert tier.find(b"old", cs) == (None, None), "a miss, not 'ask the card'"
-        assert tier.find(b"old", cs) == (None, None)
+        assert KeyFinder(tier).find(b"old", cs) == (None, None), "a miss, not 'ask the card'"
+        assert KeyFinder(tier).find(b"old", cs) == (None, None)
         await background_deletes_done(cs)
         assert b"old" not in cs.index and not cs.card.exists(b"old")
         await tier.stop()

@@ -13,6 +13,7 @@ from kvgate.config import Config
 from kvgate.keys import dialog_digest, full_key
 from kvgate.tiers import mover
 from kvgate.tiers.cardset import CardChangeError, CardSet
+from kvgate.tiers.finder import KeyFinder
 from tests.helpers import wait_until_async
 from tests.tiers.common import scanned_card_set
 
@@ -46,7 +47,7 @@ async def _read_all(cards: CardSet, d: int, keys: list[bytes]) -> int:
     dialog = dialog_digest(b"dialog-%d" % d)
     n = 0
     for k, home in zip(keys, cards.cards_for(keys, dialog)):
-        mc, entry = cards.find(k, home)
+        mc, entry = KeyFinder(cards).find(k, home)
         if mc is None or entry is None:
             break
         dest = memoryview(bytearray(SIZE))

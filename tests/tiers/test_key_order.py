@@ -15,6 +15,7 @@ from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.tiers.io import KeyOrder
 from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.finder import KeyFinder
 from tests.helpers import wait_until_async
 from tests.tiers.common import background_deletes_done, scanned_card_set
 
@@ -165,13 +166,13 @@ def test_an_evicted_object_is_a_miss_while_its_delete_is_pending(tmp_path: Path)
         for i, k in enumerate((b"a", b"b", b"c", b"d")):
             await _put(tier, k, i, size)
         assert b"a" not in cs.index and cs.card.exists(b"a"), "evicted, still on the card"
-        assert tier.find(b"a", cs) == (None, None), "a probe would find what the put said is not stored"
-        assert tier.find(b"b", cs)[1] is not None
+        assert KeyFinder(tier).find(b"a", cs) == (None, None), "a probe would find what the put said is not stored"
+        assert KeyFinder(tier).find(b"b", cs)[1] is not None
         await background_deletes_done(cs)
         assert started.is_set()
         assert not cs.card.exists(b"a") and b"a" not in cs.leaving
         assert await _put(tier, b"a", 7, size)  # stored again: found again
-        assert tier.find(b"a", cs)[1] is not None and await _read(tier, b"a", size) == bytes([7]) * size
+        assert KeyFinder(tier).find(b"a", cs)[1] is not None and await _read(tier, b"a", size) == bytes([7]) * size
         await tier.stop()
 
     asyncio.run(main())

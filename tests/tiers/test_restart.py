@@ -27,6 +27,7 @@ from kvgate.config import Config
 from kvgate.keys import dialog_digest, full_key
 from kvgate.tiers import restart
 from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.finder import KeyFinder
 from tests.helpers import as_newer_format
 from tests.tiers.common import card_set
 
@@ -79,7 +80,7 @@ async def _write(cards: CardSet, keys: list[bytes]) -> None:
 
 
 async def _reads_back(cards: CardSet, k: bytes) -> bool:
-    mc, entry = cards.find(k, cards.cards[0])
+    mc, entry = KeyFinder(cards).find(k, cards.cards[0])
     if mc is None or entry is None:
         return False
     dest = memoryview(bytearray(SIZE))

@@ -1,20 +1,15 @@
-"""The long tier's cards: which cards there are, where each object belongs, and where a key is.
+"""The long tier's cards: which cards there are, and where each object belongs.
 
 ``CardSet`` finds the configured cards, keeps the slot map (rendezvous
-placement over their serials), and answers where a key belongs
-(``card_for``) and where it is (``find``).  Everything about one card (its
-I/O, index, eviction, capacity, health) is its ``ManagedCard``'s.
+placement over their serials) and answers where a key belongs
+(``card_for``); it takes cards in and out while serving (joins, drains,
+removals, SIGHUP).  Where a key *is* (any index may hold it) is
+``kvgate.tiers.finder``'s rule; everything about one card (its I/O, index,
+eviction, capacity, health) is its ``ManagedCard``'s.
 
 Threading contract: every method runs on the gateway's event loop and never
 blocks; card I/O runs on each card's own threads (``ManagedCard``), globbing
 on the general pool.
-
-Where a key is (``find``), one rule for every lookup, exists, get, prewarm
-and delete: a key is wherever an active card's index holds it, whatever
-dialog the request names (its placement card is asked first); a key no index
-holds is probed on its placement card for the request's dialog (the dialog's
-card, or the key's own card when the request names none).  With ``ttl``, an
-object the index knows to be older is a miss, and is deleted.
 
 A card is known by the serial on its label: found again under another path
 that its ``storage_devices`` entry matches (a glob), it is taken back there;
@@ -37,19 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable, TypeVar
-
-import numpy as np
 
 from kvgate.cards import Card, CardInUse, expand, is_redis, make_card
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.card import ManagedCard, TierHooks
-from kvgate.tiers.index import IndexEntry
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
-from kvgate.tiers.rows import digest_array
 
 log = logging.getLogger("kvgate.long")
 
@@ -58,9 +48,6 @@ CHECK_INTERVAL_S = 1.0
 # mover has not settled them (``CardSet.earlier_home``): each is one more card
 # a miss may ask, and several changes within one move are rare.
 UNSETTLED_LAYOUTS = 4
-
-T = TypeVar("T")
-
 
 class LayoutMismatch(RuntimeError):
     """The configured key_layout_fingerprint differs from the cards found."""
@@ -77,42 +64,8 @@ class CardChangeError(ValueError):
         self.unavailable = unavailable
 
 
-FoundOnCard = tuple[ManagedCard, list[bytes], np.ndarray]  # a card, keys its index holds, their digests
-
-
-def found_on_cards(where: list[ManagedCard | None], fkeys: list[bytes], digests: np.ndarray,
-                   found: np.ndarray) -> list[FoundOnCard]:
-    """The keys ``found`` (a mask over the first keys) on their cards, per card (what lookups hint)."""
-    idx = np.flatnonzero(found)
-    if not idx.size:
-        return []
-    m = len(found)
-    first = where[int(idx[0])]
-    if len(idx) == m and where[:m].count(first) == m:  # the common case: the whole prefix on one card
-        return [(first, fkeys[:m], digests[:m])] if first is not None else []
-    groups = group_by_card((where[i], i) for i in idx.tolist())
-    return [(mc, [fkeys[i] for i in ix], digests[ix]) for mc, ix in groups.values()]
-
-
-def group_by_card(pairs: Iterable[tuple[ManagedCard | None, T]]) -> dict[int, tuple[ManagedCard, list[T]]]:
-    """``(card, item)`` pairs as one list of items per card, keyed by ``id(card)``; items with no card are left out."""
-    groups: dict[int, tuple[ManagedCard, list[T]]] = {}
-    for card, item in pairs:
-        if card is not None:
-            groups.setdefault(id(card), (card, []))[1].append(item)
-    return groups
-
-
-def _run_end(cards: list, start: int, end: int) -> int:
-    """Where the run of the same card that starts at ``start`` ends (at ``end`` at the latest)."""
-    i = start + 1
-    while i < end and cards[i] is cards[start]:
-        i += 1
-    return i
-
-
 class CardSet:
-    """The configured cards, the slot map over them, and the rule of where a key is.
+    """The configured cards and the slot map over them.
 
     Owned by ``TieredStore``; ``start`` finds and claims the cards, ``stop``
     lets them go.  ``cards`` are the cards found (in service or not),
@@ -229,6 +182,11 @@ class CardSet:
         await self._tasks.cancel()
         await asyncio.gather(*(mc.stop() for mc in self.cards), *(mc.close() for mc in self.pending))
 
+    @property
+    def settling(self) -> bool:
+        """Whether a change of the set is not settled yet (misses also ask ``earlier_home``)."""
+        return bool(self._unsettled)
+
     def _spawn(self, coro) -> asyncio.Task:
         return self._tasks.spawn(coro)
 
@@ -265,16 +223,6 @@ class CardSet:
                 return mc
         return None
 
-    def elsewhere(self, fkey: bytes, dialog: bytes, tried: ManagedCard) -> ManagedCard | None:
-        """Where else to read ``fkey`` after ``tried`` did not have it: the card whose index holds it now
-        (the mover copied it there and deleted the copy just read from), else its ``earlier_home``; None:
-        nowhere else."""
-        home = self.card_for(fkey, dialog)
-        mc, entry = self.find(fkey, home)
-        if mc is not None and mc is not tried and entry is not None:
-            return mc
-        return self.earlier_home(fkey, dialog, tried)
-
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
         return self._by_serial.get(mc.serial) is mc
@@ -289,96 +237,6 @@ class CardSet:
                 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)):
             return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
         return [self.card_for(k, dialog) for k in fkeys]
-
-    # ---- where a key is ---------------------------------------------------
-
-    def find(self, fkey: bytes, home: ManagedCard | None) -> tuple[ManagedCard | None, IndexEntry | None]:
-        """Where ``fkey`` is by the module's rule; ``home``: its placement card for the request (``card_for``).
-
-        ``(card, entry)``: an active card's index holds it (``home``'s
-        first); ``(home, None)``: no index holds it, ask ``home``; ``(None,
-        None)``: a miss without asking (no card serves it, or the index knows
-        it is past the ttl).  One key; a request's keys go to ``find_many``.
-        """
-        digest = key_digest(fkey)
-        mc, r = home, home.index.row(digest) if home is not None else -1
-        if r < 0:
-            for other in self.cards:
-                if other is not home and other.active:
-                    r = other.index.row(digest)
-                    if r >= 0:
-                        mc = other
-                        break
-            else:
-                if home is not None and digest in home.leaving:
-                    return None, None
-                return home, None
-        assert mc is not None
-        if self.cfg.ttl is not None and mc.past_ttl(np.array([r]))[0]:
-            mc.expire_rows(np.array([r]))
-            return None, None
-        return mc, mc.index.entry(r)
-
-    def find_many(self, fkeys: list[bytes], homes: list[ManagedCard | None]
-                  ) -> tuple[list[ManagedCard | None], np.ndarray, np.ndarray]:
-        """``find`` of a request's keys at once: per key the card, and whether its index holds the key
-        (and the keys' digests, ``digest_array``).
-
-        ``(card, True)``: indexed on that card; ``(home, False)``: no index
-        holds it, ask its home; ``(None, False)``: a miss without asking.
-        Each card's index answers all the keys it is asked about in one
-        call: a lookup of 1,000 keys on one card is a handful of numpy
-        operations, not 1,000 probes.
-        """
-        n = len(fkeys)
-        where: list[ManagedCard | None] = list(homes)
-        indexed = np.zeros(n, bool)
-        digests = digest_array(list(map(key_digest, fkeys)))
-        if not n:
-            return where, indexed, digests
-        settled = np.zeros(n, bool)  # indexed, or known to be a miss
-        first = homes[0]
-        if homes.count(first) == n:  # one home for the whole request: dialog placement, or a single card
-            if first is not None:
-                self._look(first, np.arange(n), digests, where, indexed, settled)
-        else:
-            for mc, ix in group_by_card(zip(homes, range(n))).values():
-                self._look(mc, np.asarray(ix), digests, where, indexed, settled)
-        for mc in self.cards:
-            rest = np.flatnonzero(~settled)
-            if not rest.size:
-                break
-            if mc.active:
-                self._look(mc, rest, digests, where, indexed, settled)
-        for i in np.flatnonzero(~settled).tolist():
-            home = homes[i]
-            if home is not None and home.leaving and key_digest(fkeys[i]) in home.leaving:
-                where[i] = None
-        return where, indexed, digests
-
-    def _look(self, mc: ManagedCard, idx: np.ndarray, digests: np.ndarray, where: list[ManagedCard | None],
-              indexed: np.ndarray, settled: np.ndarray) -> None:
-        """Keys ``idx`` in ``mc``'s index: found ones are settled there (past the ttl: a miss, and deleted)."""
-        rows = mc.index.find(digests[idx])
-        hit = rows >= 0
-        if not hit.any():
-            return
-        idx, rows = idx[hit], rows[hit]
-        if self.cfg.ttl is not None:
-            old = mc.past_ttl(rows)
-            if old.any():
-                mc.expire_rows(rows[old])
-                for i in idx[old].tolist():
-                    where[i] = None
-                settled[idx[old]] = True
-                idx, rows = idx[~old], rows[~old]
-        indexed[idx] = True
-        settled[idx] = True
-        if len(idx) == len(where):
-            where[:] = [mc] * len(where)
-        else:
-            for i in idx.tolist():
-                where[i] = mc
 
     def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
         """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
@@ -400,65 +258,6 @@ class CardSet:
             mc = self._by_serial.get(serial) if serial is not None else None
             out.append(mc if mc is not None and mc.active else None)
         return out
-
-    async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
-                           urgent: bool = False) -> int:
-        """How many leading keys exist on their ``homes`` (the cards themselves are asked; where a home
-        does not hold a key, its ``earlier_home`` too)."""
-        n = 0
-        while n < len(fkeys):
-            mc = homes[n]
-            if mc is None:
-                break
-            end = _run_end(homes, n, len(fkeys))
-            n += await mc.probe_prefix(fkeys[n:end], urgent)
-            if n == end:
-                continue
-            earlier = [self.earlier_home(k, dialog, mc) for k in fkeys[n:end]]
-            if earlier[0] is None:
-                break
-            stop = n + _run_end(earlier, 0, len(earlier))
-            found = await earlier[0].probe_prefix(fkeys[n:stop], urgent)
-            n += found
-            if n < stop:
-                break
-        return n
-
-    async def probe_each(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
-                         urgent: bool = False) -> list[bool]:
-        """Whether each key exists on its home card (the cards themselves are asked; no home: False; not on
-        its home: its ``earlier_home`` is asked)."""
-        out = [False] * len(fkeys)
-
-        async def ask(pairs) -> None:
-            async def one(mc: ManagedCard, idx: list[int]) -> None:
-                for i, found in zip(idx, await mc.probe_each([fkeys[i] for i in idx], urgent)):
-                    out[i] = found
-
-            await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(pairs).values()))
-
-        await ask(zip(homes, range(len(fkeys))))
-        if self._unsettled:
-            await ask((self.earlier_home(fkeys[i], dialog, homes[i]), i)
-                      for i in range(len(fkeys)) if not out[i] and homes[i] is not None)
-        return out
-
-    def hint_reads(self, found: list[FoundOnCard], urgent: bool = False) -> None:
-        """Tell cards which of their objects a lookup just found (``ManagedCard.hint_reads``)."""
-        for mc, fkeys, digests in found:
-            mc.hint_reads(fkeys, urgent, digests)
-
-    async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
-        """Delete keys from every card ``find`` could answer from; returns how many objects were there."""
-        per_card: dict[int, tuple[ManagedCard, list[bytes]]] = {}
-        for k, home in zip(fkeys, self.cards_for(fkeys, dialog)):
-            targets = [mc for mc in self.cards if mc.active and k in mc.index]
-            for also in (home, self.earlier_home(k, dialog, home)):
-                if also is not None and also not in targets:
-                    targets.append(also)
-            for mc in targets:
-                per_card.setdefault(id(mc), (mc, []))[1].append(k)
-        return sum(await asyncio.gather(*(mc.delete(keys) for mc, keys in per_card.values())))
 
     async def clean(self) -> int:
         total = 0

@@ -52,7 +52,7 @@ class IndexEntry:
 class CardIndex:
     """Rows by key digest, their eviction order (``policy``) and the bytes they take on the card (``used``).
 
-    Its ``ManagedCard`` writes it; ``CardSet.find_many`` reads it for every
+    Its ``ManagedCard`` writes it; ``KeyFinder.find_many`` reads it for every
     lookup; all on the event loop, never blocking (no I/O).  A fresh one
     may be filled from a snapshot on a pool thread before the loop takes
     it over (``kvgate.tiers.restart``).

@@ -1,7 +1,7 @@
 """Moves objects to the card placement names for them now, after the card set changed.
 
 A card joined: about 1/(N+1) of the slots now belong to it, and what its
-old cards hold of those slots is still found there (``CardSet.find`` asks
+old cards hold of those slots is still found there (``KeyFinder.find`` asks
 every card's index) but would be lost with them.  A card drains: none of its
 objects are where placement puts them any more.  ``CardMover`` copies such
 objects to their new card, hottest first (``EvictionPolicy.hottest_first``),

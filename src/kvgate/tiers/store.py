@@ -15,10 +15,10 @@ stays in RAM only; ``none`` is not stored at all.
 
 Reads answer by one rule, the same for lookup, exists, get, prewarm and
 delete: a key is present when the RAM tier holds it, else where
-``CardSet.find`` says (any card's index, whatever the dialog; else a probe
+``KeyFinder.find`` says (any card's index, whatever the dialog; else a probe
 of its placement card for the request's dialog).  With ``ttl``, an object
 older than that is a miss in every one of them.  A request's keys are
-looked up in the card indexes at once (``CardSet.find_many``).
+looked up in the card indexes at once (``KeyFinder.find_many``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.card import CardRead, ManagedCard, ReadOutcome, TierHooks, expired
-from kvgate.tiers.cardset import CardSet, FoundOnCard, found_on_cards, group_by_card
+from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.usage import NamespaceUsage
@@ -126,6 +127,7 @@ class TieredStore:
         self.holds = Holds()
         self.long = CardSet(cfg, pool, TierHooks(self.usage, self.holds, on_corrupt=self._count_corrupt,
                                                  on_expired=self._count_expired))
+        self.finder = KeyFinder(self.long)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()
 
@@ -282,14 +284,14 @@ class TieredStore:
             results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
                 if not last_try and r.outcome is ReadOutcome.MISSING:
-                    elsewhere = self.long.elsewhere(items[i].fkey, items[i].dialog, cs)
+                    elsewhere = self.finder.elsewhere(items[i].fkey, items[i].dialog, cs)
                     if elsewhere is not None:
                         again.append((elsewhere, i))
                         continue
                 self._account_read(cs, items[i], r, i, sizes, needed)
 
         card_for = self.long.card_for
-        where, _indexed, _digests = self.long.find_many([items[i].fkey for i in misses],
+        where, _indexed, _digests = self.finder.find_many([items[i].fkey for i in misses],
                                                         [card_for(items[i].fkey, items[i].dialog) for i in misses])
         groups = group_by_card(zip(where, misses))
         # Every part ends before the answer: one that failed (a shrunk region)
@@ -346,7 +348,7 @@ class TieredStore:
         size = self.ram.size_of(fkey)
         if size is not None:
             return size
-        _cs, entry = self.long.find(fkey, self.long.card_for(fkey, dialog))
+        _cs, entry = self.finder.find(fkey, self.long.card_for(fkey, dialog))
         return entry.payload_len if entry is not None else None
 
     def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int, hint: bool = False,
@@ -365,7 +367,7 @@ class TieredStore:
             in_ram = self.ram.contains
             ram = np.array([in_ram(k) for k in keys], bool)
             ask = np.flatnonzero(~ram)
-            where_asked, indexed_asked, digests_asked = self.long.find_many([keys[i] for i in ask],
+            where_asked, indexed_asked, digests_asked = self.finder.find_many([keys[i] for i in ask],
                                                                             [homes[i] for i in ask])
             where: list[ManagedCard | None] = list(homes)
             for j, i in enumerate(ask.tolist()):
@@ -376,7 +378,7 @@ class TieredStore:
             digests[ask] = digests_asked
             present = indexed | ram
         else:
-            where, indexed, digests = self.long.find_many(keys, homes)
+            where, indexed, digests = self.finder.find_many(keys, homes)
             present = indexed
         misses = np.flatnonzero(~present)
         n = int(misses[0]) if misses.size else len(keys)
@@ -397,10 +399,10 @@ class TieredStore:
         while True:
             n, unknown, hints = self._known_prefix(fkeys, homes, n, self.cfg.prepare_reads)
             if hints:
-                self.long.hint_reads(hints, urgent)
+                self.finder.hint_reads(hints, urgent)
             if not unknown:
                 return n
-            found = await self.long.probe_prefix(fkeys[n : n + len(unknown)], unknown, dialog, urgent)
+            found = await self.finder.probe_prefix(fkeys[n : n + len(unknown)], unknown, dialog, urgent)
             n += found
             if found < len(unknown):
                 return n
@@ -412,7 +414,7 @@ class TieredStore:
         present = [in_ram(k) for k in fkeys]
         ask = [i for i, p in enumerate(present) if not p]
         asked = [fkeys[i] for i in ask]
-        where, indexed, digests = self.long.find_many(asked, [homes[i] for i in ask])
+        where, indexed, digests = self.finder.find_many(asked, [homes[i] for i in ask])
         unknown: list[int] = []
         unknown_homes: list[ManagedCard | None] = []
         for j, i in enumerate(ask):
@@ -423,9 +425,9 @@ class TieredStore:
                 unknown.append(i)
                 unknown_homes.append(cs)
         if self.cfg.prepare_reads and indexed.any():
-            self.long.hint_reads(found_on_cards(where, asked, digests, indexed), urgent)
+            self.finder.hint_reads(found_on_cards(where, asked, digests, indexed), urgent)
         if unknown:
-            found = await self.long.probe_each([fkeys[i] for i in unknown], unknown_homes, dialog, urgent)
+            found = await self.finder.probe_each([fkeys[i] for i in unknown], unknown_homes, dialog, urgent)
             for i, f in zip(unknown, found):
                 present[i] = f
         return present
@@ -438,7 +440,7 @@ class TieredStore:
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         n_ram = sum(self.ram.delete(k) for k in fkeys)
-        n_long = await self.long.delete(fkeys, dialog)
+        n_long = await self.finder.delete(fkeys, dialog)
         return max(n_ram, n_long)
 
     async def prewarm(self, fkeys: list[bytes], dialog: bytes) -> int:
@@ -449,7 +451,7 @@ class TieredStore:
             if self.ram.contains(k):
                 in_ram += 1
                 continue
-            cs, entry = self.long.find(k, home)
+            cs, entry = self.finder.find(k, home)
             if cs is None:
                 break
             if entry is not None:

@@ -50,7 +50,7 @@ def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path:
 def test_each_card_answer_reads_as_its_own_outcome() -> None:
     """``CardRead.of``: an object a newer kvgate wrote is TOO_NEW (left in place), not a plain miss."""
     from kvgate.cards import BufferTooSmall, Header, ObjectCorrupt, ObjectMissing, ObjectTooNew
-    from kvgate.tiers.card import CardRead, ReadOutcome
+    from kvgate.tiers.reads import CardRead, ReadOutcome
 
     header = Header(64, 3, 0, ObjectMeta(), b"k", 64)
     cases = [(header, ReadOutcome.HIT), (ObjectMissing("k"), ReadOutcome.MISSING),

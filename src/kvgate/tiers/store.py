@@ -35,11 +35,12 @@ from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.tiers.io import ByteBudget, IoPool
-from kvgate.tiers.card import CardRead, ManagedCard, ReadOutcome, TierHooks, expired
+from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
+from kvgate.tiers.reads import CardRead, ReadOutcome
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.types import Retention, SizeCode
 

@@ -1,6 +1,7 @@
 import pytest
 
-from kvgate.keys import BadKey, as_key, check_key, dialog_digest, encode_namespace, full_key, key_digest, split_full_key
+from kvgate.keys import (BadKey, as_key, check_key, dialog_digest, encode_namespace, full_key, key_digest, key_digests,
+                         split_full_key)
 
 
 def test_namespaces_never_collide():
@@ -19,6 +20,11 @@ def test_limits():
     with pytest.raises(BadKey):
         check_key(b"x" * 1025)
     assert as_key("é") == "é".encode()
+
+
+def test_key_digests_are_key_digest_of_each_key():
+    keys = [full_key(b"ns", b"k%d" % i) for i in range(100)]
+    assert key_digests(keys) == [key_digest(k) for k in keys] and key_digests([]) == []
 
 
 def test_dialog_digest():

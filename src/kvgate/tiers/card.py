@@ -38,7 +38,7 @@ import numpy as np
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
 from kvgate.cards.base import StoredObject
 from kvgate.config import Config
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, key_digests
 from kvgate.memcopy import MemoryFault
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
@@ -375,7 +375,7 @@ class ManagedCard:
 
     async def delete(self, fkeys: list[bytes]) -> int:
         """Delete keys now (a client's delete); returns how many objects were there."""
-        digests = [key_digest(k) for k in fkeys]
+        digests = key_digests(fkeys)
         for d in digests:
             self.note_gone_digest(d)
         try:
@@ -473,7 +473,7 @@ class ManagedCard:
         if not (self.card.prepares_reads and self.health.hints_ok):
             return
         if digests is None:
-            digests = digest_array([key_digest(k) for k in fkeys])
+            digests = digest_array(key_digests(fkeys))
         fresh = self.prepared.fresh(digests)
         todo = fkeys if fresh.all() else [fkeys[i] for i in np.flatnonzero(fresh).tolist()]
         if not todo or self.io.hint(self.card.prepare_reads, todo, urgent=urgent):

@@ -21,7 +21,7 @@ from typing import Iterable, TypeVar
 
 import numpy as np
 
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, key_digests
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.index import IndexEntry
@@ -114,7 +114,7 @@ class KeyFinder:
         n = len(fkeys)
         where: list[ManagedCard | None] = list(homes)
         indexed = np.zeros(n, bool)
-        digests = digest_array(list(map(key_digest, fkeys)))
+        digests = digest_array(key_digests(fkeys))
         if not n:
             return where, indexed, digests
         settled = np.zeros(n, bool)  # indexed, or known to be a miss

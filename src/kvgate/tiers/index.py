@@ -27,7 +27,7 @@ from typing import Final
 import numpy as np
 
 from kvgate.cards.objectformat import ObjectMeta
-from kvgate.keys import NO_DIALOG, key_digest
+from kvgate.keys import NO_DIALOG, key_digest, key_digests
 from kvgate.tiers.rows import DigestRows, digest_array, join_digest, split_digest
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
@@ -196,7 +196,7 @@ class CardIndex:
         return self.rows.find(digests[:, 0], digests[:, 1])
 
     def find_keys(self, fkeys: list[bytes]) -> np.ndarray:
-        return self.find(digest_array([key_digest(k) for k in fkeys]))
+        return self.find(digest_array(key_digests(fkeys)))
 
     def stored_of(self, rows_: np.ndarray) -> np.ndarray:
         """Stored bytes of many rows (int64)."""

@@ -280,31 +280,35 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
 def test_a_move_waits_for_a_card_out_of_service_and_goes_on_when_it_is_back(tmp_path: Path, monkeypatch) -> None:
     """The joined card goes out of service before the mover copied anything to it: the mover tries again
     less and less often (each round copies the index's columns), and goes on as soon as the card is
-    back; misses keep asking the old card meanwhile."""
+    back, not at its next try; misses keep asking the old card meanwhile."""
     monkeypatch.setattr(mover, "RETRY_S", 0.1)
 
     async def main() -> None:
         cards = await _started(tmp_path, ["a"])
+        loop = asyncio.get_running_loop()
         try:
             dialogs = {d: await _write_dialog(cards, d) for d in range(24)}
-            rounds = 0
+            started: list[float] = []  # when each round began
             real_round = cards.mover._round
 
             async def counted_round() -> bool:
-                nonlocal rounds
-                rounds += 1
+                started.append(loop.time())
                 return await real_round()
 
             cards.mover._round = counted_round  # type: ignore[method-assign]
             (tmp_path / "b").mkdir()
             joined = await cards.add(str(tmp_path / "b"))
             joined.health.take_out("test: out of service", by_error=True)
-            await asyncio.sleep(1.6)  # at RETRY_S 0.1 without backing off: 16 rounds
-            assert 2 <= rounds <= 6, rounds
+            await asyncio.sleep(3.2)  # at RETRY_S 0.1 without backing off: 32 rounds
+            # Backing off: rounds at about 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s, the next not before 6.3 s.
+            assert 2 <= len(started) <= 7, started
             assert cards._unsettled, "the join is not settled while its card is out"
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
+            rounds, back = len(started), loop.time()
             joined.health.taken_out_by_error = False  # it answers its next check: back at once
             await wait_until_async(lambda: joined.active, 5, "the card back in service")
+            await wait_until_async(lambda: len(started) > rounds, 5, "a round after the card came back")
+            assert started[rounds] - back < 2.0, "the card's return woke the mover (its back-off was 3 s)"
             await _settle(cards)
             assert len(joined.index) > 0, "the mover went on once the card was back"
             await wait_until_async(lambda: not cards._unsettled, 10, "the join settled")

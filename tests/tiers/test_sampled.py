@@ -20,7 +20,8 @@ from hypothesis.stateful import rule
 from kvgate.keys import NO_DIALOG
 from kvgate.tiers.eviction import LONG, SHORT, Segment
 from kvgate.tiers.rows import DigestRows
-from kvgate.tiers.sampled import SampledEvictionPolicy, SampledPolicy, make_sampled_policy
+from kvgate.tiers.sampled import SampledPolicy
+from kvgate.tiers.sampled_ids import SampledEvictionPolicy, make_sampled_policy
 from tests.tiers.test_eviction import DIALOGS, IDENTS, PolicyMachine, dlg
 
 

@@ -60,7 +60,7 @@ from kvgate.bench.trace import (
 from kvgate.config import Config, parse_size
 from kvgate.placement import PLACEMENTS
 from kvgate.tiers.eviction import POLICIES
-from kvgate.tiers.sampled import card_policy
+from kvgate.tiers.sampled_ids import card_policy
 
 MAX_BLOCK_SIZE = 16 << 20
 DEFAULT_OBJECT_SIZE = 2 << 20

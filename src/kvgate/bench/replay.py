@@ -55,7 +55,7 @@ from kvgate.client import Client
 from kvgate.config import Config, parse_size
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
-from kvgate.tiers.sampled import card_policy
+from kvgate.tiers.sampled_ids import card_policy
 
 DEFAULT_POLICIES = ("prefix", "lru")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")

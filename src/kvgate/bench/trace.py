@@ -35,7 +35,7 @@ from kvgate.bench import BenchError
 from kvgate.heads import SharedHeads
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key
 from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
-from kvgate.tiers.sampled import SAMPLED_POLICIES, make_sampled_policy
+from kvgate.tiers.sampled_ids import SAMPLED_POLICIES, make_sampled_policy
 
 NAMESPACE = "kvgate-bench-trace"
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces (not used in any figure; for the record)

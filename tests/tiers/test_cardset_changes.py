@@ -277,6 +277,66 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("placement", ["dialog", "stripe"])
+def test_two_joins_before_the_mover_settles_cost_no_hits_either(tmp_path: Path, placement: str) -> None:
+    """A slot that moved twice (card0 -> card1 -> card2) before the mover settled: a miss on card2 asks
+    card1, then card0, where the objects no index holds still are (lookup, exists, get, prewarm,
+    delete)."""
+    from kvgate.tiers.store import GetItem, PutItem
+    from kvgate.types import Retention
+    from tests.tiers.test_store import started_store
+
+    def keys_of(d: int) -> list[bytes]:
+        return [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(4)]
+
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
+            cards = store.long
+            (card0,) = cards.cards
+            theirs = range(60)
+            for d in theirs:  # written by "another gateway": on card0, in no index here
+                dialog = dialog_digest(b"dialog-%d" % d)
+                items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys_of(d))]
+                assert await store.put(items, Retention.LONG) == [True] * 4
+                for k in keys_of(d):
+                    store.ram.delete(k)
+                    card0.note_gone(k)
+            async def busy() -> bool:  # a mover that never gets done: the changes stay unsettled
+                return True
+
+            cards.mover._round = busy  # type: ignore[method-assign]
+            homes = {}
+            for name in ("card1", "card2"):
+                (tmp_path / name).mkdir()
+                homes[name] = await cards.add(str(tmp_path / name))
+            assert len(cards._unsettled) == 2
+
+            def twice(d: int) -> bool:  # the first key's slot was card1's after the first join, card2's now
+                k, dialog = keys_of(d)[0], dialog_digest(b"dialog-%d" % d)
+                return (cards.card_for(k, dialog) is homes["card2"]
+                        and cards.earlier_homes(k, dialog, homes["card2"])[:1] == [homes["card1"]])
+
+            moved_twice = [d for d in theirs if twice(d)]
+            assert moved_twice, "no slot moved twice: pick more dialogs"
+            for d in theirs:
+                dialog = dialog_digest(b"dialog-%d" % d)
+                keys = keys_of(d)
+                assert await store.lookup(keys, dialog) == 4, f"dialog {d}: lookup"
+                assert await store.exists(keys, dialog) == [True] * 4, f"dialog {d}: exists"
+                items = [GetItem(k, dialog, memoryview(bytearray(SIZE))) for k in keys]
+                sizes, _ = await store.get(items)
+                assert sizes == [SIZE] * 4, f"dialog {d}: get"
+                for it in items:
+                    assert it.dest.tobytes() == _payload(it.fkey), "a wrong byte"
+            d = moved_twice[0]
+            dialog = dialog_digest(b"dialog-%d" % d)
+            assert await store.prewarm(keys_of(d), dialog) == 4
+            assert await store.delete(keys_of(d), dialog) == 4
+            assert not card0.card.exists(keys_of(d)[0]), "deleted where it was, two changes back"
+
+    asyncio.run(main())
+
+
 def test_a_move_waits_for_a_card_out_of_service_and_goes_on_when_it_is_back(tmp_path: Path, monkeypatch) -> None:
     """The joined card goes out of service before the mover copied anything to it: the mover tries again
     less and less often (each round copies the index's columns), and goes on as soon as the card is

@@ -45,7 +45,7 @@ log = logging.getLogger("kvgate.long")
 
 CHECK_INTERVAL_S = 1.0
 # How many changes back a miss still asks a slot's earlier card while the
-# mover has not settled them (``CardSet.earlier_home``): each is one more card
+# mover has not settled them (``CardSet.earlier_homes``): each is one more card
 # a miss may ask, and several changes within one move are rare.
 UNSETTLED_LAYOUTS = 4
 
@@ -184,7 +184,7 @@ class CardSet:
 
     @property
     def settling(self) -> bool:
-        """Whether a change of the set is not settled yet (misses also ask ``earlier_home``)."""
+        """Whether a change of the set is not settled yet (misses also ask ``earlier_homes``)."""
         return bool(self._unsettled)
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -205,23 +205,25 @@ class CardSet:
         mc = self._by_serial[serial]
         return mc if mc.active else None
 
-    def earlier_home(self, fkey: bytes, dialog: bytes, home: ManagedCard | None) -> ManagedCard | None:
-        """While the mover settles a change: the card ``fkey``'s slot had before it (the newest such map
-        where that is another card in service), to ask when ``home`` does not hold it; else None.
+    def earlier_homes(self, fkey: bytes, dialog: bytes, home: ManagedCard | None) -> list[ManagedCard]:
+        """While the mover settles changes: the cards ``fkey``'s slot had before, newest change first, each
+        once, in service and other than ``home``: where to ask, in turn, when ``home`` does not hold it.
 
         So a join costs no hits of objects this gateway has not indexed (a
         shared card's objects another gateway wrote): until they are moved or
-        the move settles, a miss on the slot's new card asks its old one.
+        the moves settle, a miss on the slot's new card asks its old ones (a
+        slot that moved twice before the mover settled: both).
         """
         if not self._unsettled:
-            return None
+            return []
         slot = slot_of(key_digest(fkey), dialog, self.cfg.key_placement, self.slot_map.slots)
+        out: list[ManagedCard] = []
         for before in reversed(self._unsettled):
             serial = before.serial_of_slot(slot % before.slots)
             mc = self._by_serial.get(serial) if serial is not None else None
-            if mc is not None and mc is not home and mc.active:
-                return mc
-        return None
+            if mc is not None and mc is not home and mc.active and mc not in out:
+                out.append(mc)
+        return out
 
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""

@@ -5,7 +5,7 @@ request names (its placement card is asked first); a key no index holds is
 probed on its placement card for the request's dialog (the dialog's card, or
 the key's own card when the request names none), and, while a change of the
 card set is unsettled, on the card its slot had before
-(``CardSet.earlier_home``).  With ``ttl``, an object the index knows to be
+(``CardSet.earlier_homes``).  With ``ttl``, an object the index knows to be
 older is a miss, and is deleted.
 
 Threading contract: every method runs on the gateway's event loop; the
@@ -161,20 +161,20 @@ class KeyFinder:
             for i in idx.tolist():
                 where[i] = mc
 
-    def elsewhere(self, fkey: bytes, dialog: bytes, tried: ManagedCard) -> ManagedCard | None:
-        """Where else to read ``fkey`` after ``tried`` did not have it: the card whose index holds it now
-        (the mover copied it there and deleted the copy just read from), else its ``earlier_home``; None:
-        nowhere else."""
+    def elsewhere(self, fkey: bytes, dialog: bytes, tried: list[ManagedCard]) -> ManagedCard | None:
+        """Where else to read ``fkey`` after the cards ``tried`` did not have it: the card whose index holds
+        it now (the mover copied it there and deleted the copy just read from), else the next of its
+        ``earlier_homes``; None: nowhere else."""
         home = self.card_set.card_for(fkey, dialog)
         mc, entry = self.find(fkey, home)
-        if mc is not None and mc is not tried and entry is not None:
+        if mc is not None and mc not in tried and entry is not None:
             return mc
-        return self.card_set.earlier_home(fkey, dialog, tried)
+        return next((c for c in self.card_set.earlier_homes(fkey, dialog, home) if c not in tried), None)
 
     async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
                            urgent: bool = False) -> int:
         """How many leading keys exist on their ``homes`` (the cards themselves are asked; where a home
-        does not hold a key, its ``earlier_home`` too)."""
+        does not hold a key, its ``earlier_homes`` in turn)."""
         n = 0
         while n < len(fkeys):
             mc = homes[n]
@@ -182,22 +182,37 @@ class KeyFinder:
                 break
             end = _run_end(homes, n, len(fkeys))
             n += await mc.probe_prefix(fkeys[n:end], urgent)
-            if n == end:
-                continue
-            earlier = [self.card_set.earlier_home(k, dialog, mc) for k in fkeys[n:end]]
-            if earlier[0] is None:
+            if n < end:
+                n = await self._probe_earlier(fkeys, n, end, dialog, mc, urgent)
+                if n < end:
+                    break
+        return n
+
+    async def _probe_earlier(self, fkeys: list[bytes], start: int, end: int, dialog: bytes, home: ManagedCard,
+                             urgent: bool) -> int:
+        """From ``start``: how far the keys up to ``end`` (all of ``home``) are on their earlier homes."""
+        if not self.card_set.settling:
+            return start
+        earlier = [self.card_set.earlier_homes(k, dialog, home) for k in fkeys[start:end]]
+        n, asked = start, []  # asked: cards that lacked key n
+        while n < end:
+            mc = next((c for c in earlier[n - start] if c not in asked), None)
+            if mc is None:
                 break
-            stop = n + _run_end(earlier, 0, len(earlier))
-            found = await earlier[0].probe_prefix(fkeys[n:stop], urgent)
-            n += found
+            stop = n + 1
+            while stop < end and mc in earlier[stop - start]:
+                stop += 1
+            found = await mc.probe_prefix(fkeys[n:stop], urgent)
+            if found:
+                n, asked = n + found, []
             if n < stop:
-                break
+                asked.append(mc)
         return n
 
     async def probe_each(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
                          urgent: bool = False) -> list[bool]:
         """Whether each key exists on its home card (the cards themselves are asked; no home: False; not on
-        its home: its ``earlier_home`` is asked)."""
+        its home: its ``earlier_homes`` are asked in turn)."""
         out = [False] * len(fkeys)
 
         async def ask(pairs) -> None:
@@ -209,8 +224,15 @@ class KeyFinder:
 
         await ask(zip(homes, range(len(fkeys))))
         if self.card_set.settling:
-            await ask((self.card_set.earlier_home(fkeys[i], dialog, homes[i]), i)
-                      for i in range(len(fkeys)) if not out[i] and homes[i] is not None)
+            earlier = {i: self.card_set.earlier_homes(fkeys[i], dialog, homes[i])
+                       for i in range(len(fkeys)) if not out[i] and homes[i] is not None}
+            level = 0
+            while True:
+                pairs = [(cards[level], i) for i, cards in earlier.items() if not out[i] and level < len(cards)]
+                if not pairs:
+                    break
+                await ask(pairs)
+                level += 1
         return out
 
     def hint_reads(self, found: list[FoundOnCard], urgent: bool = False) -> None:
@@ -223,7 +245,7 @@ class KeyFinder:
         per_card: dict[int, tuple[ManagedCard, list[bytes]]] = {}
         for k, home in zip(fkeys, self.card_set.cards_for(fkeys, dialog)):
             targets = [mc for mc in self.card_set.cards if mc.active and k in mc.index]
-            for also in (home, self.card_set.earlier_home(k, dialog, home)):
+            for also in (home, *self.card_set.earlier_homes(k, dialog, home)):
                 if also is not None and also not in targets:
                     targets.append(also)
             for mc in targets:

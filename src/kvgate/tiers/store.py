@@ -36,7 +36,7 @@ from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.tiers.io import ByteBudget, IoPool
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
-from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
 from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
@@ -280,12 +280,15 @@ class TieredStore:
                 c.ram.bytes_read += entry.size
 
         again: list[tuple[ManagedCard, int]] = []
+        tried: dict[int, list[ManagedCard]] = {}  # item -> the cards that did not have it
 
         async def from_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
             results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
             for i, r in zip(idx, results):
                 if not last_try and r.outcome is ReadOutcome.MISSING:
-                    elsewhere = self.finder.elsewhere(items[i].fkey, items[i].dialog, cs)
+                    lacked = tried.setdefault(i, [])
+                    lacked.append(cs)
+                    elsewhere = self.finder.elsewhere(items[i].fkey, items[i].dialog, lacked)
                     if elsewhere is not None:
                         again.append((elsewhere, i))
                         continue
@@ -299,9 +302,14 @@ class TieredStore:
         # must not leave others still writing the destinations.
         done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
                                     return_exceptions=True)
-        if again and not any(isinstance(r, BaseException) for r in done):
-            done = await asyncio.gather(*(from_card(cs, idx, last_try=True)
-                                          for cs, idx in group_by_card(again).values()), return_exceptions=True)
+        # A miss read again where the key is now, or on the cards its slot had before (one round per card
+        # set change the mover has not settled, at most).
+        for round_ in range(UNSETTLED_LAYOUTS):
+            if not again or any(isinstance(r, BaseException) for r in done):
+                break
+            retry, again = again, []
+            done = await asyncio.gather(*(from_card(cs, idx, last_try=round_ == UNSETTLED_LAYOUTS - 1)
+                                          for cs, idx in group_by_card(retry).values()), return_exceptions=True)
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
@@ -459,9 +467,12 @@ class TieredStore:
                 size = entry.payload_len
             else:  # no index holds it: ask its card (as lookup and get do)
                 size = await self._unindexed_size(cs, k)
-                before = self.long.earlier_home(k, dialog, cs) if size is None else None
-                if before is not None:  # the card set changed and the mover has not settled it yet
-                    cs, size = before, await self._unindexed_size(before, k)
+                if size is None:  # the card set changed and the mover has not settled it yet: cards of before
+                    for before in self.long.earlier_homes(k, dialog, cs):
+                        size = await self._unindexed_size(before, k)
+                        if size is not None:
+                            cs = before
+                            break
                 if size is None:
                     break
             # The meta is the header's once read (its creation time counts for the ttl in RAM too).

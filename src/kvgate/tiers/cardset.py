@@ -225,6 +225,19 @@ class CardSet:
                 out.append(mc)
         return out
 
+    def earlier_homes_of(self, fkeys: list[bytes], dialog: bytes, home: ManagedCard) -> list[list[ManagedCard]]:
+        """``earlier_homes`` of many keys of one request, computed once where placement allows (as
+        ``cards_for``)."""
+        if not self._unsettled or not fkeys:
+            return [[] for _ in fkeys]
+        if self._one_slot(dialog):  # not "one card now": the maps of before may have had several
+            return [self.earlier_homes(fkeys[0], dialog, home)] * len(fkeys)
+        return [self.earlier_homes(k, dialog, home) for k in fkeys]
+
+    def _one_slot(self, dialog: bytes) -> bool:
+        """Whether every key of a request with this dialog mark lands in the same slot."""
+        return self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)
+
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
         return self._by_serial.get(mc.serial) is mc
@@ -235,8 +248,7 @@ class CardSet:
         With dialog placement and a dialog mark, or a single slot, every key
         of the request lands on the same card: one hash instead of 1,000s.
         """
-        if (self.slot_map.slots == 1 or len(self.slot_map.serials) == 1
-                or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)):
+        if self._one_slot(dialog) or len(self.slot_map.serials) == 1:
             return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
         return [self.card_for(k, dialog) for k in fkeys]
 

@@ -193,7 +193,7 @@ class KeyFinder:
         """From ``start``: how far the keys up to ``end`` (all of ``home``) are on their earlier homes."""
         if not self.card_set.settling:
             return start
-        earlier = [self.card_set.earlier_homes(k, dialog, home) for k in fkeys[start:end]]
+        earlier = self.card_set.earlier_homes_of(fkeys[start:end], dialog, home)
         n, asked = start, []  # asked: cards that lacked key n
         while n < end:
             mc = next((c for c in earlier[n - start] if c not in asked), None)

@@ -1,0 +1,206 @@
+"""The card registry of a cluster, kept in etcd: the cards, their states, and the view every gateway follows.
+
+Layout under the cluster's prefix ``/kvgate/<cluster>/``::
+
+    cards/<serial>   a CardRecord (JSON): the card's kind, address, capacity,
+                     weight and state; written by the leader, never leased,
+                     so a registration never disappears because an agent
+                     went quiet
+    alive/<serial>   the agent that serves the card says it is alive, under
+                     its lease: liveness only ever changes a card's health
+    view             the View the leader publishes: an epoch, the serials in
+                     service and the slot owners computed from them
+
+A card's ``state`` moves ``joining -> active -> draining -> drained ->
+retired`` (``draining -> active`` when undrained).  The view holds the cards
+that take slots (``joining`` and ``active``: a joining card takes its share
+at once, as a card added by hand does) and the ones still read
+(``draining``); slots are assigned by rendezvous hashing over serials
+(``kvgate.placement.SlotMap``), so the map depends on the set of cards only,
+never on the order they registered in.
+
+Every etcd call is bounded (``call_timeout_s``, 0.5 s by default) and made
+once: a gateway polls again a second later rather than waiting on a
+partitioned etcd.  A call that fails raises ``RegistryUnavailable``.
+
+Runs on the event loop of its owner (an agent, a gateway); no method blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from enum import Enum
+from typing import Final
+
+import msgspec
+from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio.kv import KVService
+
+from kvgate.placement import SlotMap
+
+CALL_TIMEOUT_S: Final = 0.5
+
+
+class CardState(str, Enum):
+    JOINING = "joining"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    RETIRED = "retired"
+
+
+# Which state may follow which (an operator's drain, undrain and retire; the leader's join and drained).
+NEXT_STATES: Final = {
+    CardState.JOINING: {CardState.ACTIVE, CardState.DRAINING, CardState.RETIRED},
+    CardState.ACTIVE: {CardState.DRAINING},
+    CardState.DRAINING: {CardState.ACTIVE, CardState.DRAINED},
+    CardState.DRAINED: {CardState.ACTIVE, CardState.RETIRED},
+    CardState.RETIRED: set(),
+}
+TAKES_SLOTS: Final = (CardState.JOINING, CardState.ACTIVE)
+READ: Final = (CardState.JOINING, CardState.ACTIVE, CardState.DRAINING)
+
+
+class CardRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One card as the registry knows it."""
+
+    serial: str
+    kind: str  # "directory", "redis", "kvgate" (a card an agent serves over the network)
+    address: str  # where a gateway reaches it: a path glob, a redis:// or kvgate:// URL
+    capacity: int = 0  # bytes; 0: as the card reports
+    weight: float = 1.0
+    state: CardState = CardState.JOINING
+
+
+class View(msgspec.Struct, frozen=True, kw_only=True):
+    """What the leader publishes: the cards a gateway uses and where each slot is."""
+
+    epoch: int
+    slots: int
+    cards: tuple[CardRecord, ...]  # the cards read: joining, active, draining (sorted by serial)
+    owners: tuple[str | None, ...]  # per slot, the serial of the card it is on
+
+    @classmethod
+    def of(cls, epoch: int, records: list[CardRecord], slots: int) -> View:
+        """The view of ``records`` (any order) over ``slots`` slots."""
+        read = sorted((r for r in records if r.state in READ), key=lambda r: r.serial)
+        slot_map = SlotMap([r.serial for r in read if r.state in TAKES_SLOTS], slots)
+        return cls(epoch=epoch, slots=slots, cards=tuple(read), owners=slot_map.owner)
+
+    def same_layout(self, other: View) -> bool:
+        """Whether ``other`` places every key where this one does and reads the same cards."""
+        return self.owners == other.owners and self.cards == other.cards
+
+
+class RegistryUnavailable(ConnectionError):
+    """etcd did not answer within the call's bound (or refused); says which call."""
+
+
+class RegistryConflict(ValueError):
+    """A change that does not apply to the registry as it is now (unknown serial, a state that cannot
+    follow, a view published over a newer one); says why."""
+
+
+_encoder = msgspec.json.Encoder()
+_card_decoder = msgspec.json.Decoder(CardRecord)
+_view_decoder = msgspec.json.Decoder(View)
+
+
+class Registry:
+    """The registry of one cluster in etcd (module docstring), over a connected ``Etcd3Client``."""
+
+    def __init__(self, client: Etcd3Client, cluster: str = "default", call_timeout_s: float = CALL_TIMEOUT_S):
+        if not cluster or "/" in cluster:
+            raise ValueError(f"cluster name {cluster!r}: a non-empty name without '/'")
+        self.client = client
+        self.prefix = f"/kvgate/{cluster}/".encode()
+        self.call_timeout_s = call_timeout_s
+
+    @property
+    def _kv(self) -> KVService:
+        if self.client.kv is None:
+            raise RegistryUnavailable("the etcd client is not connected")
+        return self.client.kv
+
+    def _card_key(self, serial: str) -> bytes:
+        if not serial or "/" in serial:
+            raise ValueError(f"card serial {serial!r}: a non-empty name without '/'")
+        return self.prefix + b"cards/" + serial.encode()
+
+    async def _call(self, what: str, coro):
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                return await coro
+        except (TimeoutError, EtcdError) as e:
+            raise RegistryUnavailable(f"etcd {what}: {type(e).__name__}: {str(e) or 'no answer'} "
+                                      f"(bound {self.call_timeout_s:g} s)") from None
+
+    # ---- cards -----------------------------------------------------------------
+
+    async def cards(self) -> list[CardRecord]:
+        """Every registered card, by serial."""
+        start = self.prefix + b"cards/"
+        resp = await self._call("read cards", self._kv.get(start, prefix_range_end(start), max_attempts=1))
+        return sorted((_card_decoder.decode(kv.value) for kv in resp.kvs), key=lambda r: r.serial)
+
+    async def card(self, serial: str) -> CardRecord | None:
+        found = await self._card_raw(serial)
+        return None if found is None else found[0]
+
+    async def _card_raw(self, serial: str) -> tuple[CardRecord, bytes] | None:
+        """The card's record and its stored bytes (what a change compares), or None."""
+        resp = await self._call(f"read card {serial}", self._kv.get(self._card_key(serial), max_attempts=1))
+        if not resp.kvs:
+            return None
+        return _card_decoder.decode(resp.kvs[0].value), resp.kvs[0].value
+
+    async def register(self, record: CardRecord) -> bool:
+        """Add a card (state ``joining``); False when its serial is registered already (left as it is)."""
+        key = self._card_key(record.serial)
+        kv = self._kv
+        record = msgspec.structs.replace(record, state=CardState.JOINING)
+        resp = await self._call(f"register card {record.serial}", kv.txn(
+            [kv.txn_compare_version(key, 0)], [kv.txn_op_put(key, _encoder.encode(record))], max_attempts=1))
+        return bool(resp.succeeded)
+
+    async def set_state(self, serial: str, state: CardState) -> CardRecord:
+        """Move the card to ``state`` if that may follow its state now; the record as written."""
+        found = await self._card_raw(serial)
+        if found is None:
+            raise RegistryConflict(f"no card with serial {serial!r} in the registry")
+        record, raw = found
+        if state == record.state:
+            return record
+        if state not in NEXT_STATES[record.state]:
+            raise RegistryConflict(f"card {serial} is {record.state.value}: it cannot become {state.value}")
+        new = msgspec.structs.replace(record, state=state)
+        key = self._card_key(serial)
+        kv = self._kv
+        resp = await self._call(f"change card {serial}", kv.txn(
+            [kv.txn_compare_value(key, raw)], [kv.txn_op_put(key, _encoder.encode(new))],
+            max_attempts=1))
+        if not resp.succeeded:
+            raise RegistryConflict(f"card {serial} changed meanwhile: read it again")
+        return new
+
+    # ---- the view ----------------------------------------------------------------
+
+    async def view(self) -> View | None:
+        """The view the leader published last, or None before the first."""
+        resp = await self._call("read the view", self._kv.get(self.prefix + b"view", max_attempts=1))
+        return _view_decoder.decode(resp.kvs[0].value) if resp.kvs else None
+
+    async def publish(self, view: View) -> None:
+        """Publish ``view``; its epoch must be the published one's plus one (the first: 1)."""
+        key = self.prefix + b"view"
+        kv = self._kv
+        current = await self.view()
+        expected = 0 if current is None else current.epoch
+        if view.epoch != expected + 1:
+            raise RegistryConflict(f"view epoch {view.epoch} does not follow the published epoch {expected}")
+        compare = (kv.txn_compare_version(key, 0) if current is None
+                   else kv.txn_compare_value(key, _encoder.encode(current)))
+        resp = await self._call(f"publish view {view.epoch}", kv.txn(
+            [compare], [kv.txn_op_put(key, _encoder.encode(view))], max_attempts=1))
+        if not resp.succeeded:
+            raise RegistryConflict(f"view {view.epoch} not published: another view was published meanwhile")

@@ -1,0 +1,77 @@
+"""A real ``etcd`` member for the cluster tests: one process on free loopback ports, killed with real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from kvgate.bench.processes import free_port
+
+ETCD = shutil.which("etcd")
+
+
+class EtcdServer:
+    """One single-member etcd cluster in ``workdir``; ``start`` returns once it answers on its client port."""
+
+    def __init__(self, workdir: str | os.PathLike) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "EtcdServer":
+        assert ETCD is not None, "etcd is not installed (make test installs etcd-server)"
+        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        args = [ETCD, "--name", "kvgate-test", "--data-dir", str(self.workdir / "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"kvgate-test={peer}", "--log-level", "warn"]
+        with open(self.workdir / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self.listening():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd on port {self.port} did not listen: {self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: etcd is there and answers nothing (a partition, as a client sees it)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def log(self) -> str:
+        try:
+            return (self.workdir / "etcd.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""

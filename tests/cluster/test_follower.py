@@ -1,0 +1,88 @@
+"""A card set that follows the cluster's view in a real etcd: joins, drains, leaves, and an etcd outage."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import msgspec
+import pytest
+from etcd3aio import Etcd3Client
+
+from kvgate.cards import DirectoryCard
+from kvgate.cluster.follower import ViewFollower
+from kvgate.cluster.registry import CardRecord, CardState, Registry, View
+from kvgate.config import Config
+from tests.cluster.etcd import ETCD, EtcdServer
+from tests.tiers.common import card_set
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
+SLOTS = 64
+
+
+def _card(path: Path) -> CardRecord:
+    path.mkdir()
+    card = DirectoryCard(str(path))
+    serial = card.open()
+    card.close()
+    return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)
+
+
+def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "kvgate.cluster")
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    a, b, c = (_card(tmp_path / n) for n in ("a", "b", "c"))
+    foreign = CardRecord(serial="not-its-serial", kind="directory", address=str(tmp_path / "c"))
+
+    async def main() -> None:
+        cfg = Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20)
+        async with Etcd3Client([etcd.endpoint]) as client:
+            reg = Registry(client, "t", call_timeout_s=5)  # a loaded test machine: etcd fsyncs
+            cards = card_set(cfg)
+            await cards.start()
+            follower = ViewFollower(reg, cards, tmp_path / "view.json")
+            try:
+                await follower.start()  # nothing kept yet
+                assert await follower.poll() and cards.cards == [] and follower.epoch == 0
+
+                await reg.publish(View.of(1, [a], SLOTS))
+                assert await follower.poll()
+                assert [mc.serial for mc in cards.cards] == [a.serial]
+                await reg.publish(View.of(2, [a, b, foreign], SLOTS))
+                assert await follower.poll()
+                assert sorted(mc.serial for mc in cards.cards) == sorted([a.serial, b.serial])
+                assert "carries serial" in caplog.text and "not-its-serial" in caplog.text
+                # Both gateways' slot maps agree with the leader's view.
+                assert cards.slot_map.owner == View.of(2, [a, b], SLOTS).owners
+                draining = View.of(3, [a, msgspec.structs.replace(b, state=CardState.DRAINING)], SLOTS)
+                await reg.publish(draining)
+                assert await follower.poll()
+                # Out of the slot map at once; it holds nothing to copy, so it has left or is about to.
+                assert cards.slot_map.owner == draining.owners and set(draining.owners) == {a.serial}
+                assert all(cards.is_draining(mc) for mc in cards.cards if mc.serial == b.serial)
+
+                etcd.pause()
+                follower.registry = Registry(client, "t", call_timeout_s=0.3)
+                assert not await follower.poll(), "etcd does not answer: nothing changes"
+                assert follower.epoch == 3 and a.serial in [mc.serial for mc in cards.cards]
+                assert "cluster registry unreachable" in caplog.text
+            finally:
+                await cards.stop()
+
+            # A gateway started during the outage serves the view kept on disk.
+            again = card_set(cfg)
+            await again.start()
+            try:
+                restarted = ViewFollower(Registry(client, "t", call_timeout_s=0.3), again, tmp_path / "view.json")
+                await restarted.start()
+                assert restarted.epoch == 3 and a.serial in [mc.serial for mc in again.cards]
+                assert again.slot_map.owner == draining.owners
+            finally:
+                await again.stop()
+                etcd.resume()
+
+    try:
+        asyncio.run(main())
+    finally:
+        etcd.stop()

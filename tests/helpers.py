@@ -196,6 +196,8 @@ class GatewayProcess(processes.GatewayProcess):
             flags["--socket"] = [str(socket_path)]
         for flag, values in processes.flag_groups(list(args)):
             flags[flag] = values
+        if "--cluster-etcd-endpoints" in flags:  # cluster mode: the cards come from the registry
+            del flags["--storage-devices"]
         super().__init__(workdir, [x for f, v in flags.items() for x in (f, *v)], name=name, cwd=workdir,
                          log_path=workdir / f"{name}.stderr.log", out_path=workdir / f"{name}.stdout.log",
                          create_cards=create_cards)

@@ -124,3 +124,13 @@ def test_help_shows_every_default(capsys):
         assert flag and flag.group(1).endswith(f"(default: {shown})"), (f.name, flag and flag.group(1))
     port = config.FIELDS_BY_NAME["port"].default
     assert build_parser().parse_args(["stat"]).port == port
+
+
+def test_cluster_mode_takes_no_storage_devices_and_drops_the_default_card() -> None:
+    cfg = from_mapping({"cluster_etcd_endpoints": ["127.0.0.1:2379"]})
+    assert cfg.cluster_mode and cfg.storage_devices == []
+    with pytest.raises(ConfigError, match="storage_devices': in cluster mode .* remove storage_devices"):
+        from_mapping({"cluster_etcd_endpoints": ["127.0.0.1:2379"], "storage_devices": ["/cards/a"]})
+    with pytest.raises(ConfigError, match="cluster_name': a non-empty name without '/'"):
+        from_mapping({"cluster_etcd_endpoints": ["127.0.0.1:2379"], "cluster_name": "a/b"})
+    assert not from_mapping({}).cluster_mode

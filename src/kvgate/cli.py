@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import sys
@@ -76,8 +77,13 @@ def cmd_serve(args) -> int:
 
     cfg = _config_from(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    card_source = None
+    if cfg.cluster_mode:  # the cards come from the cluster's registry
+        from kvgate.cluster.follower import ClusterCards
+
+        card_source = functools.partial(ClusterCards, cfg)
     try:
-        asyncio.run(run_gateway(cfg, reload=lambda: _config_from(args)))
+        asyncio.run(run_gateway(cfg, reload=lambda: _config_from(args), card_source=card_source))
     except StartupError as e:
         logging.getLogger("kvgate").error("cannot start: %s", e)
         return 2

@@ -235,6 +235,21 @@ class Config:
         "(engines poll the CPUs while they wait); normal: the fair scheduler's share",
         choices=("realtime", "normal"))
     log_level: str = _key(_parse_str, "info", "log level", choices=("debug", "info", "warning", "error"))
+    cluster_etcd_endpoints: list[str] = _key(
+        _parse_str_list, [],
+        "cluster mode: etcd endpoints (host:port) of the card registry; the cards come from its view, not "
+        "from storage_devices", metavar="HOST:PORT", many=True)
+    cluster_name: str = _key(_parse_str, "default", "cluster mode: the cluster whose registry this gateway follows")
+    cluster_view_file: str = _key(
+        _parse_str, "./var/kvgate/cluster-view.json",
+        "cluster mode: where the last view is kept, so that a start while etcd is unreachable serves it")
+    # A gateway polls about once a second: a call that takes longer is better made again than waited for.
+    cluster_call_timeout: float = _key(parse_duration, 0.5, "cluster mode: bound of each etcd call",
+                                       minimum=0.01)
+
+    @property
+    def cluster_mode(self) -> bool:
+        return bool(self.cluster_etcd_endpoints)
 
     @property
     def socket_path(self) -> str:
@@ -281,6 +296,8 @@ def from_mapping(values: Mapping[str, Any]) -> Config:
         hint = _did_you_mean(unknown[0])
         raise ConfigError(f"unknown config key '{unknown[0]}'{hint}")
     checked = {name: _check(FIELDS_BY_NAME[name], raw) for name, raw in values.items()}
+    if checked.get("cluster_etcd_endpoints") and "storage_devices" not in checked:
+        checked["storage_devices"] = []  # not the default card: the registry's cards
     cfg = Config(**checked)
     _check_combination(cfg)
     return cfg
@@ -294,7 +311,13 @@ def _did_you_mean(name: str) -> str:
 
 
 def _check_combination(cfg: Config) -> None:
-    if not cfg.storage_devices:
+    if cfg.cluster_mode:
+        if cfg.storage_devices:
+            raise ConfigError("config key 'storage_devices': in cluster mode (cluster_etcd_endpoints) the cards "
+                              "come from the cluster's registry; remove storage_devices")
+        if "/" in cfg.cluster_name or not cfg.cluster_name:
+            raise ConfigError(f"config key 'cluster_name': a non-empty name without '/', got {cfg.cluster_name!r}")
+    elif not cfg.storage_devices:
         raise ConfigError("config key 'storage_devices': at least one card is required")
     if cfg.shared_storage and cfg.start_clean:
         raise ConfigError(

@@ -29,7 +29,10 @@ from typing import Final
 
 import msgspec
 
+from etcd3aio import Etcd3Client, EtcdError
+
 from kvgate.cluster.registry import CardState, Registry, RegistryUnavailable, View
+from kvgate.config import Config
 from kvgate.tiers.cardset import CardChangeError, CardSet
 
 log = logging.getLogger("kvgate.cluster")
@@ -141,3 +144,51 @@ class ViewFollower:
         except OSError as e:
             log.warning("cluster view %d not kept at %s (%s): a restart while etcd is unreachable would not "
                         "serve it", view.epoch, self.state_path, e)
+
+
+class ClusterCards:
+    """A gateway's ``CardSource`` in cluster mode: its etcd client, the registry and a ``ViewFollower``.
+
+    ``start`` (before the gateway listens) applies the view kept on disk,
+    then connects and polls once, each bounded: with etcd up, a gateway
+    serves the current view from its first request; with etcd down, the
+    last one it knew.  ``run`` connects again until it can and then polls.
+    """
+
+    CONNECT_S: Final = 2.0  # one connection attempt (etcd answers in milliseconds when it is there)
+
+    def __init__(self, cfg: Config, cards: CardSet) -> None:
+        self.endpoints = list(cfg.cluster_etcd_endpoints)
+        self.client = Etcd3Client(self.endpoints, rpc_max_attempts=1)
+        self.registry = Registry(self.client, cfg.cluster_name, cfg.cluster_call_timeout)
+        self.follower = ViewFollower(self.registry, cards, cfg.cluster_view_file)
+        self.connected = False
+
+    async def _connect(self) -> bool:
+        try:
+            async with asyncio.timeout(self.CONNECT_S):
+                await self.client.connect()
+        except (TimeoutError, OSError, EtcdError) as e:
+            await self.client.close()
+            if not self.follower.unreachable:
+                log.warning("cluster registry at %s unreachable (%s): serving with view %d",
+                            ", ".join(self.endpoints), type(e).__name__, self.follower.epoch)
+            self.follower.unreachable = True
+            return False
+        self.connected = True
+        return True
+
+    async def start(self) -> None:
+        os.makedirs(self.follower.state_path.parent, exist_ok=True)
+        await self.follower.start()
+        if await self._connect():
+            await self.follower.poll()
+
+    async def run(self) -> None:
+        while not self.connected:
+            await asyncio.sleep(self.follower.poll_s)
+            await self._connect()
+        await self.follower.run()
+
+    async def close(self) -> None:
+        await self.client.close()

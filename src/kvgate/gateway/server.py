@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kvgate import __version__
 from kvgate.cards import CardInUse
@@ -37,7 +37,7 @@ from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.shm import reap_dead_regions
 from kvgate.heads import SharedHeads
 from kvgate.tiers.io import IoPool, Tasks, realtime_permitted
-from kvgate.tiers.cardset import LayoutMismatch
+from kvgate.tiers.cardset import CardSet, LayoutMismatch
 from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.gateway")
@@ -48,6 +48,22 @@ class StartupError(RuntimeError):
     """The gateway cannot start as configured; the message says why."""
 
 
+class CardSource(Protocol):
+    """Where a gateway's cards come from besides ``storage_devices``: cluster mode's registry view.
+
+    Made by whoever starts the gateway (``kvgate serve``), given the
+    gateway's card set; ``start`` runs before the gateway listens (cards it
+    knows serve from the first request), ``run`` is its task while the
+    gateway serves, ``close`` comes after the task was cancelled.
+    """
+
+    async def start(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class Gateway:
     """One gateway: its store, sessions, operations, listeners and status, and their life cycle.
 
@@ -56,10 +72,11 @@ class Gateway:
     it: the store's I/O, region files and the status file go to the ``IoPool``.
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, card_source: Callable[[CardSet], CardSource] | None = None):
         self.cfg = cfg
         self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
         self.store = TieredStore(cfg, self.pool)
+        self.card_source = card_source(self.store.long) if card_source is not None else None
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.long)
         self.sessions = Sessions(cfg, self.store, self.pool)
@@ -95,6 +112,9 @@ class Gateway:
             await self.store.start()
         except (LayoutMismatch, CardInUse) as e:
             raise StartupError(str(e)) from None
+        if self.card_source is not None:
+            await self.card_source.start()
+            self._spawn(self.card_source.run())
         await self.head_sync.sync_once()  # marks as before a restart, from the first request on
         if len(self.heads):
             log.info("shared heads: %d blocks known from the cards", len(self.heads))
@@ -203,6 +223,8 @@ class Gateway:
         # the accept loops and every connection are tasks too: each connection cancels its requests, closes
         # its session and its socket
         await self._tasks.cancel()
+        if self.card_source is not None:
+            await self.card_source.close()
         self.listeners.close()
         if self.http:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
@@ -245,7 +267,8 @@ def _is_loopback(host: str) -> bool:
 
 
 async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
-                      reload: Callable[[], Config] | None = None) -> None:
+                      reload: Callable[[], Config] | None = None,
+                      card_source: Callable[[CardSet], CardSource] | None = None) -> None:
     """Start, serve until SIGINT/SIGTERM, stop cleanly; on SIGHUP, ``reload`` the config (its cards)."""
     import signal
 
@@ -253,7 +276,7 @@ async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
     # the interpreter takes it away, 5 ms by default, while the loop waits to answer a lookup.  Measured
     # with one such thread busy: loop work of 0.1 ms took 5.5 ms at p50 (13.7 p99); at 1 ms, 1.4 (5.3).
     sys.setswitchinterval(GIL_SWITCH_S)
-    gw = Gateway(cfg)
+    gw = Gateway(cfg, card_source)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, gw.request_stop)

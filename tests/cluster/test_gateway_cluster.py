@@ -1,0 +1,73 @@
+"""A real gateway in cluster mode: its cards come from the view in a real etcd, also across an etcd outage."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+from etcd3aio import Etcd3Client
+
+from kvgate.cards import DirectoryCard
+from kvgate.client import Client
+from kvgate.cluster.registry import CardRecord, CardState, Registry, View
+from tests.cluster.etcd import ETCD, EtcdServer
+from tests.helpers import GatewayProcess, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
+SLOTS = 64
+
+
+def _card(path: Path) -> CardRecord:
+    path.mkdir()
+    card = DirectoryCard(str(path))
+    serial = card.open()
+    card.close()
+    return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)
+
+
+def _publish(etcd: EtcdServer, view: View) -> None:
+    async def main() -> None:
+        async with Etcd3Client([etcd.endpoint]) as client:
+            await Registry(client, "t", call_timeout_s=5).publish(view)
+
+    asyncio.run(main())
+
+
+def _serials(gw: GatewayProcess) -> list[str]:
+    return sorted(c["serial"] for c in gw.stats()["cards"])
+
+
+def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(tmp_path: Path) -> None:
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    a, b = _card(tmp_path / "a"), _card(tmp_path / "b")
+    flags = ["--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "t",
+             "--cluster-view-file", str(tmp_path / "view.json"), "--storage-slots", str(SLOTS),
+             "--max-bytes", "0"]
+    gw = GatewayProcess(tmp_path / "gw", flags)
+    try:
+        _publish(etcd, View.of(1, [a], SLOTS))
+        gw.start()
+        assert _serials(gw) == [a.serial], "the view's cards from the first request on"
+        keys = [b"block-%d" % i for i in range(8)]
+        with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
+            assert all(c.put_many(keys, [k * 100 for k in keys], dialog=b"d", position=0))
+
+        _publish(etcd, View.of(2, [a, b], SLOTS))
+        wait_until(lambda: _serials(gw) == sorted([a.serial, b.serial]), 10, "the second card joined")
+        _publish(etcd, View.of(3, [a, msgspec.structs.replace(b, state=CardState.DRAINING)], SLOTS))
+        wait_until(lambda: all(c["state"] != "serving" for c in gw.stats()["cards"] if c["serial"] == b.serial),
+                   10, "the second card draining (or gone)")
+
+        etcd.pause()
+        gw.stop()
+        gw.start()  # etcd does not answer: the view kept on disk
+        assert a.serial in _serials(gw)
+        with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
+            got = c.get_many(keys, dialog=b"d")
+            assert [bytes(g) for g in got] == [k * 100 for k in keys], "restored from the card of the kept view"
+        assert "unreachable" in gw.log()
+    finally:
+        gw.stop()
+        etcd.stop()

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--now", action="store_true", help="drain: the card leaves at once, what it holds unread")
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
+    p = sub.add_parser("cluster", help="the card registry of a cluster in etcd: cards, view, register, drain, "
+                                       "undrain, retire, publish")
+    from kvgate.cluster.command import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(p)
+
     try:  # optional: a missing bench module must not break serve/stat/clean
         from kvgate.bench.command import add_arguments
     except ImportError:
@@ -265,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_clean(args)
         if args.command == "cards":
             return cmd_cards(args)
+        if args.command == "cluster":
+            from kvgate.cluster.command import run as run_cluster
+
+            return run_cluster(args)
         if args.command == "bench":
             from kvgate.bench.command import run_bench
 

@@ -71,3 +71,33 @@ def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(t
     finally:
         gw.stop()
         etcd.stop()
+
+
+def test_the_cluster_command_registers_publishes_and_drains(tmp_path: Path) -> None:
+    from tests.helpers import run_kvgate
+
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    common = ["--etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--slots", str(SLOTS)]
+    try:
+        (tmp_path / "a").mkdir()
+        r = run_kvgate("cluster", "register", str(tmp_path / "a"), *common)
+        assert r.returncode == 0 and "registered (joining" in r.stdout, r.stderr
+        again = run_kvgate("cluster", "register", str(tmp_path / "a"), *common)
+        assert again.returncode == 1 and "registered already" in again.stderr
+        view = run_kvgate("cluster", "view", *common)
+        assert view.returncode == 1 and "no view published yet" in view.stderr
+        assert run_kvgate("cluster", "publish", *common).returncode == 0
+        got = msgspec.json.decode(run_kvgate("cluster", "view", "--json", *common).stdout)
+        serial = DirectoryCard(str(tmp_path / "a")).check()
+        assert got["epoch"] == 1 and set(got["owners"]) == {serial} and got["cards"][0]["state"] == "active"
+        assert "is current: nothing to publish" in run_kvgate("cluster", "publish", *common).stdout
+        bad = run_kvgate("cluster", "retire", serial, *common)
+        assert bad.returncode == 1 and "is active: it cannot become retired" in bad.stderr
+        assert run_kvgate("cluster", "drain", serial, *common).returncode == 0
+        cards = msgspec.json.decode(run_kvgate("cluster", "cards", "--json", *common).stdout)
+        assert [c["state"] for c in cards] == ["draining"]
+        etcd.pause()
+        down = run_kvgate("cluster", "cards", "--timeout", "0.3", *common)
+        assert down.returncode == 2 and ("bound 0.3 s" in down.stderr or "did not answer" in down.stderr), down.stderr
+    finally:
+        etcd.stop()

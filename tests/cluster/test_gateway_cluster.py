@@ -12,6 +12,7 @@ from etcd3aio import Etcd3Client
 from kvgate.cards import DirectoryCard
 from kvgate.client import Client
 from kvgate.cluster.registry import CardRecord, CardState, Registry, View
+from kvgate.gateway.status import render
 from tests.cluster.etcd import ETCD, EtcdServer
 from tests.helpers import GatewayProcess, wait_until
 
@@ -60,10 +61,17 @@ def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(t
         wait_until(lambda: all(c["state"] != "serving" for c in gw.stats()["cards"] if c["serial"] == b.serial),
                    10, "the second card draining (or gone)")
 
+        status = gw.stats()["cluster"]
+        assert status["view_epoch"] == 3 and status["reachable"] and 0 <= status["last_good_poll_age_s"] < 5
+        assert b"kvgate_cluster_view_epoch 3.0" in render(gw.stats())
+
         etcd.pause()
         gw.stop()
         gw.start()  # etcd does not answer: the view kept on disk
         assert a.serial in _serials(gw)
+        status = gw.stats()["cluster"]
+        assert status["view_epoch"] == 3 and not status["reachable"] and status["last_good_poll_age_s"] == -1
+        assert b"kvgate_cluster_registry_reachable 0.0" in render(gw.stats())
         with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
             got = c.get_many(keys, dialog=b"d")
             assert [bytes(g) for g in got] == [k * 100 for k in keys], "restored from the card of the kept view"

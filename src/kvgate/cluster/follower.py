@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Final
 
@@ -57,6 +58,7 @@ class ViewFollower:
         self.epoch = 0  # of the view applied last
         self.problems: list[str] = []  # what the last apply could not do, one line each
         self.unreachable = False  # the last poll failed (said once in the log until one succeeds)
+        self.last_good_poll: float | None = None  # time.monotonic() of the last poll etcd answered
 
     async def start(self) -> None:
         """Apply the view kept on disk, if there is a usable one."""
@@ -89,6 +91,7 @@ class ViewFollower:
                 log.warning("cluster registry unreachable (%s): serving with view %d", e, self.epoch)
             self.unreachable = True
             return False
+        self.last_good_poll = time.monotonic()
         if self.unreachable:
             log.warning("cluster registry reachable again")
             self.unreachable = False
@@ -192,3 +195,10 @@ class ClusterCards:
 
     async def close(self) -> None:
         await self.client.close()
+
+    def status(self) -> dict:
+        f = self.follower
+        return {"view_epoch": f.epoch, "reachable": not f.unreachable and f.last_good_poll is not None,
+                "last_good_poll_age_s": round(time.monotonic() - f.last_good_poll, 3)
+                if f.last_good_poll is not None else -1, "problems": list(f.problems),
+                "endpoints": self.endpoints, "cluster": self.registry.prefix.decode()}

@@ -63,6 +63,9 @@ class CardSource(Protocol):
 
     async def close(self) -> None: ...
 
+    def status(self) -> dict[str, Any]:
+        """Its part of the gateway's status (``snapshot["cluster"]``)."""
+
 
 class Gateway:
     """One gateway: its store, sessions, operations, listeners and status, and their life cycle.
@@ -254,7 +257,8 @@ class Gateway:
 
     def snapshot(self) -> dict[str, Any]:
         return status_mod.snapshot(self.cfg, self.store, self.pool, self.heads, self.head_sync, self.sessions,
-                                   self.listeners, self.started_at, self.tcp_port)
+                                   self.listeners, self.started_at, self.tcp_port,
+                                   cluster=self.card_source.status() if self.card_source is not None else None)
 
 
 def _is_loopback(host: str) -> bool:

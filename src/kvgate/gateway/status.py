@@ -91,7 +91,7 @@ NAMESPACE_FIELDS = (  # at most kvgate.tiers.usage.MAX_ROWS namespaces, then one
 
 
 def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, head_sync: HeadSync,
-             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None) -> dict[str, Any]:
+             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
     """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
     c = store.counters
     ram = store.ram
@@ -138,6 +138,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
                        "failed": store.long.mover.failed},
         "shared_heads": {"blocks": len(heads), "learned": heads.learned,
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
+        "cluster": cluster,
     }
 
 
@@ -191,6 +192,15 @@ class _SnapshotCollector:
                                   value=heads["learned"])
         yield CounterMetricFamily("kvgate_shared_head_sync_errors", "card exchanges of the shared heads that failed",
                                   value=heads["sync_errors"])
+        cluster = s.get("cluster")
+        if cluster is not None:
+            yield GaugeMetricFamily("kvgate_cluster_view_epoch", "epoch of the cluster view applied",
+                                    value=cluster["view_epoch"])
+            yield GaugeMetricFamily("kvgate_cluster_registry_reachable", "1 when the last etcd poll answered",
+                                    value=1 if cluster["reachable"] else 0)
+            yield GaugeMetricFamily("kvgate_cluster_last_good_poll_age_seconds",
+                                    "seconds since etcd last answered a poll (-1: never)",
+                                    value=cluster["last_good_poll_age_s"])
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")
         info.add_metric([], {"fingerprint": s["gateway"]["fingerprint"]})
         yield info

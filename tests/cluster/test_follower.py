@@ -10,29 +10,21 @@ import msgspec
 import pytest
 from etcd3aio import Etcd3Client
 
-from kvgate.cards import DirectoryCard
 from kvgate.cluster.follower import ViewFollower
 from kvgate.cluster.registry import CardRecord, CardState, Registry, View
 from kvgate.config import Config
-from tests.cluster.etcd import ETCD, EtcdServer
+from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.tiers.common import card_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
 SLOTS = 64
 
 
-def _card(path: Path) -> CardRecord:
-    path.mkdir()
-    card = DirectoryCard(str(path))
-    serial = card.open()
-    card.close()
-    return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)
-
 
 def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, "kvgate.cluster")
     etcd = EtcdServer(tmp_path / "etcd").start()
-    a, b, c = (_card(tmp_path / n) for n in ("a", "b", "c"))
+    a, b, c = (labelled_card(tmp_path / n) for n in ("a", "b", "c"))
     foreign = CardRecord(serial="not-its-serial", kind="directory", address=str(tmp_path / "c"))
 
     async def main() -> None:

@@ -11,21 +11,14 @@ from etcd3aio import Etcd3Client
 
 from kvgate.cards import DirectoryCard
 from kvgate.client import Client
-from kvgate.cluster.registry import CardRecord, CardState, Registry, View
+from kvgate.cluster.registry import CardState, Registry, View
 from kvgate.gateway.status import render
-from tests.cluster.etcd import ETCD, EtcdServer
+from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.helpers import GatewayProcess, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
 SLOTS = 64
 
-
-def _card(path: Path) -> CardRecord:
-    path.mkdir()
-    card = DirectoryCard(str(path))
-    serial = card.open()
-    card.close()
-    return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)
 
 
 def _publish(etcd: EtcdServer, view: View) -> None:
@@ -42,7 +35,7 @@ def _serials(gw: GatewayProcess) -> list[str]:
 
 def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(tmp_path: Path) -> None:
     etcd = EtcdServer(tmp_path / "etcd").start()
-    a, b = _card(tmp_path / "a"), _card(tmp_path / "b")
+    a, b = labelled_card(tmp_path / "a"), labelled_card(tmp_path / "b")
     flags = ["--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "t",
              "--cluster-view-file", str(tmp_path / "view.json"), "--storage-slots", str(SLOTS),
              "--max-bytes", "0"]

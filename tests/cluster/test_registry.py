@@ -10,7 +10,7 @@ from etcd3aio import Etcd3Client
 
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable,
                                      View)
-from tests.cluster.etcd import ETCD, EtcdServer
+from tests.cluster.common import ETCD, EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
 

@@ -210,38 +210,47 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
     asyncio.run(main())
 
 
+def _keys_of(d: int) -> list[bytes]:
+    """The 4 blocks of dialog ``d``."""
+    return [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(4)]
+
+
+async def _put_on_card(store, d: int, indexed: bool = True) -> None:
+    """Dialog ``d`` through the store, then out of RAM (on its card only); ``indexed`` False: also out of the
+    card's index, as another gateway of a shared card would have written it."""
+    from kvgate.tiers.store import PutItem
+    from kvgate.types import Retention
+
+    dialog = dialog_digest(b"dialog-%d" % d)
+    items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(_keys_of(d))]
+    assert await store.put(items, Retention.LONG) == [True] * 4
+    for k in _keys_of(d):
+        store.ram.delete(k)
+        if not indexed:
+            for mc in store.long.cards:
+                mc.note_gone(k)
+
+
 @pytest.mark.parametrize("placement", ["dialog", "stripe"])
 def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(tmp_path: Path,
                                                                               placement: str) -> None:
     """Objects another gateway of a shared card wrote are in no index here, so the mover does not know
     them: while it settles a join, a miss on a slot's new card asks the slot's old one (lookup, exists,
     get, prewarm).  Once it has settled, they are misses on their new card, as the README says."""
-    from kvgate.tiers.store import GetItem, PutItem
-    from kvgate.types import Retention
+    from kvgate.tiers.store import GetItem
     from tests.tiers.test_store import started_store
 
-    def keys_of(d: int) -> list[bytes]:
-        return [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(4)]
+    keys_of = _keys_of
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
             cards = store.long
             (old,) = cards.cards
-
-            async def put(d: int) -> None:
-                dialog = dialog_digest(b"dialog-%d" % d)
-                items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys_of(d))]
-                assert await store.put(items, Retention.LONG) == [True] * 4
-                for k in keys_of(d):
-                    store.ram.delete(k)  # on the card only
-
             theirs = range(40)  # written by "another gateway": on the card, in no index here
             for d in theirs:
-                await put(d)
-                for k in keys_of(d):
-                    old.note_gone(k)
+                await _put_on_card(store, d, indexed=False)
             for d in range(100, 140):  # ours, indexed: the mover has these to copy, slowly
-                await put(d)
+                await _put_on_card(store, d)
             cards.mover.rate = 2 * SIZE
 
             async def restorable(d: int) -> tuple[int, list[bool], int]:
@@ -282,12 +291,10 @@ def test_two_joins_before_the_mover_settles_cost_no_hits_either(tmp_path: Path, 
     """A slot that moved twice (card0 -> card1 -> card2) before the mover settled: a miss on card2 asks
     card1, then card0, where the objects no index holds still are (lookup, exists, get, prewarm,
     delete)."""
-    from kvgate.tiers.store import GetItem, PutItem
-    from kvgate.types import Retention
+    from kvgate.tiers.store import GetItem
     from tests.tiers.test_store import started_store
 
-    def keys_of(d: int) -> list[bytes]:
-        return [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(4)]
+    keys_of = _keys_of
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
@@ -295,12 +302,8 @@ def test_two_joins_before_the_mover_settles_cost_no_hits_either(tmp_path: Path, 
             (card0,) = cards.cards
             theirs = range(60)
             for d in theirs:  # written by "another gateway": on card0, in no index here
-                dialog = dialog_digest(b"dialog-%d" % d)
-                items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys_of(d))]
-                assert await store.put(items, Retention.LONG) == [True] * 4
-                for k in keys_of(d):
-                    store.ram.delete(k)
-                    card0.note_gone(k)
+                await _put_on_card(store, d, indexed=False)
+
             async def busy() -> bool:  # a mover that never gets done: the changes stay unsettled
                 return True
 

@@ -1,4 +1,4 @@
-"""A real ``etcd`` member for the cluster tests: one process on free loopback ports, killed with real signals."""
+"""Cluster test support: a real ``etcd`` member (free loopback ports, real signals) and labelled cards."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 from kvgate.bench.processes import free_port
+from kvgate.cards import DirectoryCard
+from kvgate.cluster.registry import CardRecord, CardState
 
 ETCD = shutil.which("etcd")
 
@@ -75,3 +77,12 @@ class EtcdServer:
             return (self.workdir / "etcd.log").read_text(errors="replace")[-2000:]
         except OSError:
             return ""
+
+
+def labelled_card(path: Path) -> CardRecord:
+    """A new directory card at ``path``, labelled, as the registry would record it (active)."""
+    path.mkdir()
+    card = DirectoryCard(str(path))
+    serial = card.open()
+    card.close()
+    return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)

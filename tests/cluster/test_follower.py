@@ -78,3 +78,22 @@ def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tm
         asyncio.run(main())
     finally:
         etcd.stop()
+
+
+def test_a_view_of_many_new_cards_is_one_change_of_the_card_set(tmp_path: Path) -> None:
+    """A gateway that starts on a view of many cards re-maps its slots once, not once per card."""
+    records = [labelled_card(tmp_path / f"c{i}") for i in range(8)]
+
+    async def main() -> None:
+        cards = card_set(Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20))
+        await cards.start()
+        try:
+            follower = ViewFollower(None, cards, tmp_path / "view.json")  # type: ignore[arg-type]
+            generation = cards.generation
+            await follower.apply(View.of(1, records, SLOTS))
+            assert len(cards.cards) == 8 and cards.generation == generation + 1
+            assert cards.slot_map.owner == View.of(1, records, SLOTS).owners
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())

@@ -104,21 +104,19 @@ class ViewFollower:
         """Make the card set the view's: add what it lacks, drain, undrain, and let go of what left."""
         problems = []
         mine = {mc.serial: mc for mc in self.cards.cards}
-        present = {}
-        for rec in view.cards:  # every card first: a drain refuses to take the last card in service
-            mc = mine.get(rec.serial)
-            if mc is None:
-                try:
-                    mc = await self.cards.add(rec.address, pattern=rec.address)
-                except CardChangeError as e:
-                    problems.append(f"card {rec.serial} at {rec.address}: {e}")
-                    continue
-                if mc.serial != rec.serial:
-                    problems.append(f"card at {rec.address} carries serial {mc.serial}, the registry says "
-                                    f"{rec.serial}: left out")
-                    await self.cards.remove(mc.serial)  # type: ignore[arg-type]
-                    continue
-            present[rec.serial] = (rec, mc)
+        missing = [rec for rec in view.cards if rec.serial not in mine]
+        # Every card first, as one change of the set (a drain refuses to take the last card in service).
+        added = await self.cards.add_all([(rec.address, rec.address) for rec in missing])
+        present = {rec.serial: (rec, mine[rec.serial]) for rec in view.cards if rec.serial in mine}
+        for rec, got in zip(missing, added):
+            if isinstance(got, CardChangeError):
+                problems.append(f"card {rec.serial} at {rec.address}: {got}")
+            elif got.serial != rec.serial:
+                problems.append(f"card at {rec.address} carries serial {got.serial}, the registry says "
+                                f"{rec.serial}: left out")
+                await self.cards.remove(got.serial)  # type: ignore[arg-type]
+            else:
+                present[rec.serial] = (rec, got)
         for draining in (False, True):  # undrains before drains, for the same reason
             for rec, mc in present.values():
                 try:

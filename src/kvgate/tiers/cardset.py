@@ -392,9 +392,31 @@ class CardSet:
         """Take the card at ``location`` (a directory or a Redis URL) into service now; placement moves
         about 1/(N+1) of the slots to it, and the mover copies their objects over.  ``pattern``: the
         ``storage_devices`` entry it came from (itself when given by hand)."""
+        (got,) = await self.add_all([(location, pattern or location)])
+        if isinstance(got, CardChangeError):
+            raise got
+        return got
+
+    async def add_all(self, wanted: list[tuple[str, str]]) -> list[ManagedCard | CardChangeError]:
+        """``add`` of several ``(location, pattern)`` cards as one change of the set (one generation, one
+        re-mapping of the slots: a cluster view of 64 cards is not 64 changes); per card, the card taken
+        or why not."""
+        out: list[ManagedCard | CardChangeError] = []
+        for location, pattern in wanted:
+            try:
+                out.append(await self._take(location, pattern))
+            except CardChangeError as e:
+                out.append(e)
+        taken = [mc for mc in out if isinstance(mc, ManagedCard)]
+        if taken:
+            self._changed(", ".join(f"card {mc.where} ({mc.serial}) added" for mc in taken))
+        return out
+
+    async def _take(self, location: str, pattern: str) -> ManagedCard:
+        """Open and claim the card at ``location`` and put it among the cards (the caller re-maps)."""
         if any(mc.location == location for mc in self.cards):
             raise CardChangeError(f"card {location} is in use already")
-        mc = self._new_card(pattern or location, location)
+        mc = self._new_card(pattern, location)
         try:
             serial = await mc.io.run(mc.card.open)
             if serial in self._by_serial:
@@ -411,7 +433,6 @@ class CardSet:
         await mc.adopt()  # its index snapshot loaded before any request can reach it
         self.cards.append(mc)
         self._by_serial[serial] = mc
-        self._changed(f"card {mc.where} ({serial}) added")
         return mc
 
     def drain(self, serial: str, now: bool = False) -> ManagedCard:

@@ -246,6 +246,12 @@ class Config:
     # A gateway polls about once a second: a call that takes longer is better made again than waited for.
     cluster_call_timeout: float = _key(parse_duration, 0.5, "cluster mode: bound of each etcd call",
                                        minimum=0.01)
+    # An agent's lease outlives a pause of a few seconds (its TTL, 5 s by
+    # default); a card is held out only after that many polls more, so one
+    # slow keep-alive never costs a card's conversations.
+    cluster_sick_polls: int = _key(
+        _parse_int, 3, "cluster mode: polls in a row that must find a card not reported alive before this "
+        "gateway holds it out of service", minimum=1)
 
     @property
     def cluster_mode(self) -> bool:

@@ -11,16 +11,17 @@ import pytest
 from etcd3aio import Etcd3Client
 
 from kvgate.cluster.follower import ViewFollower
-from kvgate.cluster.registry import CardRecord, CardState, Registry, View
+from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, View
 from kvgate.config import Config
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.tiers.common import card_set
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
+needs_etcd = pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")
 SLOTS = 64
 
 
-
+@pytest.mark.slow
+@needs_etcd
 def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, "kvgate.cluster")
     etcd = EtcdServer(tmp_path / "etcd").start()
@@ -88,7 +89,8 @@ def test_a_view_of_many_new_cards_is_one_change_of_the_card_set(tmp_path: Path) 
         cards = card_set(Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20))
         await cards.start()
         try:
-            follower = ViewFollower(None, cards, tmp_path / "view.json")  # type: ignore[arg-type]
+            unconnected = Registry(Etcd3Client(["127.0.0.1:1"]), "t")  # apply makes no etcd call
+            follower = ViewFollower(unconnected, cards, tmp_path / "view.json")
             generation = cards.generation
             await follower.apply(View.of(1, records, SLOTS))
             assert len(cards.cards) == 8 and cards.generation == generation + 1
@@ -97,3 +99,82 @@ def test_a_view_of_many_new_cards_is_one_change_of_the_card_set(tmp_path: Path) 
             await cards.stop()
 
     asyncio.run(main())
+
+
+async def _alive(client: Etcd3Client, reg: Registry, serials: list[str], ttl: int = 30) -> int:
+    """Report ``serials`` alive as an agent does (under one lease); the lease id."""
+    lease = await reg.grant(ttl)
+    for serial in serials:
+        await client.kv.put(reg.prefix + b"alive/" + serial.encode(), b"{}", lease=lease)  # type: ignore[union-attr]
+    return lease
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_does_not_fit(
+        tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, "kvgate.cluster")
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    a, b, c = (labelled_card(tmp_path / n) for n in ("a", "b", "c"))
+
+    async def main() -> None:
+        cfg = Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20)
+        async with Etcd3Client([etcd.endpoint]) as client:
+            reg = Registry(client, "t", call_timeout_s=5)
+            cards = card_set(cfg)
+            await cards.start()
+            follower = ViewFollower(reg, cards, tmp_path / "view.json", sick_polls=2, gateway_id="g1")
+            by_serial = lambda: {mc.serial: mc for mc in cards.cards}  # noqa: E731
+            try:
+                await reg.publish(View.of(1, [a, b, c], SLOTS))
+                lease_a = await _alive(client, reg, [a.serial])
+                await _alive(client, reg, [b.serial])
+                assert await follower.poll() and len(cards.cards) == 3
+                # The gateway reports itself under its lease: epoch and layout.
+                seen = await reg.observe()
+                assert seen.gateways["g1"].epoch == 1 and seen.gateways["g1"].fingerprint == cards.fingerprint
+                assert seen.alive == {a.serial, b.serial}
+
+                await reg.revoke(lease_a)  # a's agent is gone
+                assert await follower.poll() and by_serial()[a.serial].active, "one poll without a report: kept"
+                assert await follower.poll()
+                assert not by_serial()[a.serial].active and follower.liveness.held == {a.serial}
+                assert by_serial()[b.serial].active
+                assert by_serial()[c.serial].active, "never reported by an agent: never held out"
+                assert cards.slot_map.owner == View.of(1, [a, b, c], SLOTS).owners, "liveness never changes slots"
+
+                lease_a = await _alive(client, reg, [a.serial])
+                assert await follower.poll() and follower.liveness.held == set()
+                await by_serial()[a.serial].check()  # its next health check (the card set runs one a second)
+                assert by_serial()[a.serial].active, "back as soon as it is reported again"
+
+                # A drain: the card leaves this gateway once copied (it holds nothing), and the report says so.
+                await reg.publish(View.of(2, [a, msgspec.structs.replace(b, state=CardState.DRAINING), c], SLOTS))
+                assert await follower.poll()
+                for _ in range(100):
+                    if b.serial not in by_serial():
+                        break
+                    await asyncio.sleep(0.05)
+                assert b.serial not in by_serial()
+                assert await follower.poll() and b.serial not in by_serial(), "a card drained here is not taken again"
+                assert (await reg.observe()).gateways["g1"].drained == (b.serial,)
+
+                # A view for another slot count is refused, loudly; the gateway keeps the one it has.
+                await reg.publish(View.of(3, [a, c], SLOTS * 2))
+                assert await follower.poll() and follower.epoch == 2
+                assert "set storage_slots: 128" in caplog.text
+
+                # Another gateway on the same epoch with another layout: said loudly.
+                await reg.report_gateway("g2", GatewayReport(epoch=2, fingerprint="0000"), await reg.grant(30))
+                assert await follower.poll() and follower.mismatch == ["g2"]
+                assert "look for keys on different cards" in caplog.text
+
+                await follower.stop()
+                assert "g1" not in (await reg.observe()).gateways, "a gateway that stops stops counting at once"
+            finally:
+                await cards.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        etcd.stop()

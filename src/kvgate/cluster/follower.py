@@ -32,13 +32,18 @@ import msgspec
 
 from etcd3aio import Etcd3Client, EtcdError
 
-from kvgate.cluster.registry import CardState, Registry, RegistryUnavailable, View
+from kvgate.cards.base import HOST
+from kvgate.cluster.liveness import Liveness
+from kvgate.cluster.registry import CardState, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 from kvgate.tiers.cardset import CardChangeError, CardSet
 
 log = logging.getLogger("kvgate.cluster")
 
 POLL_S: Final = 1.0
+# A gateway's report outlives a few missed polls; a gateway that died stops
+# counting toward a drain that long after.
+REPORT_TTL_S: Final = 10
 _decoder = msgspec.json.Decoder(View)
 
 
@@ -47,18 +52,30 @@ class ViewFollower:
 
     Made by the gateway in cluster mode; ``start`` applies the view kept on
     disk (if any) before the gateway serves, ``run`` is its polling task.
+    Each poll also holds out or releases cards by liveness (``Liveness``) and
+    reports this gateway (``GatewayReport``) under a lease of its own.
     """
 
     def __init__(self, registry: Registry, cards: CardSet, state_path: str | os.PathLike,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, sick_polls: int = 3, gateway_id: str = "") -> None:
         self.registry = registry
         self.cards = cards
         self.state_path = Path(state_path)
         self.poll_s = poll_s
-        self.epoch = 0  # of the view applied last
+        self.gateway_id = gateway_id or f"{HOST}-{os.getpid()}"
+        self.view: View | None = None  # applied last
         self.problems: list[str] = []  # what the last apply could not do, one line each
         self.unreachable = False  # the last poll failed (said once in the log until one succeeds)
         self.last_good_poll: float | None = None  # time.monotonic() of the last poll etcd answered
+        self.liveness = Liveness(sick_polls)
+        self.drained_here: set[str] = set()  # draining cards of the view this gateway copied away and let go
+        self.mismatch: list[str] = []  # gateways of this epoch with another layout fingerprint
+        self.refused_epoch = 0  # a view not applied because it does not fit this gateway (said once)
+        self._lease = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch if self.view is not None else 0
 
     async def start(self) -> None:
         """Apply the view kept on disk, if there is a usable one."""
@@ -74,8 +91,9 @@ class ViewFollower:
         except msgspec.DecodeError as e:
             log.warning("cluster view kept at %s ignored: %s", self.state_path, e)
             return
-        log.info("cluster view %d (kept on disk) applied before the first poll", view.epoch)
-        await self.apply(view)
+        if self._fits(view):
+            log.info("cluster view %d (kept on disk) applied before the first poll", view.epoch)
+            await self.apply(view)
 
     async def run(self) -> None:
         while True:
@@ -83,10 +101,11 @@ class ViewFollower:
             await asyncio.sleep(self.poll_s)
 
     async def poll(self) -> bool:
-        """Read the view once and apply it if it is newer; False when etcd did not answer."""
+        """Read the registry once: apply a newer view, hold out or release cards, report; False when etcd did
+        not answer (nothing changes then)."""
         try:
-            view = await self.registry.view()
-        except RegistryUnavailable as e:
+            seen = await self.registry.observe()
+        except (RegistryUnavailable, RegistryConflict) as e:
             if not self.unreachable:
                 log.warning("cluster registry unreachable (%s): serving with view %d", e, self.epoch)
             self.unreachable = True
@@ -95,16 +114,43 @@ class ViewFollower:
         if self.unreachable:
             log.warning("cluster registry reachable again")
             self.unreachable = False
-        if view is not None and view.epoch > self.epoch:
+        self._note_drained()
+        view = seen.view
+        if view is not None and view.epoch > self.epoch and self._fits(view):
             await self.apply(view)
             await self.cards.pool.run(self._keep, view)
+        self._follow_liveness(seen.alive)
+        self._compare(seen.gateways)
+        await self._report()
         return True
+
+    def _fits(self, view: View) -> bool:
+        """Whether this gateway can place keys as the view does (its slot count); said once per epoch if not."""
+        if view.slots == self.cards.slots:
+            return True
+        if self.refused_epoch != view.epoch:
+            self.refused_epoch = view.epoch
+            log.error("cluster view %d has %d slots and this gateway's storage_slots is %d: not applied (every key "
+                      "would be looked for on another card than the other gateways use); set storage_slots: %d",
+                      view.epoch, view.slots, self.cards.slots, view.slots)
+        return False
+
+    def _note_drained(self) -> None:
+        """Cards the view has draining that the card set let go (the mover copied them away): not taken again."""
+        if self.view is None:
+            return
+        mine = {mc.serial for mc in self.cards.cards}
+        for rec in self.view.cards:
+            if rec.state is CardState.DRAINING and rec.serial not in mine and rec.serial not in self.drained_here:
+                self.drained_here.add(rec.serial)
 
     async def apply(self, view: View) -> None:
         """Make the card set the view's: add what it lacks, drain, undrain, and let go of what left."""
         problems = []
         mine = {mc.serial: mc for mc in self.cards.cards}
-        missing = [rec for rec in view.cards if rec.serial not in mine]
+        draining = {rec.serial for rec in view.cards if rec.state is CardState.DRAINING}
+        self.drained_here &= draining
+        missing = [rec for rec in view.cards if rec.serial not in mine and rec.serial not in self.drained_here]
         # Every card first, as one change of the set (a drain refuses to take the last card in service).
         added = await self.cards.add_all([(rec.address, rec.address) for rec in missing])
         present = {rec.serial: (rec, mine[rec.serial]) for rec in view.cards if rec.serial in mine}
@@ -117,25 +163,66 @@ class ViewFollower:
                 await self.cards.remove(got.serial)  # type: ignore[arg-type]
             else:
                 present[rec.serial] = (rec, got)
-        for draining in (False, True):  # undrains before drains, for the same reason
+        for drain in (False, True):  # undrains before drains, for the same reason
             for rec, mc in present.values():
                 try:
-                    if draining and rec.state is CardState.DRAINING and not self.cards.is_draining(mc):
+                    if drain and rec.state is CardState.DRAINING and not self.cards.is_draining(mc):
                         self.cards.drain(rec.serial)
-                    elif not draining and rec.state is not CardState.DRAINING and self.cards.is_draining(mc):
+                    elif not drain and rec.state is not CardState.DRAINING and self.cards.is_draining(mc):
                         self.cards.undrain(rec.serial)
                 except CardChangeError as e:
                     problems.append(str(e))
         wanted = {rec.serial for rec in view.cards}
         for serial in [s for s in mine if s not in wanted]:
             await self.cards.remove(serial)  # type: ignore[arg-type]
-        self.epoch = view.epoch
+        self.view = view
         for line in problems:
             if line not in self.problems:
                 log.warning("cluster view %d: %s", view.epoch, line)
         self.problems = problems
         log.info("cluster view %d applied: %d cards, layout fingerprint %s", view.epoch, len(self.cards.cards),
                  self.cards.fingerprint)
+
+    def _follow_liveness(self, alive: frozenset[str]) -> None:
+        by_serial = {mc.serial: mc for mc in self.cards.cards}
+        hold, release = self.liveness.observe(list(by_serial), alive)
+        for serial in hold:
+            by_serial[serial].hold_out(f"no agent has reported it alive for {self.liveness.sick_polls} polls")
+        for serial in release:
+            by_serial[serial].release()
+
+    def _compare(self, gateways: dict[str, GatewayReport]) -> None:
+        """Gateways on this epoch whose layout differs from ours: each key of theirs is looked for elsewhere."""
+        mine = self.cards.fingerprint
+        other = sorted(gid for gid, r in gateways.items()
+                       if gid != self.gateway_id and r.epoch == self.epoch and r.fingerprint
+                       and r.fingerprint != mine)
+        for gid in other:
+            if gid not in self.mismatch:
+                log.error("gateway %s applied view %d with layout fingerprint %s and this one %s: the two look for "
+                          "keys on different cards (check storage_slots, num_dbs and placement on both)",
+                          gid, self.epoch, gateways[gid].fingerprint, mine)
+        self.mismatch = other
+
+    async def _report(self) -> None:
+        """This gateway's report under its lease (granted again when it lapsed, as after an etcd outage)."""
+        drained = tuple(sorted(self.drained_here)) if self.view is not None else ()
+        report = GatewayReport(epoch=self.epoch, fingerprint=self.cards.fingerprint, drained=drained)
+        try:
+            if self._lease == 0 or await self.registry.keep_alive(self._lease) == 0:
+                self._lease = await self.registry.grant(REPORT_TTL_S)
+            await self.registry.report_gateway(self.gateway_id, report, self._lease)
+        except RegistryUnavailable:
+            pass  # the next poll says so if etcd is gone; the report is made again then
+
+    async def stop(self) -> None:
+        """Take this gateway's report away at once (it no longer counts toward a drain)."""
+        if self._lease:
+            try:
+                await self.registry.revoke(self._lease)
+            except RegistryUnavailable:
+                pass
+            self._lease = 0
 
     def _keep(self, view: View) -> None:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
@@ -162,7 +249,7 @@ class ClusterCards:
         self.endpoints = list(cfg.cluster_etcd_endpoints)
         self.client = Etcd3Client(self.endpoints, rpc_max_attempts=1)
         self.registry = Registry(self.client, cfg.cluster_name, cfg.cluster_call_timeout)
-        self.follower = ViewFollower(self.registry, cards, cfg.cluster_view_file)
+        self.follower = ViewFollower(self.registry, cards, cfg.cluster_view_file, sick_polls=cfg.cluster_sick_polls)
         self.connected = False
 
     async def _connect(self) -> bool:
@@ -192,6 +279,8 @@ class ClusterCards:
         await self.follower.run()
 
     async def close(self) -> None:
+        if self.connected:
+            await self.follower.stop()
         await self.client.close()
 
     def status(self) -> dict:
@@ -199,4 +288,6 @@ class ClusterCards:
         return {"view_epoch": f.epoch, "reachable": not f.unreachable and f.last_good_poll is not None,
                 "last_good_poll_age_s": round(time.monotonic() - f.last_good_poll, 3)
                 if f.last_good_poll is not None else -1, "problems": list(f.problems),
-                "endpoints": self.endpoints, "cluster": self.registry.prefix.decode()}
+                "endpoints": self.endpoints, "cluster": self.registry.prefix.decode(),
+                "gateway_id": f.gateway_id, "held_out": sorted(f.liveness.held),
+                "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch)}

@@ -10,6 +10,9 @@ Layout under the cluster's prefix ``/kvgate/<cluster>/``::
                      its lease: liveness only ever changes a card's health
     view             the View the leader publishes: an epoch, the serials in
                      service and the slot owners computed from them
+    gateways/<id>    a GatewayReport, under the gateway's lease: the epoch it
+                     applied, its layout fingerprint, the draining cards it
+                     has copied away (the leader's cue that a drain is done)
 
 A card's ``state`` moves ``joining -> active -> draining -> drained ->
 retired`` (``draining -> active`` when undrained).  The view holds the cards
@@ -29,12 +32,15 @@ Runs on the event loop of its owner (an agent, a gateway); no method blocks.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
 
 from kvgate.placement import SlotMap
 
@@ -92,6 +98,23 @@ class View(msgspec.Struct, frozen=True, kw_only=True):
         return self.owners == other.owners and self.cards == other.cards
 
 
+class GatewayReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a gateway in cluster mode says of itself (``gateways/<id>``, under its lease)."""
+
+    epoch: int  # of the view it applied
+    fingerprint: str = ""  # its key layout fingerprint: gateways of one epoch must agree
+    drained: tuple[str, ...] = ()  # cards the view has draining that this gateway holds nothing of
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What a gateway reads each poll, at one revision of the registry."""
+
+    view: View | None
+    alive: frozenset[str]  # serials of the cards an agent reports alive now
+    gateways: dict[str, GatewayReport]
+
+
 class RegistryUnavailable(ConnectionError):
     """etcd did not answer within the call's bound (or refused); says which call."""
 
@@ -104,6 +127,7 @@ class RegistryConflict(ValueError):
 _encoder = msgspec.json.Encoder()
 _card_decoder = msgspec.json.Decoder(CardRecord)
 _view_decoder = msgspec.json.Decoder(View)
+_report_decoder = msgspec.json.Decoder(GatewayReport)
 
 
 class Registry:
@@ -122,6 +146,12 @@ class Registry:
             raise RegistryUnavailable("the etcd client is not connected")
         return self.client.kv
 
+    @property
+    def _lease(self) -> LeaseService:
+        if self.client.lease is None:
+            raise RegistryUnavailable("the etcd client is not connected")
+        return self.client.lease
+
     def _card_key(self, serial: str) -> bytes:
         if not serial or "/" in serial:
             raise ValueError(f"card serial {serial!r}: a non-empty name without '/'")
@@ -131,7 +161,7 @@ class Registry:
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 return await coro
-        except (TimeoutError, EtcdError) as e:
+        except (TimeoutError, EtcdError, grpc.RpcError) as e:
             raise RegistryUnavailable(f"etcd {what}: {type(e).__name__}: {str(e) or 'no answer'} "
                                       f"(bound {self.call_timeout_s:g} s)") from None
 
@@ -204,3 +234,53 @@ class Registry:
             [compare], [kv.txn_op_put(key, _encoder.encode(view))], max_attempts=1))
         if not resp.succeeded:
             raise RegistryConflict(f"view {view.epoch} not published: another view was published meanwhile")
+
+    # ---- what gateways read and report ----------------------------------------------
+
+    async def observe(self) -> Observed:
+        """The view, the cards reported alive and the gateways' reports, in one read (one revision)."""
+        resp = await self._call("read the registry", self._kv.get(
+            self.prefix, prefix_range_end(self.prefix), max_attempts=1))
+        view, alive, gateways = None, set(), {}
+        n = len(self.prefix)
+        for kv in resp.kvs:
+            name = kv.key[n:]
+            try:
+                if name == b"view":
+                    view = _view_decoder.decode(kv.value)
+                elif name.startswith(b"alive/"):
+                    alive.add(name[6:].decode())
+                elif name.startswith(b"gateways/"):
+                    gateways[name[9:].decode()] = _report_decoder.decode(kv.value)
+            except (msgspec.DecodeError, UnicodeDecodeError) as e:
+                if name == b"view":  # the one value a gateway cannot do without: say so, do not guess
+                    raise RegistryConflict(f"the published view is not readable: {e}") from None
+        return Observed(view=view, alive=frozenset(alive), gateways=gateways)
+
+    async def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        resp = await self._call("grant a lease", self._lease.grant(ttl_s, max_attempts=1))
+        return int(resp.ID)
+
+    async def keep_alive(self, lease_id: int) -> int:
+        """Renew the lease once; the seconds it has now, 0 when it had expired (grant a new one)."""
+        async def renew() -> int:
+            stream = self._lease.keep_alive(lease_id)
+            try:
+                async for answer in stream:
+                    return max(0, int(answer.TTL))
+                return 0
+            finally:
+                stream.cancel()
+        return await self._call("renew a lease", renew())
+
+    async def revoke(self, lease_id: int) -> None:
+        """End the lease now: the keys put under it go at once."""
+        await self._call("revoke a lease", self._lease.revoke(lease_id, max_attempts=1))
+
+    async def report_gateway(self, gateway_id: str, report: GatewayReport, lease_id: int) -> None:
+        if not gateway_id or "/" in gateway_id:
+            raise ValueError(f"gateway id {gateway_id!r}: a non-empty name without '/'")
+        await self._call("report this gateway", self._kv.put(
+            self.prefix + b"gateways/" + gateway_id.encode(), _encoder.encode(report), lease=lease_id,
+            max_attempts=1))

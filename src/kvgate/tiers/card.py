@@ -142,6 +142,13 @@ class ManagedCard:
     def read_only(self) -> bool:
         return self.health.read_only
 
+    def hold_out(self, why: str) -> None:
+        """Out of service until ``release``, whatever its checks say (cluster mode: no agent reports it alive)."""
+        self.health.hold_out(why)
+
+    def release(self) -> None:
+        self.health.release()
+
     @property
     def used(self) -> int:
         return self.index.used
@@ -201,7 +208,8 @@ class ManagedCard:
         old = self.location
         self.card, self.location, self.refused_serial = card, location, None
         log.warning("card %s (%s) reopened as %s", old, self.serial, location)
-        self.health.bring_back()
+        if self.health.held_out is None:
+            self.health.bring_back()
 
     # ---- capacity -------------------------------------------------------------
 
@@ -598,7 +606,7 @@ class ManagedCard:
         c = self.counters
         return {
             "serial": self.serial, "location": self.where, "kind": self.card.kind, "active": self.active,
-            "read_only": self.read_only,
+            "read_only": self.read_only, "held_out": self.health.held_out,
             "capacity_bytes": self.capacity, "used_bytes": self.used, "objects": len(self.index),
             "hits": c.hits, "misses": c.misses, "errors": self.health.errors, "timeouts": self.health.timeouts,
             "bytes_read": c.reads_bytes, "bytes_written": c.writes_bytes, "evictions": c.evictions,

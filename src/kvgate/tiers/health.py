@@ -13,7 +13,10 @@ that refuses writes as read-only (EROFS: a filesystem remounted read-only
 after errors, a read-only export, a Redis replica) is not taken out: it goes
 on serving reads, takes no writes, and is tried for writability every
 ``READ_ONLY_RECHECK_S``; taking it out would lose every conversation it
-holds, and bringing it back would only fail its next write.
+holds, and bringing it back would only fail its next write.  In cluster mode
+the cluster may also hold a card out (``hold_out``: its agent stopped
+reporting it alive); it stays out until released, then comes back at its
+next passed check.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class CardHealth:
         self.read_only = False
         self.read_only_since = 0.0
         self.checks = 0  # health checks passed
+        self.held_out: str | None = None  # why the cluster holds the card out of service (hold_out)
         self.errors = 0
         self.timeouts = 0
 
@@ -107,13 +111,25 @@ class CardHealth:
         self.strikes = 0
         log.warning("%s moved from inactive to active", self.describe())
 
+    def hold_out(self, why: str) -> None:
+        """Out of service, whatever its checks say, until ``release`` (cluster mode: reported dead)."""
+        self.held_out = why
+        if self.active:
+            self.take_out(why, by_error=False)
+
+    def release(self) -> None:
+        """The cluster no longer holds the card out: back at its next passed check (within a second)."""
+        if self.held_out is not None:
+            self.held_out = None
+            log.warning("%s is reported alive again", self.describe())
+
     def checked(self) -> None:
         """The card passed a health check (its label read back right)."""
         self.checks += 1
 
     def come_back_if_due(self) -> None:
         """Back in service after a passed check, unless I/O errors took it out less than the cooldown ago."""
-        if self.active:
+        if self.active or self.held_out is not None:
             return
         if self.taken_out_by_error and time.monotonic() - self.inactive_since < IO_ERROR_COOLDOWN_S:
             return

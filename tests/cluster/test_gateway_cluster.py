@@ -14,7 +14,7 @@ from kvgate.client import Client
 from kvgate.cluster.registry import CardState, Registry, View
 from kvgate.gateway.status import render
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
-from tests.helpers import GatewayProcess, wait_until
+from tests.helpers import GatewayProcess, run_kvgate, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
 SLOTS = 64
@@ -54,9 +54,15 @@ def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(t
         wait_until(lambda: all(c["state"] != "serving" for c in gw.stats()["cards"] if c["serial"] == b.serial),
                    10, "the second card draining (or gone)")
 
+        # Cards follow the view: a change by hand is refused, naming the command that makes it.
+        refused = run_kvgate("cards", "add", str(tmp_path / "c"), "--socket", gw.socket)
+        assert refused.returncode != 0 and "cluster mode" in refused.stderr + refused.stdout
+        assert "kvgate cluster register" in refused.stderr + refused.stdout
+
         status = gw.stats()["cluster"]
         assert status["view_epoch"] == 3 and status["reachable"] and 0 <= status["last_good_poll_age_s"] < 5
         assert b"kvgate_cluster_view_epoch 3.0" in render(gw.stats())
+        assert b"kvgate_cluster_cards_held_out 0.0" in render(gw.stats())
 
         etcd.pause()
         gw.stop()

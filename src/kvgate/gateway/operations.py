@@ -193,6 +193,12 @@ class Operations:
         if req.action != "list" and not (sess.local and sess.role == "admin"):
             raise RequestError(ErrorCode.NOT_AUTHORIZED,
                                "card changes need an admin session on the gateway's Unix socket")
+        if req.action != "list" and self.cfg.cluster_mode:
+            # The view would undo the change at its next epoch, and the other gateways would not follow it.
+            raise RequestError(ErrorCode.CARDS_REFUSED,
+                               f"this gateway is in cluster mode: its cards follow the cluster's view; change them "
+                               f"with `kvgate cluster {'register' if req.action == 'add' else req.action}` "
+                               f"(etcd {', '.join(self.cfg.cluster_etcd_endpoints)})")
         cards = self.store.long
         message = ""
         try:

@@ -201,6 +201,12 @@ class _SnapshotCollector:
             yield GaugeMetricFamily("kvgate_cluster_last_good_poll_age_seconds",
                                     "seconds since etcd last answered a poll (-1: never)",
                                     value=cluster["last_good_poll_age_s"])
+            yield GaugeMetricFamily("kvgate_cluster_cards_held_out",
+                                    "cards held out of service because no agent reports them alive",
+                                    value=len(cluster["held_out"]))
+            yield GaugeMetricFamily("kvgate_cluster_layout_mismatches",
+                                    "other gateways on this view epoch with another key layout fingerprint",
+                                    value=len(cluster["layout_mismatch"]))
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")
         info.add_metric([], {"fingerprint": s["gateway"]["fingerprint"]})
         yield info

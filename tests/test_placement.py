@@ -59,3 +59,13 @@ def test_duplicate_serials_refused():
 
     with pytest.raises(ValueError, match="same serial"):
         SlotMap(["a", "a"], 4)
+
+
+def test_the_map_is_the_highest_weight_card_of_each_slot():
+    """The kept weight columns give exactly rendezvous hashing: per slot, the card of the highest weight."""
+    serials = [f"card-{i}" for i in range(12)]
+    slot_map = SlotMap(serials, 512)
+    weight = lambda s, slot: xxhash.xxh3_64_intdigest(f"{s}\x00{slot}".encode())  # noqa: E731
+    assert slot_map.owner == tuple(max(sorted(serials), key=lambda s: weight(s, slot)) for slot in range(512))
+    assert SlotMap(serials[:5], 512).owner == tuple(
+        max(sorted(serials[:5]), key=lambda s: weight(s, slot)) for slot in range(512))

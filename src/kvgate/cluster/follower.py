@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import os
 import time
 from pathlib import Path
@@ -289,5 +290,8 @@ class ClusterCards:
                 "last_good_poll_age_s": round(time.monotonic() - f.last_good_poll, 3)
                 if f.last_good_poll is not None else -1, "problems": list(f.problems),
                 "endpoints": self.endpoints, "cluster": self.registry.prefix.decode(),
+                "etcd_calls": self.registry.calls, "etcd_call_seconds": round(self.registry.call_seconds, 6),
+                "etcd_failed_calls": self.registry.failed_calls,
+                "cards_by_state": dict(Counter(r.state.value for r in f.view.cards)) if f.view else {},
                 "gateway_id": f.gateway_id, "held_out": sorted(f.liveness.held),
                 "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch)}

@@ -32,6 +32,7 @@ Runs on the event loop of its owner (an agent, a gateway); no method blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
@@ -139,6 +140,10 @@ class Registry:
         self.client = client
         self.prefix = f"/kvgate/{cluster}/".encode()
         self.call_timeout_s = call_timeout_s
+        # every call made, its time, and the ones that failed (status and metrics)
+        self.calls = 0
+        self.call_seconds = 0.0
+        self.failed_calls = 0
 
     @property
     def _kv(self) -> KVService:
@@ -158,12 +163,17 @@ class Registry:
         return self.prefix + b"cards/" + serial.encode()
 
     async def _call(self, what: str, coro):
+        t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 return await coro
         except (TimeoutError, EtcdError, grpc.RpcError) as e:
+            self.failed_calls += 1
             raise RegistryUnavailable(f"etcd {what}: {type(e).__name__}: {str(e) or 'no answer'} "
                                       f"(bound {self.call_timeout_s:g} s)") from None
+        finally:
+            self.calls += 1
+            self.call_seconds += time.perf_counter() - t0
 
     # ---- cards -----------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvgate import __version__
@@ -201,6 +201,16 @@ class _SnapshotCollector:
             yield GaugeMetricFamily("kvgate_cluster_last_good_poll_age_seconds",
                                     "seconds since etcd last answered a poll (-1: never)",
                                     value=cluster["last_good_poll_age_s"])
+            yield SummaryMetricFamily("kvgate_cluster_etcd_call_seconds", "etcd calls made and their time",
+                                      count_value=cluster["etcd_calls"], sum_value=cluster["etcd_call_seconds"])
+            yield CounterMetricFamily("kvgate_cluster_etcd_failed_calls",
+                                      "etcd calls that failed or passed cluster_call_timeout",
+                                      value=cluster["etcd_failed_calls"])
+            by_state = GaugeMetricFamily("kvgate_cluster_cards", "cards of the applied view, by registry state",
+                                         labels=["state"])
+            for state, n in sorted(cluster["cards_by_state"].items()):
+                by_state.add_metric([state], n)
+            yield by_state
             yield GaugeMetricFamily("kvgate_cluster_cards_held_out",
                                     "cards held out of service because no agent reports them alive",
                                     value=len(cluster["held_out"]))

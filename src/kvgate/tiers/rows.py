@@ -53,7 +53,7 @@ _MMAP_FROM = 64 << 10  # bytes; smaller columns come from the heap
 # Probe rounds run batched until this few keys are still probing; those finish one by one in Python.
 # Stopping after two rounds instead left a lookup's misses (their runs end at an empty slot, 2.5 probes
 # on average at half load) to Python: 1,000 keys in a 200,000-row index took 0.66 ms when none was
-# there, 0.25-0.30 ms this way (hits: 0.20-0.37 ms, now 0.17).
+# there, 0.25-0.30 ms this way (hits: 0.20-0.37 ms, now 0.14-0.17; benchmarks/index_probes.py).
 _PROBED_ONE_BY_ONE = 8
 # A slot holds its row's number + 1: 0 is empty, so a fresh mapping is an empty table with no page written.
 _EMPTY = 0

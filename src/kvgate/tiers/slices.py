@@ -12,7 +12,8 @@ background task is ready again at the next iteration, so it ran a slice
 between every two of those steps: a request waited one slice per step.
 Measured on a card of 100,000 objects during its full scan (``kvgate bench
 --objects 100000``, 2 shared cores): lookups of 1,000 keys at p99 12.5 ms
-with 2 ms slices and ``sleep(0)``, 7.4 ms with 1 ms slices and a timer.
+with 2 ms slices and ``sleep(0)``, 7.4 ms with 1 ms slices and a timer
+(6.6-6.7 ms once the scan also read the next headers while indexing).
 Until the timer fires the loop runs whatever is ready, request after
 request; epoll's millisecond resolution makes a gap of ``GAP_S`` about a
 millisecond, so background work gets at most about half of a loop that has

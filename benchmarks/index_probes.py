@@ -1,0 +1,52 @@
+"""What a lookup of 1,000 keys costs in a card's index, without the gateway around it.
+
+    python benchmarks/index_probes.py [--rows 200000] [--rounds 2000]
+
+Prints the median time of: the key digests of 1,000 keys (``key_digests``
+against calling ``key_digest`` per key), and a batched ``DigestRows.find``
+of 1,000 keys that are all there and of 1,000 that none is.  These are the
+figures the comments of ``kvgate.keys.key_digests`` and
+``kvgate.tiers.rows`` quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from kvgate.keys import key_digest, key_digests
+from kvgate.tiers.rows import DigestRows, digest_array
+
+
+def median_us(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--rounds", type=int, default=2000)
+    args = p.parse_args()
+    keys = [b"bench-key-%d" % i for i in range(args.rows)]
+    print(f"key digests of 1,000 keys: key_digests {median_us(lambda: key_digests(keys[:1000]), args.rounds):.0f} us, "
+          f"one key_digest per key {median_us(lambda: [key_digest(k) for k in keys[:1000]], args.rounds):.0f} us")
+    rows = DigestRows({"v": np.int64})
+    stored = digest_array(key_digests(keys))
+    rows.add_many(stored[:, 0].copy(), stored[:, 1].copy())
+    present = stored[:1000]
+    absent = digest_array(key_digests([b"absent-%d" % i for i in range(1000)]))
+    for name, batch in (("present", present), ("absent", absent)):
+        lo, hi = batch[:, 0].copy(), batch[:, 1].copy()
+        print(f"find of 1,000 {name} keys in {args.rows:,} rows: {median_us(lambda: rows.find(lo, hi), args.rounds):.0f} us")
+
+
+if __name__ == "__main__":
+    main()

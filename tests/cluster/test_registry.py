@@ -77,7 +77,7 @@ def test_every_call_is_bounded_when_etcd_does_not_answer(etcd: EtcdServer) -> No
                     t = time.monotonic()
                     with pytest.raises(RegistryUnavailable, match=r"bound 0.5 s"):
                         await call
-                    assert time.monotonic() - t < 1.0
+                    assert time.monotonic() - t < 2.0, "bounded (without the bound a paused etcd is waited on for ever)"
             finally:
                 etcd.resume()
             again = Registry(client, "c1", call_timeout_s=5)

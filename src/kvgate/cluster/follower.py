@@ -22,6 +22,7 @@ their threads.
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 from collections import Counter
 import os
@@ -33,9 +34,10 @@ import msgspec
 
 from etcd3aio import Etcd3Client, EtcdError
 
+from kvgate.cards import expand, make_card
 from kvgate.cards.base import HOST
 from kvgate.cluster.liveness import Liveness
-from kvgate.cluster.registry import CardState, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
+from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 from kvgate.tiers.cardset import CardChangeError, CardSet
 
@@ -45,6 +47,8 @@ POLL_S: Final = 1.0
 # A gateway's report outlives a few missed polls; a gateway that died stops
 # counting toward a drain that long after.
 REPORT_TTL_S: Final = 10
+# Cards of the view this gateway could not take are tried again this often (polls).
+RETRY_POLLS: Final = 5
 _decoder = msgspec.json.Decoder(View)
 
 
@@ -73,6 +77,8 @@ class ViewFollower:
         self.mismatch: list[str] = []  # gateways of this epoch with another layout fingerprint
         self.refused_epoch = 0  # a view not applied because it does not fit this gateway (said once)
         self._lease = 0
+        self._polls_since_retry = 0
+        self.unavailable: set[str] = set()  # cards of the view that could not be reached: tried again
 
     @property
     def epoch(self) -> int:
@@ -120,6 +126,11 @@ class ViewFollower:
         if view is not None and view.epoch > self.epoch and self._fits(view):
             await self.apply(view)
             await self.cards.pool.run(self._keep, view)
+        elif self.unavailable and self.view is not None:
+            self._polls_since_retry += 1
+            if self._polls_since_retry >= RETRY_POLLS:  # a mount that came up, a server that came back
+                self._polls_since_retry = 0
+                await self.apply(self.view, retry=True)
         self._follow_liveness(seen.alive)
         self._compare(seen.gateways)
         await self._report()
@@ -145,19 +156,27 @@ class ViewFollower:
             if rec.state is CardState.DRAINING and rec.serial not in mine and rec.serial not in self.drained_here:
                 self.drained_here.add(rec.serial)
 
-    async def apply(self, view: View) -> None:
-        """Make the card set the view's: add what it lacks, drain, undrain, and let go of what left."""
+    async def apply(self, view: View, retry: bool = False) -> None:
+        """Make the card set the view's: add what it lacks, drain, undrain, and let go of what left.
+
+        ``retry``: the same view again, for the cards that could not be reached (``unavailable``) only.
+        """
         problems = []
         mine = {mc.serial: mc for mc in self.cards.cards}
         draining = {rec.serial for rec in view.cards if rec.state is CardState.DRAINING}
         self.drained_here &= draining
-        missing = [rec for rec in view.cards if rec.serial not in mine and rec.serial not in self.drained_here]
+        missing = [rec for rec in view.cards if rec.serial not in mine and rec.serial not in self.drained_here
+                   and (not retry or rec.serial in self.unavailable)]
+        unavailable = set()
+        locations = await self.cards.pool.run(_locate_all, missing, self.cards.cfg)
         # Every card first, as one change of the set (a drain refuses to take the last card in service).
-        added = await self.cards.add_all([(rec.address, rec.address) for rec in missing])
+        added = await self.cards.add_all([(loc, rec.address) for rec, loc in zip(missing, locations)])
         present = {rec.serial: (rec, mine[rec.serial]) for rec in view.cards if rec.serial in mine}
         for rec, got in zip(missing, added):
             if isinstance(got, CardChangeError):
                 problems.append(f"card {rec.serial} at {rec.address}: {got}")
+                if got.unavailable:
+                    unavailable.add(rec.serial)
             elif got.serial != rec.serial:
                 problems.append(f"card at {rec.address} carries serial {got.serial}, the registry says "
                                 f"{rec.serial}: left out")
@@ -177,10 +196,16 @@ class ViewFollower:
         for serial in [s for s in mine if s not in wanted]:
             await self.cards.remove(serial)  # type: ignore[arg-type]
         self.view = view
+        if retry:  # what was not retried still stands
+            problems += [p for p in self.problems if not any(f"card {s} " in p for s in self.unavailable)]
+            problems = list(dict.fromkeys(problems))
         for line in problems:
             if line not in self.problems:
                 log.warning("cluster view %d: %s", view.epoch, line)
         self.problems = problems
+        self.unavailable = unavailable
+        if retry and not missing:
+            return
         log.info("cluster view %d applied: %d cards, layout fingerprint %s", view.epoch, len(self.cards.cards),
                  self.cards.fingerprint)
 
@@ -233,6 +258,25 @@ class ViewFollower:
         except OSError as e:
             log.warning("cluster view %d not kept at %s (%s): a restart while etcd is unreachable would not "
                         "serve it", view.epoch, self.state_path, e)
+
+
+def _locate_all(records: list[CardRecord], cfg: Config) -> list[str]:
+    """Where this host reaches each card: its address, or for a glob (a shared filesystem, mounted wherever
+    each host mounts it) the directory it matches whose label carries the card's serial.  Reads labels:
+    runs on a pool thread."""
+    out = []
+    for rec in records:
+        found = rec.address
+        if glob.has_magic(rec.address):
+            for loc in expand(rec.address):
+                try:
+                    if make_card(loc, cfg).check() == rec.serial:
+                        found = loc
+                        break
+                except OSError:
+                    continue  # not a card, or not reachable now: the next match may be it
+        out.append(found)
+    return out
 
 
 class ClusterCards:

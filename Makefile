@@ -87,6 +87,9 @@ services:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 	@command -v etcd >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server etcd-client >/dev/null; }
+	@{ command -v sshfs && command -v /usr/sbin/sshd; } >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sshfs openssh-server \
+		openssh-client >/dev/null; }
 
 test: $(STAMP) services $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)

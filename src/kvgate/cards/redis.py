@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import itertools
 import json
 import logging
 import time
@@ -91,10 +92,11 @@ import uuid
 from contextlib import contextmanager
 from collections.abc import Collection
 from typing import Any, Callable, Iterator
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.exceptions as rexc
+from redis.crc import key_slot
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -190,6 +192,83 @@ return 0
 _DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
 
 
+
+
+TAG_PARAM = "kvgate_tag"  # in a card's URL: the hash tag of its keys (a Redis Cluster primary's card)
+
+
+class RedisKeys:
+    """The key names of one card.
+
+    ``tag``: a Redis Cluster hash tag (``{tag}`` in front of every name) that
+    puts every key of the card in one hash slot of one primary, so that a
+    primary of a cluster is a card like any server: a cluster registered by
+    a seed address is one card per primary (``cluster_cards``).  Empty for a
+    server that is not a cluster node: the names are the module's constants.
+    """
+
+    __slots__ = ("tag", "label", "probe", "lease", "heads", "snapshot", "snapshot_temp", "objects", "objects_match")
+
+    def __init__(self, tag: str = "") -> None:
+        if any(c in tag for c in "{}*?[]\\") or len(tag) > 64:
+            raise ValueError(f"{TAG_PARAM} {tag!r}: at most 64 characters, none of {{}}*?[]\\")
+        self.tag = tag
+        p = b"{%s}" % tag.encode() if tag else b""
+        self.label, self.probe, self.lease, self.heads = p + LABEL_KEY, p + PROBE_KEY, p + LEASE_KEY, p + HEADS_KEY
+        self.snapshot, self.snapshot_temp = p + SNAPSHOT_KEY, p + SNAPSHOT_TEMP
+        self.objects = p + OBJECT_PREFIX
+        self.objects_match = self.objects + b"*"
+
+
+def split_tag(location: str) -> tuple[str, str]:
+    """(the URL without ``kvgate_tag``, the tag or ""): redis-py passes unknown URL parameters on to its
+    connections, which refuse them."""
+    parts = urlsplit(location)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    tags = [v for k, v in query if k == TAG_PARAM]
+    if not tags:
+        return location, ""
+    rest = urlencode([(k, v) for k, v in query if k != TAG_PARAM])
+    return urlunsplit(parts._replace(query=rest)), tags[-1]
+
+
+def cluster_cards(seed: str, io_timeout_ms: int = 2000) -> list[str]:
+    """The cards a Redis Cluster reached through ``seed`` is: one URL per primary.
+
+    Each has the primary's address in place of the seed's (the seed's
+    scheme, credentials and parameters kept) and a ``kvgate_tag`` whose hash
+    slot that primary serves, found by trying ``kvgate-0``, ``kvgate-1``,
+    ...: the same cluster gives the same cards whoever asks.  A server that
+    is not a cluster node is one card: ``[seed]``.  Blocks for a few round
+    trips; ``CardUnavailable`` when the seed does not answer.
+    """
+    url, _ = split_tag(seed)
+    timeout = io_timeout_ms / 1000
+    r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                             retry=Retry(NoBackoff(), 0))
+    try:
+        if not int(r.info("cluster").get("cluster_enabled", 0)):
+            return [seed]
+        ranges = r.execute_command("CLUSTER SLOTS")
+    except (rexc.RedisError, OSError) as exc:
+        raise CardUnavailable(errno.ENOTCONN, f"redis cluster seed did not answer: {exc}", _redact(seed)) from None
+    finally:
+        r.close()
+    primaries: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for entry in ranges:
+        start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+        host = _decode(primary[0]) or urlsplit(url).hostname or "127.0.0.1"  # "" means the address asked
+        primaries.setdefault((host, int(primary[1])), []).append((start, end))
+    cards = []
+    parts = urlsplit(url)
+    for (host, port), spans in sorted(primaries.items()):
+        tag = next(t for t in (f"kvgate-{n}" for n in itertools.count())
+                   if any(lo <= key_slot(t.encode()) <= hi for lo, hi in spans))
+        netloc = parts.netloc.rpartition("@")[0]
+        netloc = (netloc + "@" if netloc else "") + (f"[{host}]" if ":" in host else host) + f":{port}"
+        query = urlencode([*parse_qsl(parts.query, keep_blank_values=True), (TAG_PARAM, tag)])
+        cards.append(urlunsplit(parts._replace(netloc=netloc, query=query)))
+    return cards
 
 
 def _redact(location: str) -> str:
@@ -302,7 +381,7 @@ class _RedisSnapshotWriter(SnapshotWriter):
 
     def __init__(self, card: RedisCard) -> None:
         self.card = card
-        self.key = SNAPSHOT_TEMP + uuid.uuid4().hex.encode()
+        self.key = card._k.snapshot_temp + uuid.uuid4().hex.encode()
 
     def write(self, data: bytes | memoryview) -> None:
         with self.card._io():
@@ -310,7 +389,7 @@ class _RedisSnapshotWriter(SnapshotWriter):
 
     def commit(self) -> None:
         with self.card._io():
-            self.card._r.rename(self.key, SNAPSHOT_KEY)
+            self.card._r.rename(self.key, self.card._k.snapshot)
 
     def abort(self) -> None:
         try:
@@ -340,9 +419,11 @@ class RedisCard(Card):
         self.display_location = _redact(location)
         timeout = io_timeout_ms / 1000
         extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
+        url, tag = split_tag(location)
+        self._k = RedisKeys(tag)
         try:
             self._pool = redis.BlockingConnectionPool.from_url(
-                location,
+                url,
                 max_connections=max_connections,
                 timeout=timeout,  # waiting for a free connection
                 socket_timeout=timeout,
@@ -355,7 +436,7 @@ class RedisCard(Card):
         except ValueError as exc:
             raise ValueError(f"not a redis card location: {self.display_location}: {exc}") from None
         self._r = redis.Redis(connection_pool=self._pool)
-        self._prefixes = [OBJECT_PREFIX + b"%d:" % i for i in range(num_dbs)]
+        self._prefixes = [self._k.objects + b"%d:" % i for i in range(num_dbs)]
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
@@ -385,8 +466,10 @@ class RedisCard(Card):
             if isinstance(exc, _NOPERM) or msg.startswith(("NOPERM", "NOAUTH", "MISCONF", "MASTERDOWN")):
                 return CardUnavailable(errno.EACCES, f"redis card refused: {msg}", where)
             if isinstance(exc, _CLUSTER) or msg.startswith(("MOVED", "ASK", "CLUSTERDOWN", "CROSSSLOT")):
-                return CardUnavailable(errno.EINVAL, f"redis card is a cluster node; a card must be one server or "
-                                       f"a proxy in front of a cluster: {msg}", where)
+                return CardUnavailable(errno.EINVAL, f"redis card is a node of a Redis Cluster and this key is not "
+                                       f"on it: register the cluster by one seed address (`kvgate cluster "
+                                       f"register redis://SEED`: one card per primary), or use a proxy: {msg}",
+                                       where)
             return OSError(errno.EIO, f"redis card error: {msg}", where)
         if isinstance(exc, rexc.RedisError):
             return OSError(errno.EIO, f"redis card error: {exc}", where)
@@ -472,11 +555,11 @@ class RedisCard(Card):
         with self._r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(LEASE_KEY)
+                    pipe.watch(self._k.lease)
                     sec, usec = pipe.time()
                     now_ms = int(sec) * 1000 + int(usec) // 1000
                     gone = []
-                    for field, raw in pipe.hgetall(LEASE_KEY).items():
+                    for field, raw in pipe.hgetall(self._k.lease).items():
                         if field == self._lease_field:
                             continue
                         try:
@@ -493,9 +576,9 @@ class RedisCard(Card):
                     mine = {**holder_doc(shared), "expires": now_ms + LEASE_TTL_MS}
                     pipe.multi()
                     if gone:
-                        pipe.hdel(LEASE_KEY, *gone)
-                    pipe.hset(LEASE_KEY, self._lease_field, json.dumps(mine))
-                    pipe.pexpire(LEASE_KEY, LEASE_TTL_MS)
+                        pipe.hdel(self._k.lease, *gone)
+                    pipe.hset(self._k.lease, self._lease_field, json.dumps(mine))
+                    pipe.pexpire(self._k.lease, LEASE_TTL_MS)
                     pipe.execute()
                     return
                 except rexc.WatchError:
@@ -507,21 +590,21 @@ class RedisCard(Card):
                 members = [i.to_bytes(8, "little") for i in ids]
                 with self._r.pipeline(transaction=False) as pipe:
                     for start in range(0, len(members), 4096):
-                        pipe.sadd(HEADS_KEY, *members[start : start + 4096])
-                    pipe.smembers(HEADS_KEY)
+                        pipe.sadd(self._k.heads, *members[start : start + 4096])
+                    pipe.smembers(self._k.heads)
                     raw = pipe.execute()[-1]
             else:
-                raw = self._r.smembers(HEADS_KEY)
+                raw = self._r.smembers(self._k.heads)
         return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:
         with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)
-            self._r.set(PROBE_KEY, b"1", px=1000)
-            self._r.delete(PROBE_KEY)
+            self._r.set(self._k.probe, b"1", px=1000)
+            self._r.delete(self._k.probe)
 
     def _get_label(self) -> bytes | None:
         try:
-            return self._r.get(LABEL_KEY)
+            return self._r.get(self._k.label)
         except rexc.ResponseError as exc:
             if "WRONGTYPE" in str(exc):
                 raise CardUnavailable(errno.EINVAL, "card label is not a string value (not a kvgate label)",
@@ -530,7 +613,7 @@ class RedisCard(Card):
 
     def _create_label(self, serial: str) -> str:
         """SET NX: the first gateway wins, every other one reads its label."""
-        if self._r.set(LABEL_KEY, new_label(serial), nx=True):
+        if self._r.set(self._k.label, new_label(serial), nx=True):
             return serial
         raw = self._get_label()
         if raw is None:  # created and deleted again in between: nobody owns it now
@@ -569,7 +652,7 @@ class RedisCard(Card):
         deadline = time.monotonic() + self.io_timeout_ms / 1000
         cursor = 0
         while True:
-            cursor, keys = self._r.scan(cursor, match=OBJECT_MATCH, count=_SCAN_COUNT)
+            cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
             if keys:
                 return False
             if int(cursor) == 0:
@@ -767,7 +850,7 @@ class RedisCard(Card):
         rkeys: list[bytes] = []
         sizes: list[int] = []
         pipe = self._r.pipeline(transaction=False)
-        pipe.exists(LABEL_KEY)
+        pipe.exists(self._k.label)
         for full_key, payload, meta in items:
             rkey = self.object_key(full_key)
             value, size = self._value(full_key, byte_view(payload), meta)
@@ -833,7 +916,7 @@ class RedisCard(Card):
         cursor = 0
         while True:
             with self._io():
-                cursor, keys = self._r.scan(cursor, match=OBJECT_MATCH, count=_SCAN_COUNT)
+                cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
             if keys:
                 yield keys
             if int(cursor) == 0:
@@ -841,7 +924,7 @@ class RedisCard(Card):
 
     def _parse_name(self, name: bytes) -> tuple[int, bytes] | None:
         """(db, digest hex) of an object key name, or None for a name that is not ours."""
-        rest = name[len(OBJECT_PREFIX):]
+        rest = name[len(self._k.objects):]
         db, sep, hexd = rest.partition(b":")
         if not sep or not db.isdigit() or len(hexd) != 32 or not set(hexd) <= _HEX:
             return None
@@ -919,11 +1002,11 @@ class RedisCard(Card):
 
     def read_snapshot(self) -> bytes | None:
         with self._io():
-            return self._r.get(SNAPSHOT_KEY)
+            return self._r.get(self._k.snapshot)
 
     def drop_snapshot(self) -> None:
         with self._io():
-            self._r.unlink(SNAPSHOT_KEY)
+            self._r.unlink(self._k.snapshot)
 
     def clean(self) -> int:
         """UNLINK every ``kvgate:o:*`` key; the label and foreign keys stay (never FLUSHDB)."""
@@ -971,7 +1054,7 @@ class RedisCard(Card):
         if self.claimed is not None:
             self.claimed = None
             try:
-                self._r.hdel(LEASE_KEY, self._lease_field)
+                self._r.hdel(self._k.lease, self._lease_field)
             except (rexc.RedisError, OSError):
                 pass  # it runs out by itself
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import msgspec
@@ -14,6 +15,7 @@ from kvgate.cluster.follower import ViewFollower
 from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, View
 from kvgate.config import Config
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
+from tests.helpers import wait_until_async
 from tests.tiers.common import card_set
 
 needs_etcd = pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")
@@ -172,6 +174,39 @@ def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_d
                 await follower.stop()
                 assert "g1" not in (await reg.observe()).gateways, "a gateway that stops stops counting at once"
             finally:
+                await cards.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        etcd.stop()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_a_watch_applies_a_new_view_long_before_the_next_poll(tmp_path: Path) -> None:
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    a, b = labelled_card(tmp_path / "a"), labelled_card(tmp_path / "b")
+
+    async def main() -> None:
+        cfg = Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20)
+        async with Etcd3Client([etcd.endpoint]) as client:
+            reg = Registry(client, "t", call_timeout_s=5)
+            cards = card_set(cfg)
+            await cards.start()
+            follower = ViewFollower(reg, cards, tmp_path / "view.json", poll_s=30)  # polls far apart
+            await reg.publish(View.of(1, [a], SLOTS))
+            task = asyncio.create_task(follower.run())
+            try:
+                await wait_until_async(lambda: follower.epoch == 1, 5, "the first poll")
+                await asyncio.sleep(0.5)  # the watch is set up
+                t = time.monotonic()
+                await reg.publish(View.of(2, [a, b], SLOTS))
+                await wait_until_async(lambda: follower.epoch == 2, 5, "view 2 applied by the watch")
+                assert time.monotonic() - t < 5, "long before the next poll (30 s)"
+                assert len(cards.cards) == 2
+            finally:
+                task.cancel()
                 await cards.stop()
 
     try:

@@ -78,6 +78,7 @@ class ViewFollower:
         self.refused_epoch = 0  # a view not applied because it does not fit this gateway (said once)
         self._lease = 0
         self._polls_since_retry = 0
+        self._woken = asyncio.Event()  # a watch saw a change: poll now
         self.unavailable: set[str] = set()  # cards of the view that could not be reached: tried again
 
     @property
@@ -103,8 +104,27 @@ class ViewFollower:
             await self.apply(view)
 
     async def run(self) -> None:
+        """Poll about once a second, and at once when a watch sees the view or a liveness report change."""
+        watcher = asyncio.create_task(self._watch())
+        try:
+            while True:
+                await self.poll()
+                self._woken.clear()
+                try:
+                    async with asyncio.timeout(self.poll_s):
+                        await self._woken.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            watcher.cancel()
+
+    async def _watch(self) -> None:
         while True:
-            await self.poll()
+            try:
+                async for _ in self.registry.changes():
+                    self._woken.set()
+            except RegistryUnavailable:
+                pass  # the polls go on; the watch is made again after one
             await asyncio.sleep(self.poll_s)
 
     async def poll(self) -> bool:

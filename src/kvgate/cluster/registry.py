@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
@@ -266,6 +267,37 @@ class Registry:
                 if name == b"view":  # the one value a gateway cannot do without: say so, do not guess
                     raise RegistryConflict(f"the published view is not readable: {e}") from None
         return Observed(view=view, alive=frozenset(alive), gateways=gateways)
+
+    async def changes(self) -> AsyncIterator[None]:
+        """One item per change of the view or of a card's liveness report (a watch: unbounded by design;
+        it can miss what happened while it was down, so its readers poll as well).  Raises
+        ``RegistryUnavailable`` when the watch breaks."""
+        if self.client.watch is None:
+            raise RegistryUnavailable("the etcd client is not connected")
+        alive = self.prefix + b"alive/"
+        queue: asyncio.Queue[BaseException | None] = asyncio.Queue(maxsize=1)
+
+        async def follow(key: bytes, end: bytes | None) -> None:
+            try:
+                async for _ in self.client.watch.watch(key, end):  # type: ignore[union-attr]
+                    if queue.empty():  # one pending wake is as good as many
+                        queue.put_nowait(None)
+            except (EtcdError, grpc.RpcError, OSError) as e:
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(RegistryUnavailable(f"etcd watch: {type(e).__name__}: {e}"))
+
+        tasks = [asyncio.create_task(follow(self.prefix + b"view", None)),
+                 asyncio.create_task(follow(alive, prefix_range_end(alive)))]
+        try:
+            while True:
+                item = await queue.get()
+                if item is not None:
+                    raise item
+                yield None
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""

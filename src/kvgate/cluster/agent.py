@@ -27,6 +27,7 @@ once) and stops its etcd member.  Every change it makes is logged.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -58,6 +59,18 @@ def label_card(location: str) -> CardRecord:
     finally:
         card.close()
     return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory", address=location)
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        if host != "localhost":
+            ipaddress.IPv4Address(host)
+        if not 0 < int(port) < 65536:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"etcd endpoint {endpoint!r}: an IPv4 address and port such as 10.0.0.5:2379 (the etcd "
+                         "client connects to IPv4 addresses only; for --etcd-member, a client URL with one)") from None
 
 
 @dataclass
@@ -93,8 +106,16 @@ class ClusterAgent:
             endpoints.insert(0, self.member.endpoint)
         if not endpoints:
             raise ValueError("no etcd to reach: give --etcd-endpoints, or run a member here (--etcd-member)")
+        for ep in endpoints:
+            _check_endpoint(ep)
         self.endpoints = endpoints
         self.client = Etcd3Client(endpoints, rpc_max_attempts=1)
+        # gRPC waits up to 2 minutes between reconnects to an endpoint that failed: after an etcd outage the
+        # agent must be back well within a TTL of etcd's return, or its cards would look dead for longer.
+        options = getattr(getattr(self.client, "_manager", None), "grpc_options", None)
+        if isinstance(options, list):
+            options += [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                        ("grpc.max_reconnect_backoff_ms", 1000)]
         self.registry = Registry(self.client, settings.cluster, settings.call_timeout_s)
         self.served: dict[str, CardRecord] = {}
         self.location_of: dict[str, str] = {}  # location -> serial, of the cards opened
@@ -181,6 +202,7 @@ class ClusterAgent:
         renew_s = self.s.liveness_ttl_s / 3
         last_ok = time.monotonic()
         reported_cards = -1
+        given_up: int | None = None
         while True:
             try:
                 if self.lease is None:
@@ -193,10 +215,16 @@ class ClusterAgent:
                     self.lease, last_ok, reported_cards = lease, time.monotonic(), len(self.served)
                     log.info("lease %x granted (TTL %d s): %d cards reported alive, agent %s reported", lease,
                              self.s.liveness_ttl_s, len(self.served), self.s.name)
+                    if given_up is not None:
+                        # A restarted etcd extends the leases it had by their TTL: the one given up for lapsed
+                        # may stand again for a while, its election key ahead of ours.  Its other keys are
+                        # ours again (put under the new lease): revoking it takes just that key away.
+                        await self._quietly(self.registry.revoke(given_up), "the lease given up")
+                        given_up = None
                 else:
                     left = await self.registry.keep_alive(self.lease)
                     if left <= 0:
-                        log.warning("lease %x lapsed (etcd was out of reach longer than its TTL): granting another",
+                        log.warning("lease %x lapsed or was revoked, its keys are gone: granting another",
                                     self.lease)
                         self.lease = None
                         continue
@@ -211,7 +239,7 @@ class ClusterAgent:
                     log.warning("lease %x not renewed for %.1f s, longer than its TTL: it has lapsed, its keys "
                                 "are gone; granting another once etcd answers", self.lease,
                                 time.monotonic() - last_ok)
-                    self.lease = None
+                    given_up, self.lease = self.lease, None
             await asyncio.sleep(renew_s if self.lease is not None else min(renew_s, self.s.interval_s))
 
     # ---- the leader ------------------------------------------------------------------
@@ -219,8 +247,8 @@ class ClusterAgent:
     async def stand(self) -> LeaderEntry | None:
         """Stand for leader under the current lease; whether it leads now (its entry) or not (None)."""
         lease = self.lease
-        if lease is None:
-            self._set_leading(False, None)
+        if lease is None:  # its lease lapsed: so did its candidacy
+            self._set_leading(False, "unknown while this agent has no lease")
             return None
         if self.candidate is None or self.candidate[0] != lease:
             self.candidate = (lease, await self.registry.campaign(lease, self.s.name))
@@ -261,11 +289,13 @@ class ClusterAgent:
         while True:
             try:
                 await self.open_cards()
+                asks_etcd = bool(self.unregistered) or self.lease is not None
                 await self.register_cards()
                 entry = await self.stand()
                 if entry is not None:
                     await self.lead(entry)
-                self._up("rounds")
+                if asks_etcd:
+                    self._up("rounds")
             except RegistryUnavailable as e:
                 self._failed("rounds", e)
             except RegistryConflict as e:  # a change raced another writer: the next round reads again
@@ -284,11 +314,11 @@ class ClusterAgent:
             log.warning("etcd answers again (%s)", what)
             self._down.discard(what)
 
-    async def _quietly(self, coro) -> None:
+    async def _quietly(self, coro, what: str = "on the way out") -> None:
         try:
             await coro
         except RegistryUnavailable as e:
-            log.warning("on the way out: %s", e)
+            log.info("%s: %s", what, e)
 
     def stop(self) -> None:
         self._stop.set()

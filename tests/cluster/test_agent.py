@@ -90,7 +90,19 @@ def test_an_agent_registers_its_cards_publishes_and_its_liveness_goes_with_it(tm
     assert agent_doc["cards"] == sorted(alive) and agent_doc["export"] is None and agent_doc["etcd_member"] is None
     out = run_kvgate("cluster", "leader", "--json", "--etcd-endpoints", etcd.endpoint, "--cluster-name", CLUSTER)
     assert json.loads(out.stdout) == {"leader": "a1"}, out.stderr
+
+    async def by_etcd3aio(reg: Registry) -> bytes:  # the layout agreed with the gateways: etcd3aio's Election
+        return (await reg.client.election(f"/kvgate/{CLUSTER}/leader").leader(timeout=5)).kvs[0].value
+
+    assert ask(etcd.endpoint, by_etcd3aio) == b"a1"
     view = ask(etcd.endpoint, lambda reg: reg.view())
+
+    # A card whose label no longer reads back (its disk went) is not reported alive until it reads again.
+    (tmp_path / "c2" / "kvgate-card.json").rename(tmp_path / "label")
+    wait_until(lambda: len(ask(etcd.endpoint, lambda reg: reg.alive())) == 1, 5, a1.log_tail)
+    (tmp_path / "label").rename(tmp_path / "c2" / "kvgate-card.json")
+    wait_until(lambda: len(ask(etcd.endpoint, lambda reg: reg.alive())) == 2, 5, a1.log_tail)
+    assert ask(etcd.endpoint, lambda reg: reg.view()) == view, "health is no business of the view"
 
     killed = time.monotonic()
     a1.signal(signal.SIGKILL)
@@ -231,3 +243,13 @@ def test_liveness_comes_back_after_an_etcd_outage_and_a_lapsed_lease(tmp_path, e
     ask(etcd.endpoint, revoke)
     wait_until(lambda: ask(etcd.endpoint, lambda reg: reg.alive()), 5, a1.log_tail)
     assert "lapsed" in a1.log()
+
+
+def test_serve_says_what_is_wrong_with_its_flags(tmp_path) -> None:
+    out = run_kvgate("cluster", "serve", "--etcd-member", "m1", "--etcd-peer-url", "http://127.0.0.1:1")
+    assert out.returncode == 2 and "needs --etcd-client-url, --etcd-initial-cluster as well" in out.stderr
+    out = run_kvgate("cluster", "serve", "--etcd-endpoints", "etcd.example:2379")
+    assert out.returncode == 2 and "an IPv4 address and port" in out.stderr, out.stderr
+    out = run_kvgate("cluster", "serve", "--etcd-member", "m1", "--etcd-peer-url", "http://127.0.0.1:1",
+                     "--etcd-client-url", "http://127.0.0.1:2", "--etcd-initial-cluster", "m2=http://127.0.0.1:1")
+    assert out.returncode == 2 and "must list this member as m1=http://127.0.0.1:1" in out.stderr, out.stderr

@@ -27,6 +27,7 @@ once) and stops its etcd member.  Every change it makes is logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import os
@@ -71,6 +72,21 @@ def _check_endpoint(endpoint: str) -> None:
     except ValueError:
         raise ValueError(f"etcd endpoint {endpoint!r}: an IPv4 address and port such as 10.0.0.5:2379 (the etcd "
                          "client connects to IPv4 addresses only; for --etcd-member, a client URL with one)") from None
+
+
+def _copied_away(report: Any, serial: str) -> bool:
+    """Whether a gateway's report lists ``serial`` in ``drained`` (a report it cannot read: not)."""
+    drained = report.get("drained") if isinstance(report, dict) else None
+    return isinstance(drained, list) and serial in drained
+
+
+def read_label(location: str) -> str:
+    """The serial on the card's label, only read (blocking I/O)."""
+    card = make_card(location, Config(storage_devices=[location], create_card_dirs=False))
+    try:
+        return card.check()
+    finally:
+        card.close()
 
 
 @dataclass
@@ -119,8 +135,14 @@ class ClusterAgent:
         self.registry = Registry(self.client, settings.cluster, settings.call_timeout_s)
         self.served: dict[str, CardRecord] = {}
         self.location_of: dict[str, str] = {}  # location -> serial, of the cards opened
+        self.where: dict[str, str] = {}  # serial -> location
         self.unregistered: set[str] = set()
         self.failed_open: dict[str, str] = {}  # location -> why, said once
+        self.healthy: dict[str, bool] = {}  # serial -> whether its label read back at the last check
+        self._checking: set[str] = set()  # checks still running (a hung mount must not pile threads up)
+        self.reported: set[str] = set()  # serials whose alive/ key stands under the current lease
+        self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
+        self.export: str | None = None  # the CardExporter's address, once this agent exports its cards
         self.lease: int | None = None
         self.candidate: tuple[int, bytes] | None = None  # (lease, election key) it stands with
         self.leading = False
@@ -150,10 +172,11 @@ class ClusterAgent:
                 continue
             try:
                 record = await asyncio.to_thread(label_card, loc)
-            except OSError as e:
-                if self.failed_open.get(loc) != str(e):
-                    log.error("card %s not opened: %s (tried again each round)", loc, e)
-                self.failed_open[loc] = str(e)
+            except Exception as e:  # noqa: BLE001 - any card's failure (OSError, a Redis error): said, tried again
+                why = f"{type(e).__name__}: {e}"
+                if self.failed_open.get(loc) != why:
+                    log.error("card %s not opened: %s (tried again each round)", loc, why)
+                self.failed_open[loc] = why
                 continue
             self.failed_open.pop(loc, None)
             exported = self.export_address(loc, record.serial)
@@ -166,10 +189,52 @@ class ClusterAgent:
                 continue
             log.info("card %s opened: serial %s, reached at %s", loc, record.serial, record.address)
             self.location_of[loc] = record.serial
+            self.where[record.serial] = loc
             self.served[record.serial] = record
+            self.healthy[record.serial] = True
             self.unregistered.add(record.serial)
-            if self.lease is not None:
-                await self._report_card(self.lease, record)
+
+    async def check_cards(self, bound_s: float = 2.0) -> None:
+        """Read each card's label back (on a thread, bounded): a card whose medium went away, or that now
+        carries another label, is no longer reported alive until its label reads back again."""
+        def finished(serial: str, fut: asyncio.Future) -> None:  # the thread is done, however late
+            self._checking.discard(serial)
+            if not fut.cancelled():
+                fut.exception()  # retrieved: a late failure was said (or is moot) already
+
+        async def check(serial: str) -> None:
+            location = self.where[serial]
+            fut = asyncio.ensure_future(asyncio.to_thread(read_label, location))
+            fut.add_done_callback(functools.partial(finished, serial))
+            try:
+                found = await asyncio.wait_for(asyncio.shield(fut), bound_s)
+                ok, why = found == serial, f"it carries serial {found} now"
+            except Exception as e:  # noqa: BLE001 - whatever the medium says, the card is not usable
+                ok, why = False, f"{type(e).__name__}: {e}" if str(e) else f"no answer within {bound_s:g} s"
+            if ok != self.healthy.get(serial):
+                if ok:
+                    log.warning("card %s at %s reads back again: reported alive again", serial, location)
+                else:
+                    log.error("card %s at %s fails its check (%s): no longer reported alive", serial, location, why)
+            self.healthy[serial] = ok
+
+        todo = [s for s in self.served if s not in self._checking]
+        self._checking.update(todo)
+        await asyncio.gather(*(check(s) for s in todo))
+
+    async def sync_alive(self) -> None:
+        """Make the alive/ keys under the current lease those of the healthy cards."""
+        async with self._keys:
+            lease = self.lease
+            if lease is None:
+                return
+            for serial, ok in sorted(self.healthy.items()):
+                if ok and serial not in self.reported:
+                    await self._report_card(lease, self.served[serial])
+                    self.reported.add(serial)
+                elif not ok and serial in self.reported:
+                    await self.registry.withdraw_alive(serial)
+                    self.reported.discard(serial)
 
     async def register_cards(self) -> None:
         for serial in sorted(self.unregistered):
@@ -187,15 +252,19 @@ class ClusterAgent:
 
     def agent_doc(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "cards": sorted(self.served),
-                "export": None, "etcd_member": self.member.name if self.member else None}
+                "export": self.export, "etcd_member": self.member.name if self.member else None}
 
     async def _report_card(self, lease: int, record: CardRecord) -> None:
         await self.registry.report_alive(lease, record.serial, {"agent": self.s.name, "address": record.address})
 
     async def _put_keys(self, lease: int) -> None:
-        for record in self.served.values():
-            await self._report_card(lease, record)
-        await self.registry.report_agent(lease, self.s.name, self.agent_doc())
+        """The keys under a new lease; it becomes the current one once they are all there."""
+        async with self._keys:
+            healthy = {serial for serial, ok in self.healthy.items() if ok}
+            for serial in sorted(healthy):
+                await self._report_card(lease, self.served[serial])
+            await self.registry.report_agent(lease, self.s.name, self.agent_doc())
+            self.lease, self.reported = lease, healthy
 
     async def keep_liveness(self) -> None:
         """Keep a lease and the keys under it, whatever etcd does meanwhile (module docstring)."""
@@ -212,9 +281,9 @@ class ClusterAgent:
                     except RegistryUnavailable:
                         await self._quietly(self.registry.revoke(lease))
                         raise
-                    self.lease, last_ok, reported_cards = lease, time.monotonic(), len(self.served)
+                    last_ok, reported_cards = time.monotonic(), len(self.served)
                     log.info("lease %x granted (TTL %d s): %d cards reported alive, agent %s reported", lease,
-                             self.s.liveness_ttl_s, len(self.served), self.s.name)
+                             self.s.liveness_ttl_s, len(self.reported), self.s.name)
                     if given_up is not None:
                         # A restarted etcd extends the leases it had by their TTL: the one given up for lapsed
                         # may stand again for a while, its election key ahead of ours.  Its other keys are
@@ -272,8 +341,7 @@ class ClusterAgent:
         reports = await self.registry.gateway_reports()
         if reports:
             for r in await self.registry.cards():
-                if r.state is CardState.DRAINING and all(r.serial in (doc.get("drained") or [])
-                                                         for doc in reports.values()):
+                if r.state is CardState.DRAINING and all(_copied_away(doc, r.serial) for doc in reports.values()):
                     await self.registry.set_state(r.serial, CardState.DRAINED, guard)
                     log.info("card %s: drained (all %d reporting gateways copied it away: %s)", r.serial,
                              len(reports), ", ".join(sorted(reports)))
@@ -289,8 +357,10 @@ class ClusterAgent:
         while True:
             try:
                 await self.open_cards()
+                await self.check_cards()
                 asks_etcd = bool(self.unregistered) or self.lease is not None
                 await self.register_cards()
+                await self.sync_alive()
                 entry = await self.stand()
                 if entry is not None:
                     await self.lead(entry)
@@ -300,6 +370,8 @@ class ClusterAgent:
                 self._failed("rounds", e)
             except RegistryConflict as e:  # a change raced another writer: the next round reads again
                 log.warning("%s (next round reads again)", e)
+            except Exception:  # a bug, or a record it cannot read: said in full, and the agent goes on
+                log.exception("agent round failed (next round tries again)")
             await asyncio.sleep(self.s.interval_s)
 
     # ---- running -----------------------------------------------------------------------
@@ -325,15 +397,18 @@ class ClusterAgent:
 
     async def run(self) -> None:
         tasks: list[asyncio.Task] = []
+        stopped = asyncio.create_task(self._stop.wait())
         if self.member is not None:
             tasks.append(asyncio.create_task(self.member.run(), name="etcd-member"))
-            await self.member.wait_answering(30.0)
+            # Its own member first (the others of a new cluster start meanwhile), unless told to stop.
+            first = asyncio.create_task(self.member.wait_answering(30.0))
+            await asyncio.wait([first, stopped], return_when=asyncio.FIRST_COMPLETED)
+            first.cancel()
         await self.client.connect()  # makes a channel; reaching etcd is each call's business
         log.info("agent %s serving %d card patterns in cluster %s (etcd %s, TTL %d s)", self.s.name,
                  len(self.s.cards), self.s.cluster, ", ".join(self.endpoints), self.s.liveness_ttl_s)
         tasks += [asyncio.create_task(self.keep_liveness(), name="liveness"),
                   asyncio.create_task(self.rounds(), name="rounds")]
-        stopped = asyncio.create_task(self._stop.wait())
         try:
             done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for t in done:

@@ -294,7 +294,13 @@ class Registry:
     async def _docs(self, what: str, folder: bytes) -> dict[str, Any]:
         start = self.prefix + folder
         resp = await self._call(what, self._kv.get(start, prefix_range_end(start), max_attempts=1))
-        return {kv.key[len(start):].decode(): msgspec.json.decode(kv.value) for kv in resp.kvs}
+        docs = {}
+        for kv in resp.kvs:
+            try:
+                docs[kv.key[len(start):].decode()] = msgspec.json.decode(kv.value)
+            except msgspec.DecodeError:  # a writer's bug: kept (it is there), but as nothing it says
+                docs[kv.key[len(start):].decode()] = None
+        return docs
 
     async def report_alive(self, lease: int, serial: str, doc: dict[str, Any]) -> None:
         """``alive/<serial>`` = ``doc`` ({"agent", "address"}) under ``lease``."""

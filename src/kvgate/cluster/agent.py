@@ -5,7 +5,8 @@ A ``ClusterAgent``
 - opens its local cards (``--cards``: directories, globs looked at again each
   round, Redis URLs), labelling a new one as ``kvgate cluster register``
   does, and registers each (``joining``) whose serial the registry lacks;
-- reports ``alive/<serial>`` for each card it serves and ``agents/<name>``
+- reads each card's label back every round (on a thread, bounded) and
+  reports ``alive/<serial>`` for each card that reads back, and ``agents/<name>``,
   under one lease (TTL ``liveness_ttl_s``, renewed every third of it), and
   grants a new lease and puts the keys again when the old one lapsed (an etcd
   outage longer than the TTL): liveness comes back on its own with etcd;

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     p = sub.add_parser("cluster", help="the card registry of a cluster in etcd: cards, view, register, drain, "
-                                       "undrain, retire, publish")
+                                       "undrain, retire, publish, leader; serve: the agent of a host")
     from kvgate.cluster.command import add_arguments as add_cluster_arguments
 
     add_cluster_arguments(p)

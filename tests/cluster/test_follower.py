@@ -167,7 +167,7 @@ def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_d
                 assert "set storage_slots: 128" in caplog.text
 
                 # Another gateway on the same epoch with another layout: said loudly.
-                await reg.report_gateway("g2", GatewayReport(epoch=2, fingerprint="0000"), await reg.grant(30))
+                await reg.report_gateway(await reg.grant(30), "g2", GatewayReport(epoch=2, fingerprint="0000"))
                 assert await follower.poll() and follower.mismatch == ["g2"]
                 assert "look for keys on different cards" in caplog.text
 

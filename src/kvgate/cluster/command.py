@@ -1,5 +1,8 @@
-"""``kvgate cluster``: the card registry from the command line (until agents keep it: cluster mode is in progress).
+"""``kvgate cluster``: the card registry from the command line, and the agent that keeps it.
 
+    kvgate cluster serve [--cards PATH|GLOB ...] [--etcd-member NAME ...]
+                                          the agent of this host (``kvgate.cluster.agent``)
+    kvgate cluster leader                 the agent that leads
     kvgate cluster cards                  the registered cards
     kvgate cluster view                   the published view: epoch, cards, slots per card
     kvgate cluster register PATH|URL      label the card if it has no label yet and register it (joining)
@@ -8,7 +11,8 @@
                                           the leader will; nothing when the layout would not change
 
 Every command takes ``--etcd-endpoints`` and ``--cluster-name`` and answers
-within ``--timeout`` per etcd call; ``--json`` prints what it read.
+within ``--timeout`` per etcd call; ``--json`` prints what it read.  The
+agent's own flags are ``kvgate.cluster.agentcli``'s.
 """
 
 from __future__ import annotations
@@ -23,26 +27,35 @@ from typing import Any
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError
 
-from kvgate.cards import is_redis, make_card
 from kvgate.cluster.registry import CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 
-ACTIONS = ("cards", "view", "register", "drain", "undrain", "retire", "publish")
+ACTIONS = ("cards", "view", "register", "drain", "undrain", "retire", "publish", "leader", "serve")
+DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]
 CONNECT_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS, nargs="?", default="cards")
     p.add_argument("card", nargs="?", default="", help="register: a directory or Redis URL; otherwise a serial")
-    p.add_argument("--etcd-endpoints", nargs="+", default=["127.0.0.1:2379"], metavar="HOST:PORT")
+    p.add_argument("--etcd-endpoints", nargs="+", metavar="HOST:PORT",
+                   help="etcd client endpoints (default 127.0.0.1:2379; serve with --etcd-member: its own)")
     p.add_argument("--cluster-name", default="default")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")
     p.add_argument("--slots", type=int, default=Config().storage_slots,
-                   help="publish: storage_slots of the gateways (default %(default)s)")
+                   help="publish, serve: storage_slots of the gateways (default %(default)s)")
     p.add_argument("--json", action="store_true")
+    from kvgate.cluster.agentcli import add_serve_arguments
+
+    add_serve_arguments(p.add_argument_group("serve (the agent)"))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "serve":
+        from kvgate.cluster.agentcli import run_serve
+
+        return run_serve(args)
+    args.etcd_endpoints = args.etcd_endpoints or DEFAULT_ENDPOINTS
     try:
         return asyncio.run(_run(args))
     except (RegistryUnavailable, RegistryConflict, ValueError, OSError) as e:
@@ -76,8 +89,19 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
             print("no view published yet (kvgate cluster publish)", file=sys.stderr)
             return 1
         _show_view(view, args.json)
+    elif args.action == "leader":
+        name = await reg.leader()
+        if args.json:
+            print(json.dumps({"leader": name}))
+        elif name is None:
+            print("no leader (is a `kvgate cluster serve` agent running?)", file=sys.stderr)
+        else:
+            print(name)
+        return 0 if name is not None else 1
     elif args.action == "register":
-        record = await asyncio.to_thread(_label, args.card)
+        from kvgate.cluster.agent import label_card
+
+        record = await asyncio.to_thread(label_card, args.card)
         if not await reg.register(record):
             raise RegistryConflict(f"card {record.serial} ({args.card}) is registered already")
         print(f"card {record.serial} at {record.address} registered (joining; `kvgate cluster publish`)")
@@ -90,28 +114,12 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
     return 0
 
 
-def _label(location: str) -> CardRecord:
-    """The card's serial (labelling a new card), read where it is: a gateway will find the same label."""
-    card = make_card(location, Config(storage_devices=[location], create_card_dirs=False))
-    try:
-        serial = card.open()
-    finally:
-        card.close()
-    return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory", address=location)
-
-
 async def _publish(reg: Registry, slots: int, as_json: bool) -> int:
-    records = await reg.cards()
-    for r in records:
-        if r.state is CardState.JOINING:
-            await reg.set_state(r.serial, CardState.ACTIVE)
-    records = await reg.cards()
-    current = await reg.view()
-    view = View.of((current.epoch if current else 0) + 1, records, slots)
-    if current is not None and current.slots == slots and current.same_layout(view):
-        print(f"view {current.epoch} is current: nothing to publish")
+    _, view = await reg.publish_next(slots)  # what the leader does each round
+    if view is None:
+        current = await reg.view()
+        print(f"view {current.epoch if current else 0} is current: nothing to publish")
         return 0
-    await reg.publish(view)
     _show_view(view, as_json)
     return 0
 

@@ -257,7 +257,7 @@ class ViewFollower:
         try:
             if self._lease == 0 or await self.registry.keep_alive(self._lease) == 0:
                 self._lease = await self.registry.grant(REPORT_TTL_S)
-            await self.registry.report_gateway(self.gateway_id, report, self._lease)
+            await self.registry.report_gateway(self._lease, self.gateway_id, report)
         except RegistryUnavailable:
             pass  # the next poll says so if etcd is gone; the report is made again then
 

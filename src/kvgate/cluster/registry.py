@@ -10,9 +10,17 @@ Layout under the cluster's prefix ``/kvgate/<cluster>/``::
                      its lease: liveness only ever changes a card's health
     view             the View the leader publishes: an epoch, the serials in
                      service and the slot owners computed from them
+    agents/<name>    {"host", "pid", "cards": [serials], "export": address or
+                     null, "etcd_member": name or null}, under the agent's lease
     gateways/<id>    a GatewayReport, under the gateway's lease: the epoch it
                      applied, its layout fingerprint, the draining cards it
                      has copied away (the leader's cue that a drain is done)
+
+The leader is elected with etcd3aio's ``Election`` layout
+(``__etcd3aio:election/<prefix>leader/<lease hex>``, the candidate created
+first leads), so ``client.election(prefix + "leader").leader()`` names it too;
+the agent campaigns under its one lease, so its leadership lapses with its
+liveness.
 
 A card's ``state`` moves ``joining -> active -> draining -> drained ->
 retired`` (``draining -> active`` when undrained).  The view holds the cards
@@ -33,20 +41,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Any, Final
 
 import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio import SortOrder, SortTarget
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
 from kvgate.placement import SlotMap
 
 CALL_TIMEOUT_S: Final = 0.5
+# etcd3aio's Election keys: "__etcd3aio:election/<name>/<lease id, 16 hex digits>".
+ELECTION_PREFIX: Final = b"__etcd3aio:election/"
 
 
 class CardState(str, Enum):
@@ -121,6 +132,14 @@ class RegistryUnavailable(ConnectionError):
     """etcd did not answer within the call's bound (or refused); says which call."""
 
 
+class LeaderEntry(msgspec.Struct, frozen=True):
+    """The election's first candidate: its key, what it posted (the agent's name) and when it was created."""
+
+    key: bytes
+    name: str
+    create_revision: int
+
+
 class RegistryConflict(ValueError):
     """A change that does not apply to the registry as it is now (unknown serial, a state that cannot
     follow, a view published over a newer one); says why."""
@@ -168,6 +187,9 @@ class Registry:
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 return await coro
+        except grpc.aio.AioRpcError as e:  # what etcd3aio passes on as it is: a lapsed lease (NOT_FOUND), a stream
+            self.failed_calls += 1
+            raise RegistryUnavailable(f"etcd {what}: {e.code().name}: {e.details() or 'no detail'}") from None
         except (TimeoutError, EtcdError, grpc.RpcError) as e:
             self.failed_calls += 1
             raise RegistryUnavailable(f"etcd {what}: {type(e).__name__}: {str(e) or 'no answer'} "
@@ -204,8 +226,10 @@ class Registry:
             [kv.txn_compare_version(key, 0)], [kv.txn_op_put(key, _encoder.encode(record))], max_attempts=1))
         return bool(resp.succeeded)
 
-    async def set_state(self, serial: str, state: CardState) -> CardRecord:
-        """Move the card to ``state`` if that may follow its state now; the record as written."""
+    async def set_state(self, serial: str, state: CardState, guard: Sequence[Any] = ()) -> CardRecord:
+        """Move the card to ``state`` if that may follow its state now; the record as written.
+
+        ``guard``: more compares the change needs (the leader's: ``leadership``)."""
         found = await self._card_raw(serial)
         if found is None:
             raise RegistryConflict(f"no card with serial {serial!r} in the registry")
@@ -218,10 +242,11 @@ class Registry:
         key = self._card_key(serial)
         kv = self._kv
         resp = await self._call(f"change card {serial}", kv.txn(
-            [kv.txn_compare_value(key, raw)], [kv.txn_op_put(key, _encoder.encode(new))],
+            [kv.txn_compare_value(key, raw), *guard], [kv.txn_op_put(key, _encoder.encode(new))],
             max_attempts=1))
         if not resp.succeeded:
-            raise RegistryConflict(f"card {serial} changed meanwhile: read it again")
+            raise RegistryConflict(f"card {serial} changed meanwhile{' or the leader changed' if guard else ''}: "
+                                   "read it again")
         return new
 
     # ---- the view ----------------------------------------------------------------
@@ -231,7 +256,7 @@ class Registry:
         resp = await self._call("read the view", self._kv.get(self.prefix + b"view", max_attempts=1))
         return _view_decoder.decode(resp.kvs[0].value) if resp.kvs else None
 
-    async def publish(self, view: View) -> None:
+    async def publish(self, view: View, guard: Sequence[Any] = ()) -> None:
         """Publish ``view``; its epoch must be the published one's plus one (the first: 1)."""
         key = self.prefix + b"view"
         kv = self._kv
@@ -242,9 +267,31 @@ class Registry:
         compare = (kv.txn_compare_version(key, 0) if current is None
                    else kv.txn_compare_value(key, _encoder.encode(current)))
         resp = await self._call(f"publish view {view.epoch}", kv.txn(
-            [compare], [kv.txn_op_put(key, _encoder.encode(view))], max_attempts=1))
+            [compare, *guard], [kv.txn_op_put(key, _encoder.encode(view))], max_attempts=1))
         if not resp.succeeded:
-            raise RegistryConflict(f"view {view.epoch} not published: another view was published meanwhile")
+            raise RegistryConflict(f"view {view.epoch} not published: another view was published meanwhile"
+                                   f"{' or the leader changed' if guard else ''}")
+
+    async def publish_next(self, slots: int, guard: Sequence[Any] = ()) -> tuple[list[CardRecord], View | None]:
+        """What the leader (and ``kvgate cluster publish``) does: make the joining cards active, then publish
+        the next view if its layout differs from the published one's; (the cards made active, the view
+        published or None).
+
+        A joining card becomes active at once: it takes its slots from the first view that has it either
+        way (``TAKES_SLOTS``), and nothing has to happen on it first (its slots' misses ask the cards of
+        before while the gateways' movers settle); ``joining`` only says "registered, in no view yet".
+        """
+        activated = []
+        for r in await self.cards():
+            if r.state is CardState.JOINING:
+                activated.append(await self.set_state(r.serial, CardState.ACTIVE, guard))
+        records = await self.cards()
+        current = await self.view()
+        view = View.of((current.epoch if current else 0) + 1, records, slots)
+        if current is not None and current.slots == slots and current.same_layout(view):
+            return activated, None
+        await self.publish(view, guard)
+        return activated, view
 
     # ---- what gateways read and report ----------------------------------------------
 
@@ -299,30 +346,112 @@ class Registry:
             for t in tasks:
                 t.cancel()
 
+    # ---- leases, liveness and reports ------------------------------------------------
+
     async def grant(self, ttl_s: int) -> int:
-        """A new lease of ``ttl_s`` seconds; its id."""
-        resp = await self._call("grant a lease", self._lease.grant(ttl_s, max_attempts=1))
+        """A new lease of ``ttl_s`` seconds (etcd rounds short ones up to its minimum, about 2 s)."""
+        resp = await self._call(f"grant a {ttl_s} s lease", self._lease.grant(ttl_s, max_attempts=1))
         return int(resp.ID)
 
-    async def keep_alive(self, lease_id: int) -> int:
-        """Renew the lease once; the seconds it has now, 0 when it had expired (grant a new one)."""
-        async def renew() -> int:
-            stream = self._lease.keep_alive(lease_id)
+    async def keep_alive(self, lease: int) -> int:
+        """Renew ``lease`` once; the seconds it has left (0: it lapsed, its keys are gone)."""
+        call = self._lease.keep_alive(lease)
+
+        async def first() -> int:
+            async for resp in call:
+                return int(resp.TTL)
+            return 0
+
+        try:
+            return await self._call(f"keep lease {lease:x} alive", first())
+        finally:
+            call.cancel()
+
+    async def revoke(self, lease: int) -> None:
+        """End ``lease`` now: every key under it goes at once."""
+        await self._call(f"revoke lease {lease:x}", self._lease.revoke(lease, max_attempts=1))
+
+    async def _put(self, what: str, key: bytes, doc: Any, lease: int) -> None:
+        await self._call(what, self._kv.put(key, _encoder.encode(doc), lease=lease, max_attempts=1))
+
+    async def _docs(self, what: str, folder: bytes) -> dict[str, Any]:
+        start = self.prefix + folder
+        resp = await self._call(what, self._kv.get(start, prefix_range_end(start), max_attempts=1))
+        docs = {}
+        for kv in resp.kvs:
             try:
-                async for answer in stream:
-                    return max(0, int(answer.TTL))
-                return 0
-            finally:
-                stream.cancel()
-        return await self._call("renew a lease", renew())
+                docs[kv.key[len(start):].decode()] = msgspec.json.decode(kv.value)
+            except msgspec.DecodeError:  # a writer's bug: kept (it is there), but as nothing it says
+                docs[kv.key[len(start):].decode()] = None
+        return docs
 
-    async def revoke(self, lease_id: int) -> None:
-        """End the lease now: the keys put under it go at once."""
-        await self._call("revoke a lease", self._lease.revoke(lease_id, max_attempts=1))
+    async def report_alive(self, lease: int, serial: str, doc: dict[str, Any]) -> None:
+        """``alive/<serial>`` = ``doc`` ({"agent", "address"}) under ``lease``."""
+        self._card_key(serial)  # checks the serial
+        await self._put(f"report card {serial} alive", self.prefix + b"alive/" + serial.encode(), doc, lease)
 
-    async def report_gateway(self, gateway_id: str, report: GatewayReport, lease_id: int) -> None:
-        if not gateway_id or "/" in gateway_id:
-            raise ValueError(f"gateway id {gateway_id!r}: a non-empty name without '/'")
-        await self._call("report this gateway", self._kv.put(
-            self.prefix + b"gateways/" + gateway_id.encode(), _encoder.encode(report), lease=lease_id,
+    async def withdraw_alive(self, serial: str) -> None:
+        self._card_key(serial)
+        await self._call(f"withdraw card {serial}'s liveness",
+                         self._kv.delete(self.prefix + b"alive/" + serial.encode(), max_attempts=1))
+
+    async def alive(self) -> dict[str, dict[str, Any]]:
+        """Serial -> {"agent", "address"} of every card an agent reports alive."""
+        return await self._docs("read alive cards", b"alive/")
+
+    async def report_agent(self, lease: int, name: str, doc: dict[str, Any]) -> None:
+        """``agents/<name>`` = ``doc`` under ``lease``."""
+        if not name or "/" in name:
+            raise ValueError(f"agent name {name!r}: a non-empty name without '/'")
+        await self._put(f"report agent {name}", self.prefix + b"agents/" + name.encode(), doc, lease)
+
+    async def agents(self) -> dict[str, dict[str, Any]]:
+        """Name -> report of every agent whose lease holds."""
+        return await self._docs("read agents", b"agents/")
+
+    async def report_gateway(self, lease: int, gateway: str, doc: GatewayReport | dict[str, Any]) -> None:
+        """``gateways/<id>`` = ``doc`` (a ``GatewayReport``) under ``lease`` (the gateway's)."""
+        if not gateway or "/" in gateway:
+            raise ValueError(f"gateway id {gateway!r}: a non-empty name without '/'")
+        await self._put(f"report gateway {gateway}", self.prefix + b"gateways/" + gateway.encode(), doc, lease)
+
+    async def gateway_reports(self) -> dict[str, dict[str, Any]]:
+        """Gateway id -> its ``GatewayReport`` as a dict, of every gateway whose lease holds."""
+        return await self._docs("read gateway reports", b"gateways/")
+
+    # ---- the leader ----------------------------------------------------------------------
+
+    @property
+    def election_prefix(self) -> bytes:
+        return ELECTION_PREFIX + self.prefix + b"leader/"
+
+    async def campaign(self, lease: int, name: str) -> bytes:
+        """Stand for leader under ``lease`` (once per lease: a put again keeps the candidate's place);
+        the candidate's key.  It leads when ``leader_entry`` returns it."""
+        key = self.election_prefix + f"{lease:016x}".encode()
+        await self._call(f"campaign as {name}", self._kv.put(key, name.encode(), lease=lease, max_attempts=1))
+        return key
+
+    async def resign(self, key: bytes) -> None:
+        await self._call("resign", self._kv.delete(key, max_attempts=1))
+
+    async def leader_entry(self) -> LeaderEntry | None:
+        """The candidate that leads (created first), or None when nobody stands."""
+        start = self.election_prefix
+        resp = await self._call("read the leader", self._kv.get(
+            start, prefix_range_end(start), limit=1, sort_order=SortOrder.ASCEND, sort_target=SortTarget.CREATE,
             max_attempts=1))
+        if not resp.kvs:
+            return None
+        kv = resp.kvs[0]
+        return LeaderEntry(kv.key, kv.value.decode(errors="replace"), int(kv.create_revision))
+
+    async def leader(self) -> str | None:
+        """The leading agent's name, or None."""
+        entry = await self.leader_entry()
+        return None if entry is None else entry.name
+
+    def leadership(self, entry: LeaderEntry) -> list[Any]:
+        """The compare that fences the leader's writes: its candidate key still stands (a candidate created
+        after it cannot lead while it does), so a leader whose lease lapsed unseen writes nothing."""
+        return [self._kv.txn_compare_create_revision(entry.key, entry.create_revision)]

@@ -1,0 +1,61 @@
+"""The flags of ``kvgate cluster serve`` and the agent they make (``kvgate.cluster.agent``).
+
+    kvgate cluster serve --cards /mnt/card* --etcd-endpoints 10.0.0.5:2379 10.0.0.6:2379
+    kvgate cluster serve --etcd-member w1 --etcd-peer-url http://10.0.0.9:2380 \\
+        --etcd-client-url http://10.0.0.9:2379 --etcd-initial-cluster s1=http://10.0.0.5:2380,...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from kvgate.cluster.agent import INTERVAL_S, LIVENESS_TTL_S, AgentSettings, ClusterAgent, serve
+from kvgate.cluster.member import EtcdMember
+
+MEMBER_FLAGS = ("etcd_peer_url", "etcd_client_url", "etcd_initial_cluster")
+
+
+def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--name", default=socket.gethostname(), help="this agent's name (default: the host name)")
+    g.add_argument("--cards", nargs="+", default=[], metavar="PATH|GLOB|URL",
+                   help="the cards this host serves (none on a witness host); a glob is looked at again each round")
+    g.add_argument("--liveness-ttl", type=int, default=LIVENESS_TTL_S, metavar="SECONDS",
+                   help="TTL of the lease its alive/ keys are under, renewed every third (default %(default)s)")
+    g.add_argument("--interval", type=float, default=INTERVAL_S, metavar="SECONDS",
+                   help="how often it looks at its cards and, leading, at the registry (default %(default)s)")
+    g.add_argument("--etcd-member", metavar="NAME", help="run an etcd member of this name as a child")
+    g.add_argument("--etcd-peer-url", metavar="URL", help="the member's peer URL (http://host:2380)")
+    g.add_argument("--etcd-client-url", metavar="URL", help="the member's client URL (http://host:2379)")
+    g.add_argument("--etcd-initial-cluster", metavar="NAME=URL,...", help="every member's peer URL")
+    g.add_argument("--etcd-data-dir", metavar="DIR", help="the member's data (default ./var/kvgate/etcd-NAME)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def agent_from(args: argparse.Namespace) -> ClusterAgent:
+    member = None
+    if args.etcd_member:
+        missing = [f"--{f.replace('_', '-')}" for f in MEMBER_FLAGS if not getattr(args, f)]
+        if missing:
+            raise ValueError(f"--etcd-member {args.etcd_member} needs {', '.join(missing)} as well")
+        member = EtcdMember(args.etcd_member, args.etcd_peer_url, args.etcd_client_url, args.etcd_initial_cluster,
+                            args.etcd_data_dir or f"./var/kvgate/etcd-{args.etcd_member}", token=args.cluster_name)
+    elif any(getattr(args, f) for f in MEMBER_FLAGS) or args.etcd_data_dir:
+        raise ValueError("--etcd-peer-url, --etcd-client-url, --etcd-initial-cluster and --etcd-data-dir go with "
+                         "--etcd-member NAME (this host runs an etcd member); leave them out otherwise")
+    endpoints = args.etcd_endpoints or ([] if member else ["127.0.0.1:2379"])
+    return ClusterAgent(AgentSettings(name=args.name, cards=args.cards, endpoints=endpoints, cluster=args.cluster_name,
+                                      slots=args.slots, liveness_ttl_s=args.liveness_ttl, interval_s=args.interval,
+                                      call_timeout_s=args.timeout, member=member))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        agent = agent_from(args)
+    except ValueError as e:
+        print(f"kvgate cluster serve: {e}", file=sys.stderr)
+        return 2
+    return serve(agent)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from kvgate.bench.processes import RedisServer, free_port
 from kvgate.cards import Card
 
 
@@ -21,3 +28,28 @@ def check_snapshot_round_trip(card: Card, objects: int) -> None:
     assert len(list(card.scan())) == objects, "the snapshot is no object"
     card.drop_snapshot()
     assert card.read_snapshot() is None
+
+
+def start_redis_cluster(root: Path, primaries: int = 3) -> list[RedisServer]:
+    """A Redis Cluster of ``primaries`` primaries (no replicas) on loopback ports, up and serving every slot;
+    the caller kills the nodes."""
+    nodes = []
+    try:
+        for i in range(primaries):
+            nodes.append(RedisServer(root / f"n{i}", policy="noeviction", extra=[
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+                "--cluster-port", str(free_port())]).start())
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        for n in nodes:
+            r = redis.Redis(port=n.port)
+            while r.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                assert time.monotonic() < deadline, "the Redis Cluster did not come up"
+                time.sleep(0.1)
+            r.close()
+    except BaseException:
+        for n in nodes:
+            n.kill()
+        raise
+    return nodes

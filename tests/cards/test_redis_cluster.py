@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -11,33 +10,19 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer, free_port
+from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import CardUnavailable, ObjectMeta, RedisCard
 from kvgate.cards.redis import LABEL_KEY, cluster_cards, split_tag
 from kvgate.keys import full_key
-from tests.cards.common import check_snapshot_round_trip
+from tests.cards.common import check_snapshot_round_trip, start_redis_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server")]
 
 
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory) -> Iterator[list[RedisServer]]:
-    """Three primaries of one Redis Cluster on loopback ports (no replicas)."""
-    root = tmp_path_factory.mktemp("redis-cluster")
-    nodes = [RedisServer(root / f"n{i}", policy="noeviction",
-                         extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]).start()
-             for i in range(3)]
+    nodes = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
     try:
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                       "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 30
-        for n in nodes:
-            r = redis.Redis(port=n.port)
-            while r.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
-                assert time.monotonic() < deadline, "the cluster did not come up"
-                time.sleep(0.1)
-            r.close()
         yield nodes
     finally:
         for n in nodes:

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import redis
 from etcd3aio import Etcd3Client
 
+from kvgate.bench.processes import REDIS_SERVER
 from kvgate.cards import DirectoryCard
 from kvgate.client import Client
 from kvgate.cluster.registry import CardState, Registry, View
 from kvgate.gateway.status import render
+from tests.cards.common import start_redis_cluster
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.helpers import GatewayProcess, run_kvgate, wait_until
 
@@ -110,4 +113,34 @@ def test_the_cluster_command_registers_publishes_and_drains(tmp_path: Path) -> N
         down = run_kvgate("cluster", "cards", "--timeout", "0.3", *common)
         assert down.returncode == 2 and ("bound 0.3 s" in down.stderr or "did not answer" in down.stderr), down.stderr
     finally:
+        etcd.stop()
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server (make test installs it)")
+def test_a_redis_cluster_registered_by_its_seed_serves_a_gateway_from_every_primary(tmp_path: Path) -> None:
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    nodes = start_redis_cluster(tmp_path / "redis")
+    common = ["--etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--slots", str(SLOTS)]
+    gw = None
+    try:
+        r = run_kvgate("cluster", "register", nodes[0].url, *common)
+        assert r.returncode == 0 and r.stdout.count("registered (joining") == 3, r.stdout + r.stderr
+        assert run_kvgate("cluster", "publish", *common).returncode == 0
+        gw = GatewayProcess(tmp_path / "gw", [
+            "--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--max-bytes", "0",
+            "--cluster-view-file", str(tmp_path / "view.json"), "--storage-slots", str(SLOTS)]).start()
+        assert len(gw.stats()["cards"]) == 3 and all(c["kind"] == "redis" for c in gw.stats()["cards"])
+        dialogs = {b"dialog-%d" % d: [b"d%d-page-%d" % (d, i) for i in range(4)] for d in range(24)}
+        with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
+            for dialog, keys in dialogs.items():
+                assert all(c.put_many(keys, [k * 1000 for k in keys], dialog=dialog, position=0))
+            for dialog, keys in dialogs.items():
+                assert [bytes(g) for g in c.get_many(keys, dialog=dialog)] == [k * 1000 for k in keys]
+        held = [redis.Redis(port=n.port).dbsize() for n in nodes]
+        assert all(n > 1 for n in held), f"every primary holds dialogs (keys per primary: {held})"
+    finally:
+        if gw is not None:
+            gw.stop()
+        for n in nodes:
+            n.kill()
         etcd.stop()

@@ -52,15 +52,17 @@ INTERVAL_S: Final = 1.0
 LIVENESS_TTL_S: Final = 5
 
 
-def label_card(location: str) -> CardRecord:
+def label_card(location: str, address: str | None = None) -> CardRecord:
     """The card at ``location`` as the registry records it, labelling it if it has no label yet (blocking
-    I/O: run it on a thread).  A gateway opening the same location finds the same serial."""
+    I/O: run it on a thread).  A gateway opening the same location finds the same serial; ``address``:
+    where gateways reach it instead (a glob on a shared filesystem, under which they find it by serial)."""
     card = make_card(location, Config(storage_devices=[location], create_card_dirs=False))
     try:
         serial = card.open()
     finally:
         card.close()
-    return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory", address=location)
+    return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory",
+                      address=address or location)
 
 
 def _check_endpoint(endpoint: str) -> None:

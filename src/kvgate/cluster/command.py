@@ -5,7 +5,9 @@
     kvgate cluster leader                 the agent that leads
     kvgate cluster cards                  the registered cards
     kvgate cluster view                   the published view: epoch, cards, slots per card
-    kvgate cluster register PATH|URL      label the card if it has no label yet and register it (joining)
+    kvgate cluster register PATH|URL      label the card if it has no label yet and register it (joining);
+                                          a Redis Cluster seed: one card per primary; --address: the
+                                          path or glob gateways reach a directory card by
     kvgate cluster drain|undrain|retire SERIAL
     kvgate cluster publish                the next view from the registry (joining cards become active), as
                                           the leader will; nothing when the layout would not change
@@ -27,6 +29,8 @@ from typing import Any
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError
 
+from kvgate.cards import is_redis
+from kvgate.cards.redis import cluster_cards
 from kvgate.cluster.registry import CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 
@@ -44,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")
     p.add_argument("--slots", type=int, default=Config().storage_slots,
                    help="publish, serve: storage_slots of the gateways (default %(default)s)")
+    p.add_argument("--address", metavar="PATH|GLOB",
+                   help="register: where gateways reach a directory card when that is not where this host has "
+                        "it (a shared filesystem mounted elsewhere: a glob under which each gateway finds it by "
+                        "serial)")
     p.add_argument("--json", action="store_true")
     from kvgate.cluster.agentcli import add_serve_arguments
 
@@ -99,12 +107,7 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
             print(name)
         return 0 if name is not None else 1
     elif args.action == "register":
-        from kvgate.cluster.agent import label_card
-
-        record = await asyncio.to_thread(label_card, args.card)
-        if not await reg.register(record):
-            raise RegistryConflict(f"card {record.serial} ({args.card}) is registered already")
-        print(f"card {record.serial} at {record.address} registered (joining; `kvgate cluster publish`)")
+        return await _register(reg, args.card, args.address)
     elif args.action in ("drain", "undrain", "retire"):
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
         record = await reg.set_state(args.card, state)
@@ -122,6 +125,28 @@ async def _publish(reg: Registry, slots: int, as_json: bool) -> int:
         return 0
     _show_view(view, as_json)
     return 0
+
+
+async def _register(reg: Registry, card: str, address: str | None) -> int:
+    """Label and register the card at ``card``; a Redis Cluster seed registers one card per primary."""
+    from kvgate.cluster.agent import label_card
+
+    if is_redis(card):
+        if address:
+            raise ValueError("--address is for a directory card (the path or glob gateways reach it by)")
+        locations = await asyncio.to_thread(cluster_cards, card)
+    else:
+        locations = [card]
+    taken = 0
+    for location in locations:
+        record = await asyncio.to_thread(label_card, location, address)
+        if await reg.register(record):
+            taken += 1
+            print(f"card {record.serial} at {record.address} registered (joining; the leader or `kvgate cluster "
+                  f"publish` makes it active)")
+        else:
+            print(f"card {record.serial} at {record.address} is registered already", file=sys.stderr)
+    return 0 if taken else 1
 
 
 def _show_cards(records: list[CardRecord], as_json: bool) -> None:

@@ -38,11 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from etcd3aio import Etcd3Client
 
 from kvgate.cards import expand, is_redis, make_card
 from kvgate.cluster.member import EtcdMember
-from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, Registry, RegistryConflict,
+from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
 from kvgate.config import Config
 
@@ -128,13 +127,7 @@ class ClusterAgent:
         for ep in endpoints:
             _check_endpoint(ep)
         self.endpoints = endpoints
-        self.client = Etcd3Client(endpoints, rpc_max_attempts=1)
-        # gRPC waits up to 2 minutes between reconnects to an endpoint that failed: after an etcd outage the
-        # agent must be back well within a TTL of etcd's return, or its cards would look dead for longer.
-        options = getattr(getattr(self.client, "_manager", None), "grpc_options", None)
-        if isinstance(options, list):
-            options += [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                        ("grpc.max_reconnect_backoff_ms", 1000)]
+        self.client = etcd_client(endpoints)
         self.registry = Registry(self.client, settings.cluster, settings.call_timeout_s)
         self.served: dict[str, CardRecord] = {}
         self.location_of: dict[str, str] = {}  # location -> serial, of the cards opened

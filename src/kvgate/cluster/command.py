@@ -27,11 +27,12 @@ from collections import Counter
 from typing import Any
 
 import msgspec
-from etcd3aio import Etcd3Client, EtcdError
+from etcd3aio import EtcdError
 
 from kvgate.cards import is_redis
 from kvgate.cards.redis import cluster_cards
-from kvgate.cluster.registry import CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View
+from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
+                                     etcd_client)
 from kvgate.config import Config
 
 ACTIONS = ("cards", "view", "register", "drain", "undrain", "retire", "publish", "leader", "serve")
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     if args.action in ("register", "drain", "undrain", "retire") and not args.card:
         raise ValueError("name the card (register: a directory or Redis URL; otherwise its serial)")
-    client = Etcd3Client(args.etcd_endpoints, rpc_max_attempts=1)
+    client = etcd_client(args.etcd_endpoints)
     try:
         async with asyncio.timeout(CONNECT_S):
             await client.connect()

@@ -32,12 +32,12 @@ from typing import Final
 
 import msgspec
 
-from etcd3aio import Etcd3Client, EtcdError
+from etcd3aio import EtcdError
 
 from kvgate.cards import expand, make_card
 from kvgate.cards.base import HOST
 from kvgate.cluster.liveness import Liveness
-from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
+from kvgate.cluster.registry import CardRecord, CardState, etcd_client, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 from kvgate.tiers.cardset import CardChangeError, CardSet
 
@@ -312,7 +312,7 @@ class ClusterCards:
 
     def __init__(self, cfg: Config, cards: CardSet) -> None:
         self.endpoints = list(cfg.cluster_etcd_endpoints)
-        self.client = Etcd3Client(self.endpoints, rpc_max_attempts=1)
+        self.client = etcd_client(self.endpoints)
         self.registry = Registry(self.client, cfg.cluster_name, cfg.cluster_call_timeout)
         self.follower = ViewFollower(self.registry, cards, cfg.cluster_view_file, sick_polls=cfg.cluster_sick_polls)
         self.connected = False

@@ -151,6 +151,22 @@ _view_decoder = msgspec.json.Decoder(View)
 _report_decoder = msgspec.json.Decoder(GatewayReport)
 
 
+def etcd_client(endpoints: Sequence[str]) -> Etcd3Client:
+    """A client of ``endpoints`` (not connected yet) that makes each call once and reconnects quickly.
+
+    gRPC waits up to 2 minutes between reconnects to an endpoint that failed: after an etcd outage an agent
+    must be back well within a liveness TTL of etcd's return (or its cards would look dead for longer), and
+    a gateway should see new views as soon as etcd answers.  The options go on the client's channel
+    options, which etcd3aio 0.3 keeps in a private attribute: where that changes, the default backoff stays.
+    """
+    client = Etcd3Client(list(endpoints), rpc_max_attempts=1)
+    options = getattr(getattr(client, "_manager", None), "grpc_options", None)
+    if isinstance(options, list):
+        options += [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
+    return client
+
+
 class Registry:
     """The registry of one cluster in etcd (module docstring), over a connected ``Etcd3Client``."""
 

@@ -19,13 +19,16 @@ ETCD = shutil.which("etcd")
 
 
 class EtcdServer:
-    """One single-member etcd cluster in ``workdir``; ``start`` returns once it answers on its client port."""
+    """One etcd member in ``workdir`` (by default a cluster of its own); ``start`` returns once it listens on
+    its client port (a member of several answers once a quorum is up)."""
 
-    def __init__(self, workdir: str | os.PathLike) -> None:
+    def __init__(self, workdir: str | os.PathLike, name: str = "kvgate-test") -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.name = name
         self.port = free_port()
         self.peer_port = free_port()
+        self.initial_cluster = f"{name}=http://127.0.0.1:{self.peer_port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -35,10 +38,10 @@ class EtcdServer:
     def start(self, timeout: float = 15.0) -> "EtcdServer":
         assert ETCD is not None, "etcd is not installed (make test installs etcd-server)"
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
-        args = [ETCD, "--name", "kvgate-test", "--data-dir", str(self.workdir / "data"),
+        args = [ETCD, "--name", self.name, "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"kvgate-test={peer}", "--log-level", "warn"]
+                "--initial-cluster", self.initial_cluster, "--log-level", "warn"]
         with open(self.workdir / "etcd.log", "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -78,6 +81,29 @@ class EtcdServer:
             return (self.workdir / "etcd.log").read_text(errors="replace")[-2000:]
         except OSError:
             return ""
+
+
+class EtcdCluster:
+    """``n`` etcd members on loopback ports, each an ``EtcdServer`` that can be killed and started again."""
+
+    def __init__(self, workdir: str | os.PathLike, n: int = 3) -> None:
+        self.members = [EtcdServer(Path(workdir) / f"m{i}", name=f"m{i}") for i in range(n)]
+        initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self) -> "EtcdCluster":
+        for m in self.members:
+            m.start()
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
 
 
 def labelled_card(path: Path) -> CardRecord:

@@ -1,4 +1,4 @@
-"""`kvgate` command line: serve, stat, fingerprint, clean, bench."""
+"""`kvgate` command line: serve, stat, fingerprint, clean, cards, cluster, export, bench."""
 
 from __future__ import annotations
 
@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.cluster.command import add_arguments as add_cluster_arguments
 
     add_cluster_arguments(p)
+
+    p = sub.add_parser("export", help="serve directory cards of this host to gateways on others (kvgate:// cards)",
+                       description="Prints the kvgate:// URL of each card; a gateway lists it in storage_devices.")
+    p.add_argument("--cards", nargs="+", required=True, metavar="DIR", help="card directories (created beforehand)")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="TCP address to serve on")
+    p.add_argument("--num-dbs", type=int, default=1, help="shards of the cards when a gateway names none (1)")
+    p.add_argument("--max-object-bytes", type=config_mod.parse_size, default=256 << 20,
+                   help="largest object file served or taken (256MiB)")
+    p.add_argument("--sync-writes", action="store_true", help="fsync every object before acknowledging it")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     try:  # optional: a missing bench module must not break serve/stat/clean
         from kvgate.bench.command import add_arguments
@@ -271,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_clean(args)
         if args.command == "cards":
             return cmd_cards(args)
+        if args.command == "export":
+            from kvgate.cluster.export import serve
+
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            try:
+                return serve(args.cards, args.listen, args.num_dbs, args.max_object_bytes, args.sync_writes)
+            except (ValueError, OSError) as e:
+                print(f"kvgate export: {e}", file=sys.stderr)
+                return 2
         if args.command == "cluster":
             from kvgate.cluster.command import run as run_cluster
 

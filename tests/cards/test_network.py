@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import socket
@@ -469,3 +470,53 @@ def test_wire_messages_decode_only_as_what_they_are() -> None:
         w.decode_request(msgspec.msgpack.encode({"op": "nonsense"}))
     with pytest.raises(w.WireError, match="magic"):
         w.parse_prefix(b"XXXX" + bytes(12), 10, 10)
+
+
+def test_an_object_over_the_server_s_limit_is_refused_alone(served, card: NetworkCard) -> None:
+    ex, _ = served  # max_object_bytes 16 MiB
+    big, small = key("big"), key("small")
+    assert card.server_max_object_bytes == 16 << 20
+    out = card.write_many([(big, memoryview(bytearray(16 << 20)), ObjectMeta()),
+                           (small, memoryview(b"x" * 10), ObjectMeta())])
+    assert isinstance(out[0], OSError) and out[0].errno == errno.EFBIG and "--max-object-bytes" in str(out[0])
+    assert isinstance(out[1], int) and card.exists(small) and not card.exists(big)
+
+
+def test_threads_share_a_card_each_on_a_connection_of_its_own(card: NetworkCard) -> None:
+    errors: list[BaseException] = []
+    used = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(20):
+                k = key(f"t{t}-{i}")
+                data = payload_for(k, 1000 * i + t)
+                card.write(k, memoryview(data), ObjectMeta())
+                assert np.array_equal(read_back(card, k, len(data)), data)
+            used.append(card._local.conn)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({id(c) for c in used}) == 6
+    del used
+    gc.collect()
+    assert len(card._conns) == 1, "a thread's connection goes (closed) with the thread; the main thread's stays"
+
+
+def test_connections_over_the_limit_are_refused_with_the_reason(tmp_path: Path) -> None:
+    local = DirectoryCard(str(tmp_path / "card"))
+    local.open()
+    with CardExporter([local], max_connections=1) as ex:
+        first = NetworkCard(ex.urls()[local.serial])
+        first.open()
+        with pytest.raises(CardUnavailable, match="max_connections"):
+            NetworkCard(ex.urls()[local.serial]).open()
+        first.close()
+        wait_until(lambda: not ex._conns, 5, "the first connection ended")
+        NetworkCard(ex.urls()[local.serial]).open()

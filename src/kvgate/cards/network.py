@@ -214,6 +214,8 @@ class NetworkCard(Card):
         self._lock = threading.Lock()
         self._claim_conn: _Conn | None = None
         self._claim_lock = threading.Lock()
+        # The largest object file the server takes, as its hello said; a bigger write is refused here.
+        self.server_max_object_bytes = max_object_bytes
 
     # ----------------------------------------------------------- connections
 
@@ -241,10 +243,12 @@ class NetworkCard(Card):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Conn(self, sock)
         try:
-            conn.call(w.Hello(self.url_serial, self.num_dbs))
+            said, _ = conn.call(w.Hello(self.url_serial, self.num_dbs))
         except BaseException:
             conn.close()
             raise
+        if isinstance(said, dict) and isinstance(said.get("max_object_bytes"), int):
+            self.server_max_object_bytes = said["max_object_bytes"]
         with self._lock:
             self._conns.add(conn)
         return conn
@@ -451,31 +455,43 @@ class NetworkCard(Card):
                    still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
         """One ``WriteMany`` per ``BATCH`` objects.  Each payload goes to the socket from the caller's buffer,
         its hash beside it; after it is sent, ``still_wanted`` decides whether the server publishes it."""
-        out: list[int | BaseException] = []
-        for start in range(0, len(items), BATCH):
-            chunk = items[start : start + BATCH]
-            views = [byte_view(p) for _, p, _ in chunk]
+        out: list[int | BaseException | None] = [None] * len(items)
+        views = [byte_view(p) for _, p, _ in items]
+        sendable = []
+        for i, ((k, _, _), v) in enumerate(zip(items, views)):
+            size = padded_size(header_size(k)) + len(v)
+            if size > self.server_max_object_bytes:  # the server would refuse the whole request
+                out[i] = OSError(errno.EFBIG, f"object of {size} bytes is over the card server's max_object_bytes "
+                                 f"({self.server_max_object_bytes}): raise it on the server (kvgate export "
+                                 "--max-object-bytes) or write smaller blocks", self.location)
+            else:
+                sendable.append(i)
+        for start in range(0, len(sendable), BATCH):
+            chunk = sendable[start : start + BATCH]
             if still_wanted is not None and not still_wanted():
-                out.extend(WriteAbandoned(self.location) for _ in chunk)
+                for i in chunk:
+                    out[i] = WriteAbandoned(self.location)
                 continue
-            req = w.WriteMany([w.WriteItem(k, len(v), payload_hash(v), m.dialog, m.position, m.created_ns)
-                               for (k, _, m), v in zip(chunk, views)])
+            req = w.WriteMany([w.WriteItem(items[i][0], len(views[i]), payload_hash(views[i]), items[i][2].dialog,
+                                           items[i][2].position, items[i][2].created_ns) for i in chunk])
             try:
                 conn = self._conn()
-                go = b""
                 # The body follows: each payload, then its publish byte.
-                conn.send(req, body_len=sum(len(v) + 1 for v in views))
+                conn.send(req, body_len=sum(len(views[i]) + 1 for i in chunk))
+                go = b""
                 with conn.transport():
-                    for v in views:
-                        w.send_all(conn.sock, [go, v])
+                    for i in chunk:
+                        w.send_all(conn.sock, [go, views[i]])
                         go = b"\0" if still_wanted is not None and not still_wanted() else b"\1"
                     w.send_all(conn.sock, [go])
                 results, _ = conn.reply(req)
             except CardUnavailable as e:
-                out.extend(_copies(e, len(chunk)))
+                for i, err in zip(chunk, _copies(e, len(chunk))):
+                    out[i] = err
                 continue
-            out.extend(self._results(results))
-        return out
+            for i, r in zip(chunk, self._results(results)):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
     def _results(self, results: w.Results) -> list[Any]:
         return [v if e is None else w.from_err(e, self.location) for v, e in zip(results.values, results.errors)]

@@ -51,7 +51,7 @@ from typing import Any, Iterator
 from kvgate.cards import netwire as w
 from kvgate.cards.base import CardUnavailable, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
-from kvgate.cards.objectformat import MAX_HEADER, ObjectMeta, padded_size, payload_hash
+from kvgate.cards.objectformat import ObjectMeta, header_size, padded_size, payload_hash
 
 log = logging.getLogger("kvgate.cluster.export")
 
@@ -371,11 +371,12 @@ class _Connection:
             raise w.WireError(f"batch of {len(items)} objects is over the limit of {w.MAX_BATCH}")
         total = 0
         for it in items:
-            if not 0 <= it.payload_len <= self.ex.max_object_bytes - padded_size(MAX_HEADER):
-                raise w.WireError(f"payload of {it.payload_len} bytes is over the server's max_object_bytes "
-                                  f"{self.ex.max_object_bytes}")
             if len(it.dialog) != 16 or len(it.key) > 0xFFFF:
                 raise w.WireError("write item with a bad dialog digest or key length")
+            # The object file a write makes: the same bound reads are held to (clients check it first).
+            if not 0 <= it.payload_len <= self.ex.max_object_bytes - padded_size(header_size(it.key)):
+                raise w.WireError(f"payload of {it.payload_len} bytes is over the server's max_object_bytes "
+                                  f"{self.ex.max_object_bytes}")
             total += it.payload_len + 1
         if total != blen:
             raise w.WireError(f"write body is {blen} bytes, its items say {total}")

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-PIECE = 0  # the card's receive piece (kvgate.cards.network.PIECE), set in main
+PIECE = 0  # the card's receive piece (kvgate.cards.netconn.PIECE), set in main
 
 
 def serve(card_dir: str, size: int, n: int) -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     from kvgate.keys import full_key
 
     global PIECE
-    from kvgate.cards.network import PIECE
+    from kvgate.cards.netconn import PIECE
 
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen([sys.executable, __file__, "--serve", os.path.join(tmp, "card"), "--size",

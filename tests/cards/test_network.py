@@ -446,14 +446,16 @@ def test_a_killed_server_is_unavailable_within_the_deadline_and_works_after_a_re
         t0 = time.monotonic()
         with pytest.raises(CardUnavailable) as ei:
             c.read_into(k, memoryview(bytearray(3 << 20)))
-        assert ei.value.errno == errno.ETIMEDOUT and "io_timeout_ms" in str(ei.value)
-        assert time.monotonic() - t0 < 1.8
+        took = time.monotonic() - t0
+        assert ei.value.errno == errno.ETIMEDOUT and "io_timeout_ms" in str(ei.value), ei.value
+        assert took < 2.5, f"a hung server answered after {took:.2f} s, io_timeout_ms is 1000"
         proc.kill()  # SIGKILL while stopped, the card in use
         proc.wait(10)
         t0 = time.monotonic()
         with pytest.raises(CardUnavailable):
             c.read_into(k, memoryview(bytearray(3 << 20)))
-        assert time.monotonic() - t0 < 1.5
+        took = time.monotonic() - t0
+        assert took < 2.5, f"a killed server answered after {took:.2f} s, io_timeout_ms is 1000"
         proc, _ = _start_server(loc, port)
         assert np.array_equal(read_back(c, k, 3 << 20), payload_for(k, 3 << 20))
         assert c.check() == c.serial  # the claim is taken again over a new connection
@@ -504,7 +506,7 @@ def test_threads_share_a_card_each_on_a_connection_of_its_own(card: NetworkCard)
         t.join()
     assert not errors, errors
     assert len({id(c) for c in used}) == 6
-    del used
+    used.clear()
     gc.collect()
     assert len(card._conns) == 1, "a thread's connection goes (closed) with the thread; the main thread's stays"
 

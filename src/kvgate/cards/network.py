@@ -29,156 +29,29 @@ from __future__ import annotations
 
 import errno
 import logging
-import select
 import socket
 import threading
 import weakref
 from collections.abc import Collection
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from kvgate.cards import netwire as w
-from kvgate.cards.base import (
-    Card,
-    CardInUse,
-    CardUnavailable,
-    SnapshotWriter,
-    StoredObject,
-    WriteAbandoned,
-    byte_view,
-    holder_doc,
-)
-from kvgate.cards.objectformat import (
-    FIXED_SIZE,
-    BufferTooSmall,
-    Header,
-    ObjectCorrupt,
-    ObjectMeta,
-    ObjectTooNew,
-    header_size,
-    padded_size,
-    parse_header,
-    payload_hash,
-    payload_hasher,
-)
+from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned, byte_view, holder_doc
+from kvgate.cards.netconn import Conn, copies
+from kvgate.cards.objectformat import Header, ObjectMeta, header_size, padded_size, payload_hash
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon, ReadAbandoned
 
 log = logging.getLogger("kvgate.cards.network")
 
 PREFIX = "kvgate://"
-# A payload arrives into a scratch piece this large, is hashed and copied out
-# while still in the CPU cache, then the next piece lands in the same memory:
-# the kernel's write, the hash and the copy all hit L2 (1 MiB here).
-# Measured here (benchmarks/network_card.py, 2 MiB objects over loopback, 2
-# shared cores, noisy): card/raw 0.85-1.08 in 256 KiB pieces, 0.92 in 128
-# KiB, 0.74 in 512 KiB and in 1 MiB.
-PIECE = 256 << 10
 # Keys per request of a batch; a bigger batch takes one round trip per this many.
 BATCH = w.MAX_BATCH
 
 
 def is_network(location: str) -> bool:
     return location.startswith(PREFIX)
-
-
-class _Scratch(threading.local):
-    """Per-thread memory reads land in: a thread reads one object at a time, whatever its card."""
-
-    def __init__(self) -> None:
-        self.head = bytearray(4096)
-        self.piece = bytearray(PIECE)
-
-    def head_view(self, n: int) -> memoryview:
-        if len(self.head) < n:
-            self.head = bytearray(n)  # a long key's header: at most padded_size(MAX_HEADER)
-        return memoryview(self.head)[:n]
-
-
-_scratch = _Scratch()
-
-
-class _Conn:
-    """One connection to the card server; used by one thread at a time.  Closed on any transport failure."""
-
-    def __init__(self, card: "NetworkCard", sock: socket.socket):
-        self.card, self.sock = card, sock
-        self.closed = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def stale(self) -> bool:
-        """Whether the server closed this idle connection (or sent something unasked: equally unusable).
-
-        A zero-timeout poll: ``recv(MSG_PEEK)`` on a socket with a timeout would wait that long first."""
-        p = select.poll()
-        p.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(p.poll(0))
-
-    @contextmanager
-    def transport(self) -> Iterator[None]:
-        """Socket and framing failures close the connection and leave as ``CardUnavailable``."""
-        try:
-            yield
-        except CardUnavailable:
-            self.close()
-            raise
-        except (OSError, w.WireError) as e:
-            self.close()
-            raise self.card.lost(e) from e
-
-    def send(self, msg: w.Msg, *body: Any, body_len: int | None = None) -> None:
-        """``msg`` and its body; with ``body_len``, only the frame's start: the caller sends that many bytes next."""
-        n = sum(len(b) for b in body) if body_len is None else body_len
-        with self.transport():
-            w.send_all(self.sock, [w.frame(msg, n), *body])
-
-    def recv(self, max_body: int = 0) -> tuple[w.Msg, int]:
-        """The next reply's header and the length of its body (left unread)."""
-        prefix = bytearray(w.PREFIX.size)
-        with self.transport():
-            w.recv_exact(self.sock, memoryview(prefix))
-            hlen, blen = w.parse_prefix(prefix, w.MAX_REPLY_HEADER, max_body)
-            return w.decode_reply(w.recv_body(self.sock, hlen)), blen
-
-    def recv_into(self, view: memoryview) -> None:
-        with self.transport():
-            w.recv_exact(self.sock, view)
-
-    def drain(self, n: int) -> None:
-        piece = memoryview(_scratch.piece)
-        while n:
-            k = min(n, len(piece))
-            self.recv_into(piece[:k])
-            n -= k
-
-    def call(self, msg: w.Msg, *body: Any, max_body: int = 0) -> tuple[Any, bytes]:
-        """One request, one reply: ``(Ok.value or the Results, body)``; an ``Err`` is raised as its exception."""
-        self.send(msg, *body)
-        return self.reply(msg, max_body)
-
-    def reply(self, msg: w.Msg, max_body: int = 0) -> tuple[Any, bytes]:
-        """The reply to ``msg``, sent already (see ``call``)."""
-        reply, blen = self.recv(max_body)
-        data = b""
-        if blen:
-            with self.transport():
-                data = bytes(w.recv_body(self.sock, blen))
-        if isinstance(reply, w.Err):
-            raise w.from_err(reply, self.card.location)
-        if isinstance(reply, w.Ok):
-            return reply.value, data
-        if isinstance(reply, w.Results):
-            return reply, data
-        self.close()
-        raise self.card.lost(w.WireError(f"unexpected reply {type(reply).__name__} to {type(msg).__name__}"))
 
 
 class NetworkCard(Card):
@@ -210,9 +83,9 @@ class NetworkCard(Card):
         self.timeout = io_timeout_ms / 1000
         self.max_object_bytes = max_object_bytes
         self._local = threading.local()
-        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()
+        self._conns: weakref.WeakSet[Conn] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._claim_conn: _Conn | None = None
+        self._claim_conn: Conn | None = None
         self._claim_lock = threading.Lock()
         # The largest object file the server takes, as its hello said; a bigger write is refused here.
         self.server_max_object_bytes = max_object_bytes
@@ -235,13 +108,13 @@ class NetworkCard(Card):
             code = getattr(exc, "errno", None) or errno.ECONNRESET
         return CardUnavailable(code, why, self.location)
 
-    def _connect(self) -> _Conn:
+    def _connect(self) -> Conn:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as e:
             raise self.lost(e) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(self, sock)
+        conn = Conn(self, sock)
         try:
             said, _ = conn.call(w.Hello(self.url_serial, self.num_dbs))
         except BaseException:
@@ -253,9 +126,9 @@ class NetworkCard(Card):
             self._conns.add(conn)
         return conn
 
-    def _conn(self) -> _Conn:
+    def _conn(self) -> Conn:
         """This thread's connection, made now if it has none or the server closed it."""
-        conn: _Conn | None = getattr(self._local, "conn", None)
+        conn: Conn | None = getattr(self._local, "conn", None)
         if conn is not None and (conn.closed or conn.stale()):
             conn.close()
             conn = None
@@ -311,7 +184,7 @@ class NetworkCard(Card):
                 self._take_claim(shared)
             self.claimed = shared
 
-    def _take_claim(self, shared: bool) -> _Conn:
+    def _take_claim(self, shared: bool) -> Conn:
         if self._claim_conn is not None:
             self._claim_conn.close()
             self._claim_conn = None
@@ -347,93 +220,19 @@ class NetworkCard(Card):
                 conn = self._conn()
                 conn.send(w.ReadMany([k for k, _ in chunk]))
             except CardUnavailable as e:
-                out.extend(_copies(e, len(chunk)))
+                out.extend(copies(e, len(chunk)))
                 continue
             corrupt: list[tuple[bytes, bytes, int]] = []
             for i, (full_key, dest) in enumerate(chunk):
                 try:
-                    out.append(self._receive(conn, full_key, byte_view(dest), guard, corrupt))
+                    out.append(conn.receive_object(full_key, byte_view(dest), guard, corrupt))
                 except (CardUnavailable, ReadAbandoned) as e:  # the connection is closed: the rest fail alike
                     conn.close()
-                    out.extend(_copies(e, len(chunk) - i))
+                    out.extend(copies(e, len(chunk) - i))
                     break
             for key, seen, size in corrupt:
                 self._discard(key, seen, size)
         return out
-
-    def _receive(self, conn: _Conn, full_key: bytes, view: memoryview, guard: Abandon,
-                 corrupt: list[tuple[bytes, bytes, int]]) -> Header | BaseException:
-        """Take one ``Item`` off the connection; the object's bytes are always read whole, whatever the verdict,
-        so the stream stays in step.  Errors of this object are returned, those of the connection raised."""
-        reply, blen = conn.recv(self.max_object_bytes)
-        if not isinstance(reply, w.Item):
-            conn.close()
-            raise self.lost(w.WireError(f"expected an item, got {type(reply).__name__}"))
-        if reply.err is not None:
-            if blen:
-                conn.drain(blen)
-            return w.from_err(reply.err, self.location)
-        hsize = header_size(full_key)
-        head_n = min(blen, padded_size(hsize))
-        head = _scratch.head_view(head_n)
-        conn.recv_into(head)
-        try:
-            if head_n < hsize:
-                raise ObjectCorrupt("object shorter than its header")
-            header = parse_header(head[:hsize], expect_key=full_key)
-            if blen != header.object_size:
-                raise ObjectCorrupt(f"object file is {blen} bytes, its header says {header.object_size}")
-            if header.payload_len > len(view):
-                raise BufferTooSmall(header.payload_len)
-        except (ObjectCorrupt, ObjectTooNew, BufferTooSmall) as e:
-            if isinstance(e, ObjectCorrupt):
-                corrupt.append((full_key, bytes(head[:FIXED_SIZE]), blen))
-                e.add_note(f"deleted corrupt object {key_digest(full_key).hex()} on {self.location}")
-            conn.drain(blen - head_n)
-            return e
-        try:
-            self._deliver(conn, header, head, blen - head_n, view, guard)
-        except ObjectCorrupt as e:
-            corrupt.append((full_key, bytes(head[:FIXED_SIZE]), blen))
-            e.add_note(f"deleted corrupt object {key_digest(full_key).hex()} on {self.location}")
-            return e
-        return header
-
-    @staticmethod
-    def _deliver(conn: _Conn, header: Header, head: memoryview, rest: int, view: memoryview,
-                 guard: Abandon) -> None:
-        """Receive the payload piece by piece, hash each and copy it out while it is in the CPU cache."""
-        hasher = payload_hasher()
-        off = 0
-        early = head[header.payload_offset :]  # an unpadded (older) object: its first payload bytes came with the head
-        fault: BaseException | None = None
-        if len(early):
-            hasher.update(early)
-            try:
-                guard.copy(view[: len(early)], early)
-            except ReadAbandoned:
-                raise
-            except OSError as e:  # MemoryFault: this destination is gone; read on to keep the stream in step
-                fault = e
-            off = len(early)
-        piece = memoryview(_scratch.piece)
-        while rest:
-            k = min(rest, len(piece))
-            conn.recv_into(piece[:k])
-            hasher.update(piece[:k])
-            if fault is None:
-                try:
-                    guard.copy(view[off : off + k], piece[:k])
-                except ReadAbandoned:
-                    raise
-                except OSError as e:
-                    fault = e
-            off += k
-            rest -= k
-        if hasher.intdigest() != header.payload_hash:
-            raise ObjectCorrupt("payload checksum mismatch")
-        if fault is not None:
-            raise fault
 
     def _discard(self, full_key: bytes, seen: bytes, size: int) -> None:
         """Best effort: a failure leaves the object for the next read or scan to find again."""
@@ -486,7 +285,7 @@ class NetworkCard(Card):
                     w.send_all(conn.sock, [go])
                 results, _ = conn.reply(req)
             except CardUnavailable as e:
-                for i, err in zip(chunk, _copies(e, len(chunk))):
+                for i, err in zip(chunk, copies(e, len(chunk))):
                     out[i] = err
                 continue
             for i, r in zip(chunk, self._results(results)):
@@ -509,7 +308,7 @@ class NetworkCard(Card):
             try:
                 results, _ = self._call(w.ExistsMany(chunk, not_before_ns))
             except CardUnavailable as e:
-                out.extend(_copies(e, len(chunk)))
+                out.extend(copies(e, len(chunk)))
                 continue
             out.extend(self._results(results))
         return out
@@ -585,26 +384,11 @@ class NetworkCard(Card):
         return f"NetworkCard({self.location!r}, serial={self.serial!r})"
 
 
-def _copies(exc: BaseException, n: int) -> list[BaseException]:
-    """A fresh exception like ``exc`` for each of ``n`` items (never one instance shared by a batch)."""
-    out: list[BaseException] = []
-    for _ in range(n):
-        if isinstance(exc, CardInUse):
-            new: BaseException = exc
-        elif isinstance(exc, OSError):
-            new = type(exc)(exc.errno, exc.strerror, exc.filename)
-        else:
-            new = type(exc)(*exc.args)
-        new.__cause__ = exc.__cause__
-        out.append(new)
-    return out
-
-
 class _NetSnapshotWriter(SnapshotWriter):
     """A snapshot streamed to the server on a connection of its own; the server publishes it on commit."""
 
     def __init__(self, card: NetworkCard) -> None:
-        self.conn: _Conn | None = card._connect()
+        self.conn: Conn | None = card._connect()
         try:
             self.conn.call(w.SnapshotBegin())
         except BaseException:

@@ -36,6 +36,7 @@ from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, padded_size
 from kvgate.cluster.export import CardExporter
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, key_digest
+from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from tests.cards.common import check_snapshot_round_trip
 from tests.cards.test_directory import key, payload_for
 from tests.helpers import wait_until
@@ -522,3 +523,27 @@ def test_connections_over_the_limit_are_refused_with_the_reason(tmp_path: Path) 
         first.close()
         wait_until(lambda: not ex._conns, 5, "the first connection ended")
         NetworkCard(ex.urls()[local.serial]).open()
+
+
+def test_a_destination_that_faults_fails_alone_and_an_abandoned_read_delivers_nothing(card: NetworkCard) -> None:
+    keys = [key(f"g{i}") for i in range(3)]
+    for k in keys:
+        card.write(k, memoryview(payload_for(k, 3 * P)), ObjectMeta())
+    dests = [np.zeros(3 * P, dtype=np.uint8) for _ in keys]
+
+    class Faulty(Abandon):
+        def copy(self, dst, src) -> None:
+            if np.shares_memory(np.frombuffer(dst, np.uint8), dests[1]):
+                raise MemoryFault(errno.EFAULT, "region shrunk")
+            super().copy(dst, src)
+
+    out = card.read_many_into([(k, memoryview(d)) for k, d in zip(keys, dests)], Faulty())
+    assert isinstance(out[1], MemoryFault)
+    for i in (0, 2):
+        assert out[i].payload_len == 3 * P and np.array_equal(dests[i], payload_for(keys[i], 3 * P))
+    gone = Abandon()
+    gone.abandon()
+    fresh = [np.zeros(3 * P, dtype=np.uint8) for _ in keys]
+    out = card.read_many_into([(k, memoryview(d)) for k, d in zip(keys, fresh)], gone)
+    assert all(isinstance(r, ReadAbandoned) for r in out) and not any(d.any() for d in fresh)
+    assert np.array_equal(read_back(card, keys[2], 3 * P), payload_for(keys[2], 3 * P))

@@ -176,6 +176,10 @@ class Conn:
             corrupt.append((full_key, bytes(head[:FIXED_SIZE]), blen))
             e.add_note(f"deleted corrupt object {key_digest(full_key).hex()} on {card.location}")
             return e
+        except (CardUnavailable, ReadAbandoned):
+            raise
+        except OSError as e:  # MemoryFault: this destination is gone, the stream is still in step
+            return e
         return header
 
     def _deliver(self, header: Header, head: memoryview, rest: int, view: memoryview,

@@ -547,3 +547,23 @@ def test_a_destination_that_faults_fails_alone_and_an_abandoned_read_delivers_no
     out = card.read_many_into([(k, memoryview(d)) for k, d in zip(keys, fresh)], gone)
     assert all(isinstance(r, ReadAbandoned) for r in out) and not any(d.any() for d in fresh)
     assert np.array_equal(read_back(card, keys[2], 3 * P), payload_for(keys[2], 3 * P))
+
+
+@pytest.mark.slow
+def test_a_gateway_stores_on_and_restores_from_a_served_card(gateway_factory, served) -> None:
+    ex, local = served
+    url = ex.urls()[local.serial]
+    gw = gateway_factory(["--storage-devices", url, "--max-bytes", "0"], create_cards=False)
+    wait_until(lambda: [c for c in gw.stats()["cards"] if c["active"]], 20, lambda: gw.log())
+    keys = [b"block-%d" % i for i in range(8)]
+    blocks = [os.urandom(100_000 + i) for i in range(8)]
+    with gw.client("ns") as c:
+        assert c.put_many(keys, blocks, retention="long") == [True] * 8
+        assert c.get_many(keys) == blocks
+    st = gw.stats()["cards"][0]
+    assert (st["location"], st["serial"], st["objects"]) == (url, local.serial, 8)
+    on_host = DirectoryCard(local.location)  # the gateway's num_dbs (1)
+    assert len(list(on_host.scan())) == 8, "the objects are files of the served directory"
+    with pytest.raises(CardInUse, match=f"pid {gw.proc.pid} "):
+        on_host.claim(True)  # the gateway holds it exclusively, through the server
+    assert ex.requests["Claim"] >= 1

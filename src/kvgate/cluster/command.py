@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError
 
-from kvgate.cards import is_redis, make_card
+from kvgate.cards import is_network, is_redis, make_card
 from kvgate.cluster.registry import CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View
 from kvgate.config import Config
 
@@ -97,7 +97,8 @@ def _label(location: str) -> CardRecord:
         serial = card.open()
     finally:
         card.close()
-    return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory", address=location)
+    kind = "kvgate" if is_network(location) else "redis" if is_redis(location) else "directory"
+    return CardRecord(serial=serial, kind=kind, address=location)
 
 
 async def _publish(reg: Registry, slots: int, as_json: bool) -> int:

@@ -32,7 +32,7 @@ from kvgate.cards import (
     make_card,
 )
 from kvgate.cards import netwire as w
-from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, padded_size
+from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
 from kvgate.cluster.export import CardExporter
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, key_digest
@@ -567,3 +567,20 @@ def test_a_gateway_stores_on_and_restores_from_a_served_card(gateway_factory, se
     with pytest.raises(CardInUse, match=f"pid {gw.proc.pid} "):
         on_host.claim(True)  # the gateway holds it exclusively, through the server
     assert ex.requests["Claim"] >= 1
+
+
+@pytest.mark.parametrize("size", [0, 5, 5000, P + 3])
+def test_an_unpadded_object_is_still_read(card: NetworkCard, served, size: int) -> None:
+    """Its first payload bytes arrive with the header block: they are hashed and delivered too."""
+    _, local = served
+    k = key(f"old-{size}")
+    data = payload_for(k, size)
+    path = local.object_path(k)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(pack_header(k, size, payload_hash(memoryview(data)), ObjectMeta(position=4)))
+        f.write(data.tobytes())
+    buf = np.zeros(size + 1, dtype=np.uint8)
+    h = card.read_into(k, memoryview(buf))
+    assert h.payload_offset == header_size(k) and h.meta.position == 4
+    assert np.array_equal(buf[:size], data) and buf[size] == 0

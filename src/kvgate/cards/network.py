@@ -21,7 +21,7 @@ Deadlines: every connect, send and receive is bounded by ``io_timeout_ms``.
 A connection that timed out, broke or met a reply it cannot parse is closed
 at once, never reused half-read, and the call fails with ``CardUnavailable``
 naming the URL.  An idle connection the server closed (a restart) is noticed
-before it is used (a non-blocking peek), so the first call after a restart
+before it is used (a poll that does not wait), so the first call after a restart
 reconnects instead of failing.
 """
 

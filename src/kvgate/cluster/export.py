@@ -30,6 +30,11 @@ keepalive, about 30 s).  ``Claim`` again on the same connection renews it
 (another mode included).  The client keeps the claim on a connection of its
 own and takes it again when that connection was lost (a server restart).
 
+A disk error while an object file is being sent (the frame's length is
+already on the wire) ends the connection: the gateway sees the card
+unavailable for the rest of that batch and counts it, as it would an I/O
+error of a local card, and the object is not deleted for a transient error.
+
 Limits: a frame's header and body lengths, a batch's count and each
 payload's length are checked against limits before anything is allocated; a
 frame must arrive whole within ``frame_timeout`` (plus 1 s per 4 MiB of

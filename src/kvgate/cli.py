@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "restarts (edit storage_devices and send SIGHUP to make them the config).")
     _add_target(p)
     p.add_argument("action", choices=["list", "add", "drain", "undrain", "remove"], nargs="?", default="list")
-    p.add_argument("card", nargs="?", default="", help="add: a directory, Redis URL or kvgate:// URL; otherwise a card's serial")
+    p.add_argument("card", nargs="?", default="",
+                   help="add: a directory, Redis URL or kvgate:// URL; otherwise a card's serial")
     p.add_argument("--now", action="store_true", help="drain: the card leaves at once, what it holds unread")
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
@@ -235,7 +236,8 @@ def cmd_cards(args) -> int:
     from kvgate.client import GatewayError
 
     if args.action != "list" and not args.card:
-        what = "a directory, Redis URL or kvgate:// URL" if args.action == "add" else "its serial, from `kvgate cards list`"
+        what = ("a directory, Redis URL or kvgate:// URL" if args.action == "add"
+                else "its serial, from `kvgate cards list`")
         print(f"kvgate cards {args.action}: name the card ({what})", file=sys.stderr)
         return 2
     with _admin_client(args) as c:

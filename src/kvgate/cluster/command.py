@@ -33,7 +33,8 @@ CONNECT_S = 5.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS, nargs="?", default="cards")
-    p.add_argument("card", nargs="?", default="", help="register: a directory, Redis URL or kvgate:// URL; otherwise a serial")
+    p.add_argument("card", nargs="?", default="",
+                   help="register: a directory, Redis URL or kvgate:// URL; otherwise a serial")
     p.add_argument("--etcd-endpoints", nargs="+", default=["127.0.0.1:2379"], metavar="HOST:PORT")
     p.add_argument("--cluster-name", default="default")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")

@@ -1,4 +1,4 @@
-"""`kvgate` command line: serve, stat, fingerprint, clean, bench."""
+"""`kvgate` command line: serve, stat, fingerprint, clean, cards, cluster, export, bench."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "restarts (edit storage_devices and send SIGHUP to make them the config).")
     _add_target(p)
     p.add_argument("action", choices=["list", "add", "drain", "undrain", "remove"], nargs="?", default="list")
-    p.add_argument("card", nargs="?", default="", help="add: a directory or Redis URL; otherwise a card's serial")
+    p.add_argument("card", nargs="?", default="",
+                   help="add: a directory, Redis URL or kvgate:// URL; otherwise a card's serial")
     p.add_argument("--now", action="store_true", help="drain: the card leaves at once, what it holds unread")
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
@@ -62,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.cluster.command import add_arguments as add_cluster_arguments
 
     add_cluster_arguments(p)
+
+    p = sub.add_parser("export", help="serve directory cards of this host to gateways on others (kvgate:// cards)",
+                       description="Prints the kvgate:// URL of each card; a gateway lists it in storage_devices.")
+    p.add_argument("--cards", nargs="+", required=True, metavar="DIR", help="card directories (created beforehand)")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="TCP address to serve on")
+    p.add_argument("--num-dbs", type=int, default=1, help="shards of the cards when a gateway names none (1)")
+    p.add_argument("--max-object-bytes", type=config_mod.parse_size, default=256 << 20,
+                   help="largest object file served or taken (256MiB)")
+    p.add_argument("--sync-writes", action="store_true", help="fsync every object before acknowledging it")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     try:  # optional: a missing bench module must not break serve/stat/clean
         from kvgate.bench.command import add_arguments
@@ -225,7 +236,8 @@ def cmd_cards(args) -> int:
     from kvgate.client import GatewayError
 
     if args.action != "list" and not args.card:
-        what = "a directory or Redis URL" if args.action == "add" else "its serial, from `kvgate cards list`"
+        what = ("a directory, Redis URL or kvgate:// URL" if args.action == "add"
+                else "its serial, from `kvgate cards list`")
         print(f"kvgate cards {args.action}: name the card ({what})", file=sys.stderr)
         return 2
     with _admin_client(args) as c:
@@ -271,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_clean(args)
         if args.command == "cards":
             return cmd_cards(args)
+        if args.command == "export":
+            from kvgate.cluster.export import serve
+
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            try:
+                return serve(args.cards, args.listen, args.num_dbs, args.max_object_bytes, args.sync_writes)
+            except (ValueError, OSError) as e:
+                print(f"kvgate export: {e}", file=sys.stderr)
+                return 2
         if args.command == "cluster":
             from kvgate.cluster.command import run as run_cluster
 

@@ -86,7 +86,7 @@ class GatewayProcess:
                  python: str | None = None, env: dict[str, str] | None = None,
                  cwd: str | os.PathLike | None = None, log_path: str | os.PathLike | None = None,
                  out_path: str | os.PathLike | None = None, new_session: bool = True, create_cards: bool = True):
-        from kvgate.cards import is_redis  # here: a script that only asks for a port loads no cards
+        from kvgate.cards import is_network, is_redis  # here: a script that only asks for a port loads no cards
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ class GatewayProcess:
         self.socket = self.flags["--socket"][0]
         devices = self.flags.get("--storage-devices", [])
         self.card = devices[0] if devices else None
-        self.card_dirs = [p for p in devices if not is_redis(p) and not glob.has_magic(p)]
+        self.card_dirs = [p for p in devices if not is_redis(p) and not is_network(p) and not glob.has_magic(p)]
         self.argv = [python or sys.executable, "-m", "kvgate", "serve", *flags]
         self.env = env
         self.cwd = cwd

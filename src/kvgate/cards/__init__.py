@@ -4,6 +4,7 @@ from kvgate.cards.base import Card, CardInUse, CardUnavailable, SnapshotWriter, 
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, make_card
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
+from kvgate.cards.network import NetworkCard, is_network
 from kvgate.cards.redis import RedisCard
 
 __all__ = [
@@ -17,12 +18,14 @@ __all__ = [
     "ObjectMeta",
     "ObjectMissing",
     "ObjectTooNew",
+    "NetworkCard",
     "REDIS_PREFIXES",
     "RedisCard",
     "SnapshotWriter",
     "StoredObject",
     "WriteAbandoned",
     "expand",
+    "is_network",
     "is_redis",
     "make_card",
 ]

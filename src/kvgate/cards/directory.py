@@ -311,6 +311,17 @@ class DirectoryCard(Card):
         except OSError:
             pass  # only a hint
 
+    def note_holder(self, doc: dict) -> None:
+        """Say in the lock file who holds the claim, when it is held for someone else (a card server's
+        remote gateway): a refused gateway then names that one, not the server process."""
+        if self._lock_fd is None:
+            return
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            _pwrite_all(self._lock_fd, (json.dumps(doc) + "\n").encode()[:_HOLDER_MAX], 0)
+        except OSError:
+            pass  # only a hint
+
     def _open_lock_file(self, shared: bool) -> int:
         """Read-write (a write lock needs it, and the holder is noted); a read lock also takes read-only."""
         try:

@@ -13,6 +13,7 @@ import os
 
 from kvgate.cards.base import Card
 from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.network import NetworkCard, is_network
 from kvgate.cards.redis import RedisCard
 from kvgate.config import DEFAULT_CARD, Config
 
@@ -24,6 +25,9 @@ def is_redis(location: str) -> bool:
 
 
 def make_card(location: str, cfg: Config) -> Card:
+    if is_network(location):  # a card server's: no object on the wire is larger than a client's largest frame
+        return NetworkCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms,
+                           max_object_bytes=cfg.max_frame_bytes)
     if is_redis(location):
         return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms, ttl_s=cfg.ttl)
     return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,
@@ -32,6 +36,6 @@ def make_card(location: str, cfg: Config) -> Card:
 
 def expand(pattern: str) -> list[str]:
     """Locations an entry names now: itself, or the directories its glob matches."""
-    if is_redis(pattern) or not glob.has_magic(pattern):
+    if is_redis(pattern) or is_network(pattern) or not glob.has_magic(pattern):
         return [pattern]
     return sorted(p for p in glob.glob(pattern) if os.path.isdir(p))

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 
-from kvgate.cards import expand, is_redis, make_card
+from kvgate.cards import expand, is_network, is_redis, make_card
 from kvgate.cluster.member import EtcdMember
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
@@ -60,8 +60,8 @@ def label_card(location: str, address: str | None = None) -> CardRecord:
         serial = card.open()
     finally:
         card.close()
-    return CardRecord(serial=serial, kind="redis" if is_redis(location) else "directory",
-                      address=address or location)
+    kind = "kvgate" if is_network(location) else "redis" if is_redis(location) else "directory"
+    return CardRecord(serial=serial, kind=kind, address=address or location)
 
 
 def _check_endpoint(endpoint: str) -> None:

@@ -42,7 +42,8 @@ CONNECT_S = 5.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS, nargs="?", default="cards")
-    p.add_argument("card", nargs="?", default="", help="register: a directory or Redis URL; otherwise a serial")
+    p.add_argument("card", nargs="?", default="",
+                   help="register: a directory, Redis URL or kvgate:// URL; otherwise a serial")
     p.add_argument("--etcd-endpoints", nargs="+", metavar="HOST:PORT",
                    help="etcd client endpoints (default 127.0.0.1:2379; serve with --etcd-member: its own)")
     p.add_argument("--cluster-name", default="default")
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     if args.action in ("register", "drain", "undrain", "retire") and not args.card:
-        raise ValueError("name the card (register: a directory or Redis URL; otherwise its serial)")
+        raise ValueError("name the card (register: a directory, Redis URL or kvgate:// URL; otherwise its serial)")
     client = etcd_client(args.etcd_endpoints)
     try:
         async with asyncio.timeout(CONNECT_S):

@@ -1,5 +1,5 @@
 """The card cluster as a whole, with real processes only: 3 etcd members, agents serving 64 directory cards
-and one Redis card, 2 gateways, and a client that writes and restores dialogs all along while etcd members,
+over TCP (``kvgate://``) and one Redis card, 2 gateways, and a client that writes and restores dialogs all along while etcd members,
 agents and the leader are killed with SIGKILL, an agent joins and a card drains."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
+from kvgate.bench.processes import REDIS_SERVER, RedisServer, free_port
 from kvgate.client import Client
 from kvgate.keys import dialog_digest
 from kvgate.placement import slot_of
@@ -106,8 +106,10 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
     redis = RedisServer(tmp_path / "redis", policy="noeviction", extra=["--maxmemory", "256mb"]).start()
     common = ["--cluster-name", CLUSTER, "--liveness-ttl", str(TTL), "--interval", "0.5", "--slots", str(SLOTS),
               "--etcd-endpoints", *eps]
+    # Each agent serves its host's cards over TCP: gateways reach them as kvgate://127.0.0.1:PORT/SERIAL.
+    port = {name: free_port() for name in "abcd"}
     agents = {name: AgentProcess(tmp_path / "agents", name, ["--cards", _card_dirs(tmp_path / "cards", name, n),
-                                                             *common])
+                                                             "--export", f"127.0.0.1:{port[name]}", *common])
               for name, n in (("a", 20), ("b", 22), ("c", 22))}
     gateways: list[GatewayProcess] = []
     work: Workload | None = None
@@ -136,6 +138,7 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
         assert sorted((c["serial"], c["slots"]) for c in s1["cards"]) == \
             sorted((c["serial"], c["slots"]) for c in s2["cards"])
         assert len(s1["cards"]) == 65
+        assert sorted(c["kind"] for c in s1["cards"]) == ["kvgate"] * 64 + ["redis"]
 
         owners = view.owners
         address = {c.serial: c.address for c in view.cards}
@@ -184,7 +187,7 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
             wait_until(lambda: all(c["active"] for c in gw.stats()["cards"]), 20, gw.log)
 
         # The agent serving 20 cards: those cards out on both gateways within a few polls, the rest serve.
-        a_cards = {s for s, addr in address.items() if "/a-" in addr}
+        a_cards = {s for s, addr in address.items() if f":{port['a']}/" in addr}
         assert len(a_cards) == 20
         t = time.monotonic()
         agents["a"].signal(signal.SIGKILL)
@@ -206,8 +209,8 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
 
         # A new agent with 4 cards joins, and a card of b drains, while restores go on.
         agents["d"] = AgentProcess(tmp_path / "agents", "d", ["--cards", _card_dirs(tmp_path / "cards", "d", 4),
-                                                              *common]).start()
-        drained = sorted(s for s, addr in address.items() if "/b-" in addr)[0]
+                                                              "--export", f"127.0.0.1:{port['d']}", *common]).start()
+        drained = sorted(s for s, addr in address.items() if f":{port['b']}/" in addr)[0]
         r = run_kvgate("cluster", "drain", drained, "--etcd-endpoints", *eps, "--cluster-name", CLUSTER)
         assert r.returncode == 0, r.stderr
         wait_until(lambda: (v := ask(eps, lambda reg: reg.view())) and len(v.cards) == 68

@@ -18,7 +18,10 @@ A ``ClusterAgent``
   ``kvgate cluster publish`` shares).  Health is the gateways' business (they
   read ``alive/``): an agent that goes quiet changes no view, and a new
   leader publishes nothing while no card changed;
-- optionally runs an etcd member as its child (``kvgate.cluster.member``).
+- optionally runs an etcd member as its child (``kvgate.cluster.member``);
+- optionally serves its directory cards to gateways on other hosts
+  (``--export HOST:PORT``: a ``CardExporter``) and registers them by their
+  ``kvgate://HOST:PORT/<serial>`` addresses.
 
 Every etcd call is bounded (``Registry``); card I/O runs on threads.  SIGTERM
 or SIGINT stops it: it resigns, revokes its lease (its cards' liveness goes at
@@ -41,6 +44,7 @@ from typing import Any, Final
 
 from kvgate.cards import expand, is_network, is_redis, make_card
 from kvgate.cluster.member import EtcdMember
+from kvgate.cluster.export import CardExporter
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
 from kvgate.config import Config
@@ -102,6 +106,7 @@ class AgentSettings:
     interval_s: float = INTERVAL_S
     call_timeout_s: float = 2.0
     member: EtcdMember | None = None
+    export: tuple[str, int] | None = None  # serve the directory cards over TCP here (kvgate://host:port/serial)
 
 
 class ClusterAgent:
@@ -138,7 +143,9 @@ class ClusterAgent:
         self._checking: set[str] = set()  # checks still running (a hung mount must not pile threads up)
         self.reported: set[str] = set()  # serials whose alive/ key stands under the current lease
         self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
-        self.export: str | None = None  # the CardExporter's address, once this agent exports its cards
+        # Directory cards served to gateways on other hosts (``--export``): registered as kvgate:// addresses.
+        self.exporter = CardExporter([], *settings.export) if settings.export is not None else None
+        self.export: str | None = None  # the exporter's HOST:PORT once it listens
         self.lease: int | None = None
         self.candidate: tuple[int, bytes] | None = None  # (lease, election key) it stands with
         self.leading = False
@@ -150,9 +157,11 @@ class ClusterAgent:
 
     def export_address(self, location: str, serial: str) -> str | None:
         """Where gateways reach the card over the network, when this agent exports it (``kvgate://host:port/
-        <serial>`` from a ``kvgate.cluster.export.CardExporter``); None registers the location itself, which
-        gateways on this host or on a shared filesystem open directly."""
-        return None
+        <serial>`` from its ``CardExporter``); None registers the location itself, which gateways on this
+        host or on a shared filesystem open directly.  Blocks (the card's label): runs on a thread."""
+        if self.exporter is None or is_redis(location):
+            return None
+        return self.exporter.add(location)
 
     async def open_cards(self) -> None:
         """Open (and label) the cards of ``--cards`` not opened yet; a glob may match new directories."""
@@ -175,7 +184,12 @@ class ClusterAgent:
                 self.failed_open[loc] = why
                 continue
             self.failed_open.pop(loc, None)
-            exported = self.export_address(loc, record.serial)
+            try:
+                exported = await asyncio.to_thread(self.export_address, loc, record.serial)
+            except (OSError, ValueError) as e:
+                log.error("card %s not exported: %s (tried again each round)", loc, e)
+                self.failed_open[loc] = str(e)
+                continue
             if exported is not None:
                 record = CardRecord(serial=record.serial, kind="kvgate", address=exported)
             if record.serial in self.served:
@@ -400,6 +414,9 @@ class ClusterAgent:
             first = asyncio.create_task(self.member.wait_answering(30.0))
             await asyncio.wait([first, stopped], return_when=asyncio.FIRST_COMPLETED)
             first.cancel()
+        if self.exporter is not None:
+            self.exporter.start()  # binds and returns; its threads serve the cards
+            self.export = f"{self.exporter.host}:{self.exporter.port}"
         await self.client.connect()  # makes a channel; reaching etcd is each call's business
         log.info("agent %s serving %d card patterns in cluster %s (etcd %s, TTL %d s)", self.s.name,
                  len(self.s.cards), self.s.cluster, ", ".join(self.endpoints), self.s.liveness_ttl_s)
@@ -421,6 +438,8 @@ class ClusterAgent:
                 await self.member.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.client.close()
+            if self.exporter is not None:
+                await asyncio.to_thread(self.exporter.stop)
 
     async def _leave(self) -> None:
         """Resign and revoke the lease: the cards' liveness and the leadership go now, not a TTL later."""

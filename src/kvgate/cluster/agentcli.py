@@ -31,6 +31,9 @@ def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--etcd-client-url", metavar="URL", help="the member's client URL (http://host:2379)")
     g.add_argument("--etcd-initial-cluster", metavar="NAME=URL,...", help="every member's peer URL")
     g.add_argument("--etcd-data-dir", metavar="DIR", help="the member's data (default ./var/kvgate/etcd-NAME)")
+    g.add_argument("--export", metavar="HOST:PORT",
+                   help="serve this host's directory cards to gateways on other hosts on this address (a fixed "
+                        "port: it is part of each card's registered kvgate://HOST:PORT/SERIAL address)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -46,9 +49,16 @@ def agent_from(args: argparse.Namespace) -> ClusterAgent:
         raise ValueError("--etcd-peer-url, --etcd-client-url, --etcd-initial-cluster and --etcd-data-dir go with "
                          "--etcd-member NAME (this host runs an etcd member); leave them out otherwise")
     endpoints = args.etcd_endpoints or ([] if member else ["127.0.0.1:2379"])
+    export = None
+    if args.export:
+        host, _, port = args.export.rpartition(":")
+        if not host or not port.isdigit() or int(port) == 0:
+            raise ValueError(f"--export wants HOST:PORT with a fixed port (the cards' addresses name it), "
+                             f"got {args.export!r}")
+        export = (host.strip("[]"), int(port))
     return ClusterAgent(AgentSettings(name=args.name, cards=args.cards, endpoints=endpoints, cluster=args.cluster_name,
                                       slots=args.slots, liveness_ttl_s=args.liveness_ttl, interval_s=args.interval,
-                                      call_timeout_s=args.timeout, member=member))
+                                      call_timeout_s=args.timeout, member=member, export=export))
 
 
 def run_serve(args: argparse.Namespace) -> int:

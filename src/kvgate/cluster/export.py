@@ -107,6 +107,23 @@ class CardExporter:
             log.info("exporting card %s (%s) as %s", serial, self.by_serial[serial].location, url)
         return self
 
+    def add(self, location: str) -> str:
+        """Serve the directory card at ``location`` too (an agent's glob matched a new one); its URL.
+        Blocks on the card's label: call it from a thread."""
+        card = DirectoryCard(location, create_missing=False)
+        serial = card.open()
+        with self._lock:
+            known = self.by_serial.get(serial)
+            if known is not None and known.location != card.location:
+                raise ValueError(f"cards {known.location} and {card.location} have the same serial {serial} "
+                                 f"(one copied from the other?): give one a new label")
+            if known is None:
+                self.by_serial[serial] = card
+                self._variants[(serial, card.num_dbs)] = card
+        if known is None:
+            log.info("exporting card %s (%s) as %s", serial, location, self.urls()[serial])
+        return self.urls()[serial]
+
     def urls(self) -> dict[str, str]:
         return {s: f"kvgate://{url_host(self.host)}:{self.port}/{s}" for s in self.by_serial}
 

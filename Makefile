@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo demo-engines bench-vllm bench-sglang
+.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,11 @@ bench: $(STAMP)
 # restored, external prefix-cache hits, same greedy output (random-weight model, ~1 min).
 demo: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python demo/vllm_restart.py $(ARGS)
+
+# A card cluster on one host: three storage hosts (agents running etcd members and serving cards over
+# TCP), two gateways, a client restoring through both while a card drains and a storage host is killed.
+cluster-demo: $(STAMP) services
+	$(BIN)/python demo/cluster.py $(ARGS)
 
 # One cache, three engines: vLLM, SGLang and an LMCache-backed vLLM, each with its own gateway,
 # on one shared card; each restores its own prompt after restarts, and `kvgate stat` shows the

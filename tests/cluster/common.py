@@ -1,4 +1,4 @@
-"""Cluster test support: a real ``etcd`` member (free loopback ports, real signals), real agents, labelled cards."""
+"""Cluster test support: real ``etcd`` members (free loopback ports, real signals), real agents, labelled cards."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from kvgate.bench.processes import free_port, kvgate_env
+from kvgate.bench.processes import AgentProcess, free_port  # noqa: F401 - cluster tests import it from here
 from kvgate.cards import DirectoryCard
 from kvgate.cluster.registry import CardRecord, CardState
 
@@ -113,42 +112,3 @@ def labelled_card(path: Path) -> CardRecord:
     serial = card.open()
     card.close()
     return CardRecord(serial=serial, kind="directory", address=str(path), state=CardState.ACTIVE)
-
-
-class AgentProcess:
-    """A real ``kvgate cluster serve`` process (this checkout first on PYTHONPATH), its output in a log file."""
-
-    def __init__(self, workdir: str | os.PathLike, name: str, args: list[str]) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.name = name
-        self.args = [sys.executable, "-m", "kvgate", "cluster", "serve", "--name", name, *args]
-        self.log_path = self.workdir / f"agent-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> "AgentProcess":
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=kvgate_env(),
-                                         cwd=self.workdir)
-        return self
-
-    def signal(self, sig: int, timeout: float = 15.0) -> int | None:
-        """Send ``sig`` and wait for the exit; its status."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(15)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return f"agent {self.name} log:\n{self.log()[-chars:]}"

@@ -19,17 +19,19 @@ run 3 (the tier as a ``secondary_tiers`` entry, over TCP, with its own
       Then the gateway is frozen (SIGSTOP): a new prompt R and P again are
       still served promptly (lookups time out as misses, stores fail), and the
       engine shuts down cleanly.
-run 4 (a replica: gateway 2 started on gateway 1's card directory with
-      ``--max-bytes 0``, so nothing can come from its RAM): P -> restored from
-      the card that gateway 1 wrote (external hits, same greedy output as run
-      1).  Then the card directory is renamed away (its storage_devices entry
-      is a plain path, so the gateway cannot find it again): S, asked at once,
+run 4 (a replica in cluster mode: gateway 2 follows a card registry in a real
+      etcd, where a ``kvgate cluster serve`` agent registered gateway 1's card
+      directory and serves it over TCP, ``kvgate://``; gateway 2 has
+      ``--max-bytes 0``, so nothing can come from its RAM, and is restarted
+      once before the engine starts): P -> restored from the card that
+      gateway 1 wrote, through the agent (external hits, same greedy output
+      as run 1).  Then the card directory is renamed away: S, asked at once,
       and Q, asked once gateway 2 reports the card inactive, are both recomputed
       promptly (0 external hits, same greedy output as runs 1 and 2) although
       the card holds them.  S's lookup usually still finds its keys in gateway
-      2's index; its load then fails (CardUnavailable takes the card out at
-      once) and vLLM recomputes.  Q's lookups are misses.  The directory is put
-      back afterwards.
+      2's index; its load then fails (the card's server answers that the card
+      is gone) and vLLM recomputes.  Q's lookups are misses.  The directory is
+      put back afterwards.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import GatewayProcess, free_port, kvgate_env
+from tests.cluster.common import AgentProcess, EtcdServer
+from tests.helpers import GatewayProcess, free_port, kvgate_env, run_kvgate, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -113,7 +116,7 @@ def runs(tmp_path_factory):
     port = free_port()
     gw = GatewayProcess(workdir, ["--max-bytes", "256M", "--shared-memory-size", "64M", "--port", str(port),
                                   "--shared-storage", "true"], name="gw")
-    gw2 = None
+    gw2 = agent = etcd = None
     gw.start()
     try:
         r1 = run_engine(workdir, "run1", gw, model_dir, [
@@ -146,11 +149,20 @@ def runs(tmp_path_factory):
         # still land once the gateway runs again)
         sets3 = r3["gateway_sets"]
 
-        # Run 4: a replica.  Its own gateway on the same card directory, with no RAM tier:
-        # whatever it restores comes from the card, written there by gateway 1.
-        gw2 = GatewayProcess(workdir, ["--max-bytes", "0", "--shared-memory-size", "64M",
-                                       "--shared-storage", "true"], card=gw.card, name="gw2")
+        # Run 4: a replica in cluster mode, with no RAM tier: whatever it restores comes from the card,
+        # written there by gateway 1 and served to it by an agent over TCP.
+        etcd = EtcdServer(workdir / "etcd").start()
+        agent = AgentProcess(workdir, "storage-host", [
+            "--cards", gw.card, "--export", f"127.0.0.1:{free_port()}", "--etcd-endpoints", etcd.endpoint,
+            "--cluster-name", "vllm", "--liveness-ttl", "2", "--interval", "0.5"]).start()
+        wait_until(lambda: run_kvgate("cluster", "view", "--etcd-endpoints", etcd.endpoint, "--cluster-name",
+                                      "vllm").returncode == 0, 30, agent.log_tail)
+        gw2 = GatewayProcess(workdir, ["--max-bytes", "0", "--shared-memory-size", "64M", "--shared-storage", "true",
+                                       "--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "vllm",
+                                       "--cluster-view-file", str(workdir / "gw2-view.json")], name="gw2")
         gw2.start()
+        gw2.stop()
+        gw2.start()  # restarted: on the cluster's view again
         gw2_start = gw2.wait_scanned(timeout=30)
         card, moved = Path(gw.card), Path(gw.card + ".away")
         try:
@@ -170,6 +182,10 @@ def runs(tmp_path_factory):
     finally:
         if gw2 is not None:
             gw2.cleanup()
+        if agent is not None:
+            agent.stop()
+        if etcd is not None:
+            etcd.stop()
         gw.cleanup()
 
 
@@ -228,10 +244,13 @@ def test_skip_unsalted(runs):
 
 
 def test_replica_restores_from_shared_card(runs):
-    """A second gateway on the same card, with no RAM tier, restores for another engine what run 1 wrote."""
+    """A second gateway on the same card, in cluster mode and restarted, with no RAM tier, restores for another
+    engine what run 1 wrote, through an agent that serves the card over TCP."""
     start = runs["gw2_start"]
     assert start["gateway"]["shared_storage"] is True
     assert start["tiers"]["ram"]["capacity_bytes"] == 0  # --max-bytes 0: nothing can come from its RAM
+    # in cluster mode, its one card served by the agent over TCP
+    assert start["cluster"]["view_epoch"] >= 1 and [c["kind"] for c in start["cards"]] == ["kvgate"], start["cards"]
     # its start-up scan found on the card what gateway 1 wrote (P, S, salted P, Q, run 3's salted P)
     assert start["cards"][0]["objects"] >= 5 * FULL_CHUNKS, start["cards"]
     first = runs["run1"]["by_name"]["P"]

@@ -353,3 +353,42 @@ class RedisServer:
     def restart_empty(self) -> None:
         self.kill()
         self.start()
+
+
+class AgentProcess:
+    """A ``kvgate cluster serve`` process (this checkout first on PYTHONPATH), its output in a log file."""
+
+    def __init__(self, workdir: str | os.PathLike, name: str, args: list[str]) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.args = [sys.executable, "-m", "kvgate", "cluster", "serve", "--name", name, *args]
+        self.log_path = self.workdir / f"agent-{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "AgentProcess":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=kvgate_env(),
+                                         cwd=self.workdir)
+        return self
+
+    def signal(self, sig: int, timeout: float = 15.0) -> int | None:
+        """Send ``sig`` and wait for the exit; its status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(15)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return f"agent {self.name} log:\n{self.log()[-chars:]}"

@@ -5,6 +5,7 @@ agents and the leader are killed with SIGKILL, an agent joins and a card drains.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import signal
 import threading
@@ -139,6 +140,17 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
             sorted((c["serial"], c["slots"]) for c in s2["cards"])
         assert len(s1["cards"]) == 65
         assert sorted(c["kind"] for c in s1["cards"]) == ["kvgate"] * 64 + ["redis"]
+        # What the cluster thinks, as an operator sees it.
+        wait_until(lambda: json.loads(run_kvgate("cluster", "status", "--json", "--etcd-endpoints", *eps,
+                                                 "--cluster-name", CLUSTER).stdout)["gateways_on_view"] == 2, 10,
+                   "both gateways report the view")
+        status = json.loads(run_kvgate("cluster", "status", "--json", "--etcd-endpoints", *eps, "--cluster-name",
+                                       CLUSTER).stdout)
+        assert status["leader"] in agents and status["view_cards"] == 65 and status["layouts_agree"]
+        assert status["cards_by_state"] == {"active": 65} and len(status["cards_alive"]) == 64
+        assert status["cards_not_alive"] == sorted(c.serial for c in view.cards if c.kind == "redis")
+        human = run_kvgate("cluster", "status", "--etcd-endpoints", *eps, "--cluster-name", CLUSTER)
+        assert human.returncode == 0 and "leader: " in human.stdout and "view: epoch" in human.stdout
 
         owners = view.owners
         address = {c.serial: c.address for c in view.cards}

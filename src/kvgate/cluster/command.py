@@ -3,6 +3,7 @@
     kvgate cluster serve [--cards PATH|GLOB ...] [--etcd-member NAME ...]
                                           the agent of this host (``kvgate.cluster.agent``)
     kvgate cluster leader                 the agent that leads
+    kvgate cluster status                 leader, view, cards by state and liveness, agents, gateways
     kvgate cluster cards                  the registered cards
     kvgate cluster view                   the published view: epoch, cards, slots per card
     kvgate cluster register PATH|URL      label the card if it has no label yet and register it (joining);
@@ -35,7 +36,7 @@ from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryCo
                                      etcd_client)
 from kvgate.config import Config
 
-ACTIONS = ("cards", "view", "register", "drain", "undrain", "retire", "publish", "leader", "serve")
+ACTIONS = ("status", "cards", "view", "register", "drain", "undrain", "retire", "publish", "leader", "serve")
 DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]
 CONNECT_S = 5.0
 
@@ -91,6 +92,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _act(args: argparse.Namespace, reg: Registry) -> int:
+    if args.action == "status":
+        return await _status(reg, args.json)
     if args.action == "cards":
         _show_cards(await reg.cards(), args.json)
     elif args.action == "view":
@@ -116,6 +119,47 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
         print(f"card {record.serial}: {record.state.value}")
     elif args.action == "publish":
         return await _publish(reg, args.slots, args.json)
+    return 0
+
+
+async def _status(reg: Registry, as_json: bool) -> int:
+    """What the cluster thinks: leader, view, cards by state and liveness, agents, gateways and their layouts."""
+    cards, view, alive, agents, gateways, leader = (
+        await reg.cards(), await reg.view(), await reg.alive(), await reg.agents(), await reg.gateway_reports(),
+        await reg.leader())
+    epoch = view.epoch if view is not None else 0
+    prints = {r.get("fingerprint") for r in gateways.values() if isinstance(r, dict) and r.get("epoch") == epoch}
+    doc = {
+        "leader": leader, "view_epoch": epoch, "view_cards": len(view.cards) if view else 0,
+        "cards_by_state": dict(Counter(r.state.value for r in cards)),
+        "cards_alive": sorted(alive), "cards_not_alive": sorted(r.serial for r in cards
+                                                               if r.state.value in ("joining", "active", "draining")
+                                                               and r.serial not in alive),
+        "agents": agents, "gateways": gateways,
+        "gateways_on_view": sum(1 for r in gateways.values() if isinstance(r, dict) and r.get("epoch") == epoch),
+        "layouts_agree": len(prints - {None, ""}) <= 1,
+    }
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    by_state = ", ".join(f"{n} {s}" for s, n in sorted(doc["cards_by_state"].items())) or "none"
+    print(f"leader: {leader or 'none (is a `kvgate cluster serve` agent running?)'}")
+    print(f"view: epoch {epoch}, {doc['view_cards']} cards; registered: {by_state}")
+    print(f"liveness: {len(alive)} cards reported alive; not reported: {len(doc['cards_not_alive'])}"
+          + (f" ({', '.join(doc['cards_not_alive'][:8])}{', ...' if len(doc['cards_not_alive']) > 8 else ''})"
+             if doc["cards_not_alive"] else ""))
+    for name, a in sorted(agents.items()):
+        a = a if isinstance(a, dict) else {}
+        print(f"agent {name}: host {a.get('host')}, {len(a.get('cards') or [])} cards"
+              + (f", exports {a['export']}" if a.get("export") else "")
+              + (f", etcd member {a['etcd_member']}" if a.get("etcd_member") else ""))
+    for gid, g in sorted(gateways.items()):
+        g = g if isinstance(g, dict) else {}
+        print(f"gateway {gid}: view {g.get('epoch')}, layout {g.get('fingerprint') or '?'}")
+    if not doc["layouts_agree"]:
+        print("LAYOUTS DIFFER: gateways on the same view put keys on different cards (storage_slots, num_dbs, "
+              "key_placement)")
+        return 1
     return 0
 
 

@@ -414,6 +414,14 @@ class Card(ABC):
                 out.append(e)
         return out
 
+    def _write_one(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
+                   still_wanted: Callable[[], bool] | None) -> int:
+        """``write`` of a kind whose ``write_many`` is its write path (one round trip for the batch)."""
+        result = self.write_many([(full_key, payload, meta)], still_wanted)[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def exists_many(self, full_keys: list[bytes], not_before_ns: int | None = None) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
         for k in full_keys:

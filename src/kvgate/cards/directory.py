@@ -79,17 +79,16 @@ from kvgate.cards.directio import (
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
-    BufferTooSmall,
     Header,
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
     ObjectTooNew,
+    check_read_header,
     payload_hasher,
     header_size,
     pack_header,
     padded_size,
-    parse_header,
     peek_header,
 )
 from kvgate.heads import decode_ids, encode_ids
@@ -590,7 +589,7 @@ class DirectoryCard(Card):
         head = self._scratch.head(poff)
         piece = self._scratch.piece
         n = os.preadv(fd, [head, piece[: min(len(view), READ_PIECE)]], 0)
-        header = self._check_header(head, n, full_key, view, file_size)
+        header = check_read_header(head, n, full_key, len(view), file_size)
         plen = header.payload_len
         # An unpadded object (written before objects were padded): what landed in the piece is not its payload.
         got = min(max(0, n - poff), plen) if header.payload_offset == poff else 0
@@ -633,7 +632,7 @@ class DirectoryCard(Card):
                 self._direct_refused(f"O_DIRECT read: {exc.strerror}")
                 set_direct(fd, False)
                 return self._read_buffered(fd, full_key, view, file_size, guard)
-            header = self._check_header(head, n, full_key, view, file_size)
+            header = check_read_header(head, n, full_key, len(view), file_size)
             if header.payload_offset != poff:  # unpadded: not at an aligned offset
                 set_direct(fd, False)
                 return self._read_buffered(fd, full_key, view, file_size, guard)
@@ -659,18 +658,6 @@ class DirectoryCard(Card):
         if got:
             hasher.update(piece[:got])
             guard.copy(view[off : off + got], piece[:got])
-
-    @staticmethod
-    def _check_header(head: memoryview, n: int, full_key: bytes, view: memoryview, file_size: int) -> Header:
-        hsize = header_size(full_key)
-        if n < hsize:
-            raise ObjectCorrupt("object shorter than its header")
-        header = parse_header(head[:hsize], expect_key=full_key)
-        if file_size != header.object_size:
-            raise ObjectCorrupt(f"object file is {file_size} bytes, its header says {header.object_size}")
-        if header.payload_len > len(view):
-            raise BufferTooSmall(header.payload_len)
-        return header
 
     def _set_direct(self, fd: int) -> bool:
         if set_direct(fd, True):

@@ -24,9 +24,9 @@ from kvgate.cards.objectformat import (
     Header,
     ObjectCorrupt,
     ObjectTooNew,
+    check_read_header,
     header_size,
     padded_size,
-    parse_header,
     payload_hasher,
 )
 from kvgate.keys import key_digest
@@ -157,13 +157,7 @@ class Conn:
         head = _scratch.head_view(head_n)
         self.recv_into(head)
         try:
-            if head_n < hsize:
-                raise ObjectCorrupt("object shorter than its header")
-            header = parse_header(head[:hsize], expect_key=full_key)
-            if blen != header.object_size:
-                raise ObjectCorrupt(f"object file is {blen} bytes, its header says {header.object_size}")
-            if header.payload_len > len(view):
-                raise BufferTooSmall(header.payload_len)
+            header = check_read_header(head, head_n, full_key, len(view), blen)
         except (ObjectCorrupt, ObjectTooNew, BufferTooSmall) as e:
             if isinstance(e, ObjectCorrupt):
                 corrupt.append((full_key, bytes(head[:FIXED_SIZE]), blen))

@@ -245,10 +245,7 @@ class NetworkCard(Card):
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
-        result = self.write_many([(full_key, payload, meta)], still_wanted)[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._write_one(full_key, payload, meta, still_wanted)
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
                    still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:

@@ -178,6 +178,22 @@ def parse_header(buf: bytes | bytearray | memoryview, expect_key: bytes | None =
     return Header(hlen, plen, phash, ObjectMeta(bytes(dialog), position, created), key, poff)
 
 
+
+def check_read_header(head: memoryview, n: int, full_key: bytes, dest_len: int, object_size: int) -> Header:
+    """The header of an object being read for ``full_key``: ``head`` holds its first ``n`` bytes, the whole
+    object is ``object_size`` bytes and the payload goes to ``dest_len`` bytes.  ``ObjectCorrupt`` when it is
+    short, names another key or disagrees with the object's size; ``BufferTooSmall`` when the payload does
+    not fit (every card kind reads this way)."""
+    hsize = header_size(full_key)
+    if n < hsize:
+        raise ObjectCorrupt("object shorter than its header")
+    header = parse_header(head[:hsize], expect_key=full_key)
+    if object_size != header.object_size:
+        raise ObjectCorrupt(f"object file is {object_size} bytes, its header says {header.object_size}")
+    if header.payload_len > dest_len:
+        raise BufferTooSmall(header.payload_len)
+    return header
+
 def peek_header(start: bytes, object_size: int, read_head: Callable[[int], bytes], what: str = "object") -> Header:
     """The header of a stored ``object_size``-byte object of any key, checked, and no byte of its payload.
 

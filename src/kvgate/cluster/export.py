@@ -203,7 +203,8 @@ def serve(dirs: list[str], listen: str, num_dbs: int = 1, max_object_bytes: int 
     try:
         ex = CardExporter(cards, host.strip("[]"), int(port), max_object_bytes=max_object_bytes).start()
     except CardUnavailable as e:
-        raise ValueError(f"cannot export card {e.filename}: {e.strerror}") from None
+        why = e.strerror.replace(", or set create_card_dirs: true", "")  # a gateway's key; export has none
+        raise ValueError(f"cannot export card {e.filename}: {why}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from kvgate.bench import processes
-from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
+from kvgate.bench.processes import free_port, freeze, kvgate_env  # noqa: F401 - tests import them from here
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -39,7 +39,7 @@ from kvgate.keys import dialog_digest, key_digest
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from tests.cards.common import check_snapshot_round_trip
 from tests.cards.test_directory import key, payload_for
-from tests.helpers import wait_until
+from tests.helpers import freeze, wait_until
 
 P = CHECKSUM_PIECE
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -443,7 +443,7 @@ def test_a_killed_server_is_unavailable_within_the_deadline_and_works_after_a_re
         c.claim(False)
         k = key("kept")
         c.write(k, memoryview(payload_for(k, 3 << 20)), ObjectMeta())
-        os.kill(proc.pid, signal.SIGSTOP)  # hung: the deadline answers
+        freeze(proc.pid)  # hung: the deadline answers
         t0 = time.monotonic()
         with pytest.raises(CardUnavailable) as ei:
             c.read_into(k, memoryview(bytearray(3 << 20)))

@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
-from kvgate.bench.processes import AgentProcess, free_port  # noqa: F401 - cluster tests import it from here
+from kvgate.bench.processes import AgentProcess, free_port, freeze  # noqa: F401 - cluster tests import it from here
 from kvgate.cards import DirectoryCard
 from kvgate.cluster.registry import CardRecord, CardState
 
@@ -34,7 +35,10 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> "EtcdServer":
+    def start(self, timeout: float = 15.0, *, healthy: bool = True) -> "EtcdServer":
+        """Start the member; with ``healthy``, return once it answers ``/health`` (it has a leader), else
+        once its client port accepts connections.  A member alone needs ``healthy``: on a busy machine its
+        port accepts well before its gRPC server answers, and a first call then times out."""
         assert ETCD is not None, "etcd is not installed (make test installs etcd-server)"
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         args = [ETCD, "--name", self.name, "--data-dir", str(self.workdir / "data"),
@@ -50,7 +54,25 @@ class EtcdServer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd on port {self.port} did not listen: {self.log()}")
             time.sleep(0.02)
+        if healthy:
+            self.wait_healthy(max(0.0, deadline - time.monotonic()))
         return self
+
+    def wait_healthy(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd on port {self.port} is not healthy after {timeout:.0f} s: {self.log()}")
+            time.sleep(0.05)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as r:
+                return b'"health":"true"' in r.read()
+        except (OSError, ValueError):
+            return False
 
     def listening(self) -> bool:
         try:
@@ -62,7 +84,7 @@ class EtcdServer:
     def pause(self) -> None:
         """SIGSTOP: etcd is there and answers nothing (a partition, as a client sees it)."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None
@@ -96,8 +118,10 @@ class EtcdCluster:
         return [m.endpoint for m in self.members]
 
     def start(self) -> "EtcdCluster":
+        for m in self.members:  # a member alone has no quorum: all listen first, then each has a leader
+            m.start(healthy=False)
         for m in self.members:
-            m.start()
+            m.wait_healthy()
         return self
 
     def stop(self) -> None:

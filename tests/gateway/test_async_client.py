@@ -23,7 +23,7 @@ import pytest
 from kvgate import AsyncClient, Client, ObjectTooLarge, asyncclient
 from kvgate.keys import BadKey
 from tests.gateway.test_client_sharing import check, content
-from tests.helpers import free_port
+from tests.helpers import free_port, freeze
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -237,7 +237,7 @@ def test_a_call_cancelled_while_the_gateway_is_busy_closes_the_connection(gw, tr
     async def main() -> None:
         async with connect(gw, transport) as c:
             assert await c.put_many([b"k"], [b"v" * 1000]) == [True]
-            os.kill(gw.pid, signal.SIGSTOP)
+            freeze(gw.pid)
             try:
                 task = asyncio.ensure_future(c.get_many([b"k"]))
                 await asyncio.sleep(0.3)  # sent; no reply can come
@@ -262,7 +262,7 @@ def test_a_gateway_killed_mid_call_raises_connectionerror_within_the_deadline(gw
     async def main() -> None:
         c = await connect(gw, transport, timeout=20)
         assert await c.put_many(keys, [content(4, 0, i, MIB) for i in range(8)], retention="short") == [True] * 8
-        os.kill(gw.pid, signal.SIGSTOP)  # the request goes out and waits: the call is mid-way when it dies
+        freeze(gw.pid)  # the request goes out and waits: the call is mid-way when it dies
         t0 = time.monotonic()
         task = asyncio.ensure_future(c.get_many(keys, into=[bytearray(MIB) for _ in keys]))
         await asyncio.sleep(0.3)  # time for the request to go out; the stopped gateway cannot answer it
@@ -283,7 +283,7 @@ def test_a_gateway_killed_mid_call_raises_connectionerror_within_the_deadline(gw
 def test_a_stopped_gateway_raises_timeouterror_at_the_deadline(gw, transport: str) -> None:
     async def main() -> None:
         c = await connect(gw, transport)
-        os.kill(gw.pid, signal.SIGSTOP)
+        freeze(gw.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError):

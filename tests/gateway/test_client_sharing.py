@@ -23,7 +23,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, freeze
 from kvgate.client import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -173,7 +173,7 @@ def test_abort_wakes_the_thread_in_a_call_and_the_one_waiting_for_the_client(gat
         except Exception as e:  # noqa: BLE001 - what abort gave this thread
             results[name] = e
 
-    os.kill(gw.pid, signal.SIGSTOP)  # no reply will come: one thread waits in the call, one for the client
+    freeze(gw.pid)  # no reply will come: one thread waits in the call, one for the client
     try:
         threads = [threading.Thread(target=call, args=(name,)) for name in ("first", "second")]
         for th in threads:

@@ -83,7 +83,7 @@ def faults(plan: dict) -> dict:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     from kvgate.integrations.sglang import KvgateHiCacheStorage
-    from tests.helpers import GatewayProcess
+    from tests.helpers import GatewayProcess, freeze
 
     device = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
                               enable_alt_stream=False)
@@ -128,7 +128,7 @@ def faults(plan: dict) -> dict:
     step("get_up", lambda: be.batch_get_v1(keys, idx, info))
     out["identical"] = page_bytes_of(host, idx) == want
     step("bad_indices", lambda: be.batch_get_v1(keys, idx[:PAGE], info))  # too few indices: misses
-    os.kill(gw.pid, signal.SIGSTOP)
+    freeze(gw.pid)
     step("exists_frozen", lambda: be.batch_exists(keys, info))
     step("set_frozen", lambda: be.batch_set_v1(keys, idx, info))
     step("get_frozen", lambda: be.batch_get_v1(keys, idx, info))

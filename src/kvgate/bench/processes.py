@@ -39,6 +39,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` returns when the signal is queued; each thread stops when it is next scheduled, which on a
+    busy machine can be after a request sent right after ``kill`` was answered.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in glob.glob(f"/proc/{pid}/task/*/stat"):
+            with contextlib.suppress(OSError):
+                with open(task) as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+        if not states or all(s in "tTZX" for s in states):  # gone, or every thread stopped
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout} s of SIGSTOP: thread states {states}")
+        time.sleep(0.002)
+
+
 def kvgate_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment with this kvgate first on PYTHONPATH and unbuffered output, then ``extra``."""
     env = dict(os.environ)
@@ -339,7 +360,7 @@ class RedisServer:
 
     def pause(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -338,6 +338,8 @@ class IndexKeeper:
                 await mc.resize()
             else:
                 mc.evict_over_capacity()
+            # Counted before the card reads as scanned, so whoever waits for that sees the count.
+            self._report_corrupt(corrupt0)
             mc.scanned = True
             await mc.pool.run(give_back_memory)
             log.info("card %s (%s): %d objects, %d bytes indexed, capacity %d bytes; %s, in %.1f s%s", mc.where,
@@ -351,20 +353,23 @@ class IndexKeeper:
                             used - mc.used)
         except OSError as e:
             log.warning("card %s: index scan stopped: %s", mc.where, e)
+            self._report_corrupt(corrupt0)  # what it deleted before it stopped is gone all the same
         finally:
             self.checking, self.gone = False, set()
             if reading is not None:  # stopped (an error, or the card left): the read ahead is not wanted
                 reading.cancel()
                 reading.add_done_callback(_retrieve)
-        # Counted also when the scan stopped: what it deleted is gone either way.
-        corrupt = mc.card.scan_corrupt - corrupt0
+        if mc.scanned and mc.index.changes != self.saved_changes:
+            await self.save("after the start-up check")
+
+    def _report_corrupt(self, before: int) -> None:
+        mc = self.mc
+        corrupt = mc.card.scan_corrupt - before
         if corrupt:
             log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or "
                         "misnamed)", mc.where, mc.serial, corrupt)
             if mc.hooks.on_corrupt is not None:
                 mc.hooks.on_corrupt(corrupt)
-        if mc.scanned and mc.index.changes != self.saved_changes:
-            await self.save("after the start-up check")
 
     async def _read_headers(self, digests: list[bytes]) -> tuple[list[bytes], list]:
         return digests, await self.mc.pool.run(self.mc.card.stored_objects, digests)

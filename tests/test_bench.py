@@ -223,3 +223,33 @@ def test_objects_bench_restarts_a_card_without_and_with_its_snapshot(tmp_path: P
     assert [p.name for p in workdir.iterdir()] == [f"objects-{n}-4096"]
     out, _err, _pid = _run_bench(cmd, tmp_path)
     assert json.loads(out)["fill_s"] == 0, "the card of an earlier run is used again"
+
+
+@pytest.mark.slow
+def test_network_bench_reads_a_served_card_warm_and_cold_against_its_baselines(tmp_path: Path) -> None:
+    workdir = tmp_path / "bench"
+    workdir.mkdir()
+    cmd = [sys.executable, "-m", "kvgate", "bench", "--network", "--quick", "--json", "--object-size", "256K",
+           "--batch", "4", "--dir", str(workdir)]
+    out, _err, _pid = _run_bench(cmd, tmp_path)
+    result = json.loads(out)
+    assert result["mode"] == "network" and result["url"].startswith("kvgate://127.0.0.1:")
+    assert (result["objects"], result["object_size"]) == (4, 256 << 10) and result["verified"]
+    assert set(result["figures"]) == {"warm_batch", "warm_per_object", "cold_batch"}
+    for name, f in result["figures"].items():
+        for side in ("card", "raw"):
+            assert f[side]["gib_s"] > 0 and math.isfinite(f[side]["gib_s"]), (name, side)
+        assert math.isclose(f["ratio"], f["ratio"]) and f["ratio"] > 0, name
+    assert set(result["bars"]) == {"warm_batch", "cold_batch"}
+    assert list(workdir.iterdir()) == [], "the card and its server are gone"
+
+
+def test_network_bench_refuses_a_batch_its_raw_requests_cannot_name(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvgate.bench.command import add_arguments, run_bench
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run_bench(p.parse_args(["--network", "--batch", "256", "--dir", "/nonexistent/never"])) == 2
+    assert "--batch must be 1 to 255 objects, got 256" in capsys.readouterr().err

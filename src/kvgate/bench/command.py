@@ -1,4 +1,5 @@
-"""``kvgate bench``: its flags, and the three runs they choose (figures 1-5, ``--cards N``, ``--trace FILE``).
+"""``kvgate bench``: its flags, and the runs they choose (figures 1-5, ``--cards N``, ``--objects N``,
+``--network``, ``--trace FILE``).
 
 ``kvgate.cli`` adds the flags (``add_arguments``) and calls ``run_bench`` on
 its main thread; a run blocks until it is measured and printed.  SIGTERM and
@@ -21,6 +22,9 @@ from typing import Any, Callable
 from kvgate.bench import BenchError
 from kvgate.bench.harness import Bench
 from kvgate.bench.measure import Plan, fmt_size
+from kvgate.bench.network import STEPS as NETWORK_STEPS
+from kvgate.bench.network import MAX_OBJECTS as NETWORK_MAX_OBJECTS
+from kvgate.bench.network import NetworkBench, print_network
 from kvgate.bench.objects import STEPS as OBJECTS_STEPS
 from kvgate.bench.objects import ObjectsBench
 from kvgate.bench.replay import (
@@ -137,6 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "size)")
     g.add_argument("--dialog-blocks", type=_positive_int, default=1000, metavar="N",
                    help="blocks per dialog; a lookup asks for the first 1,000 of one dialog (default 1000)")
+    g = p.add_argument_group("a card served over the network", "with --network: reads of --batch objects from a "
+                                                                "kvgate:// card served by a server process, warm "
+                                                                "and cold, against a raw loopback stream and the "
+                                                                "server's raw O_DIRECT read, instead of the "
+                                                                "figures above")
+    g.add_argument("--network", action="store_true", help="measure a kvgate:// card (kvgate export) over loopback")
     add_trace_arguments(p)
 
 
@@ -266,6 +276,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_objects_bench(args)
     if args.object_size is None:
         args.object_size = DEFAULT_OBJECT_SIZE
+    if getattr(args, "network", False):
+        return run_network_bench(args)
     if wants_trace(args):
         return run_trace_bench(args)
     if getattr(args, "cards", None) is not None:
@@ -316,6 +328,28 @@ def run_objects_bench(args: argparse.Namespace) -> int:
     else:
         print_objects(measured)
     return 0
+
+
+def run_network_bench(args: argparse.Namespace) -> int:
+    """``--network``: a ``kvgate://`` card's reads, warm and cold, against the raw limits of the same run."""
+    if args.batch > NETWORK_MAX_OBJECTS:
+        print(f"kvgate bench: --network: --batch must be 1 to {NETWORK_MAX_OBJECTS} objects, got {args.batch}",
+              file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    parent = args.dir or os.path.join(".", "var", "bench")
+    rounds = 5 if args.quick else 15
+    measured = _drive(lambda step: NetworkBench(parent, args.object_size, args.batch, rounds, step),  # type: ignore[arg-type]
+                      NETWORK_STEPS, args.json)
+    if isinstance(measured, int):
+        return measured
+    measured["elapsed_s"] = time.monotonic() - started
+    measured["bars"] = {k: f["ratio"] >= f["bar"] for k, f in measured["figures"].items() if f["bar"] is not None}
+    if args.json:
+        print(json.dumps(measured, indent=2))
+    else:
+        print_network(measured)
+    return 0 if measured["verified"] else 1
 
 
 def run_cards_bench(args: argparse.Namespace) -> int:

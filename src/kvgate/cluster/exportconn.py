@@ -173,13 +173,13 @@ class Connection:
         """One ``Item`` frame per key, in order; an object's frame body is its file, sent from the page cache."""
         _check_batch(msg.keys)
         assert self.card is not None
-        for key in msg.keys:
-            self._send_object(key)
+        paths = [self.card.object_path(k) for k in msg.keys]
+        ahead = ReadAhead(paths)
+        for i, path in enumerate(paths):
+            ahead.before_sending(i)
+            self._send_object(path)
 
-    def _send_object(self, key: bytes) -> None:
-        card = self.card
-        assert card is not None
-        path = card.object_path(key)
+    def _send_object(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -412,6 +412,44 @@ class Connection:
         if len(msg.ids) > w.MAX_HEADS or any(not 0 <= i < 1 << 64 for i in msg.ids):
             raise w.WireError(f"merge_heads of {len(msg.ids)} ids, over {w.MAX_HEADS} or not u64s")
         return w.Ok(sorted(self.card.merge_heads(msg.ids))), b""
+
+
+class ReadAhead:
+    """Has the kernel read the next objects of a batch from the disk while the one before them is sent.
+
+    ``sendfile`` of a file not in the page cache reads it with the file's own
+    readahead, which starts small and one file at a time: 16 cold objects of
+    2 MiB went out at 0.41 of the server's raw ``O_DIRECT`` read of them.
+    ``POSIX_FADV_WILLNEED`` starts the reads of the next ``AHEAD_BYTES`` at
+    once; on pages already cached it costs a lookup.
+    """
+
+    AHEAD_BYTES = 32 << 20
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.advised = 0  # paths[:advised] were advised
+        self.ends: list[int] = []  # bytes advised up to and including each advised path
+
+    def before_sending(self, i: int) -> None:
+        sent_before = self.ends[i - 1] if i else 0
+        while self.advised < len(self.paths) and (self.advised <= i + 1 or
+                                                  self.ends[-1] - sent_before < self.AHEAD_BYTES):
+            size = 0
+            try:
+                fd = os.open(self.paths[self.advised], os.O_RDONLY)
+            except OSError:
+                pass  # missing: its Item says so when its turn comes
+            else:
+                try:
+                    size = os.fstat(fd).st_size
+                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+            self.ends.append((self.ends[-1] if self.ends else 0) + size)
+            self.advised += 1
 
 
 def _check_batch(keys: list[bytes], exact: int | None = None) -> None:

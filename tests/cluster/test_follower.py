@@ -130,23 +130,30 @@ def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_d
             try:
                 await reg.publish(View.of(1, [a, b, c], SLOTS))
                 lease_a = await _alive(client, reg, [a.serial])
-                await _alive(client, reg, [b.serial])
+                lease_b = await _alive(client, reg, [b.serial])
                 assert await follower.poll() and len(cards.cards) == 3
                 # The gateway reports itself under its lease: epoch and layout.
                 seen = await reg.observe()
                 assert seen.gateways["g1"].epoch == 1 and seen.gateways["g1"].fingerprint == cards.fingerprint
                 assert seen.alive == {a.serial, b.serial}
 
-                await reg.revoke(lease_a)  # a's agent is gone
+                await reg.revoke(lease_a)  # a's agent is gone, and so is a (its mount, its server)
+                (tmp_path / "a").rename(tmp_path / "a.away")
+                await reg.revoke(lease_b)  # b's agent is gone, but b is there
                 assert await follower.poll() and by_serial()[a.serial].active, "one poll without a report: kept"
                 assert await follower.poll()
                 assert not by_serial()[a.serial].active and follower.liveness.held == {a.serial}
-                assert by_serial()[b.serial].active
+                assert by_serial()[b.serial].active, "unreported, but it answers this gateway: kept"
+                assert follower.answering == {b.serial} and "but it answers this gateway" in caplog.text
                 assert by_serial()[c.serial].active, "never reported by an agent: never held out"
                 assert cards.slot_map.owner == View.of(1, [a, b, c], SLOTS).owners, "liveness never changes slots"
+                assert await follower.poll() and by_serial()[b.serial].active
+                assert caplog.text.count("but it answers this gateway") == 1, "said once"
 
+                (tmp_path / "a.away").rename(tmp_path / "a")
                 lease_a = await _alive(client, reg, [a.serial])
-                assert await follower.poll() and follower.liveness.held == set()
+                await _alive(client, reg, [b.serial])
+                assert await follower.poll() and follower.liveness.held == set() and follower.answering == set()
                 await by_serial()[a.serial].check()  # its next health check (the card set runs one a second)
                 assert by_serial()[a.serial].active, "back as soon as it is reported again"
 

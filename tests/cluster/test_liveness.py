@@ -18,8 +18,23 @@ def test_a_card_is_held_out_after_sick_polls_in_a_row_and_released_at_once() -> 
     for _ in range(2):
         assert live.observe(cards, {"b", "c"}) == (set(), set())
     assert live.observe(cards, {"b", "c"}) == ({"a"}, set())
+    live.hold({"a"})  # its own check failed too
     assert live.observe(cards, {"b", "c"}) == (set(), set()) and live.held == {"a"}
     assert live.observe(cards, {"a", "b", "c"}) == (set(), {"a"}) and live.held == set()
+
+
+def test_an_unreported_card_that_answers_is_not_held_and_is_asked_again_each_poll() -> None:
+    live = Liveness(sick_polls=2)
+    cards = ["a", "b"]
+    live.observe(cards, {"a", "b"})
+    live.observe(cards, {"b"})
+    assert live.observe(cards, {"b"}) == ({"a"}, set())
+    live.hold(set())  # it answered this gateway: its agent is down, not the card
+    assert live.held == set()
+    assert live.observe(cards, {"b"}) == ({"a"}, set()), "asked again while it goes unreported"
+    live.hold({"a"})
+    assert live.held == {"a"} and live.observe(cards, {"b"}) == (set(), set())
+    assert live.observe(cards, {"a", "b"}) == (set(), {"a"})
 
 
 def test_a_card_no_agent_ever_reported_is_never_held_out() -> None:
@@ -33,6 +48,7 @@ def test_never_every_card_at_once(caplog) -> None:
     live = Liveness(sick_polls=1)
     live.observe(["a", "b", "c"], {"a", "b", "c"})
     assert live.observe(["a", "b", "c"], {"b", "c"}) == ({"a"}, set())
+    live.hold({"a"})
     # Now b and c go quiet too: that would be every card, so this gateway is the one cut off.
     for _ in range(3):
         assert live.observe(["a", "b", "c"], set()) == (set(), set())

@@ -80,6 +80,7 @@ class ViewFollower:
         self._polls_since_retry = 0
         self._woken = asyncio.Event()  # a watch saw a change: poll now
         self.unavailable: set[str] = set()  # cards of the view that could not be reached: tried again
+        self.answering: set[str] = set()  # unreported long enough to be held out, but they answer here
 
     @property
     def epoch(self) -> int:
@@ -151,7 +152,7 @@ class ViewFollower:
             if self._polls_since_retry >= RETRY_POLLS:  # a mount that came up, a server that came back
                 self._polls_since_retry = 0
                 await self.apply(self.view, retry=True)
-        self._follow_liveness(seen.alive)
+        await self._follow_liveness(seen.alive)
         self._compare(seen.gateways)
         await self._report()
         return True
@@ -229,13 +230,27 @@ class ViewFollower:
         log.info("cluster view %d applied: %d cards, layout fingerprint %s", view.epoch, len(self.cards.cards),
                  self.cards.fingerprint)
 
-    def _follow_liveness(self, alive: frozenset[str]) -> None:
+    async def _follow_liveness(self, alive: frozenset[str]) -> None:
         by_serial = {mc.serial: mc for mc in self.cards.cards}
-        hold, release = self.liveness.observe(list(by_serial), alive)
-        for serial in hold:
-            by_serial[serial].hold_out(f"no agent has reported it alive for {self.liveness.sick_polls} polls")
+        sick, release = self.liveness.observe(list(by_serial), alive)
         for serial in release:
             by_serial[serial].release()
+        self.answering &= sick  # reported again (or gone from the set): said again if it goes quiet again
+        if not sick:
+            return
+        # The agent's silence alone takes nothing out: the card must fail this gateway's own check too.
+        order = sorted(sick)
+        answers = await asyncio.gather(*(by_serial[s].answers() for s in order))
+        down = [s for s, ok in zip(order, answers) if not ok]
+        self.liveness.hold(down)
+        for serial in down:
+            by_serial[serial].hold_out(f"no agent has reported it alive for {self.liveness.sick_polls} polls and "
+                                       "it does not answer this gateway")
+            self.answering.discard(serial)
+        for serial in (s for s, ok in zip(order, answers) if ok and s not in self.answering):
+            log.warning("card %s: no agent has reported it alive for %d polls, but it answers this gateway: kept "
+                        "in service (is its agent down, or cut off from etcd?)", serial, self.liveness.sick_polls)
+            self.answering.add(serial)
 
     def _compare(self, gateways: dict[str, GatewayReport]) -> None:
         """Gateways on this epoch whose layout differs from ours: each key of theirs is looked for elsewhere."""
@@ -358,4 +373,5 @@ class ClusterCards:
                 "etcd_failed_calls": self.registry.failed_calls,
                 "cards_by_state": dict(Counter(r.state.value for r in f.view.cards)) if f.view else {},
                 "gateway_id": f.gateway_id, "held_out": sorted(f.liveness.held),
+                "unreported_but_answering": sorted(f.answering),
                 "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch)}

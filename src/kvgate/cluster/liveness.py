@@ -6,10 +6,15 @@ Liveness only ever changes health, never the view: a card held out keeps
 its slots (its lookups are misses, its writes fail at once) and comes back
 as soon as it is reported again, with everything it held.
 
-Three rules keep liveness from costing conversations that are fine:
+Four rules keep liveness from costing conversations that are fine:
 
 - A card is held out only after ``sick_polls`` polls in a row found it
   unreported (a keep-alive that came late is not a dead card).
+- A lapsed lease is one observer's word (the agent's, or its link to etcd):
+  a card is held out only when this gateway's own check of it fails too
+  (``ViewFollower`` reads its label before it calls ``hold``).  A card on a
+  shared filesystem whose agent died, or whose agent lost etcd, answers and
+  stays in; it is asked again at each poll while it goes unreported.
 - Only a card that was reported at least once since this gateway started is
   judged: a card registered by hand, with no agent, is never held out (its
   own I/O health still takes it out if it fails).
@@ -44,7 +49,8 @@ class Liveness:
     def observe(self, serials: Collection[str], alive: Collection[str]) -> tuple[set[str], set[str]]:
         """One poll: ``serials`` are the cards of the set, ``alive`` those reported now.
 
-        Returns the cards to hold out now and the ones to release now.
+        Returns the cards that went unreported long enough to be held out (``hold`` the ones whose own check
+        fails too) and the ones to release now.
         """
         cards = set(serials)
         release = set()
@@ -69,5 +75,8 @@ class Liveness:
             sick = set()
         elif self.everything_dead and not sick:
             self.everything_dead = False
-        self.held |= sick
         return sick, release
+
+    def hold(self, serials: Collection[str]) -> None:
+        """Hold out these cards of ``observe``'s first set (they did not answer this gateway either)."""
+        self.held |= set(serials) & set(self.missed)

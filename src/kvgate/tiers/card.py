@@ -455,6 +455,17 @@ class ManagedCard:
         self.health.come_back_if_due()
         return True
 
+    async def answers(self) -> bool:
+        """Whether the card reads back its own label now: one I/O, bounded like any other.
+
+        Not fed to its health: the caller decides what a failure means (cluster mode holds the card out,
+        and the card is back at its first passed check once released, with no I/O-error cooldown).
+        """
+        try:
+            return await self.io.run(self.card.check) == self.serial
+        except OSError:
+            return False
+
     async def _recheck_writable(self) -> None:
         try:
             await self.io.run(self.card.check_writable)

@@ -192,6 +192,9 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
         failover = time.monotonic() - t
         time.sleep(1.5)
         assert ask(eps, lambda reg: reg.view()).epoch == view.epoch, "a new leader publishes nothing"
+        new_leader = ask(eps, lambda reg: reg.leader())
+        for gw in gateways:  # read every few polls, for the status and kvgate_cluster_leader
+            wait_until(lambda: gw.stats()["cluster"]["leader"] == new_leader, 15, gw.log)
         agents[leader].start()
         wait_until(lambda: len(ask(eps, lambda reg: reg.alive())) == 64, 20, logs)
         for gw in gateways:  # released, and back in service at their next check

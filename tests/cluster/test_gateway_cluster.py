@@ -66,6 +66,7 @@ def test_a_gateway_follows_the_view_and_serves_the_kept_one_while_etcd_is_down(t
         assert status["view_epoch"] == 3 and status["reachable"] and 0 <= status["last_good_poll_age_s"] < 5
         assert b"kvgate_cluster_view_epoch 3.0" in render(gw.stats())
         metrics = render(gw.stats())
+        assert b'kvgate_cluster_leader{agent=""} 0.0' in metrics, "no agent leads this cluster"
         assert b"kvgate_cluster_cards_held_out 0.0" in metrics and b"kvgate_cluster_etcd_call_seconds_count" in metrics
         assert b'kvgate_cluster_cards{state="active"} 1.0' in metrics
         assert b'kvgate_cluster_cards{state="draining"} 1.0' in metrics

@@ -49,6 +49,8 @@ POLL_S: Final = 1.0
 REPORT_TTL_S: Final = 10
 # Cards of the view this gateway could not take are tried again this often (polls).
 RETRY_POLLS: Final = 5
+# The leading agent is read this often (polls), for the status and metrics only: one more etcd call.
+LEADER_POLLS: Final = 5
 _decoder = msgspec.json.Decoder(View)
 
 
@@ -81,6 +83,8 @@ class ViewFollower:
         self._woken = asyncio.Event()  # a watch saw a change: poll now
         self.unavailable: set[str] = set()  # cards of the view that could not be reached: tried again
         self.answering: set[str] = set()  # unreported long enough to be held out, but they answer here
+        self.leader: str | None = None  # the leading agent, as last read (every LEADER_POLLS polls)
+        self._polls = 0
 
     @property
     def epoch(self) -> int:
@@ -155,6 +159,12 @@ class ViewFollower:
         await self._follow_liveness(seen.alive)
         self._compare(seen.gateways)
         await self._report()
+        self._polls += 1
+        if self._polls % LEADER_POLLS == 1:
+            try:
+                self.leader = await self.registry.leader()
+            except (RegistryUnavailable, RegistryConflict):
+                pass  # as it was; the next read says
         return True
 
     def _fits(self, view: View) -> bool:
@@ -372,6 +382,6 @@ class ClusterCards:
                 "etcd_calls": self.registry.calls, "etcd_call_seconds": round(self.registry.call_seconds, 6),
                 "etcd_failed_calls": self.registry.failed_calls,
                 "cards_by_state": dict(Counter(r.state.value for r in f.view.cards)) if f.view else {},
-                "gateway_id": f.gateway_id, "held_out": sorted(f.liveness.held),
+                "gateway_id": f.gateway_id, "leader": f.leader, "held_out": sorted(f.liveness.held),
                 "unreported_but_answering": sorted(f.answering),
                 "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch)}

@@ -211,6 +211,10 @@ class _SnapshotCollector:
             for state, n in sorted(cluster["cards_by_state"].items()):
                 by_state.add_metric([state], n)
             yield by_state
+            leader = GaugeMetricFamily("kvgate_cluster_leader", "1 for the agent this gateway last read as the "
+                                       "cluster's leader (none: no leader)", labels=["agent"])
+            leader.add_metric([cluster["leader"] or ""], 1 if cluster["leader"] else 0)
+            yield leader
             yield GaugeMetricFamily("kvgate_cluster_cards_held_out",
                                     "cards held out of service because no agent reports them alive",
                                     value=len(cluster["held_out"]))

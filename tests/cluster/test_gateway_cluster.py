@@ -145,3 +145,52 @@ def test_a_redis_cluster_registered_by_its_seed_serves_a_gateway_from_every_prim
         for n in nodes:
             n.kill()
         etcd.stop()
+
+
+def test_a_card_relocated_in_the_registry_is_found_at_its_new_address_and_restores(tmp_path: Path) -> None:
+    """The card server moves to another port (as after a storage host's restart with other flags):
+    ``kvgate cluster relocate`` and a publish, and the gateway reads the same card there, objects and all."""
+    from kvgate.cluster.export import CardExporter
+
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    common = ["--etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--slots", str(SLOTS)]
+    (tmp_path / "card").mkdir()
+    first = CardExporter([DirectoryCard(str(tmp_path / "card"))], "127.0.0.1", 0).start()
+    second = None
+    gw = None
+    try:
+        (serial, url), = first.urls().items()
+        r = run_kvgate("cluster", "register", url, *common)
+        assert r.returncode == 0, r.stderr
+        assert run_kvgate("cluster", "publish", *common).returncode == 0
+        gw = GatewayProcess(tmp_path / "gw", [
+            "--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--max-bytes", "0",
+            "--cluster-view-file", str(tmp_path / "view.json"), "--storage-slots", str(SLOTS)]).start()
+        keys = [b"block-%d" % i for i in range(6)]
+        with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
+            assert all(c.put_many(keys, [k * 1000 for k in keys], dialog=b"d", position=0))
+
+        first.stop()
+        second = CardExporter([DirectoryCard(str(tmp_path / "card"))], "127.0.0.1", 0).start()
+        moved = second.urls()[serial]
+        assert moved != url
+        bad = run_kvgate("cluster", "relocate", serial, *common)
+        assert bad.returncode == 2 and "--address names where" in bad.stderr
+        r = run_kvgate("cluster", "relocate", serial, "--address", moved, *common)
+        assert r.returncode == 0 and f"reached at {moved}" in r.stdout, r.stderr
+        cards = msgspec.json.decode(run_kvgate("cluster", "cards", "--json", *common).stdout)
+        assert [(c["address"], c["state"], c["kind"]) for c in cards] == [(moved, "active", "kvgate")]
+        assert run_kvgate("cluster", "publish", *common).returncode == 0
+        wait_until(lambda: gw.stats()["cluster"]["view_epoch"] == 2, 10, gw.log)
+        wait_until(lambda: [(c["location"], c["active"]) for c in gw.stats()["cards"]] == [(moved, True)], 15,
+                   gw.log)
+        with Client.connect(gw.socket, namespace="t", engine_id="e") as c:
+            assert [bytes(g) for g in c.get_many(keys, dialog=b"d")] == [k * 1000 for k in keys]
+        assert f"its address is now {moved}" in gw.log()
+    finally:
+        if gw is not None:
+            gw.stop()
+        for ex in (first, second):
+            if ex is not None:
+                ex.stop()
+        etcd.stop()

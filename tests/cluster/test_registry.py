@@ -84,3 +84,24 @@ def test_every_call_is_bounded_when_etcd_does_not_answer(etcd: EtcdServer) -> No
             assert [c.serial for c in await again.cards()] == ["a"], "answers again once etcd does"
 
     asyncio.run(main())
+
+
+def test_a_card_is_relocated_with_its_serial_and_state_and_a_retired_one_is_not(etcd: EtcdServer) -> None:
+    async def main() -> None:
+        async with Etcd3Client([etcd.endpoint]) as client:
+            reg = Registry(client, "c1", call_timeout_s=5)
+            assert await reg.register(_record("a"))
+            await reg.set_state("a", CardState.ACTIVE)
+            moved = await reg.set_address("a", "kvgate://10.0.0.9:7001/a")
+            assert (moved.serial, moved.state, moved.kind) == ("a", CardState.ACTIVE, "kvgate")
+            assert await reg.card("a") == moved
+            assert await reg.set_address("a", "kvgate://10.0.0.9:7001/a") == moved, "the same address: no change"
+            with pytest.raises(RegistryConflict, match="no card with serial 'b'"):
+                await reg.set_address("b", "/x")
+            await reg.set_state("a", CardState.DRAINING)
+            await reg.set_state("a", CardState.DRAINED)
+            await reg.set_state("a", CardState.RETIRED)
+            with pytest.raises(RegistryConflict, match="is retired: register it again"):
+                await reg.set_address("a", "/x")
+
+    asyncio.run(main())

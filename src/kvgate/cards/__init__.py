@@ -2,7 +2,7 @@
 
 from kvgate.cards.base import Card, CardInUse, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
-from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, make_card
+from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, kind_of, make_card
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
 from kvgate.cards.network import NetworkCard, is_network
 from kvgate.cards.redis import RedisCard

@@ -24,6 +24,11 @@ def is_redis(location: str) -> bool:
     return location.startswith(REDIS_PREFIXES)
 
 
+def kind_of(location: str) -> str:
+    """The ``Card.kind`` a location names: "kvgate", "redis" or "directory"."""
+    return NetworkCard.kind if is_network(location) else RedisCard.kind if is_redis(location) else DirectoryCard.kind
+
+
 def make_card(location: str, cfg: Config) -> Card:
     if is_network(location):  # a card server's: no object on the wire is larger than a client's largest frame
         return NetworkCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms,

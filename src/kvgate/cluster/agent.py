@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 
-from kvgate.cards import expand, is_network, is_redis, make_card
+from kvgate.cards import expand, is_redis, kind_of, make_card
 from kvgate.cluster.member import EtcdMember
 from kvgate.cluster.export import CardExporter
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
@@ -64,8 +64,7 @@ def label_card(location: str, address: str | None = None) -> CardRecord:
         serial = card.open()
     finally:
         card.close()
-    kind = "kvgate" if is_network(location) else "redis" if is_redis(location) else "directory"
-    return CardRecord(serial=serial, kind=kind, address=address or location)
+    return CardRecord(serial=serial, kind=kind_of(location), address=address or location)
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -254,8 +253,9 @@ class ClusterAgent:
             else:
                 known = await self.registry.card(serial)
                 if known is not None and known.address != record.address:
-                    log.warning("card %s is registered at %s, not %s: gateways look for it there", serial,
-                                known.address, record.address)
+                    log.warning("card %s is registered at %s, not %s: gateways look for it there (if it moved: "
+                                "kvgate cluster relocate %s --address %s)", serial, known.address, record.address,
+                                serial, record.address)
             self.unregistered.discard(serial)
 
     # ---- liveness --------------------------------------------------------------------

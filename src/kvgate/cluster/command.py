@@ -10,6 +10,9 @@
                                           a Redis Cluster seed: one card per primary; --address: the
                                           path or glob gateways reach a directory card by
     kvgate cluster drain|undrain|retire SERIAL
+    kvgate cluster relocate SERIAL --address PATH|GLOB|URL
+                                          the card is reached there from now on (a moved mount, a card
+                                          server on another port, a resharded Redis Cluster's new primary)
     kvgate cluster publish                the next view from the registry (joining cards become active), as
                                           the leader will; nothing when the layout would not change
 
@@ -36,7 +39,8 @@ from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryCo
                                      etcd_client)
 from kvgate.config import Config
 
-ACTIONS = ("status", "cards", "view", "register", "drain", "undrain", "retire", "publish", "leader", "serve")
+ACTIONS = ("status", "cards", "view", "register", "drain", "undrain", "retire", "relocate", "publish", "leader",
+           "serve")
 DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]
 CONNECT_S = 5.0
 
@@ -51,10 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")
     p.add_argument("--slots", type=int, default=Config().storage_slots,
                    help="publish, serve: storage_slots of the gateways (default %(default)s)")
-    p.add_argument("--address", metavar="PATH|GLOB",
+    p.add_argument("--address", metavar="PATH|GLOB|URL",
                    help="register: where gateways reach a directory card when that is not where this host has "
                         "it (a shared filesystem mounted elsewhere: a glob under which each gateway finds it by "
-                        "serial)")
+                        "serial); relocate: where gateways reach the card from now on")
     p.add_argument("--json", action="store_true")
     from kvgate.cluster.agentcli import add_serve_arguments
 
@@ -75,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    if args.action in ("register", "drain", "undrain", "retire") and not args.card:
+    if args.action in ("register", "drain", "undrain", "retire", "relocate") and not args.card:
         raise ValueError("name the card (register: a directory, Redis URL or kvgate:// URL; otherwise its serial)")
+    if args.action == "relocate" and not args.address:
+        raise ValueError("relocate: --address names where gateways reach the card from now on")
     client = etcd_client(args.etcd_endpoints)
     try:
         async with asyncio.timeout(CONNECT_S):
@@ -117,6 +123,10 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
         record = await reg.set_state(args.card, state)
         print(f"card {record.serial}: {record.state.value}")
+    elif args.action == "relocate":
+        record = await reg.set_address(args.card, args.address)
+        print(f"card {record.serial}: reached at {record.address} (the leader or `kvgate cluster publish` puts "
+              "it in the next view; each gateway finds it there by its label)")
     elif args.action == "publish":
         return await _publish(reg, args.slots, args.json)
     return 0

@@ -214,6 +214,9 @@ class ViewFollower:
                 await self.cards.remove(got.serial)  # type: ignore[arg-type]
             else:
                 present[rec.serial] = (rec, got)
+        for rec, mc in list(present.values()):
+            if rec.address != mc.pattern:  # moved (kvgate cluster relocate): found there by its label
+                await self.cards.readdress(mc, rec.address)
         for drain in (False, True):  # undrains before drains, for the same reason
             for rec, mc in present.values():
                 try:

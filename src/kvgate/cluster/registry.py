@@ -53,6 +53,7 @@ from etcd3aio import SortOrder, SortTarget
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
+from kvgate.cards import kind_of
 from kvgate.placement import SlotMap
 
 CALL_TIMEOUT_S: Final = 0.5
@@ -241,6 +242,27 @@ class Registry:
         resp = await self._call(f"register card {record.serial}", kv.txn(
             [kv.txn_compare_version(key, 0)], [kv.txn_op_put(key, _encoder.encode(record))], max_attempts=1))
         return bool(resp.succeeded)
+
+    async def set_address(self, serial: str, address: str) -> CardRecord:
+        """Where gateways reach the card from now on (a moved mount, a server on another port, the primary
+        a resharded Redis Cluster moved the card's slot to); the record as written.  The card keeps its
+        serial, state and objects: each gateway finds it at ``address`` by its label."""
+        found = await self._card_raw(serial)
+        if found is None:
+            raise RegistryConflict(f"no card with serial {serial!r} in the registry")
+        record, raw = found
+        if record.state is CardState.RETIRED:
+            raise RegistryConflict(f"card {serial} is retired: register it again instead")
+        if address == record.address:
+            return record
+        new = msgspec.structs.replace(record, address=address, kind=kind_of(address))
+        key = self._card_key(serial)
+        kv = self._kv
+        resp = await self._call(f"change card {serial}", kv.txn(
+            [kv.txn_compare_value(key, raw)], [kv.txn_op_put(key, _encoder.encode(new))], max_attempts=1))
+        if not resp.succeeded:
+            raise RegistryConflict(f"card {serial} changed meanwhile: read it again")
+        return new
 
     async def set_state(self, serial: str, state: CardState, guard: Sequence[Any] = ()) -> CardRecord:
         """Move the card to ``state`` if that may follow its state now; the record as written.

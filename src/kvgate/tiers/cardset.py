@@ -297,10 +297,19 @@ class CardSet:
         elif mc.active and not was_active and (self._unsettled or self._draining):
             self.mover.wake()  # what waited for this card can move now
 
+    async def readdress(self, mc: ManagedCard, pattern: str) -> None:
+        """The card is to be found under ``pattern`` from now on (cluster mode: the registry says it moved):
+        taken there at once if it no longer answers where it is, else at its first failed check."""
+        if mc.pattern == pattern:
+            return
+        log.warning("card %s (%s): its address is now %s", mc.where, mc.serial, pattern)
+        mc.pattern = pattern
+        await self._check(mc)
+
     async def _relocate(self, mc: ManagedCard) -> None:
         """Look for the card's serial under the other locations its entry matches."""
-        if is_redis(mc.pattern):
-            return
+        if is_redis(mc.pattern) and mc.pattern == mc.location:
+            return  # one server, one address: nowhere else to look
         candidates = await self.pool.run(expand, mc.pattern)
         in_use = {c.location for c in self.cards if c is not mc}
         for loc in candidates:

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-object-bytes", type=config_mod.parse_size, default=256 << 20,
                    help="largest object file served or taken (256MiB)")
     p.add_argument("--sync-writes", action="store_true", help="fsync every object before acknowledging it")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="a token gateways must present (their card_token_file); needed beyond loopback")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     try:  # optional: a missing bench module must not break serve/stat/clean
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
 
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             try:
-                return serve(args.cards, args.listen, args.num_dbs, args.max_object_bytes, args.sync_writes)
+                return serve(args.cards, args.listen, args.num_dbs, args.max_object_bytes, args.sync_writes,
+                             args.token_file)
             except (ValueError, OSError) as e:
                 print(f"kvgate export: {e}", file=sys.stderr)
                 return 2

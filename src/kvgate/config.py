@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -23,6 +24,29 @@ import yaml
 
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names the key."""
+
+
+def read_token(path: str, key: str) -> str:
+    """The token in the file at ``path``, stripped; a ``ConfigError`` naming ``key`` when it cannot be read or
+    is empty.  Blocking: a gateway reads its own at start, a card client on its I/O threads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"{key}: {path} is empty")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this host only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 _SIZE_UNITS = {
@@ -205,6 +229,9 @@ class Config:
                              optional=True)
     auth_token_file: str | None = _key(_parse_str, None, "file holding the token TCP clients must present",
                                        optional=True)
+    card_token_file: str | None = _key(
+        _parse_str, None, "file holding the token kvgate:// card servers require (kvgate export --token-file)",
+        optional=True)
     max_frame_bytes: int = _key(parse_size, 256 << 20,
                                 "largest message a client may send (inline bytes included)", minimum=1 << 16)
     max_connections: int = _key(

@@ -584,3 +584,68 @@ def test_an_unpadded_object_is_still_read(card: NetworkCard, served, size: int) 
     h = card.read_into(k, memoryview(buf))
     assert h.payload_offset == header_size(k) and h.meta.position == 4
     assert np.array_equal(buf[:size], data) and buf[size] == 0
+
+
+def test_a_server_with_a_token_serves_only_those_who_present_it(tmp_path: Path, caplog) -> None:
+    local = DirectoryCard(str(tmp_path / "card"))
+    local.open()
+    token = tmp_path / "token"
+    token.write_text("s3cret-card-token\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    with CardExporter([local], token="s3cret-card-token") as ex:
+        url = ex.urls()[local.serial]
+        for c in (NetworkCard(url), NetworkCard(url, token_file=str(wrong))):
+            with pytest.raises(CardUnavailable, match="needs a valid token: set card_token_file") as ei:
+                c.open()
+            assert ei.value.errno == errno.EACCES
+            c.close()
+        missing = NetworkCard(url, token_file=str(tmp_path / "absent"))
+        with pytest.raises(CardUnavailable, match="card_token_file'.*cannot read"):
+            missing.open()
+        s = socket.create_connection(("127.0.0.1", ex.port), timeout=5)  # a stranger's hello, no token
+        s.sendall(w.frame(w.Hello(local.serial, 1)))
+        msg, _ = reply(s)  # an error, then the door closes
+        assert isinstance(msg, w.Err) and "valid token" in msg.message
+        assert closed(s)
+        assert ex.requests["refused_token"] == 3
+        good = NetworkCard(url, token_file=str(token))
+        assert good.open() == local.serial
+        k = key("kept")
+        good.write(k, memoryview(payload_for(k, 5000)), ObjectMeta())
+        assert np.array_equal(read_back(good, k, 5000), payload_for(k, 5000))
+        good.close()
+    assert caplog.text.count("token: refused") <= 1, "refusals are logged at most every 10 s"
+
+
+@pytest.mark.slow
+def test_a_server_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
+    local = DirectoryCard(str(tmp_path / "card"))
+    with pytest.raises(ValueError, match="0.0.0.0 is not loopback: give a token file"):
+        CardExporter([local], "0.0.0.0", 0)
+    r = subprocess.run([sys.executable, "-m", "kvgate", "export", "--cards", str(tmp_path / "card"), "--listen",
+                        "0.0.0.0:0"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC},
+                       timeout=60)
+    assert r.returncode == 2 and "give a token file (--token-file)" in r.stderr
+
+
+def test_a_gateway_presents_its_card_token_file_and_one_without_it_is_refused(gateway_factory, tmp_path) -> None:
+    local = DirectoryCard(str(tmp_path / "tokened"))
+    local.open()
+    token = tmp_path / "card-token"
+    token.write_text("a-long-card-token")
+    with CardExporter([local], token="a-long-card-token") as ex:
+        url = ex.urls()[local.serial]
+        without = gateway_factory(["--storage-devices", url, "--max-bytes", "0"], create_cards=False,
+                                  name="without")
+        wait_until(lambda: "needs a valid token: set card_token_file" in without.log(), 20, without.log)
+        assert not [c for c in without.stats()["cards"] if c["active"]]
+        without.stop()
+        gw = gateway_factory(["--storage-devices", url, "--max-bytes", "0", "--card-token-file", str(token)],
+                             create_cards=False, name="with")
+        wait_until(lambda: [c for c in gw.stats()["cards"] if c["active"]], 20, gw.log)
+        keys = [b"block-%d" % i for i in range(4)]
+        blocks = [os.urandom(50_000 + i) for i in range(4)]
+        with gw.client("ns") as c:
+            assert c.put_many(keys, blocks, retention="long") == [True] * 4
+            assert c.get_many(keys) == blocks

@@ -66,6 +66,7 @@ class Msg(msgspec.Struct, tag_field="op", omit_defaults=True, forbid_unknown_fie
 class Hello(Msg, tag="hello"):
     serial: str
     num_dbs: int = 1
+    token: str | None = None  # what a server started with a token requires (card_token_file)
 
 
 class Check(Msg, tag="check"):

@@ -40,6 +40,7 @@ from kvgate.cards import netwire as w
 from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned, byte_view, holder_doc
 from kvgate.cards.netconn import Conn, copies
 from kvgate.cards.objectformat import Header, ObjectMeta, header_size, padded_size, payload_hash
+from kvgate.config import ConfigError, read_token
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon, ReadAbandoned
 
@@ -66,8 +67,10 @@ class NetworkCard(Card):
 
     kind = "kvgate"
 
-    def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_object_bytes: int = 256 << 20):
+    def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_object_bytes: int = 256 << 20,
+                 token_file: str | None = None):
         super().__init__(location, num_dbs)
+        self.token_file = token_file  # read at each connect (on the calling I/O thread): a rotated token is used
         if io_timeout_ms < 1:
             raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
         parts = urlsplit(location)
@@ -116,7 +119,11 @@ class NetworkCard(Card):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Conn(self, sock)
         try:
-            said, _ = conn.call(w.Hello(self.url_serial, self.num_dbs))
+            try:
+                token = read_token(self.token_file, "config key 'card_token_file'") if self.token_file else None
+            except ConfigError as e:
+                raise CardUnavailable(errno.EACCES, str(e), self.location) from None
+            said, _ = conn.call(w.Hello(self.url_serial, self.num_dbs, token))
         except BaseException:
             conn.close()
             raise

@@ -55,11 +55,13 @@ INTERVAL_S: Final = 1.0
 LIVENESS_TTL_S: Final = 5
 
 
-def label_card(location: str, address: str | None = None) -> CardRecord:
+def label_card(location: str, address: str | None = None, token_file: str | None = None) -> CardRecord:
     """The card at ``location`` as the registry records it, labelling it if it has no label yet (blocking
     I/O: run it on a thread).  A gateway opening the same location finds the same serial; ``address``:
-    where gateways reach it instead (a glob on a shared filesystem, under which they find it by serial)."""
-    card = make_card(location, Config(storage_devices=[location], create_card_dirs=False))
+    where gateways reach it instead (a glob on a shared filesystem, under which they find it by serial);
+    ``token_file``: what a ``kvgate://`` card's server requires."""
+    card = make_card(location, Config(storage_devices=[location], create_card_dirs=False,
+                                      card_token_file=token_file))
     try:
         serial = card.open()
     finally:
@@ -106,6 +108,7 @@ class AgentSettings:
     call_timeout_s: float = 2.0
     member: EtcdMember | None = None
     export: tuple[str, int] | None = None  # serve the directory cards over TCP here (kvgate://host:port/serial)
+    token: str | None = None  # what gateways must present to that server (their card_token_file)
 
 
 class ClusterAgent:
@@ -143,7 +146,8 @@ class ClusterAgent:
         self.reported: set[str] = set()  # serials whose alive/ key stands under the current lease
         self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
         # Directory cards served to gateways on other hosts (``--export``): registered as kvgate:// addresses.
-        self.exporter = CardExporter([], *settings.export) if settings.export is not None else None
+        self.exporter = (CardExporter([], *settings.export, token=settings.token) if settings.export is not None
+                         else None)
         self.export: str | None = None  # the exporter's HOST:PORT once it listens
         self.lease: int | None = None
         self.candidate: tuple[int, bytes] | None = None  # (lease, election key) it stands with

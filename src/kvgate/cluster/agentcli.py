@@ -14,6 +14,7 @@ import sys
 
 from kvgate.cluster.agent import INTERVAL_S, LIVENESS_TTL_S, AgentSettings, ClusterAgent, serve
 from kvgate.cluster.member import EtcdMember
+from kvgate.config import read_token
 
 MEMBER_FLAGS = ("etcd_peer_url", "etcd_client_url", "etcd_initial_cluster")
 
@@ -35,6 +36,9 @@ def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
                    help="serve this host's directory cards to gateways on other hosts on this address (a fixed "
                         "port: it is part of each card's registered kvgate://HOST:PORT/SERIAL address)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--token-file", metavar="FILE",
+                   help="serve: the token gateways must present to --export (their card_token_file; needed beyond "
+                        "loopback); register: the token a kvgate:// card's server requires")
 
 
 def agent_from(args: argparse.Namespace) -> ClusterAgent:
@@ -50,6 +54,7 @@ def agent_from(args: argparse.Namespace) -> ClusterAgent:
                          "--etcd-member NAME (this host runs an etcd member); leave them out otherwise")
     endpoints = args.etcd_endpoints or ([] if member else ["127.0.0.1:2379"])
     export = None
+    token = read_token(args.token_file, "--token-file") if args.token_file else None
     if args.export:
         host, _, port = args.export.rpartition(":")
         if not host or not port.isdigit() or int(port) == 0:
@@ -58,7 +63,7 @@ def agent_from(args: argparse.Namespace) -> ClusterAgent:
         export = (host.strip("[]"), int(port))
     return ClusterAgent(AgentSettings(name=args.name, cards=args.cards, endpoints=endpoints, cluster=args.cluster_name,
                                       slots=args.slots, liveness_ttl_s=args.liveness_ttl, interval_s=args.interval,
-                                      call_timeout_s=args.timeout, member=member, export=export))
+                                      call_timeout_s=args.timeout, member=member, export=export, token=token))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -118,7 +118,7 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
             print(name)
         return 0 if name is not None else 1
     elif args.action == "register":
-        return await _register(reg, args.card, args.address)
+        return await _register(reg, args.card, args.address, args.token_file)
     elif args.action in ("drain", "undrain", "retire"):
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
         record = await reg.set_state(args.card, state)
@@ -183,7 +183,7 @@ async def _publish(reg: Registry, slots: int, as_json: bool) -> int:
     return 0
 
 
-async def _register(reg: Registry, card: str, address: str | None) -> int:
+async def _register(reg: Registry, card: str, address: str | None, token_file: str | None) -> int:
     """Label and register the card at ``card``; a Redis Cluster seed registers one card per primary."""
     from kvgate.cluster.agent import label_card
 
@@ -195,7 +195,7 @@ async def _register(reg: Registry, card: str, address: str | None) -> int:
         locations = [card]
     taken = 0
     for location in locations:
-        record = await asyncio.to_thread(label_card, location, address)
+        record = await asyncio.to_thread(label_card, location, address, token_file)
         if await reg.register(record):
             taken += 1
             print(f"card {record.serial} at {record.address} registered (joining; the leader or `kvgate cluster "

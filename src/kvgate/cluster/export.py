@@ -40,6 +40,13 @@ payload's length are checked against limits before anything is allocated; a
 frame must arrive whole within ``frame_timeout`` (plus 1 s per 4 MiB of
 body) once its first byte has; a peer that breaks the protocol gets an
 ``Err`` naming what was wrong and is disconnected.
+
+Access: a server bound beyond loopback needs a token (``token``, from
+``--token-file``); every connection's hello must present it (compared in
+constant time) before any card is named, and one that does not is answered
+an error naming ``card_token_file`` and closed.  The token keeps strangers
+from reading, writing or deleting objects; it travels in the clear (no
+encryption yet), so it is for a network no stranger can listen on.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from typing import Any
 from kvgate.cards.base import CardUnavailable
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cluster.exportconn import Connection, refuse, url_host
+from kvgate.config import is_loopback, read_token
 
 log = logging.getLogger("kvgate.cluster.export")
 
@@ -70,9 +78,15 @@ class CardExporter:
     """
 
     def __init__(self, cards: list[DirectoryCard], host: str = "127.0.0.1", port: int = 0,
-                 max_object_bytes: int = 256 << 20, max_connections: int = 256, frame_timeout: float = 10.0):
+                 max_object_bytes: int = 256 << 20, max_connections: int = 256, frame_timeout: float = 10.0,
+                 token: str | None = None):
         if max_object_bytes < (1 << 20):
             raise ValueError(f"max_object_bytes must be at least 1 MiB, got {max_object_bytes}")
+        if token is None and not is_loopback(host):
+            raise ValueError(f"{host or 'every address'} is not loopback: give a token file (--token-file) so "
+                             "that only gateways that present it (card_token_file) read and write these cards")
+        self.token = token  # what every connection's hello must present; None: loopback only, no token
+        self.refusal_logged = 0.0  # when a refused token was last logged
         self.cards = list(cards)
         self.host, self.port = host, port
         self.max_object_bytes = max_object_bytes
@@ -192,16 +206,18 @@ class CardExporter:
 
 
 def serve(dirs: list[str], listen: str, num_dbs: int = 1, max_object_bytes: int = 256 << 20,
-          sync_writes: bool = False) -> int:
+          sync_writes: bool = False, token_file: str | None = None) -> int:
     """``kvgate export``: serve ``dirs`` on ``listen`` (HOST:PORT) until SIGINT or SIGTERM."""
     import signal
 
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--listen wants HOST:PORT, got {listen!r}")
+    token = read_token(token_file, "--token-file") if token_file else None
     cards = [DirectoryCard(d, num_dbs=num_dbs, sync_writes=sync_writes, create_missing=False) for d in dirs]
     try:
-        ex = CardExporter(cards, host.strip("[]"), int(port), max_object_bytes=max_object_bytes).start()
+        ex = CardExporter(cards, host.strip("[]"), int(port), max_object_bytes=max_object_bytes,
+                          token=token).start()
     except CardUnavailable as e:
         why = e.strerror.replace(", or set create_card_dirs: true", "")  # a gateway's key; export has none
         raise ValueError(f"cannot export card {e.filename}: {why}") from None

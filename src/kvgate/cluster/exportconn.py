@@ -10,6 +10,7 @@ a listing, a snapshot being written) ends with it.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
 import socket
@@ -131,6 +132,17 @@ class Connection:
         if blen:
             raise w.WireError("hello carries no body")
         self.ex.count("hello")
+        if self.ex.token is not None and (msg.token is None or not hmac.compare_digest(
+                msg.token.encode(), self.ex.token.encode())):
+            self.ex.count("refused_token")
+            now = time.monotonic()
+            if now - self.ex.refusal_logged >= 10:  # a peer that tries again and again fills no log
+                self.ex.refusal_logged = now
+                log.warning("card server: %s presented %s token: refused (%d refused so far)", self.peer,
+                            "no" if msg.token is None else "a wrong", self.ex.requests["refused_token"])
+            self._send(w.Err("unavailable", "this card server needs a valid token: set card_token_file on the "
+                             "gateway to the file of kvgate export --token-file", errno.EACCES))
+            return
         if msg.serial not in self.ex.by_serial:
             served = ", ".join(sorted(self.ex.by_serial)) or "none"
             self._send(w.Err("unavailable", f"this card server ({url_host(self.ex.host)}:{self.ex.port}) serves no "

@@ -18,7 +18,6 @@ that loop: files, regions and card I/O go to the pool.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
@@ -27,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 from kvgate import __version__
 from kvgate.cards import CardInUse
-from kvgate.config import FIELDS, Config, ConfigError
+from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
@@ -145,7 +144,7 @@ class Gateway:
                 self.http = status_mod.HttpStatus(
                     self.snapshot, self.operations.prewarm_by_name, asyncio.get_running_loop(),
                     cfg.metrics_bind_address, cfg.metrics_port,
-                    token=None if _is_loopback(cfg.metrics_bind_address) else self.sessions.token)
+                    token=None if is_loopback(cfg.metrics_bind_address) else self.sessions.token)
             except OSError as e:
                 raise StartupError(
                     f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
@@ -164,20 +163,16 @@ class Gateway:
         token = None
         if cfg.auth_token_file:
             try:
-                with open(cfg.auth_token_file, encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise StartupError(
-                    f"config key 'auth_token_file': cannot read {cfg.auth_token_file}: {e.strerror}") from None
-            if not token:
-                raise StartupError(f"config key 'auth_token_file': {cfg.auth_token_file} is empty")
+                token = read_token(cfg.auth_token_file, "config key 'auth_token_file'")
+            except ConfigError as e:
+                raise StartupError(str(e)) from None
         self.sessions.token = token
-        if cfg.port and not _is_loopback(cfg.bind_address) and not token:
+        if cfg.port and not is_loopback(cfg.bind_address) and not token:
             raise StartupError(
                 f"config key 'bind_address': {cfg.bind_address} is not loopback; set auth_token_file so "
                 "clients on other hosts must present a token"
             )
-        if cfg.metrics_port and not _is_loopback(cfg.metrics_bind_address) and not token:
+        if cfg.metrics_port and not is_loopback(cfg.metrics_bind_address) and not token:
             raise StartupError(
                 f"config key 'metrics_bind_address': {cfg.metrics_bind_address} is not loopback; set auth_token_file "
                 "so HTTP clients on other hosts must present it (Authorization: Bearer <token>; /healthz needs none)"
@@ -260,14 +255,6 @@ class Gateway:
                                    self.listeners, self.started_at, self.tcp_port,
                                    cluster=self.card_source.status() if self.card_source is not None else None)
 
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,

@@ -52,12 +52,17 @@ def _check_side(side: dict, where: str) -> None:
 def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     workdir = tmp_path / "bench"
     workdir.mkdir()
+    drawing = tmp_path / "figures.svg"
     cmd = [sys.executable, "-m", "kvgate", "bench", "--quick", "--json", "--object-size", "256K", "--batch", "8",
-           "--dir", str(workdir)]
+           "--dir", str(workdir), "--plot", str(drawing)]
     # cwd is the empty tmp_path too, so a stray default ./var/bench would show up below.
     out, _err, pid = _run_bench(cmd, tmp_path)
 
     result = json.loads(out)  # exactly one JSON document on stdout, nothing else
+    svg = drawing.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    for label in ("RAM get to shm", "card get, warm", "vs pwritev"):
+        assert label in svg, f"the drawing names {label!r}"
     cfg = result["config"]
     assert (cfg["object_size"], cfg["batch"], cfg["pass_bytes"]) == (256 << 10, 8, 2 << 20)
     assert cfg["quick"] is True and cfg["threads"] >= 1 and cfg["cores"] >= 1
@@ -93,7 +98,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
 
     # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
     assert list(workdir.iterdir()) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "figures.svg"], "the drawing, and nothing else"
     assert not os.path.exists(f"/dev/shm/kvgate-bench-{pid}")
 
 
@@ -230,9 +235,10 @@ def test_network_bench_reads_a_served_card_warm_and_cold_against_its_baselines(t
     workdir = tmp_path / "bench"
     workdir.mkdir()
     cmd = [sys.executable, "-m", "kvgate", "bench", "--network", "--quick", "--json", "--object-size", "256K",
-           "--batch", "4", "--dir", str(workdir)]
+           "--batch", "4", "--dir", str(workdir), "--plot", str(tmp_path / "network.png")]
     out, _err, _pid = _run_bench(cmd, tmp_path)
     result = json.loads(out)
+    assert (tmp_path / "network.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["mode"] == "network" and result["url"].startswith("kvgate://127.0.0.1:")
     assert (result["objects"], result["object_size"]) == (4, 256 << 10) and result["verified"]
     assert set(result["figures"]) == {"warm_batch", "warm_per_object", "cold_batch"}
@@ -253,3 +259,19 @@ def test_network_bench_refuses_a_batch_its_raw_requests_cannot_name(capsys: pyte
     add_arguments(p)
     assert run_bench(p.parse_args(["--network", "--batch", "256", "--dir", "/nonexistent/never"])) == 2
     assert "--batch must be 1 to 255 objects, got 256" in capsys.readouterr().err
+
+
+def test_plot_is_refused_where_nothing_is_drawn_and_without_matplotlib(capsys, monkeypatch) -> None:
+    import argparse
+
+    from kvgate.bench.command import add_arguments, run_bench
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run_bench(p.parse_args(["--objects", "1000", "--plot", "x.svg"])) == 2
+    assert "--plot draws the throughput figures, --network and --trace; not --objects" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert run_bench(p.parse_args(["--network", "--plot", "x.svg", "--dir", "/nonexistent/never"])) == 2
+    assert "pip install 'kvgate[plot]'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--plot", "x.jpg"])

@@ -184,6 +184,7 @@ def test_capacity_specs() -> None:
     (["--speedup", "0"], "argument --speedup: must be a number above 0, got '0'"),
     (["--speedup", "fast"], "argument --speedup: expected a number, got 'fast'"),
     (["--ram", "lots"], "argument --ram: 'lots'"),
+    (["--plot", "hits.jpg"], "argument --plot: 'hits.jpg': the plot is an SVG or PNG file"),
 ])
 def test_bad_flag_values(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -198,7 +199,6 @@ def test_bad_flag_values(argv: list[str], message: str, capsys: pytest.CaptureFi
     (["--trace", "/nonexistent/trace.jsonl"], "--trace /nonexistent/trace.jsonl: No such file"),
     (["--trace", str(TRACE), "--quick"], "--quick is for the throughput figures"),
     (["--trace", str(TRACE), "--placement", "stripe"], "--placement is for --cards without --trace"),
-    (["--trace", str(TRACE), "--plot", "hits.jpg"], "--plot 'hits.jpg': the plot is a PNG file"),
     (["--trace", str(TRACE), "--in-process", "--ram", "1G"], "--in-process runs no gateway"),
     (["--trace", str(TRACE), "--capacity", "1K", "--requests", "5"], "--capacity 1K: 1 KiB over 4 cards is less "
                                                                        "than one block of 16 KiB per card"),

@@ -24,7 +24,7 @@ from kvgate.bench.harness import Bench
 from kvgate.bench.measure import Plan, fmt_size
 from kvgate.bench.network import STEPS as NETWORK_STEPS
 from kvgate.bench.network import MAX_OBJECTS as NETWORK_MAX_OBJECTS
-from kvgate.bench.network import NetworkBench, print_network
+from kvgate.bench.network import NetworkBench, plot_network, print_network
 from kvgate.bench.objects import STEPS as OBJECTS_STEPS
 from kvgate.bench.objects import ObjectsBench
 from kvgate.bench.replay import (
@@ -44,7 +44,9 @@ from kvgate.bench.report import (
     cards_comparison,
     cards_notes,
     check_matplotlib,
-    plot,
+    plot_bars,
+    plot_figures,
+    plot_trace,
     print_cards_table,
     print_objects,
     print_table,
@@ -108,6 +110,12 @@ def size_arg(least: int, most: int | None = None, why_most: str = "") -> Callabl
 
 
 _size_arg = size_arg(1)
+
+
+def _plot_arg(value: str) -> str:
+    if not value.lower().endswith((".svg", ".png")):
+        raise argparse.ArgumentTypeError(f"{value!r}: the plot is an SVG or PNG file; name it FILE.svg or FILE.png")
+    return value
 _positive_int = int_arg(1)
 
 
@@ -120,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", metavar="DIR",
                    help="where the cards and scratch files go; a fresh temp dir is made inside it and removed at "
                         "the end (default ./var/bench); its filesystem is what the card figures measure")
+    p.add_argument("--plot", type=_plot_arg, metavar="FILE.svg|FILE.png",
+                   help="draw the figures too: kvgate beside each baseline (with --trace: hit rate against "
+                        "capacity, one line per policy); needs matplotlib: pip install 'kvgate[plot]'")
     p.add_argument("--threads", type=_positive_int, default=4, metavar="N",
                    help="gateway --thread-pool-size, and thread count of the raw baselines (default 4)")
     g = p.add_argument_group("several cards", "with --cards: restores of long dialogs from a gateway with N cards, "
@@ -214,8 +225,6 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speedup", type=_speedup_arg, metavar="X",
                    help="honour the timestamps divided by X (default: no waiting, as fast as possible)")
     g.add_argument("--requests", type=_count_arg, metavar="N", help="replay only the first N requests")
-    g.add_argument("--plot", metavar="FILE.png",
-                   help="hit rate vs capacity, one line per policy (needs matplotlib: pip install 'kvgate[plot]')")
     g.add_argument("--in-process", action="store_true", default=None,
                    help="no gateway: drive the eviction policies in this process (fast; one pool of the whole "
                         "capacity, no cards)")
@@ -270,8 +279,40 @@ def _drive(make: Callable[[Callable[[str], None]], Bench], steps: list[str], qui
     return measured
 
 
+def _draw(path: str | None, draw: Callable[[dict[str, Any], str], None], result: dict[str, Any]) -> int:
+    """Draw ``result`` to ``path`` (if asked); 0, or 1 when the drawing failed (said; the figures are printed
+    anyway)."""
+    if path is None:
+        return 0
+    try:
+        draw(result, path)
+    except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the measurements
+        print(f"kvgate bench: --plot {path}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _matplotlib_missing(args: argparse.Namespace) -> bool:
+    """With --plot, whether matplotlib is missing (said, before anything is measured)."""
+    if getattr(args, "plot", None) is None:
+        return False
+    try:
+        check_matplotlib()
+    except BenchError as e:
+        print(f"kvgate bench: {e}", file=sys.stderr)
+        return True
+    return False
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run every figure; 0 even when a bar fails (a measurement is not a test), 1 on errors, 2 on bad usage."""
+    if getattr(args, "plot", None) is not None and not wants_trace(args):
+        if getattr(args, "objects", None) is not None or getattr(args, "cards", None) is not None:
+            print("kvgate bench: --plot draws the throughput figures, --network and --trace; not --objects or "
+                  "--cards", file=sys.stderr)
+            return 2
+        if _matplotlib_missing(args):
+            return 2
     if getattr(args, "objects", None) is not None:
         return run_objects_bench(args)
     if args.object_size is None:
@@ -308,11 +349,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "elapsed_s": time.monotonic() - started,
     }
     result["bars"] = bars_passed(result["figures"])
+    drawn = _draw(args.plot, plot_figures, result)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
-    return 0
+    return drawn
 
 
 def run_objects_bench(args: argparse.Namespace) -> int:
@@ -345,11 +387,12 @@ def run_network_bench(args: argparse.Namespace) -> int:
         return measured
     measured["elapsed_s"] = time.monotonic() - started
     measured["bars"] = {k: f["ratio"] >= f["bar"] for k, f in measured["figures"].items() if f["bar"] is not None}
+    drawn = _draw(args.plot, plot_network, measured)
     if args.json:
         print(json.dumps(measured, indent=2))
     else:
         print_network(measured)
-    return 0 if measured["verified"] else 1
+    return drawn if measured["verified"] else 1
 
 
 def run_cards_bench(args: argparse.Namespace) -> int:
@@ -468,12 +511,6 @@ def run_trace_bench(args: argparse.Namespace) -> int:
         "elapsed_s": time.monotonic() - started,
     }
     result["notes"] = trace_notes(result)
-    if opts.plot is not None:
-        try:
-            plot(result, opts.plot)
-        except Exception as e:  # noqa: BLE001 - the figures are printed anyway
-            print(f"kvgate bench: --plot {opts.plot}: {e}", file=sys.stderr)
-            print_trace(result, opts.json)
-            return 1
+    drawn = _draw(opts.plot, plot_trace, result)
     print_trace(result, opts.json)
-    return 0
+    return drawn

@@ -284,6 +284,17 @@ class NetworkBench:
         self.tmp.cleanup()
 
 
+def plot_network(result: dict[str, Any], path: str) -> None:
+    """``kvgate bench --network --plot``: each read's card rate beside its baseline's."""
+    from kvgate.bench.report import plot_bars
+
+    names = {"warm_batch": "batch, warm", "warm_per_object": "per object, warm", "cold_batch": "batch, cold"}
+    rows = [(names[k], f["card"]["gib_s"], f["raw"]["gib_s"], f["baseline"], f["ratio"])
+            for k, f in result["figures"].items()]
+    plot_bars(f"kvgate:// card: {result['objects']} x {result['object_size'] >> 10} KiB per batch, medians", rows,
+              path, note=f"{result['rounds']} warm, {result['cold_rounds']} cold rounds; {result['cores']} cores")
+
+
 def print_network(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table

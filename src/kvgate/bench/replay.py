@@ -62,7 +62,7 @@ DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 DEFAULT_CARDS = 4
 
 # Flags that only mean something with --trace: their defaults are None (or False), so a stray one is an error.
-TRACE_ONLY = ("shared_head", "policies", "capacity", "block_size", "ram", "speedup", "requests", "plot", "in_process")
+TRACE_ONLY = ("shared_head", "policies", "capacity", "block_size", "ram", "speedup", "requests", "in_process")
 
 
 # ---- what a run is asked ------------------------------------------------------------------
@@ -131,8 +131,6 @@ class TraceOptions:
             raise BenchError("--quick is for the throughput figures, not --trace")
         if getattr(args, "placement", None) is not None:
             raise BenchError("--placement is for --cards without --trace; the trace replay uses dialog placement")
-        if args.plot is not None and not args.plot.lower().endswith(".png"):
-            raise BenchError(f"--plot {args.plot!r}: the plot is a PNG file; name it FILE.png")
         if args.in_process and args.ram is not None:
             raise BenchError("--ram is the gateway's RAM tier; --in-process runs no gateway")
         if args.in_process and args.speedup is not None:

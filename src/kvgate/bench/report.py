@@ -321,12 +321,62 @@ def check_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib, which is not installed: pip install 'kvgate[plot]'") from None
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_bars(title: str, rows: list[tuple[str, float, float, str, float]], path: str, note: str = "") -> None:
+    """One pair of bars per row (label, kvgate GiB/s, baseline GiB/s, baseline's name, the figure's ratio),
+    the ratio above each pair; drawn to ``path`` (the format from its ending: .svg or .png)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(rows) + 2), 4.5))
+    xs = range(len(rows))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], [r[1] for r in rows], width, label="kvgate", color="#2a7ab9")
+    ax.bar([x + width / 2 for x in xs], [r[2] for r in rows], width, label="baseline (same run)", color="#b0b0b0")
+    for x, (_, k, b, _name, ratio) in zip(xs, rows):
+        ax.annotate(f"{ratio:.2f}", (x, max(k, b)), textcoords="offset points", xytext=(0, 4), ha="center",
+                    fontsize=9)
+    ax.set_xticks(list(xs), [f"{r[0]}\nvs {r[3]}" for r in rows], fontsize=8)
+    ax.set_ylabel("GiB/s")
+    ax.set_title(title, fontsize=10)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, color="dimgray")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_figures(result: dict[str, Any], path: str) -> None:
+    """``kvgate bench --plot``: each throughput figure's best pass beside its baseline's."""
+    names = {"ram_get": ("RAM get to shm", "copyto"), "tcp_get": ("RAM get, TCP", "socket"),
+             "card_get_warm": ("card get, warm", "preadv"), "card_get_cold": ("card get, cold", "preadv"),
+             "card_put": ("card put", "pwritev")}
+    rows = []
+    for name, (label, plain) in names.items():
+        f = result["figures"].get(name)
+        if f is None:
+            continue
+        b = f["baseline"]
+        rows.append((label, f["kvgate"]["best_gib_s"], b["best_gib_s"], base_label(b, plain), f["ratio"]))
+    lookup = result["figures"]["lookup"]
+    cfg = result["config"]
+    plot_bars(f"kvgate bench{' --quick' if cfg['quick'] else ''}: best pass, ratio = kvgate / baseline",
+              rows, path, note=f"{fmt_size(cfg['object_size'])} objects x {cfg['batch']}, {cfg['cores']} cores; "
+                               f"lookup of {lookup['keys']} keys: p50 {lookup['p50_ms']:.2f} ms, "
+                               f"p99 {lookup['p99_ms']:.2f} ms")
+
+
+def plot_trace(result: dict[str, Any], path: str) -> None:
+    """``kvgate bench --trace --plot``: restored blocks against capacity, one line per policy."""
+    plt = _pyplot()
     tr = result["trace"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     source = "in_process" if result["config"]["in_process"] else "gateway"

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stat", help="counters and card states of a running gateway")
     _add_target(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+    p.add_argument("--namespaces", action="store_true", help="only the namespaces: objects, bytes, hits of each")
+    p.add_argument("--watch", nargs="?", const=1.0, type=float, metavar="SECONDS",
+                   help="redraw every SECONDS (default 1) with rates per second, until Ctrl-C")
+    p.add_argument("--updates", type=int, metavar="N", help=argparse.SUPPRESS)  # --watch: stop after N redraws
 
     p = sub.add_parser("fingerprint", help="print the key layout fingerprint of a config without starting")
     p.add_argument("--config", help="YAML config file")
@@ -154,71 +159,23 @@ def _admin_client(args):
 
 
 def cmd_stat(args) -> int:
+    from rich.console import Console
+
+    from kvgate import statview
+
+    if args.watch is not None and (args.json or args.watch <= 0):
+        print("kvgate stat: --watch SECONDS (above 0) redraws tables; --json prints one snapshot", file=sys.stderr)
+        return 2
     with _admin_client(args) as c:
+        if args.watch is not None:
+            statview.watch(c.stats, args.watch, args.updates, args.namespaces)
+            return 0
         snap = c.stats()
     if args.json:
-        print(json.dumps(snap, indent=2, sort_keys=True))
+        print(json.dumps(snap.get("namespaces", {}) if args.namespaces else snap, indent=2, sort_keys=True))
     else:
-        print_stats(snap)
+        Console().print(statview.view(snap, args.namespaces))
     return 0
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _read_rates(card: dict[str, Any]) -> str:
-    """A directory card's recent rates of reads copied from the page cache and of direct reads."""
-    rates = [card.get("cached_copy_bytes_per_second", 0), card.get("direct_read_bytes_per_second", 0)]
-    return " / ".join(f"{_size(r)}/s" if r else "-" for r in rates)
-
-
-def print_stats(snap: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    g = snap["gateway"]
-    engine = g["engine"]
-    con.print(f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, "
-              f"layout {g['fingerprint']} ({g['placement']}), sessions {g['sessions']}, "
-              f"engine {engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}, "
-              f"reads at {g['read_priority']} priority")
-    t = Table(title="tiers")
-    for col in ("tier", "objects", "used", "capacity", "sets", "gets", "hits", "misses", "read", "written", "evictions"):
-        t.add_column(col, justify="right")
-    for name, v in snap["tiers"].items():
-        t.add_row(name, str(v["objects"]), _size(v["used_bytes"]), _size(v["capacity_bytes"]), str(v["sets"]),
-                  str(v["gets"]), str(v["hits"]), str(v["misses"]), _size(v["bytes_read"]), _size(v["bytes_written"]),
-                  str(v["evictions"]))
-    con.print(t)
-    t = Table(title="cards")
-    for col in ("serial", "location", "state", "objects", "used", "capacity", "hits", "misses", "errors", "read",
-                "written", "copy / direct"):
-        t.add_column(col, justify="right" if col not in ("serial", "location", "state") else "left")
-    for c in snap["cards"]:
-        state = ("[yellow]read-only[/]" if c["read_only"] else "[yellow]draining[/]" if c.get("state") == "draining"
-                 else "active") if c["active"] else "[red]inactive[/]"
-        t.add_row(c["serial"] or "-", c["location"], state, str(c["objects"]),
-                  _size(c["used_bytes"]), _size(c["capacity_bytes"]), str(c["hits"]), str(c["misses"]),
-                  str(c["errors"]), _size(c["bytes_read"]), _size(c["bytes_written"]), _read_rates(c))
-    con.print(t)
-    if snap.get("namespaces"):
-        t = Table(title="namespaces")
-        for col in ("namespace", "in RAM", "on cards", "sets", "written", "gets", "hits", "read"):
-            t.add_column(col, justify="left" if col == "namespace" else "right")
-        for ns, v in sorted(snap["namespaces"].items()):
-            t.add_row(ns, f"{v['ram_objects']} / {_size(v['ram_bytes'])}", f"{v['card_objects']} / {_size(v['card_bytes'])}",
-                      str(v["sets"]), _size(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
-                      _size(v["bytes_read"]))
-        con.print(t)
-    con.print(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, "
-              f"io errors {snap['io_errors']}, io timeouts {snap['io_timeouts']}, "
-              f"oldest io {snap['oldest_io_age_s']:.3f} s")
 
 
 def cmd_clean(args) -> int:
@@ -260,16 +217,22 @@ def cmd_cards(args) -> int:
 
 def print_cards(cards: list[dict[str, Any]], generation: int, fingerprint: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title=f"cards (generation {generation}, layout {fingerprint})")
-    for col in ("serial", "location", "state", "slots", "objects", "used", "capacity"):
-        t.add_column(col, justify="left" if col in ("serial", "location", "state") else "right")
-    for c in cards:
-        t.add_row(c["serial"] or "-", c["location"], c["state"], str(c["slots"]), str(c.get("objects", "-")),
-                  _size(c["used_bytes"]) if "used_bytes" in c else "-",
-                  _size(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
-    Console().print(t)
+    from kvgate.statview import card_list_table
+
+    Console().print(card_list_table(cards, generation, fingerprint))
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader went away (then it is pointed at /dev/null, so the
+    interpreter's last flush raises nothing)."""
+    try:
+        sys.stdout.flush()
+        return False
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Unreachable as e:
         print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError as e:
+        if _stdout_gone():  # `kvgate stat --json | head`: the reader left, nothing is wrong with the gateway
+            return 0
+        print(f"kvgate: cannot reach the gateway: {e}", file=sys.stderr)
         return 2
     except (ConnectionError, FileNotFoundError) as e:
         print(f"kvgate: cannot reach the gateway: {e}", file=sys.stderr)

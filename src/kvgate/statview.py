@@ -1,0 +1,169 @@
+"""``kvgate stat``: a gateway's snapshot as tables that fit an 80-column terminal, once or live.
+
+Every table is laid out so that its column headers stay whole at 80
+columns: sizes are short (``12.3 MiB`` wraps at its space when it must),
+a card's serial and location share one column that folds, and what does
+not fit beside the counts (a card's I/O) is a table of its own.
+``watch`` redraws the tables every interval with rates per second worked
+out from the counters of the snapshot before.
+
+Runs in the ``kvgate`` command's process; it only formats what
+``Client.stats()`` returned (``kvgate.gateway.status.snapshot``'s shape).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+# Counters of each tier that --watch turns into rates.
+TIER_RATES = (("hits", "hits/s", False), ("misses", "misses/s", False), ("bytes_read", "read/s", True),
+              ("bytes_written", "written/s", True))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(title: str, columns: list[str], left: int = 1) -> Table:
+    """A table without vertical rules; the first ``left`` columns left-aligned, the rest right-aligned.
+
+    No column is narrower than its header, so a header is never cut; the first column (a name, a path)
+    folds anywhere, the others wrap their values at spaces (``12.3 MiB``).
+    """
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left")
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i < left else "right", min_width=len(col),
+                     overflow="fold" if i == 0 else "ellipsis")
+    return t
+
+
+def headline(snap: dict[str, Any]) -> Text:
+    g = snap["gateway"]
+    engine = g["engine"]
+    return Text.from_markup(
+        f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, layout {g['fingerprint']} "
+        f"({g['placement']}), sessions {g['sessions']}, engine "
+        f"{engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}, reads at {g['read_priority']} "
+        "priority")
+
+
+def tiers_table(snap: dict[str, Any]) -> Table:
+    """What each tier holds and what it served: the RAM tier, and the cards together (``long``)."""
+    t = _table("tiers", ["tier", "objects", "used", "capacity", "evicted", "hits", "misses", "read", "written"])
+    for name, v in snap["tiers"].items():
+        t.add_row(name, str(v["objects"]), fmt_bytes(v["used_bytes"]), fmt_bytes(v["capacity_bytes"]),
+                  str(v["evictions"]), str(v["hits"]), str(v["misses"]), fmt_bytes(v["bytes_read"]),
+                  fmt_bytes(v["bytes_written"]))
+    return t
+
+
+def _card_state(c: dict[str, Any]) -> str:
+    if not c["active"]:
+        return "[red]inactive[/]"
+    if c["read_only"]:
+        return "[yellow]read-only[/]"
+    return "[yellow]draining[/]" if c.get("state") == "draining" else "active"
+
+
+def cards_tables(snap: dict[str, Any]) -> list[Table]:
+    """The cards' contents and health, then their I/O (a card is its serial over its location)."""
+    t = _table("cards", ["card", "state", "objects", "used", "capacity", "hits", "misses", "errors"], left=2)
+    io = _table("card I/O", ["card", "read", "written", "page cache copies", "direct reads"])
+    for c in snap["cards"]:
+        name = f"{c['serial'] or '-'}\n[dim]{c['location']}[/]"
+        t.add_row(name, _card_state(c), str(c["objects"]), fmt_bytes(c["used_bytes"]), fmt_bytes(c["capacity_bytes"]),
+                  str(c["hits"]), str(c["misses"]), str(c["errors"]))
+        rates = [c.get("cached_copy_bytes_per_second", 0), c.get("direct_read_bytes_per_second", 0)]
+        io.add_row(name, fmt_bytes(c["bytes_read"]), fmt_bytes(c["bytes_written"]),
+                   *(f"{fmt_bytes(r)}/s" if r else "-" for r in rates))
+    return [t, io]
+
+
+def card_list_table(cards: list[dict[str, Any]], generation: int, fingerprint: str) -> Table:
+    """``kvgate cards``: the card set, pending cards too, with each card's slots."""
+    t = _table(f"cards (generation {generation}, layout {fingerprint})",
+               ["card", "state", "slots", "objects", "used", "capacity"], left=2)
+    for c in cards:
+        t.add_row(f"{c['serial'] or '-'}\n[dim]{c['location']}[/]", c["state"], str(c["slots"]),
+                  str(c.get("objects", "-")), fmt_bytes(c["used_bytes"]) if "used_bytes" in c else "-",
+                  fmt_bytes(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
+    return t
+
+
+def namespaces_tables(snap: dict[str, Any]) -> list[Table]:
+    """What each namespace holds (RAM, cards), then what it stored and read."""
+    held = _table("namespaces", ["namespace", "RAM objects", "RAM bytes", "card objects", "card bytes"])
+    traffic = _table("namespace traffic", ["namespace", "sets", "written", "gets", "hits", "read"])
+    for ns, v in sorted((snap.get("namespaces") or {}).items()):
+        held.add_row(ns, str(v["ram_objects"]), fmt_bytes(v["ram_bytes"]), str(v["card_objects"]),
+                     fmt_bytes(v["card_bytes"]))
+        traffic.add_row(ns, str(v["sets"]), fmt_bytes(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
+                        fmt_bytes(v["bytes_read"]))
+    return [held, traffic]
+
+
+def footer(snap: dict[str, Any]) -> Text:
+    return Text(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, io errors {snap['io_errors']}, "
+                f"io timeouts {snap['io_timeouts']}, oldest io {snap['oldest_io_age_s']:.3f} s")
+
+
+def rates_table(before: dict[str, Any], after: dict[str, Any], seconds: float) -> Table:
+    """Per second over the last interval: each tier's hits, misses and bytes, and the lookups."""
+
+    def rate(now: float, was: float) -> float:
+        return max(0.0, now - was) / seconds if seconds > 0 else 0.0
+
+    lookups = rate(after["lookups"], before["lookups"])
+    t = _table(f"per second over the last {seconds:.1f} s: {lookups:.0f} lookups",
+               ["tier", *(label for _, label, _ in TIER_RATES)])
+    for name, v in after["tiers"].items():
+        was = before["tiers"].get(name, v)
+        t.add_row(name, *(fmt_bytes(rate(v[k], was[k])) if is_bytes else f"{rate(v[k], was[k]):.0f}"
+                          for k, _label, is_bytes in TIER_RATES))
+    return t
+
+
+def view(snap: dict[str, Any], namespaces_only: bool = False, before: tuple[dict[str, Any], float] | None = None
+         ) -> RenderableType:
+    """Everything ``kvgate stat`` shows of ``snap`` (``before``: the snapshot of an interval ago, its age)."""
+    if namespaces_only:
+        return Group(*namespaces_tables(snap))
+    parts: list[RenderableType] = [headline(snap)]
+    if before is not None:
+        parts.append(rates_table(before[0], snap, before[1]))
+    parts += [tiers_table(snap), *cards_tables(snap)]
+    if snap.get("namespaces"):
+        parts += namespaces_tables(snap)
+    parts.append(footer(snap))
+    return Group(*parts)
+
+
+def watch(fetch: Callable[[], dict[str, Any]], interval: float, updates: int | None = None,
+          namespaces_only: bool = False, console: Console | None = None) -> None:
+    """Redraw ``view`` every ``interval`` seconds (``updates`` times, or until Ctrl-C), with rates."""
+    from rich.live import Live
+
+    con = console or Console()
+    snap, taken = fetch(), time.monotonic()
+    done = 0
+    with Live(view(snap, namespaces_only), console=con, auto_refresh=False, transient=False) as live:
+        try:
+            while updates is None or done < updates:
+                time.sleep(interval)
+                now_snap, now = fetch(), time.monotonic()
+                live.update(view(now_snap, namespaces_only, (snap, now - taken)), refresh=True)
+                snap, taken = now_snap, now
+                done += 1
+        except KeyboardInterrupt:
+            pass

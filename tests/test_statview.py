@@ -1,0 +1,92 @@
+"""``kvgate stat``'s tables (``kvgate.statview``): whole headers at 80 columns, rates, --namespaces, --watch."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from rich.console import Console
+
+from kvgate import statview
+from tests.helpers import run_kvgate
+
+LONG_NS = "vllm|meta-llama/Llama-3.1-8B-Instruct|tp0of1|bf16|a-long-namespace-name"
+
+
+@pytest.fixture
+def busy(gateway_factory, tmp_path):
+    """A gateway on a card at a long path, with two namespaces that stored and read."""
+    card = tmp_path / "a-rather-long-directory-name-for-the-cards" / "nvme0-card-directory"
+    card.mkdir(parents=True)
+    gw = gateway_factory(["--storage-devices", str(card), "--max-bytes", "64M"], create_cards=False)
+    for ns in (LONG_NS, "sglang|model-b"):
+        with gw.client(ns) as c:
+            assert all(c.put_many([b"k%d" % i for i in range(30)], [b"x" * 100_000] * 30))
+            c.get_many([b"k1", b"absent"])
+    return gw
+
+
+def _rendered(renderable, width: int = 80) -> str:
+    con = Console(width=width, record=True, color_system=None)
+    con.print(renderable)
+    return con.export_text()
+
+
+def _head(lines: list[str]) -> int:
+    """The index of a table's header line: the one above its rule."""
+    return next(i for i, line in enumerate(lines) if line.strip().startswith("─")) - 1
+
+
+def _first_column(text: str, headers: list[str]) -> str:
+    """The first column's text, lines joined (a name folded over several lines comes back whole)."""
+    lines = text.splitlines()
+    head = _head(lines)
+    end = re.search(rf"\s{re.escape(headers[1])}(\s|$)", lines[head]).start()
+    return "".join(line[:end].strip() for line in lines[head + 2:])
+
+
+def test_every_table_keeps_its_headers_whole_at_80_columns(busy) -> None:
+    snap = busy.stats()
+    tables = [statview.tiers_table(snap), *statview.cards_tables(snap), *statview.namespaces_tables(snap),
+              statview.rates_table(snap, snap, 1.0),
+              statview.card_list_table([{**c, "slots": 1024, "state": "serving"} for c in snap["cards"]], 0, "f")]
+    for t in tables:
+        text = _rendered(t)
+        assert max(len(line) for line in text.splitlines()) <= 80, text
+        headers = [str(c.header) for c in t.columns]
+        line = text.splitlines()[_head(text.splitlines())]
+        for h in headers:
+            assert re.search(rf"(^|\s){re.escape(h)}(\s|$)", line), f"{h!r} is cut in {line!r}"
+    whole = _rendered(statview.view(snap))
+    assert max(len(line) for line in whole.splitlines()) <= 80
+    cards = statview.cards_tables(snap)[0]
+    names = _first_column(_rendered(cards), [str(c.header) for c in cards.columns])
+    assert names == snap["cards"][0]["serial"] + snap["cards"][0]["location"], "serial and path fold, whole"
+
+
+def test_rates_come_from_the_counters_of_two_snapshots() -> None:
+    tier = {"hits": 10, "misses": 4, "bytes_read": 1 << 20, "bytes_written": 0}
+    before = {"tiers": {"ram": tier}, "lookups": 100}
+    after = {"tiers": {"ram": {**tier, "hits": 30, "bytes_read": 3 << 20}}, "lookups": 140}
+    text = _rendered(statview.rates_table(before, after, 2.0))
+    assert "per second over the last 2.0 s: 20 lookups" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("ram"))
+    assert row.split()[1:] == ["10", "0", "1.0", "MiB", "0", "B"]
+
+
+@pytest.mark.slow
+def test_stat_namespaces_watch_and_a_reader_that_goes(busy) -> None:
+    r = run_kvgate("stat", "--socket", busy.socket, "--namespaces", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "namespace traffic" in r.stdout and "tiers" not in r.stdout
+    held = r.stdout.split("namespace traffic")[0]
+    assert _first_column(held, ["namespace", "RAM objects"]) == "sglang|model-b" + LONG_NS, "sorted, whole"
+    r = run_kvgate("stat", "--socket", busy.socket, "--namespaces", "--json")
+    got = json.loads(r.stdout)
+    assert set(got) == {LONG_NS, "sglang|model-b"} and got["sglang|model-b"]["card_objects"] == 30
+    r = run_kvgate("stat", "--socket", busy.socket, "--watch", "0.2", "--updates", "2", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "per second over the last" in r.stdout and "cards" in r.stdout
+    bad = run_kvgate("stat", "--socket", busy.socket, "--watch", "1", "--json")
+    assert bad.returncode == 2 and "--json prints one snapshot" in bad.stderr

@@ -23,6 +23,7 @@ from typing import Any
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway.connection import Connection
+from kvgate.gateway.latency import RequestLatency
 from kvgate.gateway.sessions import Session, reply
 from kvgate.gateway.shm import RegionError, map_client_region
 from kvgate.heads import SharedHeads
@@ -88,8 +89,9 @@ class Operations:
     """
 
     def __init__(self, cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads,
-                 snapshot: Callable[[], dict[str, Any]]):
+                 snapshot: Callable[[], dict[str, Any]], latency: RequestLatency | None = None):
         self.cfg = cfg
+        self.latency = latency if latency is not None else RequestLatency()
         self.store = store
         self.pool = pool
         self.heads = heads
@@ -112,9 +114,13 @@ class Operations:
             Release: Operation(keyed(self._release), engine_only=True),
         }
 
+        # The wire name of each request type ("lookup", "get"): the label of its latency histogram.
+        self.names: dict[type, str] = {t: str(t.__struct_config__.tag) for t in self.table}
+
     async def dispatch(self, session: Session, req, body: bytes | bytearray, blen: int, conn: Connection) -> None:
         """Answer one request; its body's ``blen`` inline bytes go back to the session's share."""
         reply_body = None
+        started = time.perf_counter()
         try:
             answer, reply_body = await self.handle(session, req, body)
         except RequestError as e:
@@ -140,6 +146,7 @@ class Operations:
         finally:
             if reply_body is not None:
                 await session.inline.release(len(reply_body))
+            self.latency.observe(self.names.get(type(req), "other"), time.perf_counter() - started)
 
     async def handle(self, sess: Session, req, body: bytes) -> tuple[Any, Any]:
         op = self.table.get(type(req))

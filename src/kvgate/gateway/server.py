@@ -28,6 +28,7 @@ from kvgate import __version__
 from kvgate.cards import CardInUse
 from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
+from kvgate.gateway.latency import RequestLatency
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.listeners import Listeners
@@ -82,7 +83,8 @@ class Gateway:
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.long)
         self.sessions = Sessions(cfg, self.store, self.pool)
-        self.operations = Operations(cfg, self.store, self.pool, self.heads, self.snapshot)
+        self.latency = RequestLatency()
+        self.operations = Operations(cfg, self.store, self.pool, self.heads, self.snapshot, self.latency)
         self.listeners = Listeners(cfg, self.sessions, self.operations, self._spawn)
         self.started_at = time.time()
         self.http: status_mod.HttpStatus | None = None
@@ -253,7 +255,8 @@ class Gateway:
     def snapshot(self) -> dict[str, Any]:
         return status_mod.snapshot(self.cfg, self.store, self.pool, self.heads, self.head_sync, self.sessions,
                                    self.listeners, self.started_at, self.tcp_port,
-                                   cluster=self.card_source.status() if self.card_source is not None else None)
+                                   cluster=self.card_source.status() if self.card_source is not None else None,
+                                   latency=self.latency)
 
 
 

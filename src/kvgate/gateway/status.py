@@ -26,12 +26,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   SummaryMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvgate import __version__
 from kvgate.config import Config
 from kvgate.gateway.headsync import HeadSync
+from kvgate.gateway.latency import RequestLatency
 from kvgate.gateway.listeners import Listeners
 from kvgate.gateway.sessions import Sessions
 from kvgate.heads import SharedHeads
@@ -90,8 +92,20 @@ NAMESPACE_FIELDS = (  # at most kvgate.tiers.usage.MAX_ROWS namespaces, then one
 )
 
 
+def card_state(card: dict[str, Any]) -> str:
+    """One word for a card's state in the snapshot: serving, read_only, draining, inactive or held_out."""
+    if card.get("held_out"):
+        return "held_out"
+    if not card["active"]:
+        return "inactive"
+    if card.get("state") == "draining":
+        return "draining"
+    return "read_only" if card["read_only"] else "serving"
+
+
 def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, head_sync: HeadSync,
-             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+             sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None,
+             cluster: dict[str, Any] | None = None, latency: RequestLatency | None = None) -> dict[str, Any]:
     """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
     c = store.counters
     ram = store.ram
@@ -139,6 +153,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "shared_heads": {"blocks": len(heads), "learned": heads.learned,
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
         "cluster": cluster,
+        "request_seconds": latency.snapshot() if latency is not None else {},
     }
 
 
@@ -173,6 +188,17 @@ class _SnapshotCollector:
         yield active
         yield GaugeMetricFamily("kvgate_storage_groups_active", "cards in service",
                                 value=sum(1 for c in s["cards"] if c["active"]))
+        state = GaugeMetricFamily("kvgate_storage_group_state", "Per card: 1 for the state it is in (serving, "
+                                  "read_only, draining, inactive, held_out)", labels=["group", "state"])
+        for card in s["cards"]:
+            state.add_metric([card["serial"] or card["location"], card_state(card)], 1)
+        yield state
+        requests = HistogramMetricFamily("kvgate_request_seconds", "seconds from a request's start to its reply "
+                                         "sent, per request type", labels=["op"])
+        for op, h in s.get("request_seconds", {}).items():
+            requests.add_metric([op], [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])],
+                                sum_value=h["sum"])
+        yield requests
         for name, doc, counter in CARD_FIELDS:
             family = CounterMetricFamily if counter else GaugeMetricFamily
             m = family(f"kvgate_storage_group_{name}", f"Per card: {doc}", labels=["group"])
@@ -226,6 +252,9 @@ class _SnapshotCollector:
         yield info
         info = InfoMetricFamily("kvgate_key_placement", "key placement")
         info.add_metric([], {"placement": s["gateway"]["placement"]})
+        yield info
+        info = InfoMetricFamily("kvgate_read_priority", "priority of the card read threads (realtime or normal)")
+        info.add_metric([], {"priority": s["gateway"]["read_priority"]})
         yield info
 
 

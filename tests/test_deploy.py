@@ -1,0 +1,74 @@
+"""What the repository ships for running kvgate: the Grafana board queries only metrics a gateway exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.cluster.registry import View
+from tests.cluster.common import ETCD, EtcdServer, labelled_card
+from tests.cluster.test_gateway_cluster import _publish
+from tests.helpers import GatewayProcess, free_port, wait_until
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+BOARD = DEPLOY / "grafana" / "kvgate.json"
+METRIC = re.compile(r"\bkvgate_[a-z0-9_]+")
+
+
+def _board() -> dict:
+    return json.loads(BOARD.read_text())
+
+
+def _panels(board: dict) -> list[dict]:
+    return [p for p in board["panels"] if p["type"] != "row"]
+
+
+def test_the_board_is_a_dashboard_grafana_can_provision() -> None:
+    board = _board()
+    assert board["uid"] == "kvgate" and board["title"] == "kvgate"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    for p in _panels(board):
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert all('instance=~"$instance"' in t["expr"] for t in p["targets"]), f"{p['title']}: per gateway"
+    names = {v["name"] for v in board["templating"]["list"]}
+    assert names == {"datasource", "instance"}
+    provider = yaml.safe_load((DEPLOY / "grafana" / "dashboards.yaml").read_text())
+    assert provider["apiVersion"] == 1 and provider["providers"][0]["type"] == "file"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")
+def test_every_metric_the_board_queries_is_one_a_gateway_exports(tmp_path: Path) -> None:
+    """A gateway in cluster mode (so the cluster panels have their series) that served a few requests."""
+    wanted = {m for p in _panels(_board()) for t in p["targets"] for m in METRIC.findall(t["expr"])}
+    assert {"kvgate_hits_total", "kvgate_request_seconds_bucket", "kvgate_cluster_view_epoch"} <= wanted
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    card = labelled_card(tmp_path / "card")
+    mport = free_port()
+    gw = GatewayProcess(tmp_path / "gw", ["--cluster-etcd-endpoints", etcd.endpoint, "--cluster-name", "t",
+                                          "--cluster-view-file", str(tmp_path / "view.json"), "--storage-slots", "64",
+                                          "--max-bytes", "16M", "--metrics-port", str(mport)])
+    try:
+        _publish(etcd, View.of(1, [card], 64))
+        gw.start()
+        wait_until(lambda: gw.stats()["cards"], 10, gw.log)
+        with gw.client("board|ns") as c:
+            assert all(c.put_many([b"a", b"b"], [b"x" * 5000] * 2))
+            c.get_many([b"a", b"missing"])
+            c.lookup([b"a", b"b"])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+    finally:
+        gw.stop()
+        etcd.stop()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    missing = sorted(wanted - exported)
+    assert not missing, f"the board queries metrics no gateway exports: {missing}"

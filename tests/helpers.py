@@ -186,7 +186,7 @@ class GatewayProcess(processes.GatewayProcess):
 
     def __init__(self, workdir: str | os.PathLike, args: Sequence[str] = (), *, card: str | os.PathLike | None = None,
                  socket_path: str | os.PathLike | None = None, defaults: bool = True, name: str | None = None,
-                 create_cards: bool = True):
+                 create_cards: bool = True, env: dict[str, str] | None = None):
         GatewayProcess._count += 1
         workdir = Path(workdir)
         name = name or f"gw{GatewayProcess._count}"
@@ -200,7 +200,7 @@ class GatewayProcess(processes.GatewayProcess):
             del flags["--storage-devices"]
         super().__init__(workdir, [x for f, v in flags.items() for x in (f, *v)], name=name, cwd=workdir,
                          log_path=workdir / f"{name}.stderr.log", out_path=workdir / f"{name}.stdout.log",
-                         create_cards=create_cards)
+                         create_cards=create_cards, env=env)
         self._shm_files: set[str] = set()
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:

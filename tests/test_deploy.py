@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -72,3 +75,28 @@ def test_every_metric_the_board_queries_is_one_a_gateway_exports(tmp_path: Path)
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     missing = sorted(wanted - exported)
     assert not missing, f"the board queries metrics no gateway exports: {missing}"
+
+
+def test_the_example_config_is_one_a_gateway_takes() -> None:
+    from kvgate.config import load
+
+    cfg = load(str(DEPLOY / "systemd" / "kvgate.yaml"))
+    assert cfg.socket_path == "/run/kvgate/kvgate.sock" and cfg.storage_devices == ["/var/lib/kvgate/card0"]
+    assert cfg.read_priority == "realtime" and cfg.max_bytes == 16 << 30
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_the_systemd_unit_verifies_and_runs_as_its_own_user_with_realtime_reads(tmp_path: Path) -> None:
+    unit = (DEPLOY / "systemd" / "kvgate.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert settings["Type"] == "notify" and settings["User"] == "kvgate" and settings["LimitRTPRIO"] == "1"
+    assert settings["NoNewPrivileges"] == "true" and settings["ProtectSystem"] == "strict"
+    assert "/dev/shm" in settings["ReadWritePaths"], "the engine's shared memory"
+    assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID" and settings["Restart"] == "on-failure"
+    # verify checks that ExecStart's program exists: point it at this checkout's kvgate.
+    kvgate = Path(sys.executable).with_name("kvgate")
+    here = tmp_path / "kvgate.service"
+    here.write_text(unit.replace("/usr/local/bin/kvgate", str(kvgate)))
+    r = subprocess.run(["systemd-analyze", "verify", str(here)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr

@@ -29,6 +29,7 @@ from kvgate.cards import CardInUse
 from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
 from kvgate.gateway.latency import RequestLatency
+from kvgate.gateway.sdnotify import notify
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.listeners import Listeners
@@ -195,6 +196,8 @@ class Gateway:
         await self._stopped.wait()
 
     def request_stop(self) -> None:
+        if not self._stopped.is_set():
+            notify("STOPPING=1")
         self._stopped.set()
 
     def request_reload(self, load: Callable[[], Config]) -> None:
@@ -202,6 +205,13 @@ class Gateway:
         self._spawn(self._reload(load))
 
     async def _reload(self, load: Callable[[], Config]) -> None:
+        notify("RELOADING=1", "STATUS=reloading the config")
+        try:
+            await self._reload_devices(load)
+        finally:
+            notify("READY=1", "STATUS=serving")
+
+    async def _reload_devices(self, load: Callable[[], Config]) -> None:
         try:
             cfg = await self.pool.run(load)  # reads the file: off the loop
         except (ConfigError, OSError) as e:
@@ -283,6 +293,7 @@ async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
         raise
     if ready is not None:
         ready.set()
+    notify("READY=1", f"STATUS=serving; {len(gw.store.long.cards)} cards")
     try:
         await gw.serve_until_stopped()
     finally:

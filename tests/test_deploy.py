@@ -100,3 +100,64 @@ def test_the_systemd_unit_verifies_and_runs_as_its_own_user_with_realtime_reads(
     here.write_text(unit.replace("/usr/local/bin/kvgate", str(kvgate)))
     r = subprocess.run(["systemd-analyze", "verify", str(here)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+MANIFESTS = sorted((DEPLOY / "kubernetes").rglob("*.yaml"))
+
+
+def _resources() -> list[tuple[str, dict]]:
+    return [(p.relative_to(DEPLOY).as_posix(), doc) for p in MANIFESTS for doc in yaml.safe_load_all(p.read_text())
+            if doc and doc.get("kind") != "Kustomization"]
+
+
+def test_every_kubernetes_manifest_validates_against_the_schemas_strictly() -> None:
+    import kubernetes_validate
+
+    resources = _resources()
+    assert {doc["kind"] for _, doc in resources} >= {"DaemonSet", "Deployment", "ConfigMap", "Secret", "Service"}
+    for where, doc in resources:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)  # raises, naming it
+    kustomization = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
+    listed = {DEPLOY / "kubernetes" / r for r in kustomization["resources"]}
+    assert listed == {p for p in MANIFESTS if p.parent.name == "kubernetes" and p.name != "kustomization.yaml"}
+
+
+def test_the_manifests_configs_are_ones_a_gateway_takes_and_the_pods_share_what_it_needs() -> None:
+    from kvgate.config import from_mapping
+
+    for where, doc in _resources():
+        if doc["kind"] == "ConfigMap":
+            cfg = from_mapping(yaml.safe_load(doc["data"]["kvgate.yaml"]))
+            assert cfg.socket_path == "/run/kvgate/kvgate.sock" and cfg.read_priority == "realtime", where
+        if doc["kind"] in ("DaemonSet", "Deployment"):
+            spec = doc["spec"]["template"]["spec"]
+            (gw,) = [c for c in spec["containers"] if c["name"] == "kvgate"]
+            assert gw["securityContext"]["capabilities"]["add"] == ["SYS_NICE"], where
+            assert gw["readinessProbe"]["httpGet"]["path"] == "/healthz", where
+            mounts = {m["mountPath"] for m in gw["volumeMounts"]}
+            assert {"/dev/shm", "/run/kvgate", "/var/lib/kvgate/cards"} <= mounts, where
+            for other in spec["containers"]:  # an engine beside it shares the socket and the shared memory
+                if other is not gw:
+                    assert {"/dev/shm", "/run/kvgate"} <= {m["mountPath"] for m in other["volumeMounts"]}, where
+
+
+def _engine_up(engine: str) -> bool:
+    try:
+        return subprocess.run([engine, "info"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+def test_the_container_image_builds_where_a_container_engine_runs(tmp_path: Path) -> None:
+    text = (DEPLOY / "container" / "Containerfile").read_text()
+    assert 'ENTRYPOINT ["kvgate", "serve"]' in text and "USER 10001" in text, "runs the gateway, not as root"
+    engine = next((e for e in ("podman", "docker") if shutil.which(e) and _engine_up(e)), None)
+    if engine is None:
+        pytest.skip("no container engine runs here (podman or a docker daemon): the image is not built")
+    root = DEPLOY.parent
+    r = subprocess.run([engine, "build", "-f", str(DEPLOY / "container" / "Containerfile"), "-t", "kvgate:test",
+                        str(root)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([engine, "run", "--rm", "kvgate:test", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "storage-devices" in r.stdout

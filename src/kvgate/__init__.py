@@ -14,7 +14,10 @@ and, for asyncio, the same operations awaited:
         await c.lookup([b"k1", b"k2", b"k3"])
 """
 
-__version__ = "0.1.0"
+try:  # written at install from git: "0.1.dev330+g1a2b3c4" names the commit a build was made from
+    from kvgate._version import version as __version__
+except ImportError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 from kvgate.asyncclient import AsyncClient  # noqa: E402
 from kvgate.client import Client, GatewayError, ObjectTooLarge  # noqa: E402

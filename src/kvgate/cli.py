@@ -32,7 +32,10 @@ def _target(args) -> tuple[str, str | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvgate import __version__
+
     parser = argparse.ArgumentParser(prog="kvgate", description="KV-cache storage gateway for LLM inference engines")
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the gateway in the foreground")

@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang
+.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -126,6 +126,11 @@ bench-vllm: $(VLLM_STAMP)
 # ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min).
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python benchmarks/sglang_bench.py $(ARGS)
+
+# The operator docs (docs/, MkDocs) into var/site; the configuration page is generated from the config table.
+docs: $(STAMP)
+	$(BIN)/python docs/gen_config.py
+	$(BIN)/mkdocs build --strict
 
 clean-var:
 	rm -rf var

@@ -23,7 +23,7 @@ from typing import Any
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway.connection import Connection
-from kvgate.gateway.latency import RequestLatency
+from kvgate.latency import Latencies
 from kvgate.gateway.sessions import Session, reply
 from kvgate.gateway.shm import RegionError, map_client_region
 from kvgate.heads import SharedHeads
@@ -89,9 +89,9 @@ class Operations:
     """
 
     def __init__(self, cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads,
-                 snapshot: Callable[[], dict[str, Any]], latency: RequestLatency | None = None):
+                 snapshot: Callable[[], dict[str, Any]], latency: Latencies | None = None):
         self.cfg = cfg
-        self.latency = latency if latency is not None else RequestLatency()
+        self.latency = latency if latency is not None else Latencies()
         self.store = store
         self.pool = pool
         self.heads = heads

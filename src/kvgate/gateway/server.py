@@ -28,7 +28,7 @@ from kvgate import __version__
 from kvgate.cards import CardInUse
 from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
-from kvgate.gateway.latency import RequestLatency
+from kvgate.latency import Latencies
 from kvgate.gateway.sdnotify import notify
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
@@ -84,7 +84,7 @@ class Gateway:
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.long)
         self.sessions = Sessions(cfg, self.store, self.pool)
-        self.latency = RequestLatency()
+        self.latency = Latencies()
         self.operations = Operations(cfg, self.store, self.pool, self.heads, self.snapshot, self.latency)
         self.listeners = Listeners(cfg, self.sessions, self.operations, self._spawn)
         self.started_at = time.time()

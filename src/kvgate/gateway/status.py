@@ -33,7 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvgate import __version__
 from kvgate.config import Config
 from kvgate.gateway.headsync import HeadSync
-from kvgate.gateway.latency import RequestLatency
+from kvgate.latency import Latencies
 from kvgate.gateway.listeners import Listeners
 from kvgate.gateway.sessions import Sessions
 from kvgate.heads import SharedHeads
@@ -105,7 +105,7 @@ def card_state(card: dict[str, Any]) -> str:
 
 def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, head_sync: HeadSync,
              sessions: Sessions, listeners: Listeners, started_at: float, tcp_port: int | None,
-             cluster: dict[str, Any] | None = None, latency: RequestLatency | None = None) -> dict[str, Any]:
+             cluster: dict[str, Any] | None = None, latency: Latencies | None = None) -> dict[str, Any]:
     """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
     c = store.counters
     ram = store.ram
@@ -154,6 +154,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
         "cluster": cluster,
         "request_seconds": latency.snapshot() if latency is not None else {},
+        "card_io_seconds": store.card_io_seconds.snapshot(),
     }
 
 
@@ -193,12 +194,10 @@ class _SnapshotCollector:
         for card in s["cards"]:
             state.add_metric([card["serial"] or card["location"], card_state(card)], 1)
         yield state
-        requests = HistogramMetricFamily("kvgate_request_seconds", "seconds from a request's start to its reply "
-                                         "sent, per request type", labels=["op"])
-        for op, h in s.get("request_seconds", {}).items():
-            requests.add_metric([op], [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])],
-                                sum_value=h["sum"])
-        yield requests
+        yield _histogram("kvgate_request_seconds", "seconds from a request's start to its reply sent, per request "
+                         "type", "op", s.get("request_seconds", {}))
+        yield _histogram("kvgate_card_io_seconds", "seconds a card I/O call ran on its card thread, per call, all "
+                         "cards together", "call", s.get("card_io_seconds", {}))
         for name, doc, counter in CARD_FIELDS:
             family = CounterMetricFamily if counter else GaugeMetricFamily
             m = family(f"kvgate_storage_group_{name}", f"Per card: {doc}", labels=["group"])
@@ -256,6 +255,15 @@ class _SnapshotCollector:
         info = InfoMetricFamily("kvgate_read_priority", "priority of the card read threads (realtime or normal)")
         info.add_metric([], {"priority": s["gateway"]["read_priority"]})
         yield info
+
+
+def _histogram(name: str, doc: str, label: str, snap: dict[str, Any]) -> HistogramMetricFamily:
+    """A ``kvgate.latency.Latencies`` snapshot as one histogram family, a series per name."""
+    m = HistogramMetricFamily(name, doc, labels=[label])
+    for key, h in snap.items():
+        m.add_metric([key], [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])],
+                     sum_value=h["sum"])
+    return m
 
 
 def render(snapshot: dict[str, Any]) -> bytes:

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
 from kvgate.cards.base import StoredObject
 from kvgate.config import Config
@@ -73,9 +74,10 @@ class TierHooks:
     """What a card reports to the tiers above it: shared objects and counters (``TieredStore`` owns them)."""
 
     def __init__(self, usage: NamespaceUsage, holds: Holds, on_corrupt: Callable[[int], None] | None = None,
-                 on_expired: Callable[[int], None] = lambda n: None) -> None:
+                 on_expired: Callable[[int], None] = lambda n: None, io_seconds: Latencies | None = None) -> None:
         self.usage = usage
         self.holds = holds
+        self.io_seconds = io_seconds if io_seconds is not None else Latencies()  # every card's I/O calls
         self.on_corrupt = on_corrupt  # the scan deleted n broken objects
         self.on_expired = on_expired  # n objects found past the ttl (deleted)
 
@@ -99,7 +101,8 @@ class ManagedCard:
         self.cfg = cfg
         self.pool = pool  # the general pool: scans
         self.hooks = hooks
-        self.io = io or CardIo(cfg.thread_pool_size, cfg.io_timeout_ms / 1000, "kvgate-card", realtime=pool.realtime)
+        self.io = io or CardIo(cfg.thread_pool_size, cfg.io_timeout_ms / 1000, "kvgate-card", realtime=pool.realtime,
+                               latencies=hooks.io_seconds)
         self.serial: str | None = None
         self.capacity = 0
         self.index = CardIndex(hooks.usage, cfg.eviction_policy)

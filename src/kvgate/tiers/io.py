@@ -52,6 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
+from kvgate.latency import Latencies
 from kvgate.memcopy import Abandon
 
 T = TypeVar("T")
@@ -219,9 +220,11 @@ class CardIo(IoPool):
     calls fail at once.
     """
 
-    def __init__(self, threads: int, timeout_s: float, name: str, realtime: bool = False):
+    def __init__(self, threads: int, timeout_s: float, name: str, realtime: bool = False,
+                 latencies: Latencies | None = None):
         super().__init__(threads, name, realtime)
         self.timeout_s = timeout_s
+        self.latencies = latencies  # each call's seconds on its thread, under the called method's name
         self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-hint")
         self._hint_slots = threading.BoundedSemaphore(HINT_BACKLOG)
         self.hints_dropped = 0
@@ -249,12 +252,15 @@ class CardIo(IoPool):
         deadline = loop.time() + self.timeout_s
         self._busy += 1
         ticket = self._track()
+        started = time.monotonic()
 
         def done(_f) -> None:
             self._inflight.pop(ticket, None)
             self._busy -= 1
             self._progress = time.monotonic()
             self._free.release()
+            if self.latencies is not None:
+                self.latencies.observe(getattr(fn, "__name__", "call"), self._progress - started)
 
         try:
             fut = self._submit(fn, args, urgent)

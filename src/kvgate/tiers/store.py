@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvgate import memcopy
+from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import key_digest
@@ -126,8 +127,9 @@ class TieredStore:
         self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
                            on_expired=self._count_expired, usage=self.usage)
         self.holds = Holds()
+        self.card_io_seconds = Latencies()
         self.long = CardSet(cfg, pool, TierHooks(self.usage, self.holds, on_corrupt=self._count_corrupt,
-                                                 on_expired=self._count_expired))
+                                                 on_expired=self._count_expired, io_seconds=self.card_io_seconds))
         self.finder = KeyFinder(self.long)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         memcopy.check()

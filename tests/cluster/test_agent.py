@@ -86,8 +86,11 @@ def test_an_agent_registers_its_cards_publishes_and_its_liveness_goes_with_it(tm
     assert {doc["agent"] for doc in alive.values()} == {"a1"}
     wait_until(lambda: view_of(etcd.endpoint)[1] == sorted(alive), 10, a1.log_tail)
     assert set(states(etcd.endpoint).values()) == {CardState.ACTIVE}
-    (agent_doc,) = ask(etcd.endpoint, lambda reg: reg.agents()).values()
-    assert agent_doc["cards"] == sorted(alive) and agent_doc["export"] is None and agent_doc["etcd_member"] is None
+    # The agent's own doc lists its cards from the round that reports them alive.
+    docs = wait_until(lambda: (d := ask(etcd.endpoint, lambda reg: reg.agents())) and
+                      list(d.values())[0]["cards"] == sorted(alive) and d, 5, a1.log_tail)
+    (agent_doc,) = docs.values()
+    assert agent_doc["export"] is None and agent_doc["etcd_member"] is None
     out = run_kvgate("cluster", "leader", "--json", "--etcd-endpoints", etcd.endpoint, "--cluster-name", CLUSTER)
     assert json.loads(out.stdout) == {"leader": "a1"}, out.stderr
 

@@ -145,6 +145,7 @@ class ClusterAgent:
         self._checking: set[str] = set()  # checks still running (a hung mount must not pile threads up)
         self.reported: set[str] = set()  # serials whose alive/ key stands under the current lease
         self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
+        self._doc_cards = -1  # how many cards the agents/<name> put last listed
         # Directory cards served to gateways on other hosts (``--export``): registered as kvgate:// addresses.
         self.exporter = (CardExporter([], *settings.export, token=settings.token) if settings.export is not None
                          else None)
@@ -248,6 +249,13 @@ class ClusterAgent:
                 elif not ok and serial in self.reported:
                     await self.registry.withdraw_alive(serial)
                     self.reported.discard(serial)
+            await self._report_doc(lease)
+
+    async def _report_doc(self, lease: int) -> None:
+        """``agents/<name>`` again when the cards it serves changed since it was put (a card opened)."""
+        if self._doc_cards != len(self.served):
+            await self.registry.report_agent(lease, self.s.name, self.agent_doc())
+            self._doc_cards = len(self.served)
 
     async def register_cards(self) -> None:
         for serial in sorted(self.unregistered):
@@ -278,13 +286,12 @@ class ClusterAgent:
             for serial in sorted(healthy):
                 await self._report_card(lease, self.served[serial])
             await self.registry.report_agent(lease, self.s.name, self.agent_doc())
-            self.lease, self.reported = lease, healthy
+            self.lease, self.reported, self._doc_cards = lease, healthy, len(self.served)
 
     async def keep_liveness(self) -> None:
         """Keep a lease and the keys under it, whatever etcd does meanwhile (module docstring)."""
         renew_s = self.s.liveness_ttl_s / 3
         last_ok = time.monotonic()
-        reported_cards = -1
         given_up: int | None = None
         while True:
             try:
@@ -295,7 +302,7 @@ class ClusterAgent:
                     except RegistryUnavailable:
                         await self._quietly(self.registry.revoke(lease))
                         raise
-                    last_ok, reported_cards = time.monotonic(), len(self.served)
+                    last_ok = time.monotonic()
                     log.info("lease %x granted (TTL %d s): %d cards reported alive, agent %s reported", lease,
                              self.s.liveness_ttl_s, len(self.reported), self.s.name)
                     if given_up is not None:
@@ -312,9 +319,8 @@ class ClusterAgent:
                         self.lease = None
                         continue
                     last_ok = time.monotonic()
-                    if reported_cards != len(self.served):  # a card opened since: the agent's doc lists it
-                        await self.registry.report_agent(self.lease, self.s.name, self.agent_doc())
-                        reported_cards = len(self.served)
+                    async with self._keys:
+                        await self._report_doc(self.lease)
                 self._up("liveness")
             except RegistryUnavailable as e:
                 self._failed("liveness", e)

@@ -143,3 +143,9 @@ def test_kvgate_cards_help_names_every_action(capsys) -> None:
     out = capsys.readouterr().out
     for word in ("list", "add", "drain", "undrain", "remove", "--now", "--json", "SIGHUP"):
         assert word in out, (word, out)
+
+
+def test_a_token_file_that_cannot_be_read_is_named_not_taken_for_an_unreachable_gateway(tmp_path, capsys) -> None:
+    assert main(["stat", "--socket", str(tmp_path / "gw.sock"), "--token-file", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert "--token-file: cannot read" in err and "cannot reach" not in err

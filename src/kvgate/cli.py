@@ -24,10 +24,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _target(args) -> tuple[str, str | None]:
-    token = None
-    if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+    token = config_mod.read_token(args.token_file, "--token-file") if args.token_file else None
     return args.address or args.socket or config_mod.default_socket_path(args.port), token
 
 

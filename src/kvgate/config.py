@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import ipaddress
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping

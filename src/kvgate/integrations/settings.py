@@ -13,6 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvgate.config import read_token
 from kvgate.types import RETENTION_NAMES, Retention
 
 
@@ -100,12 +101,9 @@ class TierSettings:
         token = None
         if token_file:
             try:
-                with open(token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ConfigError(f"kvgate.token_file: cannot read {token_file!r}: {e}") from e
-            if not token:
-                raise ConfigError(f"kvgate.token_file: {token_file!r} is empty")
+                token = read_token(token_file, "kvgate.token_file")
+            except ValueError as e:  # kvgate.config's ConfigError: the same words, in this module's error
+                raise ConfigError(str(e)) from None
         if namespace is not None:
             if not isinstance(namespace, str) or not namespace or len(namespace.encode()) > 255:
                 raise ConfigError(f"kvgate.namespace: expected a non-empty string of at most 255 bytes, "

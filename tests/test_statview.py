@@ -90,3 +90,15 @@ def test_stat_namespaces_watch_and_a_reader_that_goes(busy) -> None:
     assert "per second over the last" in r.stdout and "cards" in r.stdout
     bad = run_kvgate("stat", "--socket", busy.socket, "--watch", "1", "--json")
     assert bad.returncode == 2 and "--json prints one snapshot" in bad.stderr
+
+
+def test_names_a_client_chose_are_shown_as_they_are_never_as_markup() -> None:
+    """Namespaces come from clients and paths from operators: ``[/]`` or ``[bold]`` in one is text."""
+    snap = {"namespaces": {"[bold]x[/bold]": {"ram_objects": 1, "ram_bytes": 1, "card_objects": 0, "card_bytes": 0,
+                                              "sets": 1, "bytes_written": 1, "gets": 0, "hits": 0, "bytes_read": 0},
+                           "odd[/]": {"ram_objects": 0, "ram_bytes": 0, "card_objects": 0, "card_bytes": 0,
+                                      "sets": 0, "bytes_written": 0, "gets": 0, "hits": 0, "bytes_read": 0}}}
+    text = _rendered(statview.view(snap, namespaces_only=True), width=120)
+    assert "[bold]x[/bold]" in text and "odd[/]" in text
+    card = {"serial": "s", "location": "/mnt/[a]/card", "state": "serving", "slots": 1}
+    assert "/mnt/[a]/card" in _rendered(statview.card_list_table([card], 0, "f"), width=120)

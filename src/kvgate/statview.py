@@ -19,6 +19,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -62,10 +63,15 @@ def tiers_table(snap: dict[str, Any]) -> Table:
     """What each tier holds and what it served: the RAM tier, and the cards together (``long``)."""
     t = _table("tiers", ["tier", "objects", "used", "capacity", "evicted", "hits", "misses", "read", "written"])
     for name, v in snap["tiers"].items():
-        t.add_row(name, str(v["objects"]), fmt_bytes(v["used_bytes"]), fmt_bytes(v["capacity_bytes"]),
+        t.add_row(escape(name), str(v["objects"]), fmt_bytes(v["used_bytes"]), fmt_bytes(v["capacity_bytes"]),
                   str(v["evictions"]), str(v["hits"]), str(v["misses"]), fmt_bytes(v["bytes_read"]),
                   fmt_bytes(v["bytes_written"]))
     return t
+
+
+def _card_name(c: dict[str, Any]) -> str:
+    """A card's serial over its location (dimmed); both escaped, as a path may hold ``[``."""
+    return f"{escape(c['serial'] or '-')}\n[dim]{escape(c['location'])}[/]"
 
 
 def _card_state(c: dict[str, Any]) -> str:
@@ -81,7 +87,7 @@ def cards_tables(snap: dict[str, Any]) -> list[Table]:
     t = _table("cards", ["card", "state", "objects", "used", "capacity", "hits", "misses", "errors"], left=2)
     io = _table("card I/O", ["card", "read", "written", "page cache copies", "direct reads"])
     for c in snap["cards"]:
-        name = f"{c['serial'] or '-'}\n[dim]{c['location']}[/]"
+        name = _card_name(c)
         t.add_row(name, _card_state(c), str(c["objects"]), fmt_bytes(c["used_bytes"]), fmt_bytes(c["capacity_bytes"]),
                   str(c["hits"]), str(c["misses"]), str(c["errors"]))
         rates = [c.get("cached_copy_bytes_per_second", 0), c.get("direct_read_bytes_per_second", 0)]
@@ -95,7 +101,7 @@ def card_list_table(cards: list[dict[str, Any]], generation: int, fingerprint: s
     t = _table(f"cards (generation {generation}, layout {fingerprint})",
                ["card", "state", "slots", "objects", "used", "capacity"], left=2)
     for c in cards:
-        t.add_row(f"{c['serial'] or '-'}\n[dim]{c['location']}[/]", c["state"], str(c["slots"]),
+        t.add_row(_card_name(c), escape(c["state"]), str(c["slots"]),
                   str(c.get("objects", "-")), fmt_bytes(c["used_bytes"]) if "used_bytes" in c else "-",
                   fmt_bytes(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
     return t
@@ -106,9 +112,9 @@ def namespaces_tables(snap: dict[str, Any]) -> list[Table]:
     held = _table("namespaces", ["namespace", "RAM objects", "RAM bytes", "card objects", "card bytes"])
     traffic = _table("namespace traffic", ["namespace", "sets", "written", "gets", "hits", "read"])
     for ns, v in sorted((snap.get("namespaces") or {}).items()):
-        held.add_row(ns, str(v["ram_objects"]), fmt_bytes(v["ram_bytes"]), str(v["card_objects"]),
+        held.add_row(escape(ns), str(v["ram_objects"]), fmt_bytes(v["ram_bytes"]), str(v["card_objects"]),
                      fmt_bytes(v["card_bytes"]))
-        traffic.add_row(ns, str(v["sets"]), fmt_bytes(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
+        traffic.add_row(escape(ns), str(v["sets"]), fmt_bytes(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
                         fmt_bytes(v["bytes_read"]))
     return [held, traffic]
 

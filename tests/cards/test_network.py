@@ -608,7 +608,13 @@ def test_a_server_with_a_token_serves_only_those_who_present_it(tmp_path: Path, 
         msg, _ = reply(s)  # an error, then the door closes
         assert isinstance(msg, w.Err) and "valid token" in msg.message
         assert closed(s)
-        assert ex.requests["refused_token"] == 3
+        assert ex.requests["refused_token"] == 3, "the two cards' opens and the stranger"
+        rotated = NetworkCard(url, token_file=str(wrong))  # the file is read at each connect, not once
+        with pytest.raises(CardUnavailable, match="needs a valid token"):
+            rotated.open()
+        wrong.write_text("s3cret-card-token")
+        assert rotated.open() == local.serial, "the file's new token is used without a new card"
+        rotated.close()
         good = NetworkCard(url, token_file=str(token))
         assert good.open() == local.serial
         k = key("kept")

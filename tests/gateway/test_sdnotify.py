@@ -36,7 +36,7 @@ def test_ready_reloading_and_stopping_reach_the_service_manager(gateway_factory,
     os.kill(gw.pid, signal.SIGHUP)
     assert _next(s)[0] == "RELOADING=1"
     assert _next(s)[0] == "READY=1", "ready again once the config is applied"
-    gw.stop()
+    assert gw.stop() == 0, "SIGTERM is a clean stop"
     assert _next(s) == ["STOPPING=1"]
 
 

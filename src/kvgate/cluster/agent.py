@@ -254,8 +254,10 @@ class ClusterAgent:
     async def _report_doc(self, lease: int) -> None:
         """``agents/<name>`` again when the cards it serves changed since it was put (a card opened)."""
         if self._doc_cards != len(self.served):
-            await self.registry.report_agent(lease, self.s.name, self.agent_doc())
-            self._doc_cards = len(self.served)
+            doc = self.agent_doc()
+            await self.registry.report_agent(lease, self.s.name, doc)
+            # What the doc put lists, not what is served now: a card opened during the put goes in the next.
+            self._doc_cards = len(doc["cards"])
 
     async def register_cards(self) -> None:
         for serial in sorted(self.unregistered):
@@ -285,8 +287,9 @@ class ClusterAgent:
             healthy = {serial for serial, ok in self.healthy.items() if ok}
             for serial in sorted(healthy):
                 await self._report_card(lease, self.served[serial])
-            await self.registry.report_agent(lease, self.s.name, self.agent_doc())
-            self.lease, self.reported, self._doc_cards = lease, healthy, len(self.served)
+            doc = self.agent_doc()
+            await self.registry.report_agent(lease, self.s.name, doc)
+            self.lease, self.reported, self._doc_cards = lease, healthy, len(doc["cards"])
 
     async def keep_liveness(self) -> None:
         """Keep a lease and the keys under it, whatever etcd does meanwhile (module docstring)."""

@@ -106,3 +106,81 @@ def test_connection_limit_and_stop_with_a_body_half_received(tcp_gateway) -> Non
         half.close()
         for c in held:
             c.close()
+
+
+# ---- replies sent from the RAM tier's own pages -----------------------------------------------
+
+
+def _ram_pinned(gw) -> int:
+    return gw.stats()["tiers"]["ram"]["pinned_bytes"]
+
+
+@pytest.mark.slow
+def test_a_reply_sent_from_the_ram_tier_keeps_its_bytes_while_the_client_is_slow(tcp_gateway) -> None:
+    """A get reply goes out from the RAM tier's pages: while a client takes its time reading it, those
+    objects are replaced and the whole tier is written over, and the client still reads exactly the bytes
+    it asked for; once the reply is out, nothing stays pinned."""
+    gw, port = tcp_gateway
+    keys = [f"lent-{i}".encode() for i in range(3)]
+    before = [os.urandom(2 << 20) for _ in keys]
+    with Client.connect(f"127.0.0.1:{port}", namespace="inline", engine_id="inline") as c:
+        assert all(c.put_many(keys, before, retention="short"))
+        slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply stalls in the gateway's send
+        slow.connect(("127.0.0.1", port))
+        slow.settimeout(20)
+        with slow:
+            slow.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
+            assert isinstance(_read_reply(slow)[0], p.HelloReply)
+            slow.sendall(_frame(p.Get(id=2, keys=keys, region=p.INLINE)))
+            deadline = time.monotonic() + 10
+            while _ram_pinned(gw) < 3 * (2 << 20) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _ram_pinned(gw) >= 3 * (2 << 20), "the reply's objects are not held while it is sent"
+            # replace them, then write the tier (128 MiB) over twice: no page of the stalled reply is reused
+            assert all(c.put_many(keys, [os.urandom(2 << 20) for _ in keys], retention="short"))
+            filler = os.urandom(4 << 20)
+            for i in range(64):
+                c.put_many([f"fill-{i}".encode()], [filler], retention="short")
+            reply, body = _read_reply(slow)
+        assert isinstance(reply, p.GetReply), reply
+        assert list(reply.sizes) == [len(b) for b in before]
+        assert [body[o : o + s] for o, s in zip(reply.offsets, reply.sizes)] == before
+        assert _ram_pinned(gw) == 0
+        # a client that goes away mid-reply gives its objects back too
+        for _ in range(2):
+            gone = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            gone.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            gone.connect(("127.0.0.1", port))
+            gone.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
+            _read_reply(gone)
+            gone.sendall(_frame(p.Get(id=2, keys=[f"fill-{i}".encode() for i in range(60, 64)], region=p.INLINE)))
+            time.sleep(0.2)
+            gone.close()
+        deadline = time.monotonic() + 10
+        while _ram_pinned(gw) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _ram_pinned(gw) == 0
+        assert c.get_many([b"fill-63"]) == [filler]
+
+
+@pytest.mark.slow
+def test_a_reply_mixes_ram_objects_card_objects_and_misses_in_order(gateway_factory, tmp_path) -> None:
+    """RAM-tier pages and card reads share one reply body, each object at its offset."""
+    port = free_port()
+    card = tmp_path / "card"
+    gw = gateway_factory(["--port", str(port), "--max-bytes", "16M", "--storage-devices", str(card)])
+    datas = [os.urandom(n) for n in (1 << 20, 3 << 20, 5, 300 << 10, 2 << 20)]
+    keys = [f"mixed-{i}".encode() for i in range(len(datas))]
+    with Client.connect(f"127.0.0.1:{port}", namespace="inline", engine_id="inline") as c:
+        assert all(c.put_many(keys, datas, retention="long"))
+        # push the first ones out of the RAM tier (short objects would go first): they are read from the card
+        for i in range(8):
+            c.put_many([f"push-{i}".encode()], [os.urandom(2 << 20)], retention="long")
+        st = gw.stats()["tiers"]
+        assert st["long"]["objects"] >= len(keys)
+        got = c.get_many([keys[0], b"absent", *keys[1:], b"absent-too"])
+        assert got == [datas[0], None, *datas[1:], None]
+        st2 = gw.stats()["tiers"]
+        assert st2["long"]["hits"] > st["long"]["hits"], "no object came from the card"
+        assert _ram_pinned(gw) == 0

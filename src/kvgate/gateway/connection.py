@@ -14,9 +14,9 @@ in between:
   pipelined frames), or, while a body is being read, the body's own buffer;
   only the few bytes that came in with the header pass through the staging
   buffer.  A full staging buffer stops the reading until it is consumed;
-- a reply is sent from the caller's buffer with ``loop.sock_sendall``, which
-  returns once the socket took all of it; replies of concurrent requests go
-  out one whole frame at a time.
+- a reply is sent from the caller's buffers with gather writes (``sendmsg``)
+  each time the socket has room; ``send`` returns once the socket took all
+  of it; replies of concurrent requests go out one whole frame at a time.
 
 Every read and send may take a deadline (``loop.time()`` based): the wait
 past it raises ``TimeoutError`` (a send past it gives up and sends no more).
@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -40,6 +40,31 @@ LISTEN_BACKLOG = 100  # what asyncio.start_server used
 _ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _SCRATCH = memoryview(bytearray(STAGE_BYTES))  # bytes read to be dropped go here (never read back: one is enough)
+IOV_MAX = 1024  # Linux's limit on the buffers of one sendmsg
+
+Buffer = bytes | bytearray | memoryview
+Body = Buffer | Sequence[Buffer]
+
+
+def body_segments(body: Body | None) -> list[memoryview]:
+    """A frame body as byte views, in order (empty ones left out)."""
+    if body is None:
+        return []
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        body = [body]
+    out = []
+    for b in body:
+        v = memoryview(b)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        if v.nbytes:
+            out.append(v)
+    return out
+
+
+def body_length(body: Body | None) -> int:
+    """The bytes of a frame body (one buffer or a list of them)."""
+    return sum(v.nbytes for v in body_segments(body))
 
 
 class Connection:
@@ -198,32 +223,61 @@ class Connection:
         """A send failed or passed its deadline: nothing more goes out on this connection."""
         return self._send_failed
 
-    async def send(self, head: bytes, body: bytes | bytearray | memoryview | None = None,
-                   deadline: float | None = None) -> None:
-        """Send one frame whole, from the callers' buffers.
+    async def send(self, head: bytes, body: Body | None = None, deadline: float | None = None) -> None:
+        """Send one frame whole, from the callers' buffers (``body``: one buffer, or a list of them sent
+        as one gather write each time the socket has room, as the RAM tier's pages of a get reply are).
 
         A peer that went away is not an error here: the frame is dropped, and
         so is every later one, and the reader sees the connection end.  So is
         a peer that does not take the frame by ``deadline`` (it is not reading).
         """
-        if body is not None and len(body) <= SMALL_REPLY_BYTES:
-            head, body = (head + body if len(body) else head), None  # one segment; copying a little is cheaper
+        segments = body_segments(body)
+        if sum(map(len, segments)) <= SMALL_REPLY_BYTES:
+            head, segments = b"".join([head, *segments]), []  # one segment; copying a little is cheaper
         async with self._send_lock:
             if self._send_failed or self._closed:
                 return
             try:
                 if deadline is None:
-                    await self._sendall(head, body)
+                    await self._sendall([memoryview(head), *segments])
                 else:
                     async with asyncio.timeout_at(deadline):
-                        await self._sendall(head, body)
+                        await self._sendall([memoryview(head), *segments])
             except (OSError, TimeoutError):
                 self._send_failed = True
 
-    async def _sendall(self, head: bytes, body: bytes | bytearray | memoryview | None) -> None:
-        await self._loop.sock_sendall(self.sock, head)
-        if body is not None:
-            await self._loop.sock_sendall(self.sock, body)
+    async def _sendall(self, segments: list[memoryview]) -> None:
+        """Gather writes until every segment is out; waits for room on the loop, never blocks it."""
+        i = 0
+        while i < len(segments):
+            try:
+                n = self.sock.sendmsg(segments[i : i + IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            while n:
+                seg = segments[i]
+                if n >= len(seg):
+                    n -= len(seg)
+                    i += 1
+                else:
+                    segments[i] = seg[n:]
+                    n = 0
+            while i < len(segments) and not len(segments[i]):
+                i += 1
+
+    async def _writable(self) -> None:
+        ready = self._loop.create_future()
+
+        def on_writable() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self._loop.add_writer(self._fd, on_writable)
+        try:
+            await ready
+        finally:
+            self._loop.remove_writer(self._fd)
 
     def close(self) -> None:
         if not self._closed:

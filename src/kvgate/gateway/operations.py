@@ -62,7 +62,7 @@ from kvgate.protocol import (
 )
 from kvgate.tiers.cardset import CardChangeError
 from kvgate.tiers.io import IoPool
-from kvgate.tiers.store import GetItem, PutItem, TieredStore
+from kvgate.tiers.store import GetItem, PutItem, RamLoan, TieredStore
 from kvgate.types import Retention
 
 log = logging.getLogger("kvgate.gateway")
@@ -72,6 +72,16 @@ _EMPTY = memoryview(bytearray(0))
 
 # A handler answers (session, request, body) with its reply and the reply's body (None: no body).
 Handler = Callable[[Session, Any, bytes], Awaitable[tuple[Any, Any]]]
+
+
+@dataclass(frozen=True)
+class LentBody:
+    """A reply body sent from several buffers, RAM-tier pages among them: ``loans`` go back to the store,
+    and ``nbytes`` to the session's inline share, once the reply is out."""
+
+    segments: list[memoryview]
+    nbytes: int
+    loans: list[RamLoan | None]
 
 
 @dataclass(frozen=True)
@@ -142,9 +152,15 @@ class Operations:
             await session.inline.release(blen)
         answer.id = req.id
         try:
-            await reply(conn, answer, reply_body)
+            if isinstance(reply_body, LentBody):
+                await reply(conn, answer, reply_body.segments)
+            else:
+                await reply(conn, answer, reply_body)
         finally:
-            if reply_body is not None:
+            if isinstance(reply_body, LentBody):
+                self.store.return_ram(reply_body.loans)
+                await session.inline.release(reply_body.nbytes)
+            elif reply_body is not None:
                 await session.inline.release(len(reply_body))
             self.latency.observe(self.names.get(type(req), "other"), time.perf_counter() - started)
 
@@ -317,17 +333,20 @@ class Operations:
         return await self._get_packed(sess, req, keys, dialog)
 
     async def _get_packed(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
-        """Place results one after another: from offset 0 of a region, or in the reply body."""
+        """Place results one after another: from offset 0 of a region, or in the reply body.
+
+        In the reply body (``INLINE``), what the RAM tier holds is sent from
+        its own pages (``TieredStore.lend_ram``, a ``LentBody``); only the
+        objects read from cards are copied, into a buffer of ours.
+        """
         hints = [self.store.size_hint(k, dialog) for k in keys]
         unknown = [i for i, h in enumerate(hints) if h is None]
         if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
             probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
             for i, s, need in zip(unknown, probe, needed):
                 hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
-        if req.region == INLINE:
-            limit = self.cfg.max_frame_bytes - (1 << 20)
-        else:
-            limit = sess.region(req.region).size
+        inline = req.region == INLINE
+        limit = self.cfg.max_frame_bytes - (1 << 20) if inline else sess.region(req.region).size
         offsets = [0] * len(keys)
         sizes = [MISS] * len(keys)
         wanted, cursor = [], 0
@@ -336,7 +355,7 @@ class Operations:
                 continue
             # inline: the first object always goes, even past the limit (it came in one frame, so one
             # frame carries it back); otherwise an object near max_frame_bytes could never be read
-            if cursor + h > limit and (wanted or req.region != INLINE):
+            if cursor + h > limit and (wanted or not inline):
                 for j in range(i, len(keys)):
                     if hints[j] != MISS:
                         sizes[j] = NOT_DONE
@@ -344,23 +363,39 @@ class Operations:
             offsets[i] = cursor
             wanted.append(i)
             cursor += h
-        if req.region == INLINE:
-            await sess.inline.acquire(cursor)
-            buf = memoryview(bytearray(cursor))
-            body = buf
-        else:
-            buf = sess.region(req.region).view
-            body = None
-        try:
-            got, _needed = await self.store.get([GetItem(keys[i], dialog, buf[offsets[i] : offsets[i] + hints[i]])
+        if not inline:
+            view = sess.region(req.region).view
+            got, _needed = await self.store.get([GetItem(keys[i], dialog, view[offsets[i] : offsets[i] + hints[i]])
                                                  for i in wanted], sess.local)
+            for i, s in zip(wanted, got):
+                sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
+            return GetReply(sizes=sizes, offsets=offsets), None
+        await sess.inline.acquire(cursor)
+        loans: list[RamLoan | None] = []
+        try:
+            loans = self.store.lend_ram([keys[i] for i in wanted], [hints[i] for i in wanted])
+            from_cards = [i for i, loan in zip(wanted, loans) if loan is None]
+            buf = memoryview(bytearray(sum(hints[i] for i in from_cards)))
+            dest: dict[int, memoryview] = {}
+            at = 0
+            for i in from_cards:
+                dest[i] = buf[at : at + hints[i]]
+                at += hints[i]
+            got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local)
         except BaseException:
-            if body is not None:
-                await sess.inline.release(cursor)
+            self.store.return_ram(loans)
+            await sess.inline.release(cursor)
             raise
-        for i, s in zip(wanted, got):
+        for i, s in zip(from_cards, got):
             sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
-        return GetReply(sizes=sizes, offsets=offsets), body
+        segments: list[memoryview] = []
+        for i, loan in zip(wanted, loans):
+            if loan is None:
+                segments.append(dest[i])
+            else:
+                sizes[i] = loan.size
+                segments += loan.views
+        return GetReply(sizes=sizes, offsets=offsets), LentBody(segments, cursor, loans)
 
     # ---- over HTTP ------------------------------------------------------------------------
 

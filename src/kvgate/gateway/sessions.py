@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvgate import __version__
 from kvgate.config import Config
-from kvgate.gateway.connection import Connection
+from kvgate.gateway.connection import Body, Connection, body_length
 from kvgate.gateway.shm import Region, RegionError, create_session_region
 from kvgate.keys import BadKey, encode_namespace
 from kvgate.protocol import (
@@ -41,10 +41,9 @@ from kvgate.tiers.store import TieredStore
 log = logging.getLogger("kvgate.gateway")
 
 
-async def reply(conn: Connection, msg, body: bytes | bytearray | memoryview | None = None,
-                deadline: float | None = None) -> None:
-    """Send a reply frame; the body goes out from its buffer, uncopied."""
-    await conn.send(encode_frame(msg, len(body) if body is not None else 0, KIND_REPLY), body, deadline)
+async def reply(conn: Connection, msg, body: Body | None = None, deadline: float | None = None) -> None:
+    """Send a reply frame; the body (a buffer, or a list of them) goes out from its buffers, uncopied."""
+    await conn.send(encode_frame(msg, body_length(body), KIND_REPLY), body, deadline)
 
 
 class InlineBudget:

@@ -122,6 +122,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "sets": c.ram.sets, "gets": c.ram.gets, "hits": c.ram.hits, "misses": c.ram.misses,
         "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram.evictions,
         "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity, "objects": ram.entries,
+        "pinned_bytes": ram.pinned_bytes,
     }
     engine = None
     if sessions.engine is not None:
@@ -174,6 +175,8 @@ class _SnapshotCollector:
             for tier, values in s["tiers"].items():
                 m.add_metric([tier], values[name])
             yield m
+        yield GaugeMetricFamily("kvgate_ram_pinned_bytes", "RAM-tier bytes held by reads and replies in progress "
+                                "(eviction cannot take them)", value=s["tiers"]["ram"]["pinned_bytes"])
         yield CounterMetricFamily("kvgate_lookups", "lookup requests", value=s["lookups"])
         yield CounterMetricFamily("kvgate_corrupt_objects", "objects that failed their checks (removed, served as misses)",
                                   value=s["corrupt_objects"])

@@ -144,6 +144,7 @@ class RamTier:
         self._visible_pages = 0
         self._pinned_pages = 0  # pages of visible entries that are pinned
         self._pinned_entries = 0  # visible entries that are pinned
+        self._dropped_pinned_pages = 0  # pages of dropped entries, freed at their last unpin
         self._evictions = 0
         self._evicted_bytes = 0
 
@@ -163,6 +164,12 @@ class RamTier:
     def used_pages(self) -> int:
         """Pages not free: visible entries, reservations and pinned dropped entries."""
         return self.total_pages - len(self._free)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the pages pinned entries hold (copies and replies reading them), dropped ones included:
+        what eviction cannot take back until they are unpinned."""
+        return (self._pinned_pages + self._dropped_pinned_pages) * self.page_size
 
     @property
     def free_pages(self) -> int:
@@ -257,6 +264,7 @@ class RamTier:
             self._pinned_entries -= 1
         elif entry._state == _DROPPED:
             entry._state = _FREED
+            self._dropped_pinned_pages -= entry.n_pages
             self._release(entry.extents)
 
     def contains(self, full_key: bytes) -> bool:
@@ -331,6 +339,7 @@ class RamTier:
         if entry.pins:
             self._pinned_pages -= n_pages
             self._pinned_entries -= 1
+            self._dropped_pinned_pages += n_pages
             entry._state = _DROPPED
         else:
             entry._state = _FREED

@@ -80,6 +80,16 @@ class GetItem:
     dest: memoryview
 
 
+@dataclass(slots=True)
+class RamLoan:
+    """A RAM-tier object lent to a reply (``TieredStore.lend_ram``): its pages stay put, unchanged, until
+    it is given back; ``views`` hold its ``size`` bytes, in order."""
+
+    size: int
+    views: list[memoryview]
+    entry: object  # the pinned ``ram.Entry``: for ``return_ram`` only
+
+
 class Staging:
     """Buffers of ours that card writes of items without a RAM copy read from (see ``TieredStore.put``).
 
@@ -353,6 +363,40 @@ class TieredStore:
         cs.spawn_delete([digest])
 
     # ---- lookups ----------------------------------------------------------------
+
+    def lend_ram(self, fkeys: list[bytes], sizes: list[int]) -> list[RamLoan | None]:
+        """The RAM-tier objects of ``fkeys``, pinned so that a reply can be sent straight from their pages;
+        None for each key the RAM tier lacks, or holds at another size than ``sizes`` says (the reply's
+        layout is made: read those with ``get``, which counts them).
+
+        A reply of many MiB built by copying out of the tier costs a fresh
+        buffer's page faults and the copy: 1.4 GiB/s here, against 3.6 for
+        the loopback socket that carries it.  Counted as hits now; every
+        loan goes back through ``return_ram``, on the loop, once its reply
+        has gone (or failed).
+        """
+        c = self.counters
+        out: list[RamLoan | None] = []
+        for k, size in zip(fkeys, sizes, strict=True):
+            entry = self.ram.pin(k) if self.ram.size_of(k) == size else None
+            if entry is None:  # (or its ttl ran out between the two)
+                out.append(None)
+                continue
+            c.ram.gets += 1
+            c.ram.hits += 1
+            c.ram.bytes_read += entry.size
+            row = self.usage.row(k)
+            row.gets += 1
+            row.hits += 1
+            row.bytes_read += entry.size
+            out.append(RamLoan(entry.size, entry.views(), entry))
+        return out
+
+    def return_ram(self, loans: list[RamLoan | None]) -> None:
+        """Unpin what ``lend_ram`` lent (each loan once)."""
+        for loan in loans:
+            if loan is not None:
+                self.ram.unpin(loan.entry)
 
     def size_hint(self, fkey: bytes, dialog: bytes) -> int | None:
         """Payload size if this gateway knows it without touching a card."""

@@ -40,14 +40,12 @@ from kvgate.cards import redis as redis_card_module
 from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
 from kvgate.cards.redis import (
-    LABEL_KEY,
-    LEASE_KEY,
     LEASE_TTL_MS,
-    PROBE_KEY,
     UNLIMITED_FREE_BYTES,
     _Parts,
     _ZeroCopyPacker,
 )
+from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format

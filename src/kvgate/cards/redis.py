@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import errno
 import inspect
-import itertools
 import json
 import logging
 import time
@@ -92,11 +91,9 @@ import uuid
 from contextlib import contextmanager
 from collections.abc import Collection
 from typing import Any, Callable, Iterator
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.exceptions as rexc
-from redis.crc import key_slot
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -129,6 +126,7 @@ from kvgate.cards.objectformat import (
     parse_header,
     peek_header,
 )
+from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -140,23 +138,14 @@ log = logging.getLogger("kvgate.cards.redis")
 # Measured here, the verify-and-deliver of 2 MiB objects into a session
 # region, one thread: 2.0 GiB/s in 256 KiB pieces, 2.7 in 1 MiB.
 DELIVER_PIECE = 1 << 20
-LABEL_KEY = b"kvgate:card-label"
-PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
-LEASE_KEY = b"kvgate:card-lease"  # outside OBJECT_PREFIX too
-HEADS_KEY = b"kvgate:heads"  # a set of 8-byte shared-head ids; outside OBJECT_PREFIX too
 # Renewed every second by the health check: 15 missed renewals (a gateway
 # killed on another host, or cut off from the server) free the card.  A
 # gateway on this host that was killed frees it at once (its pid is dead).
 LEASE_TTL_MS = 15_000
-SNAPSHOT_KEY = b"kvgate:index"  # outside OBJECT_PREFIX too
-SNAPSHOT_TEMP = b"kvgate:index-tmp:"  # + a writer's uuid; renamed to SNAPSHOT_KEY when whole
-OBJECT_PREFIX = b"kvgate:o:"
-OBJECT_MATCH = OBJECT_PREFIX + b"*"
 
 # The longest honest header: fixed part + length byte + namespace + key.
 # Scan reads this much of each value, so one GETRANGE covers every header.
 _SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
-_SCAN_COUNT = 1000  # SCAN COUNT hint
 _SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
 _UNLINK_BATCH = 500  # keys per UNLINK in clean()
 # read_many_into pipelines GETs until their destinations add up to this; an
@@ -191,101 +180,6 @@ return 0
 """
 _DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
 
-
-
-
-TAG_PARAM = "kvgate_tag"  # in a card's URL: the hash tag of its keys (a Redis Cluster primary's card)
-
-
-class RedisKeys:
-    """The key names of one card.
-
-    ``tag``: a Redis Cluster hash tag (``{tag}`` in front of every name) that
-    puts every key of the card in one hash slot of one primary, so that a
-    primary of a cluster is a card like any server: a cluster registered by
-    a seed address is one card per primary (``cluster_cards``).  Empty for a
-    server that is not a cluster node: the names are the module's constants.
-    """
-
-    __slots__ = ("tag", "label", "probe", "lease", "heads", "snapshot", "snapshot_temp", "objects", "objects_match")
-
-    def __init__(self, tag: str = "") -> None:
-        if any(c in tag for c in "{}*?[]\\") or len(tag) > 64:
-            raise ValueError(f"{TAG_PARAM} {tag!r}: at most 64 characters, none of {{}}*?[]\\")
-        self.tag = tag
-        p = b"{%s}" % tag.encode() if tag else b""
-        self.label, self.probe, self.lease, self.heads = p + LABEL_KEY, p + PROBE_KEY, p + LEASE_KEY, p + HEADS_KEY
-        self.snapshot, self.snapshot_temp = p + SNAPSHOT_KEY, p + SNAPSHOT_TEMP
-        self.objects = p + OBJECT_PREFIX
-        self.objects_match = self.objects + b"*"
-
-
-def split_tag(location: str) -> tuple[str, str]:
-    """(the URL without ``kvgate_tag``, the tag or ""): redis-py passes unknown URL parameters on to its
-    connections, which refuse them."""
-    parts = urlsplit(location)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    tags = [v for k, v in query if k == TAG_PARAM]
-    if not tags:
-        return location, ""
-    rest = urlencode([(k, v) for k, v in query if k != TAG_PARAM])
-    return urlunsplit(parts._replace(query=rest)), tags[-1]
-
-
-def cluster_cards(seed: str, io_timeout_ms: int = 2000) -> list[str]:
-    """The cards a Redis Cluster reached through ``seed`` is: one URL per primary.
-
-    Each has the primary's address in place of the seed's (the seed's
-    scheme, credentials and parameters kept) and a ``kvgate_tag`` whose hash
-    slot that primary serves, found by trying ``kvgate-0``, ``kvgate-1``,
-    ...: the same cluster gives the same cards whoever asks.  A server that
-    is not a cluster node is one card: ``[seed]``.  Blocks for a few round
-    trips; ``CardUnavailable`` when the seed does not answer.
-    """
-    url, _ = split_tag(seed)
-    timeout = io_timeout_ms / 1000
-    r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                             retry=Retry(NoBackoff(), 0))
-    try:
-        if not int(r.info("cluster").get("cluster_enabled", 0)):
-            return [seed]
-        ranges = r.execute_command("CLUSTER SLOTS")
-    except (rexc.RedisError, OSError) as exc:
-        raise CardUnavailable(errno.ENOTCONN, f"redis cluster seed did not answer: {exc}", _redact(seed)) from None
-    finally:
-        r.close()
-    primaries: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for entry in ranges:
-        start, end, primary = int(entry[0]), int(entry[1]), entry[2]
-        host = _decode(primary[0]) or urlsplit(url).hostname or "127.0.0.1"  # "" means the address asked
-        primaries.setdefault((host, int(primary[1])), []).append((start, end))
-    cards = []
-    parts = urlsplit(url)
-    for (host, port), spans in sorted(primaries.items()):
-        tag = next(t for t in (f"kvgate-{n}" for n in itertools.count())
-                   if any(lo <= key_slot(t.encode()) <= hi for lo, hi in spans))
-        netloc = parts.netloc.rpartition("@")[0]
-        netloc = (netloc + "@" if netloc else "") + (f"[{host}]" if ":" in host else host) + f":{port}"
-        query = urlencode([*parse_qsl(parts.query, keep_blank_values=True), (TAG_PARAM, tag)])
-        cards.append(urlunsplit(parts._replace(netloc=netloc, query=query)))
-    return cards
-
-
-def _redact(location: str) -> str:
-    """The location with any password replaced, for messages and logs."""
-    try:
-        parts = urlsplit(location)
-        if parts.password is None:
-            return location
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-    except ValueError:
-        return "<unparsable redis location>"
 
 
 class _Parts:
@@ -372,10 +266,6 @@ _NOPERM = _error_classes("NoPermissionError", "MasterDownError")
 _CLUSTER = _error_classes("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError", "TryAgainError")
 
 
-def _decode(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class _RedisSnapshotWriter(SnapshotWriter):
     """APPENDs to a temp key of its own, RENAMEd over the snapshot on commit (atomic in the server)."""
 
@@ -416,7 +306,7 @@ class RedisCard(Card):
             raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
         self.io_timeout_ms = io_timeout_ms
         self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
-        self.display_location = _redact(location)
+        self.display_location = redact(location)
         timeout = io_timeout_ms / 1000
         extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
         url, tag = split_tag(location)
@@ -652,7 +542,7 @@ class RedisCard(Card):
         deadline = time.monotonic() + self.io_timeout_ms / 1000
         cursor = 0
         while True:
-            cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
+            cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=SCAN_COUNT)
             if keys:
                 return False
             if int(cursor) == 0:
@@ -669,7 +559,7 @@ class RedisCard(Card):
         except rexc.ResponseError:  # CONFIG renamed or forbidden (managed services): nothing to check
             self.maxmemory_policy = None
             return
-        policy = _decode({_decode(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
+        policy = as_text({as_text(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
         self.maxmemory_policy = policy
         if policy is not None and policy != "noeviction":
             log.warning("redis card %s: maxmemory-policy is %s: the server may drop objects the gateway has "
@@ -913,7 +803,7 @@ class RedisCard(Card):
         cursor = 0
         while True:
             with self._io():
-                cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
+                cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=SCAN_COUNT)
             if keys:
                 yield keys
             if int(cursor) == 0:

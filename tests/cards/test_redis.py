@@ -42,10 +42,9 @@ from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, 
 from kvgate.cards.redis import (
     LEASE_TTL_MS,
     UNLIMITED_FREE_BYTES,
-    _Parts,
-    _ZeroCopyPacker,
 )
 from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
+from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
@@ -204,13 +203,13 @@ def test_typed_buffers_are_handled_as_bytes(card: RedisCard) -> None:
 
 def test_packer_sends_payload_without_copying() -> None:
     payload = memoryview(np.arange(100_000, dtype=np.uint8))
-    chunks = _ZeroCopyPacker().pack("SET", b"k", _Parts(b"HDR", payload))
+    chunks = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", payload))
     assert any(c is payload for c in chunks)  # the caller's buffer itself goes to the socket
     joined = b"".join(bytes(c) for c in chunks)
     assert joined == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$100003\r\nHDR" + payload.tobytes() + b"\r\n"
-    small = _ZeroCopyPacker().pack("SET", b"k", _Parts(b"HDR", memoryview(b"xy")), 5)
+    small = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", memoryview(b"xy")), 5)
     assert b"".join(small) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nHDRxy\r\n$1\r\n5\r\n"
-    assert redis_card_module._ZERO_COPY  # this redis-py takes our packer
+    assert ZERO_COPY  # this redis-py takes our packer
 
 
 def test_overwrite_replaces_whole_object(card: RedisCard) -> None:

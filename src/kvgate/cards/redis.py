@@ -72,9 +72,9 @@ and boot whose pid is dead, or of an earlier boot, is the leftover of a
 killed gateway: it is dropped at once instead of waited out.
 
 Copies: a write sends the header and the caller's payload buffer to the
-socket as separate buffers of one RESP argument (a small command packer
-replaces redis-py's, which with hiredis copies a payload twice), so the only
-pass over the payload before the kernel is the hash.  A read gets the value
+socket as separate buffers of one RESP argument (a small command packer,
+``redispacker``, replaces redis-py's, which with hiredis copies a payload
+twice), so the only pass over the payload before the kernel is the hash.  A read gets the value
 as one ``bytes`` from redis-py (hiredis) and copies the payload out of it
 once, checksumming each piece just before copying it.  Batches are
 pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
@@ -83,7 +83,6 @@ pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
 from __future__ import annotations
 
 import errno
-import inspect
 import json
 import logging
 import time
@@ -127,6 +126,7 @@ from kvgate.cards.objectformat import (
     peek_header,
 )
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
+from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -156,9 +156,6 @@ _UNLINK_BATCH = 500  # keys per UNLINK in clean()
 # they are freed together, so every batch faults its memory in again
 # (~0.5 GiB/s).  A round trip costs ~30 us, under 5% of a 1 MiB transfer.
 _READ_PIPELINE_BYTES = 1 << 20
-# Command arguments longer than this are sent as their own buffers (never
-# joined into a bigger bytes object); redis-py uses the same cutoff.
-_BUFFER_CUTOFF = 6000
 # No free-memory limit (maxmemory 0): the server grows until the machine is full.
 UNLIMITED_FREE_BYTES = 1 << 60
 # What an object costs in used_memory per byte of it: jemalloc rounds each
@@ -180,77 +177,6 @@ return 0
 """
 _DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
 
-
-
-class _Parts:
-    """One bulk-string argument sent as several buffers, never joined.
-
-    The value of a SET is header + payload; joining them would copy the
-    whole payload once more (and redis-py's hiredis packer copies it twice).
-    """
-
-    __slots__ = ("parts", "nbytes")
-
-    def __init__(self, *parts: bytes | memoryview):
-        self.parts = parts
-        self.nbytes = sum(len(p) for p in parts)
-
-
-class _ZeroCopyPacker:
-    """RESP command packer that sends big arguments as they are.
-
-    The same idea as redis-py's ``PythonRespSerializer`` (large arguments go
-    to the socket as separate buffers), plus ``_Parts``.  redis-py's default
-    packer when hiredis is installed turns memoryviews into bytes and then
-    copies them again into one packed command.  Stateless, so one instance
-    serves every connection of the pool.
-    """
-
-    def __init__(self) -> None:
-        self._encode = redis.connection.Encoder("utf-8", "strict", False).encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if isinstance(args[0], str):
-            args = tuple(args[0].encode().split()) + args[1:]
-        elif b" " in args[0]:
-            args = tuple(args[0].split()) + args[1:]
-        out: list[bytes | memoryview] = []
-        buf = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, _Parts):
-                buf += b"$%d\r\n" % arg.nbytes
-                for part in arg.parts:
-                    if len(part) > _BUFFER_CUTOFF:
-                        out.append(buf)
-                        out.append(part)
-                        buf = b""
-                    else:
-                        buf += part
-                buf += b"\r\n"
-                continue
-            arg = self._encode(arg)
-            n = len(arg)
-            if n > _BUFFER_CUTOFF:
-                out.append(buf + b"$%d\r\n" % n)
-                out.append(arg)
-                buf = b"\r\n"
-            else:
-                buf += b"$%d\r\n" % n + bytes(arg) + b"\r\n"
-        out.append(buf)
-        return out
-
-
-def _packer_supported() -> bool:
-    cls = getattr(redis.connection, "AbstractConnection", None)
-    if cls is None:
-        return False
-    try:
-        return "command_packer" in inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-_ZERO_COPY = _packer_supported()
 
 
 def _error_classes(*names: str) -> tuple[type[BaseException], ...]:
@@ -308,7 +234,7 @@ class RedisCard(Card):
         self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
         self.display_location = redact(location)
         timeout = io_timeout_ms / 1000
-        extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
+        extra: dict[str, Any] = {"command_packer": ZeroCopyPacker()} if ZERO_COPY else {}
         url, tag = split_tag(location)
         self._k = RedisKeys(tag)
         try:
@@ -580,8 +506,8 @@ class RedisCard(Card):
     def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
         plen = len(view)
         header = pack_header(full_key, plen, payload_hash(view), meta)
-        if _ZERO_COPY:
-            return _Parts(header, view), len(header) + plen
+        if ZERO_COPY:
+            return ArgumentParts(header, view), len(header) + plen
         return header + view, len(header) + plen  # old redis-py: one copy of the payload
 
     def _discard(self, rkey: bytes, seen: bytes | None) -> None:

@@ -87,14 +87,10 @@ import json
 import logging
 import time
 import uuid
-from contextlib import contextmanager
 from collections.abc import Collection
 from typing import Any, Callable, Iterator
 
-import redis
 import redis.exceptions as rexc
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvgate.cards.base import (
     Card,
@@ -125,8 +121,9 @@ from kvgate.cards.objectformat import (
     parse_header,
     peek_header,
 )
+from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
-from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
+from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -179,19 +176,6 @@ _DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differ
 
 
 
-def _error_classes(*names: str) -> tuple[type[BaseException], ...]:
-    """redis-py's specific ResponseError subclasses that this version has."""
-    return tuple(getattr(rexc, n) for n in names if isinstance(getattr(rexc, n, None), type))
-
-
-# redis-py strips the error code (``OOM``, ``READONLY``...) from the message
-# of the errors it has a class for, so both the class and the text are tested.
-_OOM = _error_classes("OutOfMemoryError")
-_READONLY = _error_classes("ReadOnlyError")
-_NOPERM = _error_classes("NoPermissionError", "MasterDownError")
-_CLUSTER = _error_classes("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError", "TryAgainError")
-
-
 class _RedisSnapshotWriter(SnapshotWriter):
     """APPENDs to a temp key of its own, RENAMEd over the snapshot on commit (atomic in the server)."""
 
@@ -200,11 +184,11 @@ class _RedisSnapshotWriter(SnapshotWriter):
         self.key = card._k.snapshot_temp + uuid.uuid4().hex.encode()
 
     def write(self, data: bytes | memoryview) -> None:
-        with self.card._io():
+        with self.card._conns.io():
             self.card._r.append(self.key, bytes(data))
 
     def commit(self) -> None:
-        with self.card._io():
+        with self.card._conns.io():
             self.card._r.rename(self.key, self.card._k.snapshot)
 
     def abort(self) -> None:
@@ -233,87 +217,20 @@ class RedisCard(Card):
         self.io_timeout_ms = io_timeout_ms
         self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
         self.display_location = redact(location)
-        timeout = io_timeout_ms / 1000
-        extra: dict[str, Any] = {"command_packer": ZeroCopyPacker()} if ZERO_COPY else {}
         url, tag = split_tag(location)
         self._k = RedisKeys(tag)
-        try:
-            self._pool = redis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=timeout,  # waiting for a free connection
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                retry=Retry(NoBackoff(), 0),  # the gateway counts failures; never wait out retries here
-                health_check_interval=0,
-                socket_read_size=256 << 10,  # fewer reads for big values (redis-py default: 64 KiB)
-                **extra,
-            )
-        except ValueError as exc:
-            raise ValueError(f"not a redis card location: {self.display_location}: {exc}") from None
-        self._r = redis.Redis(connection_pool=self._pool)
+        self._conns = RedisConnections(url, self.display_location, io_timeout_ms, max_connections)
+        self._r = self._conns.r  # the client every part of the card shares
         self._prefixes = [self._k.objects + b"%d:" % i for i in range(num_dbs)]
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
         self._lease_field = uuid.uuid4().hex.encode()  # this card object's claim among the card's holders
 
-    # ---------------------------------------------------------------- errors
-
-    def _map_error(self, exc: BaseException) -> OSError:
-        """The OSError that a redis-py failure stands for."""
-        where = self.display_location
-        if isinstance(exc, CardUnavailable):
-            return exc
-        if isinstance(exc, rexc.TimeoutError):
-            # slow, not gone: a strike for the card's health, not an instant take-out
-            return TimeoutError(errno.ETIMEDOUT, f"redis card timed out: {exc}", where)
-        if isinstance(exc, rexc.AuthenticationError):
-            return CardUnavailable(errno.EACCES, f"redis card refused authentication: {exc}", where)
-        if isinstance(exc, rexc.ConnectionError):  # incl. BusyLoadingError, pool exhausted
-            return CardUnavailable(errno.ENOTCONN, f"redis card is not reachable: {exc}", where)
-        if isinstance(exc, rexc.ResponseError):
-            msg = str(exc)
-            if isinstance(exc, _OOM) or msg.startswith("OOM"):
-                # One write refused; the card itself is fine (and should evict).
-                return OSError(errno.ENOSPC, f"redis card is out of memory: {msg}", where)
-            if isinstance(exc, _READONLY) or msg.startswith("READONLY"):
-                return CardUnavailable(errno.EROFS, f"redis card is read-only: {msg}", where)
-            if isinstance(exc, _NOPERM) or msg.startswith(("NOPERM", "NOAUTH", "MISCONF", "MASTERDOWN")):
-                return CardUnavailable(errno.EACCES, f"redis card refused: {msg}", where)
-            if isinstance(exc, _CLUSTER) or msg.startswith(("MOVED", "ASK", "CLUSTERDOWN", "CROSSSLOT")):
-                return CardUnavailable(errno.EINVAL, f"redis card is a node of a Redis Cluster and this key is not "
-                                       f"on it: register the cluster by one seed address (`kvgate cluster "
-                                       f"register redis://SEED`: one card per primary), or use a proxy: {msg}",
-                                       where)
-            return OSError(errno.EIO, f"redis card error: {msg}", where)
-        if isinstance(exc, rexc.RedisError):
-            return OSError(errno.EIO, f"redis card error: {exc}", where)
-        if isinstance(exc, OSError):  # a socket error redis-py did not wrap
-            return CardUnavailable(exc.errno or errno.EIO, f"redis card is not reachable: {exc}", where)
-        return OSError(errno.EIO, f"redis card error: {exc!r}", where)
-
-    @contextmanager
-    def _io(self) -> Iterator[None]:
-        """Turn redis-py failures into OSErrors; lets this module's own errors through."""
-        try:
-            yield
-        except (CardUnavailable, ObjectMissing, ObjectCorrupt, BufferTooSmall):
-            raise
-        except (rexc.RedisError, OSError) as exc:
-            raise self._map_error(exc) from exc
-
-    def _same_error(self, exc: OSError) -> OSError:
-        """A fresh exception like ``exc`` for each item of a batch (never share one instance)."""
-        cls = CardUnavailable if isinstance(exc, CardUnavailable) else OSError
-        new = cls(exc.errno, exc.strerror, exc.filename)
-        new.__cause__ = exc.__cause__
-        return new
-
     # ----------------------------------------------------------------- label
 
     def open(self) -> str:
-        with self._io():
+        with self._conns.io():
             raw = self._get_label()
             if raw is not None:
                 serial = self._parse_label(raw)
@@ -327,7 +244,7 @@ class RedisCard(Card):
 
     def check(self) -> str:
         """The serial on the label; renews the lease of a claimed card (``CardInUse`` once it is lost)."""
-        with self._io():
+        with self._conns.io():
             raw = self._get_label()
             if raw is not None:
                 serial = self._parse_label(raw)
@@ -356,7 +273,7 @@ class RedisCard(Card):
         there is room.
         """
         try:
-            with self._io():
+            with self._conns.io():
                 self._take_lease(shared)
         except OSError as exc:  # CardUnavailable(EROFS) for a replica, a plain OSError(ENOSPC) when out of memory
             if exc.errno not in (errno.EROFS, errno.ENOSPC) or isinstance(exc, CardInUse):
@@ -401,7 +318,7 @@ class RedisCard(Card):
                     continue  # another holder changed the lease meanwhile: look again
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
-        with self._io():
+        with self._conns.io():
             if ids:
                 members = [i.to_bytes(8, "little") for i in ids]
                 with self._r.pipeline(transaction=False) as pipe:
@@ -414,7 +331,7 @@ class RedisCard(Card):
         return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:
-        with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)
+        with self._conns.io():  # a replica answers READONLY: CardUnavailable(EROFS)
             self._r.set(self._k.probe, b"1", px=1000)
             self._r.delete(self._k.probe)
 
@@ -542,7 +459,7 @@ class RedisCard(Card):
                 exc = ObjectCorrupt("the key holds a value of another type")
                 exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
                 raise exc
-            raise self._map_error(value)
+            raise self._conns.map_error(value)
         try:
             return self._verify_into(full_key, value, view, guard)
         except ObjectCorrupt as exc:
@@ -586,7 +503,7 @@ class RedisCard(Card):
     def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
         view = byte_view(dest)
         rkey = self.object_key(full_key)
-        with self._io():
+        with self._conns.io():
             try:
                 value = self._r.get(rkey)
             except rexc.ResponseError as exc:  # WRONGTYPE and friends: judged like a pipelined reply
@@ -611,7 +528,7 @@ class RedisCard(Card):
         for chunk in self._read_chunks(views):
             if down is not None:  # the card failed on an earlier pipeline: do not wait out each one
                 for i in chunk:
-                    out[i] = self._same_error(down)
+                    out[i] = self._conns.same_error(down)
                 continue
             try:
                 pipe = self._r.pipeline(transaction=False)
@@ -619,11 +536,11 @@ class RedisCard(Card):
                     pipe.get(rkeys[i])
                 values = pipe.execute(raise_on_error=False)
             except (rexc.RedisError, OSError) as exc:
-                err = self._map_error(exc)
+                err = self._conns.map_error(exc)
                 if isinstance(err, CardUnavailable):
                     down = err
                 for i in chunk:
-                    out[i] = self._same_error(err)
+                    out[i] = self._conns.same_error(err)
                 continue
             for i, value in zip(chunk, values):
                 try:
@@ -678,8 +595,8 @@ class RedisCard(Card):
         try:
             replies = pipe.execute(raise_on_error=False)
         except (rexc.RedisError, OSError) as exc:
-            err = self._map_error(exc)
-            return [self._same_error(err) for _ in items]
+            err = self._conns.map_error(exc)
+            return [self._conns.same_error(err) for _ in items]
         label, results = replies[0], replies[1:]
         if isinstance(label, BaseException) or not label:
             written = [k for k, r in zip(rkeys, results) if not isinstance(r, BaseException)]
@@ -688,18 +605,18 @@ class RedisCard(Card):
                     self._r.unlink(*written)
                 except (rexc.RedisError, OSError):
                     pass
-            why = (self._map_error(label) if isinstance(label, BaseException) else
+            why = (self._conns.map_error(label) if isinstance(label, BaseException) else
                    CardUnavailable(errno.ENOENT, "card label is missing (server restarted empty?); write undone",
                                    self.display_location))
-            return [self._same_error(why) for _ in items]
+            return [self._conns.same_error(why) for _ in items]
         out: list[int | BaseException] = []
         for r, size in zip(results, sizes):
-            out.append(self._map_error(r) if isinstance(r, BaseException) else size)
+            out.append(self._conns.map_error(r) if isinstance(r, BaseException) else size)
         return out
 
     def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
         """``not_before_ns`` needs no check here: with a ttl the server expires objects itself (``ttl_s``)."""
-        with self._io():
+        with self._conns.io():
             return bool(self._r.exists(self.object_key(full_key)))
 
     def exists_many(self, full_keys: list[bytes], not_before_ns: int | None = None) -> list[bool | BaseException]:
@@ -711,15 +628,15 @@ class RedisCard(Card):
                 pipe.exists(self.object_key(k))
             replies = pipe.execute(raise_on_error=False)
         except (rexc.RedisError, OSError) as exc:
-            err = self._map_error(exc)
-            return [self._same_error(err) for _ in full_keys]
-        return [self._map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
+            err = self._conns.map_error(exc)
+            return [self._conns.same_error(err) for _ in full_keys]
+        return [self._conns.map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
 
     def delete(self, full_key: bytes) -> bool:
         return self.delete_named(key_digest(full_key))
 
     def delete_named(self, digest: bytes) -> bool:
-        with self._io():
+        with self._conns.io():
             return bool(self._r.unlink(self.named_key(digest)))
 
     # --------------------------------------------------------- whole-card ops
@@ -728,7 +645,7 @@ class RedisCard(Card):
         """Every ``kvgate:o:*`` key name, in batches (SCAN may repeat a name)."""
         cursor = 0
         while True:
-            with self._io():
+            with self._conns.io():
                 cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=SCAN_COUNT)
             if keys:
                 yield keys
@@ -756,7 +673,7 @@ class RedisCard(Card):
                 digest = bytes.fromhex(parsed[1].decode())
                 home = self.named_key(digest)
                 if home != name:
-                    with self._io():
+                    with self._conns.io():
                         moved = self._r.renamenx(name, home)
                         if not moved:  # the right place holds the key already: that copy wins
                             self._r.unlink(name)
@@ -771,7 +688,7 @@ class RedisCard(Card):
         out: list[StoredObject | None] = []
         for start in range(0, len(digests), _SCAN_PIPELINE):
             names = [self.named_key(d) for d in digests[start:start + _SCAN_PIPELINE]]
-            with self._io():
+            with self._conns.io():
                 pipe = self._r.pipeline(transaction=False)
                 for n in names:
                     pipe.getrange(n, 0, _SCAN_READ - 1)
@@ -787,14 +704,14 @@ class RedisCard(Card):
             if "WRONGTYPE" in str(err):
                 self._discard(name, None)
                 return None
-            raise self._map_error(err)
+            raise self._conns.map_error(err)
         if size == 0:  # deleted since it was listed (or an empty value, garbage either way)
             self._discard(name, b"")
             return None
 
         def read_head(n: int) -> bytes:
             nonlocal buf  # _discard compares what the header was read from
-            with self._io():
+            with self._conns.io():
                 buf = self._r.getrange(name, 0, n - 1)
             return buf
 
@@ -814,11 +731,11 @@ class RedisCard(Card):
         return _RedisSnapshotWriter(self)
 
     def read_snapshot(self) -> bytes | None:
-        with self._io():
+        with self._conns.io():
             return self._r.get(self._k.snapshot)
 
     def drop_snapshot(self) -> None:
-        with self._io():
+        with self._conns.io():
             self._r.unlink(self._k.snapshot)
 
     def clean(self) -> int:
@@ -828,11 +745,11 @@ class RedisCard(Card):
         for names in self._object_names():
             pending.extend(names)
             while len(pending) >= _UNLINK_BATCH:
-                with self._io():
+                with self._conns.io():
                     deleted += self._r.unlink(*pending[:_UNLINK_BATCH])
                 del pending[:_UNLINK_BATCH]
         if pending:
-            with self._io():
+            with self._conns.io():
                 deleted += self._r.unlink(*pending)
         return deleted
 
@@ -845,7 +762,7 @@ class RedisCard(Card):
         and applies no ``card_reserve``.  A server without maxmemory reports
         ``UNLIMITED_FREE_BYTES``.
         """
-        with self._io():
+        with self._conns.io():
             info = self._r.info("memory")
         maxmemory = int(info.get("maxmemory", 0))
         if maxmemory <= 0:
@@ -870,10 +787,7 @@ class RedisCard(Card):
                 self._r.hdel(self._k.lease, self._lease_field)
             except (rexc.RedisError, OSError):
                 pass  # it runs out by itself
-        try:
-            self._pool.disconnect()
-        except (rexc.RedisError, OSError):
-            pass
+        self._conns.disconnect()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.display_location!r}, serial={self.serial!r})"

@@ -124,6 +124,7 @@ from kvgate.cards.objectformat import (
 from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts
+from kvgate.cards.redissnapshot import RedisSnapshotWriter
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -174,28 +175,6 @@ return 0
 """
 _DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
 
-
-
-class _RedisSnapshotWriter(SnapshotWriter):
-    """APPENDs to a temp key of its own, RENAMEd over the snapshot on commit (atomic in the server)."""
-
-    def __init__(self, card: RedisCard) -> None:
-        self.card = card
-        self.key = card._k.snapshot_temp + uuid.uuid4().hex.encode()
-
-    def write(self, data: bytes | memoryview) -> None:
-        with self.card._conns.io():
-            self.card._r.append(self.key, bytes(data))
-
-    def commit(self) -> None:
-        with self.card._conns.io():
-            self.card._r.rename(self.key, self.card._k.snapshot)
-
-    def abort(self) -> None:
-        try:
-            self.card._r.unlink(self.key)
-        except (rexc.RedisError, OSError):
-            pass
 
 
 class RedisCard(Card):
@@ -728,7 +707,7 @@ class RedisCard(Card):
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
 
     def snapshot_writer(self) -> SnapshotWriter:
-        return _RedisSnapshotWriter(self)
+        return RedisSnapshotWriter(self._conns, self._k)
 
     def read_snapshot(self) -> bytes | None:
         with self._conns.io():

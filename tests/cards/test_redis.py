@@ -39,11 +39,9 @@ from kvgate.cards import (
 from kvgate.cards import redis as redis_card_module
 from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
-from kvgate.cards.redis import (
-    LEASE_TTL_MS,
-    UNLIMITED_FREE_BYTES,
-)
+from kvgate.cards.redis import UNLIMITED_FREE_BYTES
 from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
+from kvgate.cards.redislease import LEASE_TTL_MS
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.cards.common import check_snapshot_round_trip
@@ -888,7 +886,7 @@ def test_lease_of_a_dead_or_expired_holder_is_taken_over(server: RedisServer, ca
     r.hset(LEASE_KEY, b"ran-out", lease_doc("elsewhere", 1, expires_in_ms=-1))
     c = open_card(cards, server.url)
     c.claim(False)
-    assert set(r.hgetall(LEASE_KEY)) == {c._lease_field}
+    assert set(r.hgetall(LEASE_KEY)) == {c._lease.field}
     # a live holder on another host is waited out (its lease has not run out)
     c.close()
     r.hset(LEASE_KEY, b"live-elsewhere", lease_doc("elsewhere", 1))
@@ -900,10 +898,10 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
     c = open_card(cards, server.url)
     c.claim(False)
     r = server.raw()
-    before = json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"]
+    before = json.loads(r.hget(LEASE_KEY, c._lease.field))["expires"]
     time.sleep(0.05)  # the point: the clock moves on, so a renewed lease expires later
     c.check()
-    assert json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"] > before
+    assert json.loads(r.hget(LEASE_KEY, c._lease.field))["expires"] > before
     assert 0 < r.pttl(LEASE_KEY) <= LEASE_TTL_MS
     # Lost (as after a stall longer than the lease) and taken by another gateway: the card is not ours now.
     r.delete(LEASE_KEY)
@@ -912,7 +910,7 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
         c.check()
     # A server restarted empty loses the lease with everything else; the next check takes it again.
     server.restart_empty()
-    assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease_field)
+    assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease.field)
 
 
 def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: RedisServer,

@@ -61,15 +61,8 @@ acknowledged, and may drop the label.  ``open()`` warns about any other
 policy.  A write the full server refuses (OOM) is ENOSPC: the gateway lowers
 the card's capacity and evicts.
 
-Claims: a gateway holds the card through a lease, one field per gateway in
-the hash ``kvgate:card-lease`` naming its host, boot id, pid, mode
-(exclusive, or shared for ``shared_storage``) and when it runs out by the
-server's clock.  ``claim`` adds the field in a WATCH/MULTI transaction
-after checking the others, so two gateways racing for the card cannot both
-win; the health check renews it every second (``check``), and a gateway
-that did not renew for ``LEASE_TTL_MS`` has lost it.  A field of this host
-and boot whose pid is dead, or of an earlier boot, is the leftover of a
-killed gateway: it is dropped at once instead of waited out.
+Claims: a gateway holds the card through a lease in the server, renewed
+by every health check (``redislease``).
 
 Copies: a write sends the header and the caller's payload buffer to the
 socket as separate buffers of one RESP argument (a small command packer,
@@ -83,7 +76,6 @@ pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import time
 import uuid
@@ -94,15 +86,11 @@ import redis.exceptions as rexc
 
 from kvgate.cards.base import (
     Card,
-    CardInUse,
     CardUnavailable,
     SnapshotWriter,
     StoredObject,
     WriteAbandoned,
     byte_view,
-    describe_holder,
-    holder_dead,
-    holder_doc,
     new_label,
     parse_label,
 )
@@ -123,6 +111,7 @@ from kvgate.cards.objectformat import (
 )
 from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
+from kvgate.cards.redislease import RedisLease
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts
 from kvgate.cards.redissnapshot import RedisSnapshotWriter
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
@@ -136,10 +125,6 @@ log = logging.getLogger("kvgate.cards.redis")
 # Measured here, the verify-and-deliver of 2 MiB objects into a session
 # region, one thread: 2.0 GiB/s in 256 KiB pieces, 2.7 in 1 MiB.
 DELIVER_PIECE = 1 << 20
-# Renewed every second by the health check: 15 missed renewals (a gateway
-# killed on another host, or cut off from the server) free the card.  A
-# gateway on this host that was killed frees it at once (its pid is dead).
-LEASE_TTL_MS = 15_000
 
 # The longest honest header: fixed part + length byte + namespace + key.
 # Scan reads this much of each value, so one GETRANGE covers every header.
@@ -204,7 +189,7 @@ class RedisCard(Card):
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
-        self._lease_field = uuid.uuid4().hex.encode()  # this card object's claim among the card's holders
+        self._lease = RedisLease(self._conns, self._k.lease)
 
     # ----------------------------------------------------------------- label
 
@@ -233,68 +218,12 @@ class RedisCard(Card):
             else:
                 serial = self._restore_label(self.serial)
         if self.claimed is not None:
-            self._renew_lease(self.claimed)
+            self._lease.renew(self.claimed, claiming=False)
         return serial
 
     def claim(self, shared: bool) -> None:
-        self._renew_lease(shared)
+        self._lease.renew(shared, claiming=self.claimed is None)
         self.claimed = shared
-
-    def _renew_lease(self, shared: bool) -> None:
-        """``_take_lease``, except on a read-only server (a replica) or one out of memory.
-
-        A replica serves reads and no gateway can write or clean it through
-        that server, so it is used without a lease.  A server at its
-        ``maxmemory`` (filled by others) refuses even the lease's few bytes;
-        the holders were checked before that write, so no gateway it would
-        conflict with holds it now: it is used without a lease (it holds
-        nothing new anyway) and the next health check takes the lease once
-        there is room.
-        """
-        try:
-            with self._conns.io():
-                self._take_lease(shared)
-        except OSError as exc:  # CardUnavailable(EROFS) for a replica, a plain OSError(ENOSPC) when out of memory
-            if exc.errno not in (errno.EROFS, errno.ENOSPC) or isinstance(exc, CardInUse):
-                raise
-            if self.claimed is None:
-                why = "read-only" if exc.errno == errno.EROFS else "out of memory (at its maxmemory)"
-                log.warning("redis card %s is %s: used without a lease until it takes one", self.display_location,
-                            why)
-
-    def _take_lease(self, shared: bool) -> None:
-        """Add or renew this card object's field in the lease, unless a live holder does not mix with ``shared``."""
-        with self._r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self._k.lease)
-                    sec, usec = pipe.time()
-                    now_ms = int(sec) * 1000 + int(usec) // 1000
-                    gone = []
-                    for field, raw in pipe.hgetall(self._k.lease).items():
-                        if field == self._lease_field:
-                            continue
-                        try:
-                            doc = json.loads(raw)
-                        except ValueError:
-                            doc = None
-                        if (not isinstance(doc, dict) or not isinstance(doc.get("expires"), int)
-                                or doc["expires"] < now_ms or holder_dead(doc)):
-                            gone.append(field)
-                            continue
-                        held_shared = doc.get("mode") == "shared"
-                        if not (shared and held_shared):
-                            raise CardInUse(self.display_location, describe_holder(doc), held_shared, shared)
-                    mine = {**holder_doc(shared), "expires": now_ms + LEASE_TTL_MS}
-                    pipe.multi()
-                    if gone:
-                        pipe.hdel(self._k.lease, *gone)
-                    pipe.hset(self._k.lease, self._lease_field, json.dumps(mine))
-                    pipe.pexpire(self._k.lease, LEASE_TTL_MS)
-                    pipe.execute()
-                    return
-                except rexc.WatchError:
-                    continue  # another holder changed the lease meanwhile: look again
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
         with self._conns.io():
@@ -762,10 +691,7 @@ class RedisCard(Card):
         """Give up the claim and close every connection; the pool reconnects if the card is used again."""
         if self.claimed is not None:
             self.claimed = None
-            try:
-                self._r.hdel(self._k.lease, self._lease_field)
-            except (rexc.RedisError, OSError):
-                pass  # it runs out by itself
+            self._lease.give_up()
         self._conns.disconnect()
 
     def __repr__(self) -> str:

@@ -24,27 +24,9 @@ read-only replica, loading), a plain ``OSError(ENOSPC)`` when the server is
 out of memory and refuses one write, so the gateway's health logic treats a
 Redis card exactly like a directory.
 
-The label and a server that restarts empty
-------------------------------------------
-The serial is created once with ``SET NX`` (whoever is first wins; everybody
-else reads the winner's label) and never changed.
-
-A Redis card is mostly run without persistence, so a restart loses every
-key, the label included.  The server at that address is still the same card:
-the same place in every gateway's slot map.  Refusing it until an operator
-relabels would turn every restart of a cache into an outage, and inventing a
-new serial would move its slots.  So ``check()`` (and a later ``open()``)
-puts the *old* serial back when the label is missing **and the server holds
-no kvgate objects**: an empty server holds nothing that could be mistaken
-for this card's data, so taking it back loses nothing and risks nothing.  A
-server whose label is gone but which holds kvgate objects is refused
-(``CardUnavailable``): those objects come from somewhere this card cannot
-vouch for (a deleted or evicted label, another deployment's data).  A label
-with another serial is returned as found; the caller sees the different
-serial and does not use the card.  (The very first ``open()`` of a card
-object labels a server that has no label whatever it holds, as the directory
-card does: its objects carry their full keys and hashes, so adopting them is
-safe.)
+The label, and a server that restarts empty: ``redislabel``.  An empty
+server gets its old serial back; one that holds kvgate objects but no label
+is refused.
 
 To keep "objects but no label" meaning exactly that, every write sends
 ``EXISTS label`` ahead of its ``SET`` in the same pipeline.  A pipeline runs
@@ -91,8 +73,6 @@ from kvgate.cards.base import (
     StoredObject,
     WriteAbandoned,
     byte_view,
-    new_label,
-    parse_label,
 )
 from kvgate.cards.objectformat import (
     FIXED_SIZE,
@@ -111,6 +91,7 @@ from kvgate.cards.objectformat import (
 )
 from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
+from kvgate.cards.redislabel import RedisLabel
 from kvgate.cards.redislease import RedisLease
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts
 from kvgate.cards.redissnapshot import RedisSnapshotWriter
@@ -189,19 +170,20 @@ class RedisCard(Card):
         self.maxmemory_policy: str | None = None
         self._discard_script = self._r.register_script(_DISCARD_LUA)
         self._scripts_ok = True
+        self._label = RedisLabel(self._conns, self._k, io_timeout_ms)
         self._lease = RedisLease(self._conns, self._k.lease)
 
     # ----------------------------------------------------------------- label
 
     def open(self) -> str:
         with self._conns.io():
-            raw = self._get_label()
+            raw = self._label.read()
             if raw is not None:
-                serial = self._parse_label(raw)
+                serial = self._label.parse(raw)
             elif self.serial is not None:
-                serial = self._restore_label(self.serial)
+                serial = self._label.restore(self.serial)
             else:
-                serial = self._create_label(uuid.uuid4().hex)
+                serial = self._label.create(uuid.uuid4().hex)
             self._read_policy()
         self.serial = serial
         return serial
@@ -209,14 +191,14 @@ class RedisCard(Card):
     def check(self) -> str:
         """The serial on the label; renews the lease of a claimed card (``CardInUse`` once it is lost)."""
         with self._conns.io():
-            raw = self._get_label()
+            raw = self._label.read()
             if raw is not None:
-                serial = self._parse_label(raw)
+                serial = self._label.parse(raw)
             elif self.serial is None:
                 raise CardUnavailable(errno.ENOENT, "card label is missing (not a kvgate card, or never opened)",
                                       self.display_location)
             else:
-                serial = self._restore_label(self.serial)
+                serial = self._label.restore(self.serial)
         if self.claimed is not None:
             self._lease.renew(self.claimed, claiming=False)
         return serial
@@ -242,67 +224,6 @@ class RedisCard(Card):
         with self._conns.io():  # a replica answers READONLY: CardUnavailable(EROFS)
             self._r.set(self._k.probe, b"1", px=1000)
             self._r.delete(self._k.probe)
-
-    def _get_label(self) -> bytes | None:
-        try:
-            return self._r.get(self._k.label)
-        except rexc.ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise CardUnavailable(errno.EINVAL, "card label is not a string value (not a kvgate label)",
-                                      self.display_location) from exc
-            raise
-
-    def _create_label(self, serial: str) -> str:
-        """SET NX: the first gateway wins, every other one reads its label."""
-        if self._r.set(self._k.label, new_label(serial), nx=True):
-            return serial
-        raw = self._get_label()
-        if raw is None:  # created and deleted again in between: nobody owns it now
-            raise CardUnavailable(errno.ENOENT, "card label vanished while being created", self.display_location)
-        return self._parse_label(raw)
-
-    def _restore_label(self, serial: str) -> str:
-        """Put the old serial back on a server that lost everything (see the module doc)."""
-        empty = self._holds_no_objects()
-        if empty is None:
-            raise CardUnavailable(errno.ETIMEDOUT, "card label is missing, and the server holds too many keys to "
-                                  "confirm in time that none is a kvgate object", self.display_location)
-        if not empty:
-            raise CardUnavailable(
-                errno.ENOENT,
-                "card label is missing but kvgate objects are present; not taking the card back "
-                "(clean the server's kvgate:o:* keys, or restore the label)",
-                self.display_location,
-            )
-        found = self._create_label(serial)
-        if found == serial:
-            log.warning("redis card %s: server holds no kvgate data (restarted empty?); label re-created with "
-                        "serial %s", self.display_location, serial)
-        return found
-
-    def _holds_no_objects(self) -> bool | None:
-        """True when the database holds no ``kvgate:o:*`` key; None when that is not known in time.
-
-        DBSIZE answers at once for an empty server.  Otherwise SCAN walks the
-        keyspace until the first match; a server full of foreign keys that
-        cannot be walked within the I/O deadline gives None (the card is
-        refused this time and tried again at the next check).
-        """
-        if self._r.dbsize() == 0:
-            return True
-        deadline = time.monotonic() + self.io_timeout_ms / 1000
-        cursor = 0
-        while True:
-            cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=SCAN_COUNT)
-            if keys:
-                return False
-            if int(cursor) == 0:
-                return True
-            if time.monotonic() > deadline:
-                return None
-
-    def _parse_label(self, raw: bytes) -> str:
-        return parse_label(raw, self.display_location)
 
     def _read_policy(self) -> None:
         try:

@@ -36,7 +36,7 @@ from kvgate.cards import (
     RedisCard,
     StoredObject,
 )
-from kvgate.cards import redis as redis_card_module
+from kvgate.cards import redisobjects
 from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
 from kvgate.cards.redis import UNLIMITED_FREE_BYTES
@@ -321,10 +321,10 @@ def test_corrupt_delete_spares_a_rewrite(server: RedisServer, cards: list[RedisC
     raw = server.raw()
     bad = raw.get(rk)[:-1] + b"X"
     card.write(k, memoryview(b"newer"), ObjectMeta())  # written after the reader got `bad`
-    card._discard(rk, bad)
+    card._objects.discard(rk, bad)
     assert read_back(card, k, 10)[1].tobytes() == b"newer"
     raw.set(rk, bad)
-    card._discard(rk, bad)
+    card._objects.discard(rk, bad)
     assert not raw.exists(rk)
     raw.close()
 
@@ -377,7 +377,7 @@ def test_batches_give_per_object_results(server: RedisServer, cards: list[RedisC
 
 def test_read_many_splits_huge_batches(server: RedisServer, cards: list[RedisCard],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_card_module, "_READ_PIPELINE_BYTES", 3000)
+    monkeypatch.setattr(redisobjects, "_READ_PIPELINE_BYTES", 3000)
     card = open_card(cards, server.url)
     keys = [key(i) for i in range(5)]
     card.write_many([(k, memoryview(payload_for(k, 1000)), ObjectMeta()) for k in keys])

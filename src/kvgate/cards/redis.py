@@ -49,77 +49,41 @@ by every health check (``redislease``).
 Copies: a write sends the header and the caller's payload buffer to the
 socket as separate buffers of one RESP argument (a small command packer,
 ``redispacker``, replaces redis-py's, which with hiredis copies a payload
-twice), so the only pass over the payload before the kernel is the hash.  A read gets the value
-as one ``bytes`` from redis-py (hiredis) and copies the payload out of it
-once, checksumming each piece just before copying it.  Batches are
-pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
+twice), so the only pass over the payload before the kernel is the hash.  A
+read gets the value as one ``bytes`` from redis-py (hiredis) and copies the
+payload out of it once, checksumming each piece just before copying it.
+Batches are pipelined; see ``redisobjects._READ_PIPELINE_BYTES`` for why
+large reads are not.  Both paths are ``RedisObjects`` (``redisobjects``).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import time
 import uuid
 from collections.abc import Collection
 from typing import Any, Callable, Iterator
 
 import redis.exceptions as rexc
 
-from kvgate.cards.base import (
-    Card,
-    CardUnavailable,
-    SnapshotWriter,
-    StoredObject,
-    WriteAbandoned,
-    byte_view,
-)
-from kvgate.cards.objectformat import (
-    FIXED_SIZE,
-    BufferTooSmall,
-    Header,
-    ObjectCorrupt,
-    ObjectMeta,
-    ObjectMissing,
-    ObjectTooNew,
-    payload_hash,
-    payload_hasher,
-    header_size,
-    pack_header,
-    parse_header,
-    peek_header,
-)
+from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject
+from kvgate.cards.objectformat import FIXED_SIZE, Header, ObjectCorrupt, ObjectMeta, ObjectTooNew, peek_header
 from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
 from kvgate.cards.redislabel import RedisLabel
 from kvgate.cards.redislease import RedisLease
-from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts
+from kvgate.cards.redisobjects import RedisObjects
 from kvgate.cards.redissnapshot import RedisSnapshotWriter
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.redis")
 
-# A fetched value is hashed and handed to the destination in pieces of
-# this size, each copied while it is still in the CPU cache (1 MiB of L2
-# here); every kernel copy into a client region has a fixed cost on top.
-# Measured here, the verify-and-deliver of 2 MiB objects into a session
-# region, one thread: 2.0 GiB/s in 256 KiB pieces, 2.7 in 1 MiB.
-DELIVER_PIECE = 1 << 20
-
 # The longest honest header: fixed part + length byte + namespace + key.
 # Scan reads this much of each value, so one GETRANGE covers every header.
 _SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
 _SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
 _UNLINK_BATCH = 500  # keys per UNLINK in clean()
-# read_many_into pipelines GETs until their destinations add up to this; an
-# object bigger than this gets a round trip of its own.  Measured here (Unix
-# socket, 16 KiB - 4 MiB objects): one pipeline for a whole batch of large
-# values is 1.5-3x slower, because redis-py returns all values at once, as
-# fresh multi-MiB bytes objects, and glibc trims them back to the kernel when
-# they are freed together, so every batch faults its memory in again
-# (~0.5 GiB/s).  A round trip costs ~30 us, under 5% of a 1 MiB transfer.
-_READ_PIPELINE_BYTES = 1 << 20
 # No free-memory limit (maxmemory 0): the server grows until the machine is full.
 UNLIMITED_FREE_BYTES = 1 << 60
 # What an object costs in used_memory per byte of it: jemalloc rounds each
@@ -132,15 +96,6 @@ MEMORY_PER_OBJECT_BYTE = 1.3
 SERVER_RESERVE = 0.05
 
 _HEX = frozenset(b"0123456789abcdef")
-# Deletes a corrupt object only if it still starts with the bytes that were
-# found bad: a good object written over it meanwhile is left alone.
-_DISCARD_LUA = """
-local cur = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]))
-if cur == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
-return 0
-"""
-_DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
-
 
 
 class RedisCard(Card):
@@ -168,8 +123,7 @@ class RedisCard(Card):
         self._r = self._conns.r  # the client every part of the card shares
         self._prefixes = [self._k.objects + b"%d:" % i for i in range(num_dbs)]
         self.maxmemory_policy: str | None = None
-        self._discard_script = self._r.register_script(_DISCARD_LUA)
-        self._scripts_ok = True
+        self._objects = RedisObjects(self._conns, self._k, self.object_key, self.ttl_ns)
         self._label = RedisLabel(self._conns, self._k, io_timeout_ms)
         self._lease = RedisLease(self._conns, self._k.lease)
 
@@ -249,148 +203,14 @@ class RedisCard(Card):
         db, name = self.named_place(digest)
         return self._prefixes[db] + name.encode()
 
-    def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
-        plen = len(view)
-        header = pack_header(full_key, plen, payload_hash(view), meta)
-        if ZERO_COPY:
-            return ArgumentParts(header, view), len(header) + plen
-        return header + view, len(header) + plen  # old redis-py: one copy of the payload
-
-    def _discard(self, rkey: bytes, seen: bytes | None) -> None:
-        """Delete a corrupt object, but not a good one written over it since.
-
-        ``seen`` is the start of the value found bad; None deletes whatever
-        is there (a value of the wrong type).  Best effort: a failure here
-        leaves the object for the next read or scan to find again.
-        """
-        try:
-            if seen is not None and self._scripts_ok:
-                prefix = seen[:_DISCARD_COMPARE]
-                try:
-                    self._discard_script(keys=[rkey], args=[prefix, len(prefix) - 1 if prefix else -1])
-                    return
-                except rexc.ResponseError as exc:
-                    if "WRONGTYPE" in str(exc):
-                        pass  # replaced by a foreign value: fall through and delete it
-                    else:  # scripting disabled or forbidden: plain deletes from now on
-                        self._scripts_ok = False
-            self._r.unlink(rkey)
-        except (rexc.RedisError, OSError):
-            pass
-
-    def _finish_read(self, rkey: bytes, full_key: bytes, value: Any, view: memoryview, guard: Abandon) -> Header:
-        """Check one GET reply and deliver its payload into ``view`` through ``guard``."""
-        if value is None:
-            raise ObjectMissing(f"no object {rkey.decode()}")
-        if isinstance(value, rexc.ResponseError):
-            if "WRONGTYPE" in str(value):
-                self._discard(rkey, None)
-                exc = ObjectCorrupt("the key holds a value of another type")
-                exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
-                raise exc
-            raise self._conns.map_error(value)
-        try:
-            return self._verify_into(full_key, value, view, guard)
-        except ObjectCorrupt as exc:
-            exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
-            self._discard(rkey, value)
-            raise
-
-    @staticmethod
-    def _verify_into(full_key: bytes, value: bytes, view: memoryview, guard: Abandon) -> Header:
-        """Header, lengths and hash of ``value``, then its payload into ``view`` through ``guard``.
-
-        The payload is checked and delivered piece by piece: each piece is
-        copied right after its hash, while it is still in the CPU cache.  A
-        hash that fails leaves the destination partly written, which the
-        contract allows (the caller treats it as garbage).
-        """
-        header = parse_header(value, expect_key=full_key)
-        hlen, plen = header.header_len, header.payload_len
-        if hlen != header_size(full_key) or header.payload_offset != hlen:  # Redis objects are never padded
-            raise ObjectCorrupt("bad header length")
-        if len(value) != hlen + plen:
-            raise ObjectCorrupt(f"object is {len(value)} bytes, its header says {hlen + plen}")
-        if plen > len(view):
-            raise BufferTooSmall(plen)
-        if plen == 0:
-            if header.payload_hash != payload_hash(b""):
-                raise ObjectCorrupt("payload checksum mismatch")
-            return header
-        src = memoryview(value)[hlen:]
-        hasher = payload_hasher()
-        for off in range(0, plen, DELIVER_PIECE):
-            end = min(off + DELIVER_PIECE, plen)
-            hasher.update(src[off:end])
-            guard.copy(view[off:end], src[off:end])
-        if hasher.intdigest() != header.payload_hash:
-            raise ObjectCorrupt("payload checksum mismatch")
-        return header
-
     # ------------------------------------------------------------------- I/O
 
     def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
-        view = byte_view(dest)
-        rkey = self.object_key(full_key)
-        with self._conns.io():
-            try:
-                value = self._r.get(rkey)
-            except rexc.ResponseError as exc:  # WRONGTYPE and friends: judged like a pipelined reply
-                value = exc
-        return self._finish_read(rkey, full_key, value, view, guard or Abandon())
+        return self._objects.read_into(full_key, dest, guard)
 
     def read_many_into(self, items: list[tuple[bytes, memoryview]],
                        guard: Abandon | None = None) -> list[Header | BaseException]:
-        """Pipelined GETs (up to ``_READ_PIPELINE_BYTES`` of destinations per round trip).
-
-        Replies land in redis-py's buffers, which are ours; payloads reach the
-        destinations only through ``guard`` (the contract in ``base``).
-
-        Results are per object; a connection failure fails the objects of
-        that pipeline and every later one at once (no waiting out each).
-        """
-        guard = guard or Abandon()
-        out: list[Header | BaseException | None] = [None] * len(items)
-        views = [byte_view(dest) for _, dest in items]
-        rkeys = [self.object_key(k) for k, _ in items]
-        down: OSError | None = None
-        for chunk in self._read_chunks(views):
-            if down is not None:  # the card failed on an earlier pipeline: do not wait out each one
-                for i in chunk:
-                    out[i] = self._conns.same_error(down)
-                continue
-            try:
-                pipe = self._r.pipeline(transaction=False)
-                for i in chunk:
-                    pipe.get(rkeys[i])
-                values = pipe.execute(raise_on_error=False)
-            except (rexc.RedisError, OSError) as exc:
-                err = self._conns.map_error(exc)
-                if isinstance(err, CardUnavailable):
-                    down = err
-                for i in chunk:
-                    out[i] = self._conns.same_error(err)
-                continue
-            for i, value in zip(chunk, values):
-                try:
-                    out[i] = self._finish_read(rkeys[i], items[i][0], value, views[i], guard)
-                except (LookupError, ValueError, OSError) as exc:
-                    out[i] = exc
-            del values
-        return out  # type: ignore[return-value]
-
-    @staticmethod
-    def _read_chunks(views: list[memoryview]) -> Iterator[list[int]]:
-        chunk: list[int] = []
-        size = 0
-        for i, v in enumerate(views):
-            if chunk and size + len(v) > _READ_PIPELINE_BYTES:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(i)
-            size += len(v)
-        if chunk:
-            yield chunk
+        return self._objects.read_many_into(items, guard)
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
@@ -398,50 +218,7 @@ class RedisCard(Card):
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
                    still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
-        """One pipeline: ``EXISTS label`` then a ``SET`` per object.
-
-        The label test rides in the same pipeline (same connection, same
-        server process), so a write that reached a server restarted empty is
-        known at once; it is deleted and fails with CardUnavailable.
-        """
-        if not items:
-            return []
-        rkeys: list[bytes] = []
-        sizes: list[int] = []
-        pipe = self._r.pipeline(transaction=False)
-        pipe.exists(self._k.label)
-        for full_key, payload, meta in items:
-            rkey = self.object_key(full_key)
-            value, size = self._value(full_key, byte_view(payload), meta)
-            if self.ttl_ns is None:
-                pipe.set(rkey, value)
-            else:  # created_ns is when the client put it: what is left of its life, at least 1 ms
-                pipe.set(rkey, value, px=max(1, (meta.created_ns + self.ttl_ns - time.time_ns()) // 1_000_000))
-            rkeys.append(rkey)
-            sizes.append(size)
-        if still_wanted is not None and not still_wanted():
-            return [WriteAbandoned(self.display_location) for _ in items]
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except (rexc.RedisError, OSError) as exc:
-            err = self._conns.map_error(exc)
-            return [self._conns.same_error(err) for _ in items]
-        label, results = replies[0], replies[1:]
-        if isinstance(label, BaseException) or not label:
-            written = [k for k, r in zip(rkeys, results) if not isinstance(r, BaseException)]
-            if written:
-                try:
-                    self._r.unlink(*written)
-                except (rexc.RedisError, OSError):
-                    pass
-            why = (self._conns.map_error(label) if isinstance(label, BaseException) else
-                   CardUnavailable(errno.ENOENT, "card label is missing (server restarted empty?); write undone",
-                                   self.display_location))
-            return [self._conns.same_error(why) for _ in items]
-        out: list[int | BaseException] = []
-        for r, size in zip(results, sizes):
-            out.append(self._conns.map_error(r) if isinstance(r, BaseException) else size)
-        return out
+        return self._objects.write_many(items, still_wanted)
 
     def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
         """``not_before_ns`` needs no check here: with a ttl the server expires objects itself (``ttl_s``)."""
@@ -531,15 +308,15 @@ class RedisCard(Card):
         if isinstance(buf, BaseException) or isinstance(size, BaseException):
             err = buf if isinstance(buf, BaseException) else size
             if "WRONGTYPE" in str(err):
-                self._discard(name, None)
+                self._objects.discard(name, None)
                 return None
             raise self._conns.map_error(err)
         if size == 0:  # deleted since it was listed (or an empty value, garbage either way)
-            self._discard(name, b"")
+            self._objects.discard(name, b"")
             return None
 
         def read_head(n: int) -> bytes:
-            nonlocal buf  # _discard compares what the header was read from
+            nonlocal buf  # discard compares what the header was read from
             with self._conns.io():
                 buf = self._r.getrange(name, 0, n - 1)
             return buf
@@ -552,7 +329,7 @@ class RedisCard(Card):
             self._skip_newer(name.decode(errors="replace"), exc)
             return None
         except ObjectCorrupt:
-            self._discard(name, bytes(buf))
+            self._objects.discard(name, bytes(buf))
             return None
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
 

@@ -36,18 +36,13 @@ from kvgate.cards import (
     RedisCard,
     StoredObject,
 )
-from kvgate.cards import redis as redis_card_module
+from kvgate.cards import redisobjects
 from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
-from kvgate.cards.redis import (
-    LABEL_KEY,
-    LEASE_KEY,
-    LEASE_TTL_MS,
-    PROBE_KEY,
-    UNLIMITED_FREE_BYTES,
-    _Parts,
-    _ZeroCopyPacker,
-)
+from kvgate.cards.redis import UNLIMITED_FREE_BYTES
+from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
+from kvgate.cards.redislease import LEASE_TTL_MS
+from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
@@ -206,13 +201,13 @@ def test_typed_buffers_are_handled_as_bytes(card: RedisCard) -> None:
 
 def test_packer_sends_payload_without_copying() -> None:
     payload = memoryview(np.arange(100_000, dtype=np.uint8))
-    chunks = _ZeroCopyPacker().pack("SET", b"k", _Parts(b"HDR", payload))
+    chunks = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", payload))
     assert any(c is payload for c in chunks)  # the caller's buffer itself goes to the socket
     joined = b"".join(bytes(c) for c in chunks)
     assert joined == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$100003\r\nHDR" + payload.tobytes() + b"\r\n"
-    small = _ZeroCopyPacker().pack("SET", b"k", _Parts(b"HDR", memoryview(b"xy")), 5)
+    small = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", memoryview(b"xy")), 5)
     assert b"".join(small) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nHDRxy\r\n$1\r\n5\r\n"
-    assert redis_card_module._ZERO_COPY  # this redis-py takes our packer
+    assert ZERO_COPY  # this redis-py takes our packer
 
 
 def test_overwrite_replaces_whole_object(card: RedisCard) -> None:
@@ -326,10 +321,10 @@ def test_corrupt_delete_spares_a_rewrite(server: RedisServer, cards: list[RedisC
     raw = server.raw()
     bad = raw.get(rk)[:-1] + b"X"
     card.write(k, memoryview(b"newer"), ObjectMeta())  # written after the reader got `bad`
-    card._discard(rk, bad)
+    card._objects.discard(rk, bad)
     assert read_back(card, k, 10)[1].tobytes() == b"newer"
     raw.set(rk, bad)
-    card._discard(rk, bad)
+    card._objects.discard(rk, bad)
     assert not raw.exists(rk)
     raw.close()
 
@@ -382,7 +377,7 @@ def test_batches_give_per_object_results(server: RedisServer, cards: list[RedisC
 
 def test_read_many_splits_huge_batches(server: RedisServer, cards: list[RedisCard],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_card_module, "_READ_PIPELINE_BYTES", 3000)
+    monkeypatch.setattr(redisobjects, "_READ_PIPELINE_BYTES", 3000)
     card = open_card(cards, server.url)
     keys = [key(i) for i in range(5)]
     card.write_many([(k, memoryview(payload_for(k, 1000)), ObjectMeta()) for k in keys])
@@ -891,7 +886,7 @@ def test_lease_of_a_dead_or_expired_holder_is_taken_over(server: RedisServer, ca
     r.hset(LEASE_KEY, b"ran-out", lease_doc("elsewhere", 1, expires_in_ms=-1))
     c = open_card(cards, server.url)
     c.claim(False)
-    assert set(r.hgetall(LEASE_KEY)) == {c._lease_field}
+    assert set(r.hgetall(LEASE_KEY)) == {c._lease.field}
     # a live holder on another host is waited out (its lease has not run out)
     c.close()
     r.hset(LEASE_KEY, b"live-elsewhere", lease_doc("elsewhere", 1))
@@ -903,10 +898,10 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
     c = open_card(cards, server.url)
     c.claim(False)
     r = server.raw()
-    before = json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"]
+    before = json.loads(r.hget(LEASE_KEY, c._lease.field))["expires"]
     time.sleep(0.05)  # the point: the clock moves on, so a renewed lease expires later
     c.check()
-    assert json.loads(r.hget(LEASE_KEY, c._lease_field))["expires"] > before
+    assert json.loads(r.hget(LEASE_KEY, c._lease.field))["expires"] > before
     assert 0 < r.pttl(LEASE_KEY) <= LEASE_TTL_MS
     # Lost (as after a stall longer than the lease) and taken by another gateway: the card is not ours now.
     r.delete(LEASE_KEY)
@@ -915,7 +910,7 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
         c.check()
     # A server restarted empty loses the lease with everything else; the next check takes it again.
     server.restart_empty()
-    assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease_field)
+    assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease.field)
 
 
 def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: RedisServer,

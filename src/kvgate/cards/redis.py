@@ -24,27 +24,9 @@ read-only replica, loading), a plain ``OSError(ENOSPC)`` when the server is
 out of memory and refuses one write, so the gateway's health logic treats a
 Redis card exactly like a directory.
 
-The label and a server that restarts empty
-------------------------------------------
-The serial is created once with ``SET NX`` (whoever is first wins; everybody
-else reads the winner's label) and never changed.
-
-A Redis card is mostly run without persistence, so a restart loses every
-key, the label included.  The server at that address is still the same card:
-the same place in every gateway's slot map.  Refusing it until an operator
-relabels would turn every restart of a cache into an outage, and inventing a
-new serial would move its slots.  So ``check()`` (and a later ``open()``)
-puts the *old* serial back when the label is missing **and the server holds
-no kvgate objects**: an empty server holds nothing that could be mistaken
-for this card's data, so taking it back loses nothing and risks nothing.  A
-server whose label is gone but which holds kvgate objects is refused
-(``CardUnavailable``): those objects come from somewhere this card cannot
-vouch for (a deleted or evicted label, another deployment's data).  A label
-with another serial is returned as found; the caller sees the different
-serial and does not use the card.  (The very first ``open()`` of a card
-object labels a server that has no label whatever it holds, as the directory
-card does: its objects carry their full keys and hashes, so adopting them is
-safe.)
+The label, and a server that restarts empty: ``redislabel``.  An empty
+server gets its old serial back; one that holds kvgate objects but no label
+is refused.
 
 To keep "objects but no label" meaning exactly that, every write sends
 ``EXISTS label`` ahead of its ``SET`` in the same pipeline.  A pipeline runs
@@ -61,115 +43,47 @@ acknowledged, and may drop the label.  ``open()`` warns about any other
 policy.  A write the full server refuses (OOM) is ENOSPC: the gateway lowers
 the card's capacity and evicts.
 
-Claims: a gateway holds the card through a lease, one field per gateway in
-the hash ``kvgate:card-lease`` naming its host, boot id, pid, mode
-(exclusive, or shared for ``shared_storage``) and when it runs out by the
-server's clock.  ``claim`` adds the field in a WATCH/MULTI transaction
-after checking the others, so two gateways racing for the card cannot both
-win; the health check renews it every second (``check``), and a gateway
-that did not renew for ``LEASE_TTL_MS`` has lost it.  A field of this host
-and boot whose pid is dead, or of an earlier boot, is the leftover of a
-killed gateway: it is dropped at once instead of waited out.
+Claims: a gateway holds the card through a lease in the server, renewed
+by every health check (``redislease``).
 
 Copies: a write sends the header and the caller's payload buffer to the
-socket as separate buffers of one RESP argument (a small command packer
-replaces redis-py's, which with hiredis copies a payload twice), so the only
-pass over the payload before the kernel is the hash.  A read gets the value
-as one ``bytes`` from redis-py (hiredis) and copies the payload out of it
-once, checksumming each piece just before copying it.  Batches are
-pipelined; see ``_READ_PIPELINE_BYTES`` for why large reads are not.
+socket as separate buffers of one RESP argument (a small command packer,
+``redispacker``, replaces redis-py's, which with hiredis copies a payload
+twice), so the only pass over the payload before the kernel is the hash.  A
+read gets the value as one ``bytes`` from redis-py (hiredis) and copies the
+payload out of it once, checksumming each piece just before copying it.
+Batches are pipelined; see ``redisobjects._READ_PIPELINE_BYTES`` for why
+large reads are not.  Both paths are ``RedisObjects`` (``redisobjects``).
 """
 
 from __future__ import annotations
 
 import errno
-import inspect
-import itertools
-import json
 import logging
-import time
 import uuid
-from contextlib import contextmanager
 from collections.abc import Collection
 from typing import Any, Callable, Iterator
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
 import redis.exceptions as rexc
-from redis.crc import key_slot
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from kvgate.cards.base import (
-    Card,
-    CardInUse,
-    CardUnavailable,
-    SnapshotWriter,
-    StoredObject,
-    WriteAbandoned,
-    byte_view,
-    describe_holder,
-    holder_dead,
-    holder_doc,
-    new_label,
-    parse_label,
-)
-from kvgate.cards.objectformat import (
-    FIXED_SIZE,
-    BufferTooSmall,
-    Header,
-    ObjectCorrupt,
-    ObjectMeta,
-    ObjectMissing,
-    ObjectTooNew,
-    payload_hash,
-    payload_hasher,
-    header_size,
-    pack_header,
-    parse_header,
-    peek_header,
-)
+from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject
+from kvgate.cards.objectformat import FIXED_SIZE, Header, ObjectCorrupt, ObjectMeta, ObjectTooNew, peek_header
+from kvgate.cards.redisconn import RedisConnections
+from kvgate.cards.rediskeys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
+from kvgate.cards.redislabel import RedisLabel
+from kvgate.cards.redislease import RedisLease
+from kvgate.cards.redisobjects import RedisObjects
+from kvgate.cards.redissnapshot import RedisSnapshotWriter
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.redis")
 
-# A fetched value is hashed and handed to the destination in pieces of
-# this size, each copied while it is still in the CPU cache (1 MiB of L2
-# here); every kernel copy into a client region has a fixed cost on top.
-# Measured here, the verify-and-deliver of 2 MiB objects into a session
-# region, one thread: 2.0 GiB/s in 256 KiB pieces, 2.7 in 1 MiB.
-DELIVER_PIECE = 1 << 20
-LABEL_KEY = b"kvgate:card-label"
-PROBE_KEY = b"kvgate:write-probe"  # outside OBJECT_PREFIX: scans and clean never see it
-LEASE_KEY = b"kvgate:card-lease"  # outside OBJECT_PREFIX too
-HEADS_KEY = b"kvgate:heads"  # a set of 8-byte shared-head ids; outside OBJECT_PREFIX too
-# Renewed every second by the health check: 15 missed renewals (a gateway
-# killed on another host, or cut off from the server) free the card.  A
-# gateway on this host that was killed frees it at once (its pid is dead).
-LEASE_TTL_MS = 15_000
-SNAPSHOT_KEY = b"kvgate:index"  # outside OBJECT_PREFIX too
-SNAPSHOT_TEMP = b"kvgate:index-tmp:"  # + a writer's uuid; renamed to SNAPSHOT_KEY when whole
-OBJECT_PREFIX = b"kvgate:o:"
-OBJECT_MATCH = OBJECT_PREFIX + b"*"
-
 # The longest honest header: fixed part + length byte + namespace + key.
 # Scan reads this much of each value, so one GETRANGE covers every header.
 _SCAN_READ = FIXED_SIZE + 1 + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
-_SCAN_COUNT = 1000  # SCAN COUNT hint
 _SCAN_PIPELINE = 256  # keys per GETRANGE/STRLEN pipeline in scan()
 _UNLINK_BATCH = 500  # keys per UNLINK in clean()
-# read_many_into pipelines GETs until their destinations add up to this; an
-# object bigger than this gets a round trip of its own.  Measured here (Unix
-# socket, 16 KiB - 4 MiB objects): one pipeline for a whole batch of large
-# values is 1.5-3x slower, because redis-py returns all values at once, as
-# fresh multi-MiB bytes objects, and glibc trims them back to the kernel when
-# they are freed together, so every batch faults its memory in again
-# (~0.5 GiB/s).  A round trip costs ~30 us, under 5% of a 1 MiB transfer.
-_READ_PIPELINE_BYTES = 1 << 20
-# Command arguments longer than this are sent as their own buffers (never
-# joined into a bigger bytes object); redis-py uses the same cutoff.
-_BUFFER_CUTOFF = 6000
 # No free-memory limit (maxmemory 0): the server grows until the machine is full.
 UNLIMITED_FREE_BYTES = 1 << 60
 # What an object costs in used_memory per byte of it: jemalloc rounds each
@@ -182,220 +96,6 @@ MEMORY_PER_OBJECT_BYTE = 1.3
 SERVER_RESERVE = 0.05
 
 _HEX = frozenset(b"0123456789abcdef")
-# Deletes a corrupt object only if it still starts with the bytes that were
-# found bad: a good object written over it meanwhile is left alone.
-_DISCARD_LUA = """
-local cur = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]))
-if cur == ARGV[1] then return redis.call('UNLINK', KEYS[1]) end
-return 0
-"""
-_DISCARD_COMPARE = FIXED_SIZE  # header hash and creation time: a rewrite differs here
-
-
-
-
-TAG_PARAM = "kvgate_tag"  # in a card's URL: the hash tag of its keys (a Redis Cluster primary's card)
-
-
-class RedisKeys:
-    """The key names of one card.
-
-    ``tag``: a Redis Cluster hash tag (``{tag}`` in front of every name) that
-    puts every key of the card in one hash slot of one primary, so that a
-    primary of a cluster is a card like any server: a cluster registered by
-    a seed address is one card per primary (``cluster_cards``).  Empty for a
-    server that is not a cluster node: the names are the module's constants.
-    """
-
-    __slots__ = ("tag", "label", "probe", "lease", "heads", "snapshot", "snapshot_temp", "objects", "objects_match")
-
-    def __init__(self, tag: str = "") -> None:
-        if any(c in tag for c in "{}*?[]\\") or len(tag) > 64:
-            raise ValueError(f"{TAG_PARAM} {tag!r}: at most 64 characters, none of {{}}*?[]\\")
-        self.tag = tag
-        p = b"{%s}" % tag.encode() if tag else b""
-        self.label, self.probe, self.lease, self.heads = p + LABEL_KEY, p + PROBE_KEY, p + LEASE_KEY, p + HEADS_KEY
-        self.snapshot, self.snapshot_temp = p + SNAPSHOT_KEY, p + SNAPSHOT_TEMP
-        self.objects = p + OBJECT_PREFIX
-        self.objects_match = self.objects + b"*"
-
-
-def split_tag(location: str) -> tuple[str, str]:
-    """(the URL without ``kvgate_tag``, the tag or ""): redis-py passes unknown URL parameters on to its
-    connections, which refuse them."""
-    parts = urlsplit(location)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    tags = [v for k, v in query if k == TAG_PARAM]
-    if not tags:
-        return location, ""
-    rest = urlencode([(k, v) for k, v in query if k != TAG_PARAM])
-    return urlunsplit(parts._replace(query=rest)), tags[-1]
-
-
-def cluster_cards(seed: str, io_timeout_ms: int = 2000) -> list[str]:
-    """The cards a Redis Cluster reached through ``seed`` is: one URL per primary.
-
-    Each has the primary's address in place of the seed's (the seed's
-    scheme, credentials and parameters kept) and a ``kvgate_tag`` whose hash
-    slot that primary serves, found by trying ``kvgate-0``, ``kvgate-1``,
-    ...: the same cluster gives the same cards whoever asks.  A server that
-    is not a cluster node is one card: ``[seed]``.  Blocks for a few round
-    trips; ``CardUnavailable`` when the seed does not answer.
-    """
-    url, _ = split_tag(seed)
-    timeout = io_timeout_ms / 1000
-    r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                             retry=Retry(NoBackoff(), 0))
-    try:
-        if not int(r.info("cluster").get("cluster_enabled", 0)):
-            return [seed]
-        ranges = r.execute_command("CLUSTER SLOTS")
-    except (rexc.RedisError, OSError) as exc:
-        raise CardUnavailable(errno.ENOTCONN, f"redis cluster seed did not answer: {exc}", _redact(seed)) from None
-    finally:
-        r.close()
-    primaries: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for entry in ranges:
-        start, end, primary = int(entry[0]), int(entry[1]), entry[2]
-        host = _decode(primary[0]) or urlsplit(url).hostname or "127.0.0.1"  # "" means the address asked
-        primaries.setdefault((host, int(primary[1])), []).append((start, end))
-    cards = []
-    parts = urlsplit(url)
-    for (host, port), spans in sorted(primaries.items()):
-        tag = next(t for t in (f"kvgate-{n}" for n in itertools.count())
-                   if any(lo <= key_slot(t.encode()) <= hi for lo, hi in spans))
-        netloc = parts.netloc.rpartition("@")[0]
-        netloc = (netloc + "@" if netloc else "") + (f"[{host}]" if ":" in host else host) + f":{port}"
-        query = urlencode([*parse_qsl(parts.query, keep_blank_values=True), (TAG_PARAM, tag)])
-        cards.append(urlunsplit(parts._replace(netloc=netloc, query=query)))
-    return cards
-
-
-def _redact(location: str) -> str:
-    """The location with any password replaced, for messages and logs."""
-    try:
-        parts = urlsplit(location)
-        if parts.password is None:
-            return location
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-    except ValueError:
-        return "<unparsable redis location>"
-
-
-class _Parts:
-    """One bulk-string argument sent as several buffers, never joined.
-
-    The value of a SET is header + payload; joining them would copy the
-    whole payload once more (and redis-py's hiredis packer copies it twice).
-    """
-
-    __slots__ = ("parts", "nbytes")
-
-    def __init__(self, *parts: bytes | memoryview):
-        self.parts = parts
-        self.nbytes = sum(len(p) for p in parts)
-
-
-class _ZeroCopyPacker:
-    """RESP command packer that sends big arguments as they are.
-
-    The same idea as redis-py's ``PythonRespSerializer`` (large arguments go
-    to the socket as separate buffers), plus ``_Parts``.  redis-py's default
-    packer when hiredis is installed turns memoryviews into bytes and then
-    copies them again into one packed command.  Stateless, so one instance
-    serves every connection of the pool.
-    """
-
-    def __init__(self) -> None:
-        self._encode = redis.connection.Encoder("utf-8", "strict", False).encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if isinstance(args[0], str):
-            args = tuple(args[0].encode().split()) + args[1:]
-        elif b" " in args[0]:
-            args = tuple(args[0].split()) + args[1:]
-        out: list[bytes | memoryview] = []
-        buf = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, _Parts):
-                buf += b"$%d\r\n" % arg.nbytes
-                for part in arg.parts:
-                    if len(part) > _BUFFER_CUTOFF:
-                        out.append(buf)
-                        out.append(part)
-                        buf = b""
-                    else:
-                        buf += part
-                buf += b"\r\n"
-                continue
-            arg = self._encode(arg)
-            n = len(arg)
-            if n > _BUFFER_CUTOFF:
-                out.append(buf + b"$%d\r\n" % n)
-                out.append(arg)
-                buf = b"\r\n"
-            else:
-                buf += b"$%d\r\n" % n + bytes(arg) + b"\r\n"
-        out.append(buf)
-        return out
-
-
-def _packer_supported() -> bool:
-    cls = getattr(redis.connection, "AbstractConnection", None)
-    if cls is None:
-        return False
-    try:
-        return "command_packer" in inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-_ZERO_COPY = _packer_supported()
-
-
-def _error_classes(*names: str) -> tuple[type[BaseException], ...]:
-    """redis-py's specific ResponseError subclasses that this version has."""
-    return tuple(getattr(rexc, n) for n in names if isinstance(getattr(rexc, n, None), type))
-
-
-# redis-py strips the error code (``OOM``, ``READONLY``...) from the message
-# of the errors it has a class for, so both the class and the text are tested.
-_OOM = _error_classes("OutOfMemoryError")
-_READONLY = _error_classes("ReadOnlyError")
-_NOPERM = _error_classes("NoPermissionError", "MasterDownError")
-_CLUSTER = _error_classes("MovedError", "AskError", "ClusterDownError", "ClusterCrossSlotError", "TryAgainError")
-
-
-def _decode(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
-
-
-class _RedisSnapshotWriter(SnapshotWriter):
-    """APPENDs to a temp key of its own, RENAMEd over the snapshot on commit (atomic in the server)."""
-
-    def __init__(self, card: RedisCard) -> None:
-        self.card = card
-        self.key = card._k.snapshot_temp + uuid.uuid4().hex.encode()
-
-    def write(self, data: bytes | memoryview) -> None:
-        with self.card._io():
-            self.card._r.append(self.key, bytes(data))
-
-    def commit(self) -> None:
-        with self.card._io():
-            self.card._r.rename(self.key, self.card._k.snapshot)
-
-    def abort(self) -> None:
-        try:
-            self.card._r.unlink(self.key)
-        except (rexc.RedisError, OSError):
-            pass
 
 
 class RedisCard(Card):
@@ -416,176 +116,53 @@ class RedisCard(Card):
             raise ValueError(f"io_timeout_ms must be at least 1, got {io_timeout_ms}")
         self.io_timeout_ms = io_timeout_ms
         self.ttl_ns = int(ttl_s * 1e9) if ttl_s is not None else None
-        self.display_location = _redact(location)
-        timeout = io_timeout_ms / 1000
-        extra: dict[str, Any] = {"command_packer": _ZeroCopyPacker()} if _ZERO_COPY else {}
+        self.display_location = redact(location)
         url, tag = split_tag(location)
         self._k = RedisKeys(tag)
-        try:
-            self._pool = redis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=timeout,  # waiting for a free connection
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                retry=Retry(NoBackoff(), 0),  # the gateway counts failures; never wait out retries here
-                health_check_interval=0,
-                socket_read_size=256 << 10,  # fewer reads for big values (redis-py default: 64 KiB)
-                **extra,
-            )
-        except ValueError as exc:
-            raise ValueError(f"not a redis card location: {self.display_location}: {exc}") from None
-        self._r = redis.Redis(connection_pool=self._pool)
+        self._conns = RedisConnections(url, self.display_location, io_timeout_ms, max_connections)
+        self._r = self._conns.r  # the client every part of the card shares
         self._prefixes = [self._k.objects + b"%d:" % i for i in range(num_dbs)]
         self.maxmemory_policy: str | None = None
-        self._discard_script = self._r.register_script(_DISCARD_LUA)
-        self._scripts_ok = True
-        self._lease_field = uuid.uuid4().hex.encode()  # this card object's claim among the card's holders
-
-    # ---------------------------------------------------------------- errors
-
-    def _map_error(self, exc: BaseException) -> OSError:
-        """The OSError that a redis-py failure stands for."""
-        where = self.display_location
-        if isinstance(exc, CardUnavailable):
-            return exc
-        if isinstance(exc, rexc.TimeoutError):
-            # slow, not gone: a strike for the card's health, not an instant take-out
-            return TimeoutError(errno.ETIMEDOUT, f"redis card timed out: {exc}", where)
-        if isinstance(exc, rexc.AuthenticationError):
-            return CardUnavailable(errno.EACCES, f"redis card refused authentication: {exc}", where)
-        if isinstance(exc, rexc.ConnectionError):  # incl. BusyLoadingError, pool exhausted
-            return CardUnavailable(errno.ENOTCONN, f"redis card is not reachable: {exc}", where)
-        if isinstance(exc, rexc.ResponseError):
-            msg = str(exc)
-            if isinstance(exc, _OOM) or msg.startswith("OOM"):
-                # One write refused; the card itself is fine (and should evict).
-                return OSError(errno.ENOSPC, f"redis card is out of memory: {msg}", where)
-            if isinstance(exc, _READONLY) or msg.startswith("READONLY"):
-                return CardUnavailable(errno.EROFS, f"redis card is read-only: {msg}", where)
-            if isinstance(exc, _NOPERM) or msg.startswith(("NOPERM", "NOAUTH", "MISCONF", "MASTERDOWN")):
-                return CardUnavailable(errno.EACCES, f"redis card refused: {msg}", where)
-            if isinstance(exc, _CLUSTER) or msg.startswith(("MOVED", "ASK", "CLUSTERDOWN", "CROSSSLOT")):
-                return CardUnavailable(errno.EINVAL, f"redis card is a node of a Redis Cluster and this key is not "
-                                       f"on it: register the cluster by one seed address (`kvgate cluster "
-                                       f"register redis://SEED`: one card per primary), or use a proxy: {msg}",
-                                       where)
-            return OSError(errno.EIO, f"redis card error: {msg}", where)
-        if isinstance(exc, rexc.RedisError):
-            return OSError(errno.EIO, f"redis card error: {exc}", where)
-        if isinstance(exc, OSError):  # a socket error redis-py did not wrap
-            return CardUnavailable(exc.errno or errno.EIO, f"redis card is not reachable: {exc}", where)
-        return OSError(errno.EIO, f"redis card error: {exc!r}", where)
-
-    @contextmanager
-    def _io(self) -> Iterator[None]:
-        """Turn redis-py failures into OSErrors; lets this module's own errors through."""
-        try:
-            yield
-        except (CardUnavailable, ObjectMissing, ObjectCorrupt, BufferTooSmall):
-            raise
-        except (rexc.RedisError, OSError) as exc:
-            raise self._map_error(exc) from exc
-
-    def _same_error(self, exc: OSError) -> OSError:
-        """A fresh exception like ``exc`` for each item of a batch (never share one instance)."""
-        cls = CardUnavailable if isinstance(exc, CardUnavailable) else OSError
-        new = cls(exc.errno, exc.strerror, exc.filename)
-        new.__cause__ = exc.__cause__
-        return new
+        self._objects = RedisObjects(self._conns, self._k, self.object_key, self.ttl_ns)
+        self._label = RedisLabel(self._conns, self._k, io_timeout_ms)
+        self._lease = RedisLease(self._conns, self._k.lease)
 
     # ----------------------------------------------------------------- label
 
     def open(self) -> str:
-        with self._io():
-            raw = self._get_label()
+        with self._conns.io():
+            raw = self._label.read()
             if raw is not None:
-                serial = self._parse_label(raw)
+                serial = self._label.parse(raw)
             elif self.serial is not None:
-                serial = self._restore_label(self.serial)
+                serial = self._label.restore(self.serial)
             else:
-                serial = self._create_label(uuid.uuid4().hex)
+                serial = self._label.create(uuid.uuid4().hex)
             self._read_policy()
         self.serial = serial
         return serial
 
     def check(self) -> str:
         """The serial on the label; renews the lease of a claimed card (``CardInUse`` once it is lost)."""
-        with self._io():
-            raw = self._get_label()
+        with self._conns.io():
+            raw = self._label.read()
             if raw is not None:
-                serial = self._parse_label(raw)
+                serial = self._label.parse(raw)
             elif self.serial is None:
                 raise CardUnavailable(errno.ENOENT, "card label is missing (not a kvgate card, or never opened)",
                                       self.display_location)
             else:
-                serial = self._restore_label(self.serial)
+                serial = self._label.restore(self.serial)
         if self.claimed is not None:
-            self._renew_lease(self.claimed)
+            self._lease.renew(self.claimed, claiming=False)
         return serial
 
     def claim(self, shared: bool) -> None:
-        self._renew_lease(shared)
+        self._lease.renew(shared, claiming=self.claimed is None)
         self.claimed = shared
 
-    def _renew_lease(self, shared: bool) -> None:
-        """``_take_lease``, except on a read-only server (a replica) or one out of memory.
-
-        A replica serves reads and no gateway can write or clean it through
-        that server, so it is used without a lease.  A server at its
-        ``maxmemory`` (filled by others) refuses even the lease's few bytes;
-        the holders were checked before that write, so no gateway it would
-        conflict with holds it now: it is used without a lease (it holds
-        nothing new anyway) and the next health check takes the lease once
-        there is room.
-        """
-        try:
-            with self._io():
-                self._take_lease(shared)
-        except OSError as exc:  # CardUnavailable(EROFS) for a replica, a plain OSError(ENOSPC) when out of memory
-            if exc.errno not in (errno.EROFS, errno.ENOSPC) or isinstance(exc, CardInUse):
-                raise
-            if self.claimed is None:
-                why = "read-only" if exc.errno == errno.EROFS else "out of memory (at its maxmemory)"
-                log.warning("redis card %s is %s: used without a lease until it takes one", self.display_location,
-                            why)
-
-    def _take_lease(self, shared: bool) -> None:
-        """Add or renew this card object's field in the lease, unless a live holder does not mix with ``shared``."""
-        with self._r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self._k.lease)
-                    sec, usec = pipe.time()
-                    now_ms = int(sec) * 1000 + int(usec) // 1000
-                    gone = []
-                    for field, raw in pipe.hgetall(self._k.lease).items():
-                        if field == self._lease_field:
-                            continue
-                        try:
-                            doc = json.loads(raw)
-                        except ValueError:
-                            doc = None
-                        if (not isinstance(doc, dict) or not isinstance(doc.get("expires"), int)
-                                or doc["expires"] < now_ms or holder_dead(doc)):
-                            gone.append(field)
-                            continue
-                        held_shared = doc.get("mode") == "shared"
-                        if not (shared and held_shared):
-                            raise CardInUse(self.display_location, describe_holder(doc), held_shared, shared)
-                    mine = {**holder_doc(shared), "expires": now_ms + LEASE_TTL_MS}
-                    pipe.multi()
-                    if gone:
-                        pipe.hdel(self._k.lease, *gone)
-                    pipe.hset(self._k.lease, self._lease_field, json.dumps(mine))
-                    pipe.pexpire(self._k.lease, LEASE_TTL_MS)
-                    pipe.execute()
-                    return
-                except rexc.WatchError:
-                    continue  # another holder changed the lease meanwhile: look again
-
     def merge_heads(self, ids: Collection[int]) -> set[int]:
-        with self._io():
+        with self._conns.io():
             if ids:
                 members = [i.to_bytes(8, "little") for i in ids]
                 with self._r.pipeline(transaction=False) as pipe:
@@ -598,70 +175,9 @@ class RedisCard(Card):
         return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:
-        with self._io():  # a replica answers READONLY: CardUnavailable(EROFS)
+        with self._conns.io():  # a replica answers READONLY: CardUnavailable(EROFS)
             self._r.set(self._k.probe, b"1", px=1000)
             self._r.delete(self._k.probe)
-
-    def _get_label(self) -> bytes | None:
-        try:
-            return self._r.get(self._k.label)
-        except rexc.ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise CardUnavailable(errno.EINVAL, "card label is not a string value (not a kvgate label)",
-                                      self.display_location) from exc
-            raise
-
-    def _create_label(self, serial: str) -> str:
-        """SET NX: the first gateway wins, every other one reads its label."""
-        if self._r.set(self._k.label, new_label(serial), nx=True):
-            return serial
-        raw = self._get_label()
-        if raw is None:  # created and deleted again in between: nobody owns it now
-            raise CardUnavailable(errno.ENOENT, "card label vanished while being created", self.display_location)
-        return self._parse_label(raw)
-
-    def _restore_label(self, serial: str) -> str:
-        """Put the old serial back on a server that lost everything (see the module doc)."""
-        empty = self._holds_no_objects()
-        if empty is None:
-            raise CardUnavailable(errno.ETIMEDOUT, "card label is missing, and the server holds too many keys to "
-                                  "confirm in time that none is a kvgate object", self.display_location)
-        if not empty:
-            raise CardUnavailable(
-                errno.ENOENT,
-                "card label is missing but kvgate objects are present; not taking the card back "
-                "(clean the server's kvgate:o:* keys, or restore the label)",
-                self.display_location,
-            )
-        found = self._create_label(serial)
-        if found == serial:
-            log.warning("redis card %s: server holds no kvgate data (restarted empty?); label re-created with "
-                        "serial %s", self.display_location, serial)
-        return found
-
-    def _holds_no_objects(self) -> bool | None:
-        """True when the database holds no ``kvgate:o:*`` key; None when that is not known in time.
-
-        DBSIZE answers at once for an empty server.  Otherwise SCAN walks the
-        keyspace until the first match; a server full of foreign keys that
-        cannot be walked within the I/O deadline gives None (the card is
-        refused this time and tried again at the next check).
-        """
-        if self._r.dbsize() == 0:
-            return True
-        deadline = time.monotonic() + self.io_timeout_ms / 1000
-        cursor = 0
-        while True:
-            cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
-            if keys:
-                return False
-            if int(cursor) == 0:
-                return True
-            if time.monotonic() > deadline:
-                return None
-
-    def _parse_label(self, raw: bytes) -> str:
-        return parse_label(raw, self.display_location)
 
     def _read_policy(self) -> None:
         try:
@@ -669,7 +185,7 @@ class RedisCard(Card):
         except rexc.ResponseError:  # CONFIG renamed or forbidden (managed services): nothing to check
             self.maxmemory_policy = None
             return
-        policy = _decode({_decode(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
+        policy = as_text({as_text(k): v for k, v in dict(conf).items()}.get("maxmemory-policy"))
         self.maxmemory_policy = policy
         if policy is not None and policy != "noeviction":
             log.warning("redis card %s: maxmemory-policy is %s: the server may drop objects the gateway has "
@@ -687,148 +203,14 @@ class RedisCard(Card):
         db, name = self.named_place(digest)
         return self._prefixes[db] + name.encode()
 
-    def _value(self, full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
-        plen = len(view)
-        header = pack_header(full_key, plen, payload_hash(view), meta)
-        if _ZERO_COPY:
-            return _Parts(header, view), len(header) + plen
-        return header + view, len(header) + plen  # old redis-py: one copy of the payload
-
-    def _discard(self, rkey: bytes, seen: bytes | None) -> None:
-        """Delete a corrupt object, but not a good one written over it since.
-
-        ``seen`` is the start of the value found bad; None deletes whatever
-        is there (a value of the wrong type).  Best effort: a failure here
-        leaves the object for the next read or scan to find again.
-        """
-        try:
-            if seen is not None and self._scripts_ok:
-                prefix = seen[:_DISCARD_COMPARE]
-                try:
-                    self._discard_script(keys=[rkey], args=[prefix, len(prefix) - 1 if prefix else -1])
-                    return
-                except rexc.ResponseError as exc:
-                    if "WRONGTYPE" in str(exc):
-                        pass  # replaced by a foreign value: fall through and delete it
-                    else:  # scripting disabled or forbidden: plain deletes from now on
-                        self._scripts_ok = False
-            self._r.unlink(rkey)
-        except (rexc.RedisError, OSError):
-            pass
-
-    def _finish_read(self, rkey: bytes, full_key: bytes, value: Any, view: memoryview, guard: Abandon) -> Header:
-        """Check one GET reply and deliver its payload into ``view`` through ``guard``."""
-        if value is None:
-            raise ObjectMissing(f"no object {rkey.decode()}")
-        if isinstance(value, rexc.ResponseError):
-            if "WRONGTYPE" in str(value):
-                self._discard(rkey, None)
-                exc = ObjectCorrupt("the key holds a value of another type")
-                exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
-                raise exc
-            raise self._map_error(value)
-        try:
-            return self._verify_into(full_key, value, view, guard)
-        except ObjectCorrupt as exc:
-            exc.add_note(f"deleted corrupt object {rkey.decode()} on {self.display_location}")
-            self._discard(rkey, value)
-            raise
-
-    @staticmethod
-    def _verify_into(full_key: bytes, value: bytes, view: memoryview, guard: Abandon) -> Header:
-        """Header, lengths and hash of ``value``, then its payload into ``view`` through ``guard``.
-
-        The payload is checked and delivered piece by piece: each piece is
-        copied right after its hash, while it is still in the CPU cache.  A
-        hash that fails leaves the destination partly written, which the
-        contract allows (the caller treats it as garbage).
-        """
-        header = parse_header(value, expect_key=full_key)
-        hlen, plen = header.header_len, header.payload_len
-        if hlen != header_size(full_key) or header.payload_offset != hlen:  # Redis objects are never padded
-            raise ObjectCorrupt("bad header length")
-        if len(value) != hlen + plen:
-            raise ObjectCorrupt(f"object is {len(value)} bytes, its header says {hlen + plen}")
-        if plen > len(view):
-            raise BufferTooSmall(plen)
-        if plen == 0:
-            if header.payload_hash != payload_hash(b""):
-                raise ObjectCorrupt("payload checksum mismatch")
-            return header
-        src = memoryview(value)[hlen:]
-        hasher = payload_hasher()
-        for off in range(0, plen, DELIVER_PIECE):
-            end = min(off + DELIVER_PIECE, plen)
-            hasher.update(src[off:end])
-            guard.copy(view[off:end], src[off:end])
-        if hasher.intdigest() != header.payload_hash:
-            raise ObjectCorrupt("payload checksum mismatch")
-        return header
-
     # ------------------------------------------------------------------- I/O
 
     def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
-        view = byte_view(dest)
-        rkey = self.object_key(full_key)
-        with self._io():
-            try:
-                value = self._r.get(rkey)
-            except rexc.ResponseError as exc:  # WRONGTYPE and friends: judged like a pipelined reply
-                value = exc
-        return self._finish_read(rkey, full_key, value, view, guard or Abandon())
+        return self._objects.read_into(full_key, dest, guard)
 
     def read_many_into(self, items: list[tuple[bytes, memoryview]],
                        guard: Abandon | None = None) -> list[Header | BaseException]:
-        """Pipelined GETs (up to ``_READ_PIPELINE_BYTES`` of destinations per round trip).
-
-        Replies land in redis-py's buffers, which are ours; payloads reach the
-        destinations only through ``guard`` (the contract in ``base``).
-
-        Results are per object; a connection failure fails the objects of
-        that pipeline and every later one at once (no waiting out each).
-        """
-        guard = guard or Abandon()
-        out: list[Header | BaseException | None] = [None] * len(items)
-        views = [byte_view(dest) for _, dest in items]
-        rkeys = [self.object_key(k) for k, _ in items]
-        down: OSError | None = None
-        for chunk in self._read_chunks(views):
-            if down is not None:  # the card failed on an earlier pipeline: do not wait out each one
-                for i in chunk:
-                    out[i] = self._same_error(down)
-                continue
-            try:
-                pipe = self._r.pipeline(transaction=False)
-                for i in chunk:
-                    pipe.get(rkeys[i])
-                values = pipe.execute(raise_on_error=False)
-            except (rexc.RedisError, OSError) as exc:
-                err = self._map_error(exc)
-                if isinstance(err, CardUnavailable):
-                    down = err
-                for i in chunk:
-                    out[i] = self._same_error(err)
-                continue
-            for i, value in zip(chunk, values):
-                try:
-                    out[i] = self._finish_read(rkeys[i], items[i][0], value, views[i], guard)
-                except (LookupError, ValueError, OSError) as exc:
-                    out[i] = exc
-            del values
-        return out  # type: ignore[return-value]
-
-    @staticmethod
-    def _read_chunks(views: list[memoryview]) -> Iterator[list[int]]:
-        chunk: list[int] = []
-        size = 0
-        for i, v in enumerate(views):
-            if chunk and size + len(v) > _READ_PIPELINE_BYTES:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(i)
-            size += len(v)
-        if chunk:
-            yield chunk
+        return self._objects.read_many_into(items, guard)
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
@@ -836,54 +218,11 @@ class RedisCard(Card):
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
                    still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
-        """One pipeline: ``EXISTS label`` then a ``SET`` per object.
-
-        The label test rides in the same pipeline (same connection, same
-        server process), so a write that reached a server restarted empty is
-        known at once; it is deleted and fails with CardUnavailable.
-        """
-        if not items:
-            return []
-        rkeys: list[bytes] = []
-        sizes: list[int] = []
-        pipe = self._r.pipeline(transaction=False)
-        pipe.exists(self._k.label)
-        for full_key, payload, meta in items:
-            rkey = self.object_key(full_key)
-            value, size = self._value(full_key, byte_view(payload), meta)
-            if self.ttl_ns is None:
-                pipe.set(rkey, value)
-            else:  # created_ns is when the client put it: what is left of its life, at least 1 ms
-                pipe.set(rkey, value, px=max(1, (meta.created_ns + self.ttl_ns - time.time_ns()) // 1_000_000))
-            rkeys.append(rkey)
-            sizes.append(size)
-        if still_wanted is not None and not still_wanted():
-            return [WriteAbandoned(self.display_location) for _ in items]
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except (rexc.RedisError, OSError) as exc:
-            err = self._map_error(exc)
-            return [self._same_error(err) for _ in items]
-        label, results = replies[0], replies[1:]
-        if isinstance(label, BaseException) or not label:
-            written = [k for k, r in zip(rkeys, results) if not isinstance(r, BaseException)]
-            if written:
-                try:
-                    self._r.unlink(*written)
-                except (rexc.RedisError, OSError):
-                    pass
-            why = (self._map_error(label) if isinstance(label, BaseException) else
-                   CardUnavailable(errno.ENOENT, "card label is missing (server restarted empty?); write undone",
-                                   self.display_location))
-            return [self._same_error(why) for _ in items]
-        out: list[int | BaseException] = []
-        for r, size in zip(results, sizes):
-            out.append(self._map_error(r) if isinstance(r, BaseException) else size)
-        return out
+        return self._objects.write_many(items, still_wanted)
 
     def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
         """``not_before_ns`` needs no check here: with a ttl the server expires objects itself (``ttl_s``)."""
-        with self._io():
+        with self._conns.io():
             return bool(self._r.exists(self.object_key(full_key)))
 
     def exists_many(self, full_keys: list[bytes], not_before_ns: int | None = None) -> list[bool | BaseException]:
@@ -895,15 +234,15 @@ class RedisCard(Card):
                 pipe.exists(self.object_key(k))
             replies = pipe.execute(raise_on_error=False)
         except (rexc.RedisError, OSError) as exc:
-            err = self._map_error(exc)
-            return [self._same_error(err) for _ in full_keys]
-        return [self._map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
+            err = self._conns.map_error(exc)
+            return [self._conns.same_error(err) for _ in full_keys]
+        return [self._conns.map_error(r) if isinstance(r, BaseException) else bool(r) for r in replies]
 
     def delete(self, full_key: bytes) -> bool:
         return self.delete_named(key_digest(full_key))
 
     def delete_named(self, digest: bytes) -> bool:
-        with self._io():
+        with self._conns.io():
             return bool(self._r.unlink(self.named_key(digest)))
 
     # --------------------------------------------------------- whole-card ops
@@ -912,8 +251,8 @@ class RedisCard(Card):
         """Every ``kvgate:o:*`` key name, in batches (SCAN may repeat a name)."""
         cursor = 0
         while True:
-            with self._io():
-                cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=_SCAN_COUNT)
+            with self._conns.io():
+                cursor, keys = self._r.scan(cursor, match=self._k.objects_match, count=SCAN_COUNT)
             if keys:
                 yield keys
             if int(cursor) == 0:
@@ -940,7 +279,7 @@ class RedisCard(Card):
                 digest = bytes.fromhex(parsed[1].decode())
                 home = self.named_key(digest)
                 if home != name:
-                    with self._io():
+                    with self._conns.io():
                         moved = self._r.renamenx(name, home)
                         if not moved:  # the right place holds the key already: that copy wins
                             self._r.unlink(name)
@@ -955,7 +294,7 @@ class RedisCard(Card):
         out: list[StoredObject | None] = []
         for start in range(0, len(digests), _SCAN_PIPELINE):
             names = [self.named_key(d) for d in digests[start:start + _SCAN_PIPELINE]]
-            with self._io():
+            with self._conns.io():
                 pipe = self._r.pipeline(transaction=False)
                 for n in names:
                     pipe.getrange(n, 0, _SCAN_READ - 1)
@@ -969,16 +308,16 @@ class RedisCard(Card):
         if isinstance(buf, BaseException) or isinstance(size, BaseException):
             err = buf if isinstance(buf, BaseException) else size
             if "WRONGTYPE" in str(err):
-                self._discard(name, None)
+                self._objects.discard(name, None)
                 return None
-            raise self._map_error(err)
+            raise self._conns.map_error(err)
         if size == 0:  # deleted since it was listed (or an empty value, garbage either way)
-            self._discard(name, b"")
+            self._objects.discard(name, b"")
             return None
 
         def read_head(n: int) -> bytes:
-            nonlocal buf  # _discard compares what the header was read from
-            with self._io():
+            nonlocal buf  # discard compares what the header was read from
+            with self._conns.io():
                 buf = self._r.getrange(name, 0, n - 1)
             return buf
 
@@ -990,19 +329,19 @@ class RedisCard(Card):
             self._skip_newer(name.decode(errors="replace"), exc)
             return None
         except ObjectCorrupt:
-            self._discard(name, bytes(buf))
+            self._objects.discard(name, bytes(buf))
             return None
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
 
     def snapshot_writer(self) -> SnapshotWriter:
-        return _RedisSnapshotWriter(self)
+        return RedisSnapshotWriter(self._conns, self._k)
 
     def read_snapshot(self) -> bytes | None:
-        with self._io():
+        with self._conns.io():
             return self._r.get(self._k.snapshot)
 
     def drop_snapshot(self) -> None:
-        with self._io():
+        with self._conns.io():
             self._r.unlink(self._k.snapshot)
 
     def clean(self) -> int:
@@ -1012,11 +351,11 @@ class RedisCard(Card):
         for names in self._object_names():
             pending.extend(names)
             while len(pending) >= _UNLINK_BATCH:
-                with self._io():
+                with self._conns.io():
                     deleted += self._r.unlink(*pending[:_UNLINK_BATCH])
                 del pending[:_UNLINK_BATCH]
         if pending:
-            with self._io():
+            with self._conns.io():
                 deleted += self._r.unlink(*pending)
         return deleted
 
@@ -1029,7 +368,7 @@ class RedisCard(Card):
         and applies no ``card_reserve``.  A server without maxmemory reports
         ``UNLIMITED_FREE_BYTES``.
         """
-        with self._io():
+        with self._conns.io():
             info = self._r.info("memory")
         maxmemory = int(info.get("maxmemory", 0))
         if maxmemory <= 0:
@@ -1050,14 +389,8 @@ class RedisCard(Card):
         """Give up the claim and close every connection; the pool reconnects if the card is used again."""
         if self.claimed is not None:
             self.claimed = None
-            try:
-                self._r.hdel(self._k.lease, self._lease_field)
-            except (rexc.RedisError, OSError):
-                pass  # it runs out by itself
-        try:
-            self._pool.disconnect()
-        except (rexc.RedisError, OSError):
-            pass
+            self._lease.give_up()
+        self._conns.disconnect()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.display_location!r}, serial={self.serial!r})"

@@ -34,7 +34,7 @@ import msgspec
 from etcd3aio import EtcdError
 
 from kvgate.cards import is_redis
-from kvgate.cards.redis import cluster_cards
+from kvgate.cards.rediskeys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
 from kvgate.config import Config

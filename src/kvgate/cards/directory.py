@@ -1,18 +1,7 @@
 """A card that is a directory on any POSIX filesystem (local disk, NFS, FUSE).
 
-Layout::
-
-    <location>/kvgate-card.json           label: serial, format, creation time
-    <location>/kvgate-card.lock           claim: an advisory lock, and who took it last
-    <location>/kvgate-index               the gateway's index snapshot (kvgate.tiers.restart)
-    <location>/db<NN>/<hh>/<digest hex>   one object per file (header + payload)
-
-Objects are named by the digest of their full key, so the name is fixed-size
-and safe whatever the key holds; the header inside still carries the full key,
-and a reader checks it, so a digest collision or a misplaced file reads as
-``ObjectCorrupt``, never as someone else's data.  ``NN`` shards the objects
-over ``num_dbs`` directories and ``hh`` fans each one out 256 ways, which keeps
-directories small enough for filesystems that slow down on huge ones.
+The names of its files and directories, and why objects are named by the
+digest of their key: ``kvgate.cards.dirlayout``.
 
 Atomicity comes from ``rename``: an object is written whole under a temporary
 name in its final directory and only then renamed over its final name.  A
@@ -40,7 +29,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import stat
 import struct
 import threading
@@ -76,6 +64,18 @@ from kvgate.cards.directio import (
     fully_cached,
     set_direct,
 )
+from kvgate.cards.dirlayout import (
+    DB_RE,
+    FANOUT_RE,
+    HEADS_NAME,
+    LABEL_NAME,
+    LOCK_NAME,
+    OBJECT_RE,
+    SNAPSHOT_NAME,
+    TEMP_MARK,
+    TEMP_OWNER_RE,
+    db_dir_names,
+)
 from kvgate.cards.objectformat import (
     CHECKSUM_PIECE,
     FIXED_SIZE,
@@ -97,10 +97,6 @@ from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.directory")
 
-LABEL_NAME = "kvgate-card.json"
-LOCK_NAME = "kvgate-card.lock"
-HEADS_NAME = "kvgate-heads"  # shared-head ids, little-endian u64s, appended under flock
-SNAPSHOT_NAME = "kvgate-index"
 # struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK = struct.Struct("hhqqi4x")
 _HOLDER_MAX = 4096
@@ -115,13 +111,6 @@ _NO_LOCK_ERRNOS = frozenset(
 # leftover of a crash.  Only for temp files of other hosts on a shared card,
 # whose writers this gateway cannot see; the others are known dead or alive.
 STALE_TEMP_SECONDS = 3600.0
-
-_TEMP_MARK = ".tmp."
-# <host>-<boot>.<pid>.<thread> after the mark (see the module doc)
-_TEMP_OWNER_RE = re.compile(r"([0-9a-f]{8})-([0-9a-f]{8})\.([0-9]+)\.[0-9]+")
-_DB_RE = re.compile(r"db[0-9]{2,}")
-_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
-_OBJECT_RE = re.compile(r"[0-9a-f]{32}")
 
 # Scan reads this much in one go: the fixed header plus a generous key, so
 # nearly every header needs one pread.  Longer keys get a second, exact read.
@@ -239,7 +228,7 @@ class DirectoryCard(Card):
         self._lock_path = os.path.join(location, LOCK_NAME)
         self._lock_fd: int | None = None
         self.create_missing = create_missing
-        self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
+        self._db_names = db_dir_names(num_dbs)
 
     # ------------------------------------------------------------------ label
 
@@ -262,7 +251,7 @@ class DirectoryCard(Card):
         return serial
 
     def check_writable(self) -> None:
-        probe = f"{self._label_path}{_TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
+        probe = f"{self._label_path}{TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
         with self._card_errors("card takes no writes"):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         _unlink_quiet(probe)
@@ -386,7 +375,7 @@ class DirectoryCard(Card):
         the winner's label; no process ever sees a half-written one.
         """
         data = new_label()
-        tmp = f"{self._label_path}{_TEMP_MARK}{uuid.uuid4().hex}"
+        tmp = f"{self._label_path}{TEMP_MARK}{uuid.uuid4().hex}"
         try:
             with self._card_errors("cannot create card label", self._label_path):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -677,7 +666,7 @@ class DirectoryCard(Card):
         # host + boot + pid + thread: concurrent writers of one key, in this
         # process or another on a shared card, each get their own temp file,
         # and a scan can tell a dead writer's leftover from a write in progress.
-        tmp = f"{final}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
+        tmp = f"{final}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
         # Padded: the payload at a block-aligned offset, for direct reads
         poff = padded_size(header_size(full_key))
         plen = len(view)
@@ -777,12 +766,12 @@ class DirectoryCard(Card):
     def _leaves(self) -> Iterator[tuple[int | None, str, str]]:
         """(db index, or None for a db beyond ``num_dbs``; fan-out name; path) of every leaf directory."""
         for db in self._list(self.location):
-            if not _DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
+            if not DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
                 continue
             i = int(db.name[2:])
             index = i if i < self.num_dbs and self._db_names[i] == db.name else None
             for fan in self._list(db.path):
-                if _FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
+                if FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
                     yield index, fan.name, fan.path
 
     def names(self) -> Iterator[list[bytes]]:
@@ -804,14 +793,14 @@ class DirectoryCard(Card):
             for name in listed:
                 if len(name) == 32:
                     names.append(name)
-                elif _TEMP_MARK in name:
+                elif TEMP_MARK in name:
                     self._reap_temp(os.path.join(leaf, name), name, now)
                 # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
                 # an editor's backup) is left alone.
             try:
                 raw = bytes.fromhex("".join(names))
             except ValueError:  # a foreign name of 32 characters: judge each
-                names = [n for n in names if _OBJECT_RE.fullmatch(n)]
+                names = [n for n in names if OBJECT_RE.fullmatch(n)]
                 raw = bytes.fromhex("".join(names))
             batch = [raw[i : i + 16] for i in range(0, len(raw), 16)]
             if self.num_dbs == 1 and db == 0:
@@ -838,7 +827,7 @@ class DirectoryCard(Card):
 
     def _reap_temp(self, path: str, name: str, now: float) -> None:
         """Remove a temp file whose write is known to be over (see the module doc)."""
-        owner = _TEMP_OWNER_RE.fullmatch(name.rpartition(_TEMP_MARK)[2])
+        owner = TEMP_OWNER_RE.fullmatch(name.rpartition(TEMP_MARK)[2])
         mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
         if mine:
             return  # a write of this process, in progress
@@ -919,8 +908,8 @@ class DirectoryCard(Card):
         for leaf in self._leaf_dirs():
             for entry in self._list(leaf):
                 name = entry.name
-                is_object = _OBJECT_RE.fullmatch(name) is not None
-                if not is_object and _TEMP_MARK not in name:
+                is_object = OBJECT_RE.fullmatch(name) is not None
+                if not is_object and TEMP_MARK not in name:
                     continue
                 try:
                     os.unlink(entry.path)
@@ -936,9 +925,9 @@ class DirectoryCard(Card):
         now = time.time()
         with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
             for entry in it:  # a snapshot a dead gateway was writing
-                if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
+                if entry.name.startswith(SNAPSHOT_NAME + TEMP_MARK):
                     self._reap_temp(entry.path, entry.name, now)
-        return _FileSnapshotWriter(path, f"{path}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
+        return _FileSnapshotWriter(path, f"{path}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 
     def read_snapshot(self) -> bytes | None:

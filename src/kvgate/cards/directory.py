@@ -29,13 +29,11 @@ import fcntl
 import json
 import logging
 import os
-import stat
 import struct
 import threading
 import time
 import uuid
 from collections.abc import Collection
-from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from kvgate.cards.base import (
@@ -64,6 +62,7 @@ from kvgate.cards.directio import (
     fully_cached,
     set_direct,
 )
+from kvgate.cards.direrrors import CardErrors
 from kvgate.cards.dirlayout import (
     DB_RE,
     FANOUT_RE,
@@ -116,16 +115,6 @@ STALE_TEMP_SECONDS = 3600.0
 # nearly every header needs one pread.  Longer keys get a second, exact read.
 _SCAN_READ = FIXED_SIZE + 1024
 
-# Errors that say the card (its filesystem or mount), not one object, is in
-# trouble.  Everything else is left as a plain OSError for the caller to count.
-_CARD_ERRNOS = frozenset(
-    e
-    for e in (
-        errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENODEV, errno.ENXIO,
-        getattr(errno, "ESTALE", None), getattr(errno, "ENOTCONN", None), getattr(errno, "ENOMEDIUM", None),
-    )
-    if e is not None
-)
 # Filesystems without hard links answer os.link with one of these.
 _NO_LINK_ERRNOS = frozenset(
     e
@@ -226,6 +215,9 @@ class DirectoryCard(Card):
         self._scratch = Scratch()
         self._label_path = os.path.join(location, LABEL_NAME)
         self._lock_path = os.path.join(location, LOCK_NAME)
+        self._errors = CardErrors(location, self._label_path)
+        # Bound once: the read and write paths enter it for every object.
+        self._card_errors = self._errors.around
         self._lock_fd: int | None = None
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
@@ -439,66 +431,6 @@ class DirectoryCard(Card):
         db, name = self.named_place(digest)
         return os.path.join(self.location, self._db_names[db], name[:2], name)
 
-    def _location_missing(self) -> CardUnavailable | None:
-        """Tell "no such object" from "no such card" after an ENOENT.
-
-        Only called on the miss path, so hits cost no extra stat.
-        """
-        try:
-            st = os.stat(self.location)
-        except OSError as exc:
-            return CardUnavailable(exc.errno, f"card directory is not accessible: {exc.strerror}", self.location)
-        if not stat.S_ISDIR(st.st_mode):
-            return CardUnavailable(errno.ENOTDIR, "card location is not a directory", self.location)
-        return None
-
-    @contextmanager
-    def _card_errors(self, failed: str | None = None, where: str | None = None) -> Iterator[None]:
-        """Let the OSErrors of the block that say the card is in trouble leave as ``CardUnavailable``.
-
-        Without ``failed``, ``_raise_card_error`` tells which: one about a
-        single object leaves as it came, for the caller to judge (a miss, a
-        file to skip).  With it, the block's work is the card's own (its
-        label, its directory), so every one does, as "<failed>: <strerror>"
-        naming ``where`` (the card directory when None).  A
-        ``CardUnavailable`` raised in the block leaves as it is.
-        """
-        try:
-            yield
-        except CardUnavailable:
-            raise
-        except OSError as exc:
-            if failed is not None:
-                raise CardUnavailable(exc.errno, f"{failed}: {exc.strerror}", where or self.location) from exc
-            self._raise_card_error(exc)
-            raise
-
-    def _raise_card_error(self, exc: OSError) -> None:
-        """Raise the CardUnavailable that ``exc`` stands for; return when it is about one object.
-
-        A ``CardUnavailable`` already says so: it is left to the caller.
-        """
-        if isinstance(exc, CardUnavailable):
-            return
-        if exc.errno == errno.ENOENT:
-            missing = self._location_missing()
-            if missing is not None:
-                raise missing from exc
-        elif exc.errno in (errno.EACCES, errno.EPERM) and self._label_readable():
-            # One file another user wrote (a shared card): that object's
-            # problem, not a reason to take the whole card out of service.
-            return
-        elif exc.errno in _CARD_ERRNOS:
-            raise CardUnavailable(exc.errno, f"card is not usable: {exc.strerror}",
-                                  exc.filename or self.location) from exc
-
-    def _label_readable(self) -> bool:
-        try:
-            os.close(os.open(self._label_path, os.O_RDONLY))
-        except OSError:
-            return False
-        return True
-
     def _make_dirs(self, obj_dir: str) -> None:
         """Create ``db<NN>/<hh>`` lazily, but never re-create a vanished card directory.
 
@@ -513,7 +445,7 @@ class DirectoryCard(Card):
             except FileExistsError:
                 continue
             except FileNotFoundError:
-                missing = self._location_missing()
+                missing = self._errors.location_missing()
                 if missing is not None:
                     raise missing from None
                 raise
@@ -851,7 +783,7 @@ class DirectoryCard(Card):
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
-            self._raise_card_error(exc)
+            self._errors.raise_if_card(exc)
             _unlink_quiet(path)
             return None
         try:
@@ -870,7 +802,7 @@ class DirectoryCard(Card):
             self.scan_corrupt += 1
             return None
         except OSError as exc:
-            self._raise_card_error(exc)
+            self._errors.raise_if_card(exc)
             self._discard(path, fd)
             return None
         finally:
@@ -893,7 +825,7 @@ class DirectoryCard(Card):
                 self._make_dirs(os.path.dirname(home))
                 os.rename(path, home)
         except OSError as exc:
-            self._raise_card_error(exc)
+            self._errors.raise_if_card(exc)
             return False
         relocated.add(home)
         return True
@@ -915,7 +847,7 @@ class DirectoryCard(Card):
                     os.unlink(entry.path)
                 except OSError as exc:
                     if exc.errno != errno.ENOENT:
-                        self._raise_card_error(exc)
+                        self._errors.raise_if_card(exc)
                     continue
                 deleted += is_object
         return deleted

@@ -44,7 +44,6 @@ from kvgate.cards.base import (
     CardUnavailable,
     SnapshotWriter,
     StoredObject,
-    WriteAbandoned,
     byte_view,
     describe_holder,
     holder_doc,
@@ -75,8 +74,8 @@ from kvgate.cards.dirlayout import (
     TEMP_OWNER_RE,
     db_dir_names,
 )
+from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, fsync_dir, pwrite_all, unlink_quiet
 from kvgate.cards.objectformat import (
-    CHECKSUM_PIECE,
     FIXED_SIZE,
     Header,
     ObjectCorrupt,
@@ -86,7 +85,6 @@ from kvgate.cards.objectformat import (
     check_read_header,
     payload_hasher,
     header_size,
-    pack_header,
     padded_size,
     peek_header,
 )
@@ -124,40 +122,6 @@ _NO_LINK_ERRNOS = frozenset(
 )
 
 
-
-
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """``pwrite`` until all of ``data`` is written: a short write is legal."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:  # never for a regular file, but a loop must not spin
-            raise OSError(errno.EIO, "write made no progress")
-        view = view[n:]
-        offset += n
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a new directory entry durable; some filesystems refuse, which is fine."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class _FileSnapshotWriter(SnapshotWriter):
     """A temp file beside the snapshot, renamed over it on commit (a crash leaves the old one whole)."""
 
@@ -168,7 +132,7 @@ class _FileSnapshotWriter(SnapshotWriter):
 
     def write(self, data: bytes | memoryview) -> None:
         assert self.fd is not None
-        _pwrite_all(self.fd, data, self.offset)
+        pwrite_all(self.fd, data, self.offset)
         self.offset += len(data)
 
     def commit(self) -> None:
@@ -182,14 +146,14 @@ class _FileSnapshotWriter(SnapshotWriter):
         try:
             os.rename(self.tmp, self.final)
         except OSError:
-            _unlink_quiet(self.tmp)
+            unlink_quiet(self.tmp)
             raise
 
     def abort(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        _unlink_quiet(self.tmp)
+        unlink_quiet(self.tmp)
 
 
 class DirectoryCard(Card):
@@ -207,7 +171,6 @@ class DirectoryCard(Card):
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
         super().__init__(location, num_dbs)
-        self.sync_writes = sync_writes
         # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
         # kernels, some FUSE filesystems); reads then all go through the page cache.
         self.direct_reads = direct_reads and SUPPORTED
@@ -216,11 +179,21 @@ class DirectoryCard(Card):
         self._label_path = os.path.join(location, LABEL_NAME)
         self._lock_path = os.path.join(location, LOCK_NAME)
         self._errors = CardErrors(location, self._label_path)
-        # Bound once: the read and write paths enter it for every object.
+        # Bound once: a read enters it twice for every object.
         self._card_errors = self._errors.around
+        self._writer = ObjectFileWriter(location, self._errors, sync_writes)
         self._lock_fd: int | None = None
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
+
+    @property
+    def sync_writes(self) -> bool:
+        """Whether each write is fsynced, file and directory entry, before it counts as done."""
+        return self._writer.sync
+
+    @sync_writes.setter
+    def sync_writes(self, on: bool) -> None:
+        self._writer.sync = on
 
     # ------------------------------------------------------------------ label
 
@@ -246,7 +219,7 @@ class DirectoryCard(Card):
         probe = f"{self._label_path}{TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
         with self._card_errors("card takes no writes"):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        _unlink_quiet(probe)
+        unlink_quiet(probe)
 
     # ------------------------------------------------------------------ claim
 
@@ -287,7 +260,7 @@ class DirectoryCard(Card):
         doc = (json.dumps(holder_doc(shared)) + "\n").encode()
         try:
             os.ftruncate(fd, 0)
-            _pwrite_all(fd, doc, 0)
+            pwrite_all(fd, doc, 0)
         except OSError:
             pass  # only a hint
 
@@ -298,7 +271,7 @@ class DirectoryCard(Card):
             return
         try:
             os.ftruncate(self._lock_fd, 0)
-            _pwrite_all(self._lock_fd, (json.dumps(doc) + "\n").encode()[:_HOLDER_MAX], 0)
+            pwrite_all(self._lock_fd, (json.dumps(doc) + "\n").encode()[:_HOLDER_MAX], 0)
         except OSError:
             pass  # only a hint
 
@@ -372,7 +345,7 @@ class DirectoryCard(Card):
             with self._card_errors("cannot create card label", self._label_path):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
-                    _pwrite_all(fd, data, 0)
+                    pwrite_all(fd, data, 0)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -385,8 +358,8 @@ class DirectoryCard(Card):
                         raise
                     return self._create_label_without_link(data)
         finally:
-            _unlink_quiet(tmp)
-        _fsync_dir(self.location)
+            unlink_quiet(tmp)
+        fsync_dir(self.location)
         serial = self._read_label(missing_ok=False)
         assert serial is not None
         return serial
@@ -411,11 +384,11 @@ class DirectoryCard(Card):
                         raise
                     time.sleep(0.02)
         try:
-            _pwrite_all(fd, data, 0)
+            pwrite_all(fd, data, 0)
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self.location)
+        fsync_dir(self.location)
         serial = self._read_label(missing_ok=False)
         assert serial is not None
         return serial
@@ -430,39 +403,6 @@ class DirectoryCard(Card):
         """Where the object named ``digest`` lives."""
         db, name = self.named_place(digest)
         return os.path.join(self.location, self._db_names[db], name[:2], name)
-
-    def _make_dirs(self, obj_dir: str) -> None:
-        """Create ``db<NN>/<hh>`` lazily, but never re-create a vanished card directory.
-
-        ``os.makedirs`` would happily rebuild the location itself, turning an
-        unmounted card into writes on the root filesystem; ``mkdir`` of each
-        level fails with ENOENT instead.
-        """
-        db_dir = os.path.dirname(obj_dir)
-        for path in (db_dir, obj_dir):
-            try:
-                os.mkdir(path)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:
-                missing = self._errors.location_missing()
-                if missing is not None:
-                    raise missing from None
-                raise
-            if self.sync_writes:
-                _fsync_dir(os.path.dirname(path))
-
-    def _discard(self, path: str, fd: int | None) -> None:
-        """Delete a corrupt object, but not a good one renamed over it meanwhile."""
-        try:
-            if fd is not None:
-                mine = os.fstat(fd)
-                now = os.stat(path)
-                if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
-                    return
-            os.unlink(path)
-        except OSError:
-            pass
 
     # ------------------------------------------------------------------- I/O
 
@@ -479,7 +419,7 @@ class DirectoryCard(Card):
                 return self._read_verified(fd, full_key, view, guard or Abandon())
         except ObjectCorrupt as exc:
             exc.add_note(f"deleted corrupt object {path}")
-            self._discard(path, fd)
+            discard_corrupt(path, fd)
             raise
         finally:
             os.close(fd)
@@ -594,55 +534,7 @@ class DirectoryCard(Card):
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
         view = byte_view(payload)
-        final = self.object_path(full_key)
-        # host + boot + pid + thread: concurrent writers of one key, in this
-        # process or another on a shared card, each get their own temp file,
-        # and a scan can tell a dead writer's leftover from a write in progress.
-        tmp = f"{final}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
-        # Padded: the payload at a block-aligned offset, for direct reads
-        poff = padded_size(header_size(full_key))
-        plen = len(view)
-        with self._card_errors():
-            try:
-                fd = self._create_temp(tmp)
-                try:
-                    hasher = payload_hasher()
-                    for off in range(0, plen, CHECKSUM_PIECE):
-                        if still_wanted is not None and not still_wanted():
-                            raise WriteAbandoned(self.location)
-                        piece = view[off : off + CHECKSUM_PIECE]
-                        hasher.update(piece)
-                        _pwrite_all(fd, piece, poff + off)
-                    header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
-                    if len(header) != poff:  # pack_header and padded_size must agree
-                        raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
-                    _pwrite_all(fd, header, 0)
-                    if self.sync_writes:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if still_wanted is not None and not still_wanted():
-                    raise WriteAbandoned(self.location)
-                os.rename(tmp, final)
-            except BaseException:
-                _unlink_quiet(tmp)
-                raise
-        if self.sync_writes:
-            _fsync_dir(os.path.dirname(final))
-        return poff + plen
-
-    def _create_temp(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
-        for _ in range(3):
-            try:
-                return os.open(tmp, flags, 0o600)
-            except FileNotFoundError:
-                self._make_dirs(os.path.dirname(tmp))
-            except FileExistsError:
-                # Same pid and thread id as ours, so it belongs to a process
-                # that died: this thread is not writing it.
-                _unlink_quiet(tmp)
-        return os.open(tmp, flags, 0o600)
+        return self._writer.write(self.object_path(full_key), full_key, view, meta, still_wanted)
 
     def prepare_reads(self, full_keys: list[bytes]) -> None:
         """Look the files up: a read opens a file by a path walk, and on a cold
@@ -764,11 +656,11 @@ class DirectoryCard(Card):
         if mine:
             return  # a write of this process, in progress
         if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
-            _unlink_quiet(path)
+            unlink_quiet(path)
             return
         this_host, this_boot = HOST_TAG.split("-")
         if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
-            _unlink_quiet(path)  # this host's, of an earlier boot or a dead process
+            unlink_quiet(path)  # this host's, of an earlier boot or a dead process
             return
         try:  # another host's (or a reused pid's): only age tells
             if now - os.lstat(path).st_mtime > STALE_TEMP_SECONDS:
@@ -784,7 +676,7 @@ class DirectoryCard(Card):
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
             self._errors.raise_if_card(exc)
-            _unlink_quiet(path)
+            unlink_quiet(path)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -798,12 +690,12 @@ class DirectoryCard(Card):
             self._skip_newer(path, exc)
             return None
         except ObjectCorrupt:
-            self._discard(path, fd)
+            discard_corrupt(path, fd)
             self.scan_corrupt += 1
             return None
         except OSError as exc:
             self._errors.raise_if_card(exc)
-            self._discard(path, fd)
+            discard_corrupt(path, fd)
             return None
         finally:
             os.close(fd)
@@ -817,12 +709,12 @@ class DirectoryCard(Card):
         """
         try:
             if os.path.lexists(home):
-                _unlink_quiet(path)
+                unlink_quiet(path)
                 return False
             try:
                 os.rename(path, home)
             except FileNotFoundError:
-                self._make_dirs(os.path.dirname(home))
+                self._writer.make_dirs(os.path.dirname(home))
                 os.rename(path, home)
         except OSError as exc:
             self._errors.raise_if_card(exc)
@@ -870,7 +762,7 @@ class DirectoryCard(Card):
             return None
 
     def drop_snapshot(self) -> None:
-        _unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
+        unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
         # Append-only under an exclusive flock: gateways on other hosts append
@@ -890,7 +782,7 @@ class DirectoryCard(Card):
             if missing:
                 whole = got - got % 8  # a torn tail is written over
                 data = encode_ids(missing)
-                _pwrite_all(fd, data, whole)
+                pwrite_all(fd, data, whole)
                 if whole + len(data) < size:
                     os.ftruncate(fd, whole + len(data))
                 have.update(missing)

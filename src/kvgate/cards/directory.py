@@ -74,6 +74,7 @@ from kvgate.cards.dirlayout import (
     TEMP_OWNER_RE,
     db_dir_names,
 )
+from kvgate.cards.dirsnapshot import FileSnapshotWriter
 from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, fsync_dir, pwrite_all, unlink_quiet
 from kvgate.cards.objectformat import (
     FIXED_SIZE,
@@ -120,40 +121,6 @@ _NO_LINK_ERRNOS = frozenset(
               getattr(errno, "EOPNOTSUPP", None))
     if e is not None
 )
-
-
-class _FileSnapshotWriter(SnapshotWriter):
-    """A temp file beside the snapshot, renamed over it on commit (a crash leaves the old one whole)."""
-
-    def __init__(self, final: str, tmp: str, sync: bool) -> None:
-        self.final, self.tmp, self.sync = final, tmp, sync
-        self.fd: int | None = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.offset = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        assert self.fd is not None
-        pwrite_all(self.fd, data, self.offset)
-        self.offset += len(data)
-
-    def commit(self) -> None:
-        assert self.fd is not None
-        try:
-            if self.sync:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-            self.fd = None
-        try:
-            os.rename(self.tmp, self.final)
-        except OSError:
-            unlink_quiet(self.tmp)
-            raise
-
-    def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        unlink_quiet(self.tmp)
 
 
 class DirectoryCard(Card):
@@ -751,7 +718,7 @@ class DirectoryCard(Card):
             for entry in it:  # a snapshot a dead gateway was writing
                 if entry.name.startswith(SNAPSHOT_NAME + TEMP_MARK):
                     self._reap_temp(entry.path, entry.name, now)
-        return _FileSnapshotWriter(path, f"{path}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
+        return FileSnapshotWriter(path, f"{path}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 
     def read_snapshot(self) -> bytes | None:

@@ -38,7 +38,6 @@ from typing import Callable, Iterator
 
 from kvgate.cards.base import (
     HOST_TAG,
-    LABEL_MAX,
     Card,
     CardInUse,
     CardUnavailable,
@@ -47,8 +46,6 @@ from kvgate.cards.base import (
     byte_view,
     describe_holder,
     holder_doc,
-    new_label,
-    parse_label,
     pid_alive,
 )
 from kvgate.cards.directio import (
@@ -62,11 +59,11 @@ from kvgate.cards.directio import (
     set_direct,
 )
 from kvgate.cards.direrrors import CardErrors
+from kvgate.cards.dirlabel import CardLabel
 from kvgate.cards.dirlayout import (
     DB_RE,
     FANOUT_RE,
     HEADS_NAME,
-    LABEL_NAME,
     LOCK_NAME,
     OBJECT_RE,
     SNAPSHOT_NAME,
@@ -75,7 +72,7 @@ from kvgate.cards.dirlayout import (
     db_dir_names,
 )
 from kvgate.cards.dirsnapshot import FileSnapshotWriter
-from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, fsync_dir, pwrite_all, unlink_quiet
+from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, pwrite_all, unlink_quiet
 from kvgate.cards.objectformat import (
     FIXED_SIZE,
     Header,
@@ -114,14 +111,6 @@ STALE_TEMP_SECONDS = 3600.0
 # nearly every header needs one pread.  Longer keys get a second, exact read.
 _SCAN_READ = FIXED_SIZE + 1024
 
-# Filesystems without hard links answer os.link with one of these.
-_NO_LINK_ERRNOS = frozenset(
-    e
-    for e in (errno.EPERM, errno.ENOSYS, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", None),
-              getattr(errno, "EOPNOTSUPP", None))
-    if e is not None
-)
-
 
 class DirectoryCard(Card):
     """One directory as a card.  Holds no open file but its claim's lock file, so it needs no locking.
@@ -143,12 +132,12 @@ class DirectoryCard(Card):
         self.direct_reads = direct_reads and SUPPORTED
         self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
-        self._label_path = os.path.join(location, LABEL_NAME)
         self._lock_path = os.path.join(location, LOCK_NAME)
-        self._errors = CardErrors(location, self._label_path)
+        self._errors = CardErrors(location)
         # Bound once: a read enters it twice for every object.
         self._card_errors = self._errors.around
         self._writer = ObjectFileWriter(location, self._errors, sync_writes)
+        self._label = CardLabel(location, self._errors)
         self._lock_fd: int | None = None
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
@@ -171,19 +160,19 @@ class DirectoryCard(Card):
                                   "filesystem, or set create_card_dirs: true", self.location)
         with self._card_errors("cannot create card directory"):
             os.makedirs(self.location, exist_ok=True)
-        serial = self._read_label(missing_ok=True)
+        serial = self._label.read(missing_ok=True)
         if serial is None:
-            serial = self._create_label()
+            serial = self._label.create()
         self.serial = serial
         return serial
 
     def check(self) -> str:
-        serial = self._read_label(missing_ok=False)
+        serial = self._label.read(missing_ok=False)
         assert serial is not None
         return serial
 
     def check_writable(self) -> None:
-        probe = f"{self._label_path}{TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
+        probe = f"{self._label.path}{TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
         with self._card_errors("card takes no writes"):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         unlink_quiet(probe)
@@ -272,93 +261,6 @@ class DirectoryCard(Card):
         fd, self._lock_fd, self.claimed = self._lock_fd, None, None
         if fd is not None:
             os.close(fd)
-
-    def _read_label(self, missing_ok: bool) -> str | None:
-        """One open + read: the health probe runs often, on every card."""
-        path = self._label_path
-        with self._card_errors("cannot open card label", path):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                if missing_ok:
-                    return None
-                raise CardUnavailable(errno.ENOENT, "card label is missing (card gone or not a kvgate card)",
-                                      path) from None
-        try:
-            with self._card_errors("cannot read card label", path):
-                raw = b""
-                while len(raw) <= LABEL_MAX:
-                    chunk = os.read(fd, LABEL_MAX + 1 - len(raw))
-                    if not chunk:
-                        break
-                    raw += chunk
-        finally:
-            os.close(fd)
-        return self._parse_label(raw)
-
-    def _parse_label(self, raw: bytes) -> str:
-        return parse_label(raw, self._label_path)
-
-    def _create_label(self) -> str:
-        """Publish a complete label with ``link``, so racing processes agree.
-
-        ``link`` fails if the name exists, and the file it publishes is already
-        whole, so whichever process links first wins and every other one reads
-        the winner's label; no process ever sees a half-written one.
-        """
-        data = new_label()
-        tmp = f"{self._label_path}{TEMP_MARK}{uuid.uuid4().hex}"
-        try:
-            with self._card_errors("cannot create card label", self._label_path):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    pwrite_all(fd, data, 0)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.link(tmp, self._label_path)
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK_ERRNOS:
-                        raise
-                    return self._create_label_without_link(data)
-        finally:
-            unlink_quiet(tmp)
-        fsync_dir(self.location)
-        serial = self._read_label(missing_ok=False)
-        assert serial is not None
-        return serial
-
-    def _create_label_without_link(self, data: bytes) -> str:
-        """Fallback for filesystems without hard links: O_EXCL, then wait out a racing writer.
-
-        Here the winner's label is visible before it is written, so a loser
-        may briefly read it empty or partial; it retries for a short while.
-        """
-        try:
-            fd = os.open(self._label_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            deadline = time.monotonic() + 2.0
-            while True:
-                try:
-                    serial = self._read_label(missing_ok=False)
-                    assert serial is not None
-                    return serial
-                except CardUnavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-        try:
-            pwrite_all(fd, data, 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.location)
-        serial = self._read_label(missing_ok=False)
-        assert serial is not None
-        return serial
 
     # ---------------------------------------------------------------- helpers
 

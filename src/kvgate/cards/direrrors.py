@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from kvgate.cards.base import CardUnavailable
+from kvgate.cards.dirlayout import LABEL_NAME
 
 # Errors that say the card (its filesystem or mount), not one object, is in
 # trouble.  Everything else is left as a plain OSError for the caller to count.
@@ -32,9 +33,9 @@ _CARD_ERRNOS = frozenset(
 class CardErrors:
     """The error rule of one card directory: ``around`` a block, ``raise_if_card`` for one error."""
 
-    def __init__(self, location: str, label_path: str):
+    def __init__(self, location: str):
         self.location = location
-        self.label_path = label_path
+        self.label_path = os.path.join(location, LABEL_NAME)
 
     @contextmanager
     def around(self, failed: str | None = None, where: str | None = None) -> Iterator[None]:

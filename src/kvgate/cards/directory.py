@@ -14,22 +14,16 @@ own; on a shared card, those of this host whose process is dead (or of an
 earlier boot), and those of other hosts once they are ``STALE_TEMP_SECONDS``
 old.
 
-Claims: ``claim`` takes an open file description lock (``F_OFD_SETLK``) on
-``kvgate-card.lock``, a write lock for a gateway alone on the card and a read
-lock for ``shared_storage``, held until ``close``.  The kernel drops it when
-the process dies, however it dies, so a killed gateway can restart at once;
-these locks work across hosts on NFSv4 too.  A filesystem without locks
-(some FUSE ones) is used without, and says so.
+Claims (``claim``, held until ``close``): an advisory lock on
+``kvgate-card.lock``, ``kvgate.cards.dirclaim``.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
-import struct
 import threading
 import time
 import uuid
@@ -39,12 +33,10 @@ from typing import Callable, Iterator
 from kvgate.cards.base import (
     HOST_TAG,
     Card,
-    CardInUse,
     CardUnavailable,
     SnapshotWriter,
     StoredObject,
     byte_view,
-    describe_holder,
     holder_doc,
     pid_alive,
 )
@@ -58,13 +50,13 @@ from kvgate.cards.directio import (
     fully_cached,
     set_direct,
 )
+from kvgate.cards.dirclaim import LockFileClaim
 from kvgate.cards.direrrors import CardErrors
 from kvgate.cards.dirlabel import CardLabel
 from kvgate.cards.dirlayout import (
     DB_RE,
     FANOUT_RE,
     HEADS_NAME,
-    LOCK_NAME,
     OBJECT_RE,
     SNAPSHOT_NAME,
     TEMP_MARK,
@@ -91,16 +83,6 @@ from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.directory")
-
-# struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
-_FLOCK = struct.Struct("hhqqi4x")
-_HOLDER_MAX = 4096
-# A filesystem without advisory locks answers with one of these.
-_NO_LOCK_ERRNOS = frozenset(
-    e for e in (errno.ENOLCK, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", None),
-                getattr(errno, "EOPNOTSUPP", None))
-    if e is not None
-)
 
 # A temp file this old cannot belong to a write still in progress: it is the
 # leftover of a crash.  Only for temp files of other hosts on a shared card,
@@ -132,13 +114,12 @@ class DirectoryCard(Card):
         self.direct_reads = direct_reads and SUPPORTED
         self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
-        self._lock_path = os.path.join(location, LOCK_NAME)
         self._errors = CardErrors(location)
         # Bound once: a read enters it twice for every object.
         self._card_errors = self._errors.around
         self._writer = ObjectFileWriter(location, self._errors, sync_writes)
         self._label = CardLabel(location, self._errors)
-        self._lock_fd: int | None = None
+        self._claim = LockFileClaim(location)
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
 
@@ -180,87 +161,21 @@ class DirectoryCard(Card):
     # ------------------------------------------------------------------ claim
 
     def claim(self, shared: bool) -> None:
-        fd = self._lock_fd
-        if fd is None:
-            try:
-                fd = self._open_lock_file(shared)
-            except OSError as exc:
-                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    # A card that takes no writes cannot be cleaned or written by this gateway either.
-                    log.warning("card %s: cannot open its lock file (%s); used without a claim, so another "
-                                "gateway on it is not detected", self.location, exc.strerror)
-                    self.claimed = shared
-                    return
-                raise CardUnavailable(exc.errno, f"cannot open card lock file: {exc.strerror}",
-                                      self._lock_path) from exc
-        want = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
-        try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(want, os.SEEK_SET, 0, 0, 0))
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                held_shared = self._held_shared(fd)
-                holder = self._read_holder(fd)
-                if fd != self._lock_fd:
-                    os.close(fd)
-                raise CardInUse(self.location, holder, held_shared, shared) from None
-            if fd != self._lock_fd:
-                os.close(fd)
-            if exc.errno in _NO_LOCK_ERRNOS:
-                log.warning("card %s: its filesystem has no advisory locks (%s); used without a claim, so "
-                            "another gateway on it is not detected", self.location, exc.strerror)
-                self.claimed = shared
-                return
-            raise CardUnavailable(exc.errno, f"cannot lock card: {exc.strerror}", self._lock_path) from exc
-        self._lock_fd, self.claimed = fd, shared
-        # Who holds it, for the message of a gateway that is refused (the lock itself says nothing).
-        doc = (json.dumps(holder_doc(shared)) + "\n").encode()
-        try:
-            os.ftruncate(fd, 0)
-            pwrite_all(fd, doc, 0)
-        except OSError:
-            pass  # only a hint
+        locked = self._claim.take(shared)
+        self.claimed = shared
+        if locked:
+            # Who holds it, for the message of a gateway that is refused (the lock itself says nothing).
+            self._claim.note_holder(holder_doc(shared))
 
     def note_holder(self, doc: dict) -> None:
         """Say in the lock file who holds the claim, when it is held for someone else (a card server's
         remote gateway): a refused gateway then names that one, not the server process."""
-        if self._lock_fd is None:
-            return
-        try:
-            os.ftruncate(self._lock_fd, 0)
-            pwrite_all(self._lock_fd, (json.dumps(doc) + "\n").encode()[:_HOLDER_MAX], 0)
-        except OSError:
-            pass  # only a hint
-
-    def _open_lock_file(self, shared: bool) -> int:
-        """Read-write (a write lock needs it, and the holder is noted); a read lock also takes read-only."""
-        try:
-            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            if not shared or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise
-            return os.open(self._lock_path, os.O_RDONLY)
-
-    @staticmethod
-    def _held_shared(fd: int) -> bool:
-        """Whether the lock that conflicts with a write lock is a read lock (holders with shared_storage)."""
-        try:
-            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-        except OSError:
-            return False
-        return _FLOCK.unpack(got)[0] == fcntl.F_RDLCK
-
-    @staticmethod
-    def _read_holder(fd: int) -> str:
-        try:
-            return describe_holder(json.loads(os.pread(fd, _HOLDER_MAX, 0)))
-        except (OSError, ValueError):
-            return "holder unknown"
+        self._claim.note_holder(doc)
 
     def close(self) -> None:
         """Release the claim: the lock goes with the file description."""
-        fd, self._lock_fd, self.claimed = self._lock_fd, None, None
-        if fd is not None:
-            os.close(fd)
+        self.claimed = None
+        self._claim.release()
 
     # ---------------------------------------------------------------- helpers
 
@@ -524,7 +439,7 @@ class DirectoryCard(Card):
         mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
         if mine:
             return  # a write of this process, in progress
-        if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
+        if self.claimed is False and self._claim.fd is not None:  # locked alone: no one else writes here
             unlink_quiet(path)
             return
         this_host, this_boot = HOST_TAG.split("-")

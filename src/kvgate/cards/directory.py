@@ -1,21 +1,19 @@
 """A card that is a directory on any POSIX filesystem (local disk, NFS, FUSE).
 
-The names of its files and directories, and why objects are named by the
-digest of their key: ``kvgate.cards.dirlayout``.
+``DirectoryCard`` reads its objects itself (``read_into``, with
+``kvgate.cards.directio`` for ``O_DIRECT``) and leaves each other job to one
+module:
 
-Atomicity comes from ``rename``: an object is written whole under a temporary
-name in its final directory and only then renamed over its final name.  A
-reader that opened the old file keeps reading the old inode, so it sees one
-whole object or the other, never a mix; a crash leaves only a ``.tmp.`` file
-that no lookup ever opens.  Temp names carry the writer's host, boot and pid
-(``<digest>.tmp.<host>-<boot>.<pid>.<thread>``), so ``scan`` knows which are
-leftovers: on a card this gateway holds exclusively, every temp file not its
-own; on a shared card, those of this host whose process is dead (or of an
-earlier boot), and those of other hosts once they are ``STALE_TEMP_SECONDS``
-old.
-
-Claims (``claim``, held until ``close``): an advisory lock on
-``kvgate-card.lock``, ``kvgate.cards.dirclaim``.
+- ``dirlayout``: the names of its files and directories, and why objects
+  are named by the digest of their key;
+- ``dirwrite``: an object written whole under a temp name, then renamed over
+  its final name, so a reader sees one whole object or the other;
+- ``dirscan``: what it holds (names, headers), leftover temp files reaped and
+  misplaced objects moved home on the way;
+- ``dirlabel``: its label; ``dirclaim``: its claim, a lock on
+  ``kvgate-card.lock`` held until ``close``; ``dirsnapshot``: the index
+  snapshot's writer;
+- ``direrrors``: which OSErrors say the card, not one object, is in trouble.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from kvgate.cards.base import (
     StoredObject,
     byte_view,
     holder_doc,
-    pid_alive,
 )
 from kvgate.cards.directio import (
     READ_PIECE,
@@ -53,45 +50,25 @@ from kvgate.cards.directio import (
 from kvgate.cards.dirclaim import LockFileClaim
 from kvgate.cards.direrrors import CardErrors
 from kvgate.cards.dirlabel import CardLabel
-from kvgate.cards.dirlayout import (
-    DB_RE,
-    FANOUT_RE,
-    HEADS_NAME,
-    OBJECT_RE,
-    SNAPSHOT_NAME,
-    TEMP_MARK,
-    TEMP_OWNER_RE,
-    db_dir_names,
-)
+from kvgate.cards.dirlayout import HEADS_NAME, SNAPSHOT_NAME, TEMP_MARK, db_dir_names
+from kvgate.cards.dirscan import DirectoryScan
 from kvgate.cards.dirsnapshot import FileSnapshotWriter
 from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, pwrite_all, unlink_quiet
 from kvgate.cards.objectformat import (
-    FIXED_SIZE,
     Header,
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    ObjectTooNew,
     check_read_header,
     payload_hasher,
     header_size,
     padded_size,
-    peek_header,
 )
 from kvgate.heads import decode_ids, encode_ids
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.directory")
-
-# A temp file this old cannot belong to a write still in progress: it is the
-# leftover of a crash.  Only for temp files of other hosts on a shared card,
-# whose writers this gateway cannot see; the others are known dead or alive.
-STALE_TEMP_SECONDS = 3600.0
-
-# Scan reads this much in one go: the fixed header plus a generous key, so
-# nearly every header needs one pread.  Longer keys get a second, exact read.
-_SCAN_READ = FIXED_SIZE + 1024
 
 
 class DirectoryCard(Card):
@@ -122,6 +99,7 @@ class DirectoryCard(Card):
         self._claim = LockFileClaim(location)
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
+        self._scan = DirectoryScan(self, self.named_path, self._errors, self._claim, self._writer)
 
     @property
     def sync_writes(self) -> bool:
@@ -177,7 +155,7 @@ class DirectoryCard(Card):
         self.claimed = None
         self._claim.release()
 
-    # ---------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------ paths
 
     def object_path(self, full_key: bytes) -> str:
         """Where the object for ``full_key`` lives (whether or not it exists)."""
@@ -354,179 +332,14 @@ class DirectoryCard(Card):
 
     # --------------------------------------------------------- whole-card ops
 
-    def _list(self, path: str) -> list[os.DirEntry[str]]:
-        """Entries of one card directory; a sub-directory gone meanwhile is empty.
-
-        Listing a whole leaf at once closes its handle before the caller
-        (a generator that may be paused for long) resumes.
-        """
-        try:
-            with self._card_errors("cannot list card directory" if path == self.location else None, path):
-                with os.scandir(path) as it:
-                    return sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def _leaf_dirs(self) -> Iterator[str]:
-        for _db, _fan, path in self._leaves():
-            yield path
-
-    def _leaves(self) -> Iterator[tuple[int | None, str, str]]:
-        """(db index, or None for a db beyond ``num_dbs``; fan-out name; path) of every leaf directory."""
-        for db in self._list(self.location):
-            if not DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
-                continue
-            i = int(db.name[2:])
-            index = i if i < self.num_dbs and self._db_names[i] == db.name else None
-            for fan in self._list(db.path):
-                if FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
-                    yield index, fan.name, fan.path
-
     def names(self) -> Iterator[list[bytes]]:
-        """One batch per leaf directory; removes leftover temp files, moves misplaced objects home.
-
-        A name is turned into its digest in bulk (one ``bytes.fromhex`` per
-        leaf): at a million objects the per-name Python work of a listing
-        was most of a restart, on the GIL the event loop waits for.
-        """
-        now = time.time()
-        relocated: set[str] = set()
-        for db, fan, leaf in self._leaves():
-            try:
-                with self._card_errors(None, leaf):
-                    listed = os.listdir(leaf)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            names = []
-            for name in listed:
-                if len(name) == 32:
-                    names.append(name)
-                elif TEMP_MARK in name:
-                    self._reap_temp(os.path.join(leaf, name), name, now)
-                # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
-                # an editor's backup) is left alone.
-            try:
-                raw = bytes.fromhex("".join(names))
-            except ValueError:  # a foreign name of 32 characters: judge each
-                names = [n for n in names if OBJECT_RE.fullmatch(n)]
-                raw = bytes.fromhex("".join(names))
-            batch = [raw[i : i + 16] for i in range(0, len(raw), 16)]
-            if self.num_dbs == 1 and db == 0:
-                home = [n[:2] == fan for n in names]
-            else:
-                home = [n[:2] == fan and db == self.named_place(d)[0] for n, d in zip(names, batch)]
-            if relocated or not all(home):  # objects moved here already, or to be moved where reads look
-                keep = []
-                for n, d, at_home in zip(names, batch, home):
-                    path = os.path.join(leaf, n)
-                    if at_home:
-                        if path not in relocated:
-                            keep.append(d)
-                    elif self._relocate(path, self.named_path(d), relocated):
-                        keep.append(d)
-                batch = keep
-            if batch:
-                yield batch
+        return self._scan.names()
 
     def stored_objects(self, digests: list[bytes]) -> list[StoredObject | None]:
-        """Header-only checks; payload hashes are left to reads (reading every payload at start would take
-        as long as reading the card)."""
-        return [self._scan_one(self.named_path(d), d.hex()) for d in digests]
-
-    def _reap_temp(self, path: str, name: str, now: float) -> None:
-        """Remove a temp file whose write is known to be over (see the module doc)."""
-        owner = TEMP_OWNER_RE.fullmatch(name.rpartition(TEMP_MARK)[2])
-        mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
-        if mine:
-            return  # a write of this process, in progress
-        if self.claimed is False and self._claim.fd is not None:  # locked alone: no one else writes here
-            unlink_quiet(path)
-            return
-        this_host, this_boot = HOST_TAG.split("-")
-        if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
-            unlink_quiet(path)  # this host's, of an earlier boot or a dead process
-            return
-        try:  # another host's (or a reused pid's): only age tells
-            if now - os.lstat(path).st_mtime > STALE_TEMP_SECONDS:
-                os.unlink(path)
-        except OSError:
-            pass
-
-    def _scan_one(self, path: str, name: str) -> StoredObject | None:
-        """Header-only check of one object file."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                return None
-            self._errors.raise_if_card(exc)
-            unlink_quiet(path)
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            # A header is all scan wants: without this, readahead would pull ~128 KiB of
-            # every object into the page cache at start.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            header = peek_header(os.pread(fd, _SCAN_READ, 0), size, lambda n: os.pread(fd, n, 0), "object file")
-            if key_digest(header.full_key).hex() != name:
-                raise ObjectCorrupt("object file name does not match the key inside")
-        except ObjectTooNew as exc:
-            self._skip_newer(path, exc)
-            return None
-        except ObjectCorrupt:
-            discard_corrupt(path, fd)
-            self.scan_corrupt += 1
-            return None
-        except OSError as exc:
-            self._errors.raise_if_card(exc)
-            discard_corrupt(path, fd)
-            return None
-        finally:
-            os.close(fd)
-        return StoredObject(header.full_key, header.payload_len, size, header.meta)
-
-    def _relocate(self, path: str, home: str, relocated: set[str]) -> bool:
-        """Move an object written under another ``num_dbs`` to where reads look.
-
-        Without this, scan would report objects that ``read_into`` can never
-        find.  When the right place already holds the key, that copy wins.
-        """
-        try:
-            if os.path.lexists(home):
-                unlink_quiet(path)
-                return False
-            try:
-                os.rename(path, home)
-            except FileNotFoundError:
-                self._writer.make_dirs(os.path.dirname(home))
-                os.rename(path, home)
-        except OSError as exc:
-            self._errors.raise_if_card(exc)
-            return False
-        relocated.add(home)
-        return True
+        return self._scan.stored_objects(digests)
 
     def clean(self) -> int:
-        """Delete objects and temp files; keeps the directories.
-
-        Keeping them means a concurrent writer's lazy ``mkdir`` never races
-        an ``rmdir`` here.
-        """
-        deleted = 0
-        for leaf in self._leaf_dirs():
-            for entry in self._list(leaf):
-                name = entry.name
-                is_object = OBJECT_RE.fullmatch(name) is not None
-                if not is_object and TEMP_MARK not in name:
-                    continue
-                try:
-                    os.unlink(entry.path)
-                except OSError as exc:
-                    if exc.errno != errno.ENOENT:
-                        self._errors.raise_if_card(exc)
-                    continue
-                deleted += is_object
-        return deleted
+        return self._scan.clean()
 
     def snapshot_writer(self) -> SnapshotWriter:
         path = os.path.join(self.location, SNAPSHOT_NAME)
@@ -534,7 +347,7 @@ class DirectoryCard(Card):
         with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
             for entry in it:  # a snapshot a dead gateway was writing
                 if entry.name.startswith(SNAPSHOT_NAME + TEMP_MARK):
-                    self._reap_temp(entry.path, entry.name, now)
+                    self._scan.reap_temp(entry.path, entry.name, now)
         return FileSnapshotWriter(path, f"{path}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 

@@ -272,7 +272,7 @@ class GatewayProcess(processes.GatewayProcess):
 
 def card_serial(card_dir: str | os.PathLike) -> str:
     """The serial in a directory card's label."""
-    from kvgate.cards.directory import LABEL_NAME
+    from kvgate.cards.dirlayout import LABEL_NAME
 
     return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
 

@@ -17,7 +17,7 @@ import xxhash
 
 from kvgate.bench.processes import RedisServer
 from kvgate.cards.base import new_label, parse_label
-from kvgate.cards.directory import LABEL_NAME
+from kvgate.cards.dirlayout import LABEL_NAME
 from kvgate.cards.rediskeys import LABEL_KEY
 from kvgate.keys import NO_DIALOG, dialog_digest
 from kvgate.placement import SlotMap, slot_of

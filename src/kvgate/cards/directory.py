@@ -1,70 +1,41 @@
 """A card that is a directory on any POSIX filesystem (local disk, NFS, FUSE).
 
-Layout::
+``DirectoryCard`` reads its objects itself (``read_into``, with
+``kvgate.cards.directio`` for ``O_DIRECT``) and leaves each other job to one
+module:
 
-    <location>/kvgate-card.json           label: serial, format, creation time
-    <location>/kvgate-card.lock           claim: an advisory lock, and who took it last
-    <location>/kvgate-index               the gateway's index snapshot (kvgate.tiers.restart)
-    <location>/db<NN>/<hh>/<digest hex>   one object per file (header + payload)
-
-Objects are named by the digest of their full key, so the name is fixed-size
-and safe whatever the key holds; the header inside still carries the full key,
-and a reader checks it, so a digest collision or a misplaced file reads as
-``ObjectCorrupt``, never as someone else's data.  ``NN`` shards the objects
-over ``num_dbs`` directories and ``hh`` fans each one out 256 ways, which keeps
-directories small enough for filesystems that slow down on huge ones.
-
-Atomicity comes from ``rename``: an object is written whole under a temporary
-name in its final directory and only then renamed over its final name.  A
-reader that opened the old file keeps reading the old inode, so it sees one
-whole object or the other, never a mix; a crash leaves only a ``.tmp.`` file
-that no lookup ever opens.  Temp names carry the writer's host, boot and pid
-(``<digest>.tmp.<host>-<boot>.<pid>.<thread>``), so ``scan`` knows which are
-leftovers: on a card this gateway holds exclusively, every temp file not its
-own; on a shared card, those of this host whose process is dead (or of an
-earlier boot), and those of other hosts once they are ``STALE_TEMP_SECONDS``
-old.
-
-Claims: ``claim`` takes an open file description lock (``F_OFD_SETLK``) on
-``kvgate-card.lock``, a write lock for a gateway alone on the card and a read
-lock for ``shared_storage``, held until ``close``.  The kernel drops it when
-the process dies, however it dies, so a killed gateway can restart at once;
-these locks work across hosts on NFSv4 too.  A filesystem without locks
-(some FUSE ones) is used without, and says so.
+- ``dirlayout``: the names of its files and directories, and why objects
+  are named by the digest of their key;
+- ``dirwrite``: an object written whole under a temp name, then renamed over
+  its final name, so a reader sees one whole object or the other;
+- ``dirscan``: what it holds (names, headers), leftover temp files reaped and
+  misplaced objects moved home on the way;
+- ``dirlabel``: its label; ``dirclaim``: its claim, a lock on
+  ``kvgate-card.lock`` held until ``close``; ``dirsnapshot``: the index
+  snapshot's writer;
+- ``direrrors``: which OSErrors say the card, not one object, is in trouble.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
-import re
-import stat
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Collection
-from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from kvgate.cards.base import (
     HOST_TAG,
-    LABEL_MAX,
     Card,
-    CardInUse,
     CardUnavailable,
     SnapshotWriter,
     StoredObject,
-    WriteAbandoned,
     byte_view,
-    describe_holder,
     holder_doc,
-    new_label,
-    parse_label,
-    pid_alive,
 )
 from kvgate.cards.directio import (
     READ_PIECE,
@@ -76,142 +47,28 @@ from kvgate.cards.directio import (
     fully_cached,
     set_direct,
 )
+from kvgate.cards.dirclaim import LockFileClaim
+from kvgate.cards.direrrors import CardErrors
+from kvgate.cards.dirlabel import CardLabel
+from kvgate.cards.dirlayout import HEADS_NAME, SNAPSHOT_NAME, TEMP_MARK, db_dir_names
+from kvgate.cards.dirscan import DirectoryScan
+from kvgate.cards.dirsnapshot import FileSnapshotWriter
+from kvgate.cards.dirwrite import ObjectFileWriter, discard_corrupt, pwrite_all, unlink_quiet
 from kvgate.cards.objectformat import (
-    CHECKSUM_PIECE,
-    FIXED_SIZE,
     Header,
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    ObjectTooNew,
     check_read_header,
     payload_hasher,
     header_size,
-    pack_header,
     padded_size,
-    peek_header,
 )
 from kvgate.heads import decode_ids, encode_ids
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards.directory")
-
-LABEL_NAME = "kvgate-card.json"
-LOCK_NAME = "kvgate-card.lock"
-HEADS_NAME = "kvgate-heads"  # shared-head ids, little-endian u64s, appended under flock
-SNAPSHOT_NAME = "kvgate-index"
-# struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
-_FLOCK = struct.Struct("hhqqi4x")
-_HOLDER_MAX = 4096
-# A filesystem without advisory locks answers with one of these.
-_NO_LOCK_ERRNOS = frozenset(
-    e for e in (errno.ENOLCK, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", None),
-                getattr(errno, "EOPNOTSUPP", None))
-    if e is not None
-)
-
-# A temp file this old cannot belong to a write still in progress: it is the
-# leftover of a crash.  Only for temp files of other hosts on a shared card,
-# whose writers this gateway cannot see; the others are known dead or alive.
-STALE_TEMP_SECONDS = 3600.0
-
-_TEMP_MARK = ".tmp."
-# <host>-<boot>.<pid>.<thread> after the mark (see the module doc)
-_TEMP_OWNER_RE = re.compile(r"([0-9a-f]{8})-([0-9a-f]{8})\.([0-9]+)\.[0-9]+")
-_DB_RE = re.compile(r"db[0-9]{2,}")
-_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
-_OBJECT_RE = re.compile(r"[0-9a-f]{32}")
-
-# Scan reads this much in one go: the fixed header plus a generous key, so
-# nearly every header needs one pread.  Longer keys get a second, exact read.
-_SCAN_READ = FIXED_SIZE + 1024
-
-# Errors that say the card (its filesystem or mount), not one object, is in
-# trouble.  Everything else is left as a plain OSError for the caller to count.
-_CARD_ERRNOS = frozenset(
-    e
-    for e in (
-        errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENODEV, errno.ENXIO,
-        getattr(errno, "ESTALE", None), getattr(errno, "ENOTCONN", None), getattr(errno, "ENOMEDIUM", None),
-    )
-    if e is not None
-)
-# Filesystems without hard links answer os.link with one of these.
-_NO_LINK_ERRNOS = frozenset(
-    e
-    for e in (errno.EPERM, errno.ENOSYS, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", None),
-              getattr(errno, "EOPNOTSUPP", None))
-    if e is not None
-)
-
-
-
-
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """``pwrite`` until all of ``data`` is written: a short write is legal."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:  # never for a regular file, but a loop must not spin
-            raise OSError(errno.EIO, "write made no progress")
-        view = view[n:]
-        offset += n
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a new directory entry durable; some filesystems refuse, which is fine."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class _FileSnapshotWriter(SnapshotWriter):
-    """A temp file beside the snapshot, renamed over it on commit (a crash leaves the old one whole)."""
-
-    def __init__(self, final: str, tmp: str, sync: bool) -> None:
-        self.final, self.tmp, self.sync = final, tmp, sync
-        self.fd: int | None = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.offset = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        assert self.fd is not None
-        _pwrite_all(self.fd, data, self.offset)
-        self.offset += len(data)
-
-    def commit(self) -> None:
-        assert self.fd is not None
-        try:
-            if self.sync:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-            self.fd = None
-        try:
-            os.rename(self.tmp, self.final)
-        except OSError:
-            _unlink_quiet(self.tmp)
-            raise
-
-    def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        _unlink_quiet(self.tmp)
 
 
 class DirectoryCard(Card):
@@ -229,17 +86,29 @@ class DirectoryCard(Card):
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
         super().__init__(location, num_dbs)
-        self.sync_writes = sync_writes
         # Turned off for good the first time the filesystem refuses O_DIRECT (tmpfs on old
         # kernels, some FUSE filesystems); reads then all go through the page cache.
         self.direct_reads = direct_reads and SUPPORTED
         self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
-        self._label_path = os.path.join(location, LABEL_NAME)
-        self._lock_path = os.path.join(location, LOCK_NAME)
-        self._lock_fd: int | None = None
+        self._errors = CardErrors(location)
+        # Bound once: a read enters it twice for every object.
+        self._card_errors = self._errors.around
+        self._writer = ObjectFileWriter(location, self._errors, sync_writes)
+        self._label = CardLabel(location, self._errors)
+        self._claim = LockFileClaim(location)
         self.create_missing = create_missing
-        self._db_names = [f"db{i:02d}" for i in range(num_dbs)]
+        self._db_names = db_dir_names(num_dbs)
+        self._scan = DirectoryScan(self, self.named_path, self._errors, self._claim, self._writer)
+
+    @property
+    def sync_writes(self) -> bool:
+        """Whether each write is fsynced, file and directory entry, before it counts as done."""
+        return self._writer.sync
+
+    @sync_writes.setter
+    def sync_writes(self, on: bool) -> None:
+        self._writer.sync = on
 
     # ------------------------------------------------------------------ label
 
@@ -250,196 +119,43 @@ class DirectoryCard(Card):
                                   "filesystem, or set create_card_dirs: true", self.location)
         with self._card_errors("cannot create card directory"):
             os.makedirs(self.location, exist_ok=True)
-        serial = self._read_label(missing_ok=True)
+        serial = self._label.read(missing_ok=True)
         if serial is None:
-            serial = self._create_label()
+            serial = self._label.create()
         self.serial = serial
         return serial
 
     def check(self) -> str:
-        serial = self._read_label(missing_ok=False)
+        serial = self._label.read(missing_ok=False)
         assert serial is not None
         return serial
 
     def check_writable(self) -> None:
-        probe = f"{self._label_path}{_TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
+        probe = f"{self._label.path}{TEMP_MARK}probe-{uuid.uuid4().hex}"  # scans skip temp names
         with self._card_errors("card takes no writes"):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        _unlink_quiet(probe)
+        unlink_quiet(probe)
 
     # ------------------------------------------------------------------ claim
 
     def claim(self, shared: bool) -> None:
-        fd = self._lock_fd
-        if fd is None:
-            try:
-                fd = self._open_lock_file(shared)
-            except OSError as exc:
-                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    # A card that takes no writes cannot be cleaned or written by this gateway either.
-                    log.warning("card %s: cannot open its lock file (%s); used without a claim, so another "
-                                "gateway on it is not detected", self.location, exc.strerror)
-                    self.claimed = shared
-                    return
-                raise CardUnavailable(exc.errno, f"cannot open card lock file: {exc.strerror}",
-                                      self._lock_path) from exc
-        want = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
-        try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(want, os.SEEK_SET, 0, 0, 0))
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                held_shared = self._held_shared(fd)
-                holder = self._read_holder(fd)
-                if fd != self._lock_fd:
-                    os.close(fd)
-                raise CardInUse(self.location, holder, held_shared, shared) from None
-            if fd != self._lock_fd:
-                os.close(fd)
-            if exc.errno in _NO_LOCK_ERRNOS:
-                log.warning("card %s: its filesystem has no advisory locks (%s); used without a claim, so "
-                            "another gateway on it is not detected", self.location, exc.strerror)
-                self.claimed = shared
-                return
-            raise CardUnavailable(exc.errno, f"cannot lock card: {exc.strerror}", self._lock_path) from exc
-        self._lock_fd, self.claimed = fd, shared
-        # Who holds it, for the message of a gateway that is refused (the lock itself says nothing).
-        doc = (json.dumps(holder_doc(shared)) + "\n").encode()
-        try:
-            os.ftruncate(fd, 0)
-            _pwrite_all(fd, doc, 0)
-        except OSError:
-            pass  # only a hint
+        locked = self._claim.take(shared)
+        self.claimed = shared
+        if locked:
+            # Who holds it, for the message of a gateway that is refused (the lock itself says nothing).
+            self._claim.note_holder(holder_doc(shared))
 
     def note_holder(self, doc: dict) -> None:
         """Say in the lock file who holds the claim, when it is held for someone else (a card server's
         remote gateway): a refused gateway then names that one, not the server process."""
-        if self._lock_fd is None:
-            return
-        try:
-            os.ftruncate(self._lock_fd, 0)
-            _pwrite_all(self._lock_fd, (json.dumps(doc) + "\n").encode()[:_HOLDER_MAX], 0)
-        except OSError:
-            pass  # only a hint
-
-    def _open_lock_file(self, shared: bool) -> int:
-        """Read-write (a write lock needs it, and the holder is noted); a read lock also takes read-only."""
-        try:
-            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            if not shared or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise
-            return os.open(self._lock_path, os.O_RDONLY)
-
-    @staticmethod
-    def _held_shared(fd: int) -> bool:
-        """Whether the lock that conflicts with a write lock is a read lock (holders with shared_storage)."""
-        try:
-            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-        except OSError:
-            return False
-        return _FLOCK.unpack(got)[0] == fcntl.F_RDLCK
-
-    @staticmethod
-    def _read_holder(fd: int) -> str:
-        try:
-            return describe_holder(json.loads(os.pread(fd, _HOLDER_MAX, 0)))
-        except (OSError, ValueError):
-            return "holder unknown"
+        self._claim.note_holder(doc)
 
     def close(self) -> None:
         """Release the claim: the lock goes with the file description."""
-        fd, self._lock_fd, self.claimed = self._lock_fd, None, None
-        if fd is not None:
-            os.close(fd)
+        self.claimed = None
+        self._claim.release()
 
-    def _read_label(self, missing_ok: bool) -> str | None:
-        """One open + read: the health probe runs often, on every card."""
-        path = self._label_path
-        with self._card_errors("cannot open card label", path):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                if missing_ok:
-                    return None
-                raise CardUnavailable(errno.ENOENT, "card label is missing (card gone or not a kvgate card)",
-                                      path) from None
-        try:
-            with self._card_errors("cannot read card label", path):
-                raw = b""
-                while len(raw) <= LABEL_MAX:
-                    chunk = os.read(fd, LABEL_MAX + 1 - len(raw))
-                    if not chunk:
-                        break
-                    raw += chunk
-        finally:
-            os.close(fd)
-        return self._parse_label(raw)
-
-    def _parse_label(self, raw: bytes) -> str:
-        return parse_label(raw, self._label_path)
-
-    def _create_label(self) -> str:
-        """Publish a complete label with ``link``, so racing processes agree.
-
-        ``link`` fails if the name exists, and the file it publishes is already
-        whole, so whichever process links first wins and every other one reads
-        the winner's label; no process ever sees a half-written one.
-        """
-        data = new_label()
-        tmp = f"{self._label_path}{_TEMP_MARK}{uuid.uuid4().hex}"
-        try:
-            with self._card_errors("cannot create card label", self._label_path):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    _pwrite_all(fd, data, 0)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.link(tmp, self._label_path)
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK_ERRNOS:
-                        raise
-                    return self._create_label_without_link(data)
-        finally:
-            _unlink_quiet(tmp)
-        _fsync_dir(self.location)
-        serial = self._read_label(missing_ok=False)
-        assert serial is not None
-        return serial
-
-    def _create_label_without_link(self, data: bytes) -> str:
-        """Fallback for filesystems without hard links: O_EXCL, then wait out a racing writer.
-
-        Here the winner's label is visible before it is written, so a loser
-        may briefly read it empty or partial; it retries for a short while.
-        """
-        try:
-            fd = os.open(self._label_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            deadline = time.monotonic() + 2.0
-            while True:
-                try:
-                    serial = self._read_label(missing_ok=False)
-                    assert serial is not None
-                    return serial
-                except CardUnavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-        try:
-            _pwrite_all(fd, data, 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_dir(self.location)
-        serial = self._read_label(missing_ok=False)
-        assert serial is not None
-        return serial
-
-    # ---------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------ paths
 
     def object_path(self, full_key: bytes) -> str:
         """Where the object for ``full_key`` lives (whether or not it exists)."""
@@ -449,99 +165,6 @@ class DirectoryCard(Card):
         """Where the object named ``digest`` lives."""
         db, name = self.named_place(digest)
         return os.path.join(self.location, self._db_names[db], name[:2], name)
-
-    def _location_missing(self) -> CardUnavailable | None:
-        """Tell "no such object" from "no such card" after an ENOENT.
-
-        Only called on the miss path, so hits cost no extra stat.
-        """
-        try:
-            st = os.stat(self.location)
-        except OSError as exc:
-            return CardUnavailable(exc.errno, f"card directory is not accessible: {exc.strerror}", self.location)
-        if not stat.S_ISDIR(st.st_mode):
-            return CardUnavailable(errno.ENOTDIR, "card location is not a directory", self.location)
-        return None
-
-    @contextmanager
-    def _card_errors(self, failed: str | None = None, where: str | None = None) -> Iterator[None]:
-        """Let the OSErrors of the block that say the card is in trouble leave as ``CardUnavailable``.
-
-        Without ``failed``, ``_raise_card_error`` tells which: one about a
-        single object leaves as it came, for the caller to judge (a miss, a
-        file to skip).  With it, the block's work is the card's own (its
-        label, its directory), so every one does, as "<failed>: <strerror>"
-        naming ``where`` (the card directory when None).  A
-        ``CardUnavailable`` raised in the block leaves as it is.
-        """
-        try:
-            yield
-        except CardUnavailable:
-            raise
-        except OSError as exc:
-            if failed is not None:
-                raise CardUnavailable(exc.errno, f"{failed}: {exc.strerror}", where or self.location) from exc
-            self._raise_card_error(exc)
-            raise
-
-    def _raise_card_error(self, exc: OSError) -> None:
-        """Raise the CardUnavailable that ``exc`` stands for; return when it is about one object.
-
-        A ``CardUnavailable`` already says so: it is left to the caller.
-        """
-        if isinstance(exc, CardUnavailable):
-            return
-        if exc.errno == errno.ENOENT:
-            missing = self._location_missing()
-            if missing is not None:
-                raise missing from exc
-        elif exc.errno in (errno.EACCES, errno.EPERM) and self._label_readable():
-            # One file another user wrote (a shared card): that object's
-            # problem, not a reason to take the whole card out of service.
-            return
-        elif exc.errno in _CARD_ERRNOS:
-            raise CardUnavailable(exc.errno, f"card is not usable: {exc.strerror}",
-                                  exc.filename or self.location) from exc
-
-    def _label_readable(self) -> bool:
-        try:
-            os.close(os.open(self._label_path, os.O_RDONLY))
-        except OSError:
-            return False
-        return True
-
-    def _make_dirs(self, obj_dir: str) -> None:
-        """Create ``db<NN>/<hh>`` lazily, but never re-create a vanished card directory.
-
-        ``os.makedirs`` would happily rebuild the location itself, turning an
-        unmounted card into writes on the root filesystem; ``mkdir`` of each
-        level fails with ENOENT instead.
-        """
-        db_dir = os.path.dirname(obj_dir)
-        for path in (db_dir, obj_dir):
-            try:
-                os.mkdir(path)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:
-                missing = self._location_missing()
-                if missing is not None:
-                    raise missing from None
-                raise
-            if self.sync_writes:
-                _fsync_dir(os.path.dirname(path))
-
-    def _discard(self, path: str, fd: int | None) -> None:
-        """Delete a corrupt object, but not a good one renamed over it meanwhile."""
-        try:
-            if fd is not None:
-                mine = os.fstat(fd)
-                now = os.stat(path)
-                if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
-                    return
-            os.unlink(path)
-        except OSError:
-            pass
 
     # ------------------------------------------------------------------- I/O
 
@@ -558,7 +181,7 @@ class DirectoryCard(Card):
                 return self._read_verified(fd, full_key, view, guard or Abandon())
         except ObjectCorrupt as exc:
             exc.add_note(f"deleted corrupt object {path}")
-            self._discard(path, fd)
+            discard_corrupt(path, fd)
             raise
         finally:
             os.close(fd)
@@ -673,55 +296,7 @@ class DirectoryCard(Card):
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
               still_wanted: Callable[[], bool] | None = None) -> int:
         view = byte_view(payload)
-        final = self.object_path(full_key)
-        # host + boot + pid + thread: concurrent writers of one key, in this
-        # process or another on a shared card, each get their own temp file,
-        # and a scan can tell a dead writer's leftover from a write in progress.
-        tmp = f"{final}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
-        # Padded: the payload at a block-aligned offset, for direct reads
-        poff = padded_size(header_size(full_key))
-        plen = len(view)
-        with self._card_errors():
-            try:
-                fd = self._create_temp(tmp)
-                try:
-                    hasher = payload_hasher()
-                    for off in range(0, plen, CHECKSUM_PIECE):
-                        if still_wanted is not None and not still_wanted():
-                            raise WriteAbandoned(self.location)
-                        piece = view[off : off + CHECKSUM_PIECE]
-                        hasher.update(piece)
-                        _pwrite_all(fd, piece, poff + off)
-                    header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
-                    if len(header) != poff:  # pack_header and padded_size must agree
-                        raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
-                    _pwrite_all(fd, header, 0)
-                    if self.sync_writes:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if still_wanted is not None and not still_wanted():
-                    raise WriteAbandoned(self.location)
-                os.rename(tmp, final)
-            except BaseException:
-                _unlink_quiet(tmp)
-                raise
-        if self.sync_writes:
-            _fsync_dir(os.path.dirname(final))
-        return poff + plen
-
-    def _create_temp(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
-        for _ in range(3):
-            try:
-                return os.open(tmp, flags, 0o600)
-            except FileNotFoundError:
-                self._make_dirs(os.path.dirname(tmp))
-            except FileExistsError:
-                # Same pid and thread id as ours, so it belongs to a process
-                # that died: this thread is not writing it.
-                _unlink_quiet(tmp)
-        return os.open(tmp, flags, 0o600)
+        return self._writer.write(self.object_path(full_key), full_key, view, meta, still_wanted)
 
     def prepare_reads(self, full_keys: list[bytes]) -> None:
         """Look the files up: a read opens a file by a path walk, and on a cold
@@ -757,188 +332,23 @@ class DirectoryCard(Card):
 
     # --------------------------------------------------------- whole-card ops
 
-    def _list(self, path: str) -> list[os.DirEntry[str]]:
-        """Entries of one card directory; a sub-directory gone meanwhile is empty.
-
-        Listing a whole leaf at once closes its handle before the caller
-        (a generator that may be paused for long) resumes.
-        """
-        try:
-            with self._card_errors("cannot list card directory" if path == self.location else None, path):
-                with os.scandir(path) as it:
-                    return sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def _leaf_dirs(self) -> Iterator[str]:
-        for _db, _fan, path in self._leaves():
-            yield path
-
-    def _leaves(self) -> Iterator[tuple[int | None, str, str]]:
-        """(db index, or None for a db beyond ``num_dbs``; fan-out name; path) of every leaf directory."""
-        for db in self._list(self.location):
-            if not _DB_RE.fullmatch(db.name) or not db.is_dir(follow_symlinks=False):
-                continue
-            i = int(db.name[2:])
-            index = i if i < self.num_dbs and self._db_names[i] == db.name else None
-            for fan in self._list(db.path):
-                if _FANOUT_RE.fullmatch(fan.name) and fan.is_dir(follow_symlinks=False):
-                    yield index, fan.name, fan.path
-
     def names(self) -> Iterator[list[bytes]]:
-        """One batch per leaf directory; removes leftover temp files, moves misplaced objects home.
-
-        A name is turned into its digest in bulk (one ``bytes.fromhex`` per
-        leaf): at a million objects the per-name Python work of a listing
-        was most of a restart, on the GIL the event loop waits for.
-        """
-        now = time.time()
-        relocated: set[str] = set()
-        for db, fan, leaf in self._leaves():
-            try:
-                with self._card_errors(None, leaf):
-                    listed = os.listdir(leaf)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            names = []
-            for name in listed:
-                if len(name) == 32:
-                    names.append(name)
-                elif _TEMP_MARK in name:
-                    self._reap_temp(os.path.join(leaf, name), name, now)
-                # Anything else that is not ours (an NFS .nfsXXXX silly-rename,
-                # an editor's backup) is left alone.
-            try:
-                raw = bytes.fromhex("".join(names))
-            except ValueError:  # a foreign name of 32 characters: judge each
-                names = [n for n in names if _OBJECT_RE.fullmatch(n)]
-                raw = bytes.fromhex("".join(names))
-            batch = [raw[i : i + 16] for i in range(0, len(raw), 16)]
-            if self.num_dbs == 1 and db == 0:
-                home = [n[:2] == fan for n in names]
-            else:
-                home = [n[:2] == fan and db == self.named_place(d)[0] for n, d in zip(names, batch)]
-            if relocated or not all(home):  # objects moved here already, or to be moved where reads look
-                keep = []
-                for n, d, at_home in zip(names, batch, home):
-                    path = os.path.join(leaf, n)
-                    if at_home:
-                        if path not in relocated:
-                            keep.append(d)
-                    elif self._relocate(path, self.named_path(d), relocated):
-                        keep.append(d)
-                batch = keep
-            if batch:
-                yield batch
+        return self._scan.names()
 
     def stored_objects(self, digests: list[bytes]) -> list[StoredObject | None]:
-        """Header-only checks; payload hashes are left to reads (reading every payload at start would take
-        as long as reading the card)."""
-        return [self._scan_one(self.named_path(d), d.hex()) for d in digests]
-
-    def _reap_temp(self, path: str, name: str, now: float) -> None:
-        """Remove a temp file whose write is known to be over (see the module doc)."""
-        owner = _TEMP_OWNER_RE.fullmatch(name.rpartition(_TEMP_MARK)[2])
-        mine = owner is not None and int(owner[3]) == os.getpid() and f"{owner[1]}-{owner[2]}" == HOST_TAG
-        if mine:
-            return  # a write of this process, in progress
-        if self.claimed is False and self._lock_fd is not None:  # locked alone: no one else writes here
-            _unlink_quiet(path)
-            return
-        this_host, this_boot = HOST_TAG.split("-")
-        if owner is not None and owner[1] == this_host and (owner[2] != this_boot or not pid_alive(int(owner[3]))):
-            _unlink_quiet(path)  # this host's, of an earlier boot or a dead process
-            return
-        try:  # another host's (or a reused pid's): only age tells
-            if now - os.lstat(path).st_mtime > STALE_TEMP_SECONDS:
-                os.unlink(path)
-        except OSError:
-            pass
-
-    def _scan_one(self, path: str, name: str) -> StoredObject | None:
-        """Header-only check of one object file."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                return None
-            self._raise_card_error(exc)
-            _unlink_quiet(path)
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            # A header is all scan wants: without this, readahead would pull ~128 KiB of
-            # every object into the page cache at start.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            header = peek_header(os.pread(fd, _SCAN_READ, 0), size, lambda n: os.pread(fd, n, 0), "object file")
-            if key_digest(header.full_key).hex() != name:
-                raise ObjectCorrupt("object file name does not match the key inside")
-        except ObjectTooNew as exc:
-            self._skip_newer(path, exc)
-            return None
-        except ObjectCorrupt:
-            self._discard(path, fd)
-            self.scan_corrupt += 1
-            return None
-        except OSError as exc:
-            self._raise_card_error(exc)
-            self._discard(path, fd)
-            return None
-        finally:
-            os.close(fd)
-        return StoredObject(header.full_key, header.payload_len, size, header.meta)
-
-    def _relocate(self, path: str, home: str, relocated: set[str]) -> bool:
-        """Move an object written under another ``num_dbs`` to where reads look.
-
-        Without this, scan would report objects that ``read_into`` can never
-        find.  When the right place already holds the key, that copy wins.
-        """
-        try:
-            if os.path.lexists(home):
-                _unlink_quiet(path)
-                return False
-            try:
-                os.rename(path, home)
-            except FileNotFoundError:
-                self._make_dirs(os.path.dirname(home))
-                os.rename(path, home)
-        except OSError as exc:
-            self._raise_card_error(exc)
-            return False
-        relocated.add(home)
-        return True
+        return self._scan.stored_objects(digests)
 
     def clean(self) -> int:
-        """Delete objects and temp files; keeps the directories.
-
-        Keeping them means a concurrent writer's lazy ``mkdir`` never races
-        an ``rmdir`` here.
-        """
-        deleted = 0
-        for leaf in self._leaf_dirs():
-            for entry in self._list(leaf):
-                name = entry.name
-                is_object = _OBJECT_RE.fullmatch(name) is not None
-                if not is_object and _TEMP_MARK not in name:
-                    continue
-                try:
-                    os.unlink(entry.path)
-                except OSError as exc:
-                    if exc.errno != errno.ENOENT:
-                        self._raise_card_error(exc)
-                    continue
-                deleted += is_object
-        return deleted
+        return self._scan.clean()
 
     def snapshot_writer(self) -> SnapshotWriter:
         path = os.path.join(self.location, SNAPSHOT_NAME)
         now = time.time()
         with self._card_errors("cannot list card directory"), os.scandir(self.location) as it:
             for entry in it:  # a snapshot a dead gateway was writing
-                if entry.name.startswith(SNAPSHOT_NAME + _TEMP_MARK):
-                    self._reap_temp(entry.path, entry.name, now)
-        return _FileSnapshotWriter(path, f"{path}{_TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
+                if entry.name.startswith(SNAPSHOT_NAME + TEMP_MARK):
+                    self._scan.reap_temp(entry.path, entry.name, now)
+        return FileSnapshotWriter(path, f"{path}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}",
                                    self.sync_writes)
 
     def read_snapshot(self) -> bytes | None:
@@ -949,7 +359,7 @@ class DirectoryCard(Card):
             return None
 
     def drop_snapshot(self) -> None:
-        _unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
+        unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
         # Append-only under an exclusive flock: gateways on other hosts append
@@ -969,7 +379,7 @@ class DirectoryCard(Card):
             if missing:
                 whole = got - got % 8  # a torn tail is written over
                 data = encode_ids(missing)
-                _pwrite_all(fd, data, whole)
+                pwrite_all(fd, data, whole)
                 if whole + len(data) < size:
                     os.ftruncate(fd, whole + len(data))
                 have.update(missing)

@@ -1,0 +1,162 @@
+"""Putting a directory card's object files in place whole, or not at all.
+
+Atomicity comes from ``rename``: an object is written whole under a temporary
+name in its final directory and only then renamed over its final name.  A
+reader that opened the old file keeps reading the old inode, so it sees one
+whole object or the other, never a mix; a crash leaves only a ``.tmp.`` file
+that no lookup ever opens.  Temp names carry the writer's host, boot and pid
+(``<digest>.tmp.<host>-<boot>.<pid>.<thread>``, ``kvgate.cards.dirlayout``),
+so ``scan`` knows which are leftovers (``kvgate.cards.dirscan``).
+
+The file primitives here (a whole ``pwrite``, a directory ``fsync``, a quiet
+``unlink``, deleting a corrupt object but not its replacement) are shared by
+every part of the card that writes or removes files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import Callable
+
+from kvgate.cards.base import HOST_TAG, WriteAbandoned
+from kvgate.cards.direrrors import CardErrors
+from kvgate.cards.dirlayout import TEMP_MARK
+from kvgate.cards.objectformat import (
+    CHECKSUM_PIECE,
+    ObjectMeta,
+    header_size,
+    pack_header,
+    padded_size,
+    payload_hasher,
+)
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """``pwrite`` until all of ``data`` is written: a short write is legal."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # never for a regular file, but a loop must not spin
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[n:]
+        offset += n
+
+
+def unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def fsync_dir(path: str) -> None:
+    """Make a new directory entry durable; some filesystems refuse, which is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def discard_corrupt(path: str, fd: int | None) -> None:
+    """Delete a corrupt object, but not a good one renamed over it meanwhile."""
+    try:
+        if fd is not None:
+            mine = os.fstat(fd)
+            now = os.stat(path)
+            if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+                return
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class ObjectFileWriter:
+    """Writes one card directory's object files: under a temp name, then renamed over the final one."""
+
+    def __init__(self, location: str, errors: CardErrors, sync: bool):
+        self.location = location
+        self.errors = errors
+        self.sync = sync  # fsync each file and each new directory entry
+        # Bound once: write enters it for every object.
+        self._card_errors = errors.around
+
+    def write(self, final: str, full_key: bytes, view: memoryview, meta: ObjectMeta,
+              still_wanted: Callable[[], bool] | None) -> int:
+        """Publish ``view`` as the object of ``full_key`` at ``final``; the bytes it takes on the card."""
+        # host + boot + pid + thread: concurrent writers of one key, in this
+        # process or another on a shared card, each get their own temp file,
+        # and a scan can tell a dead writer's leftover from a write in progress.
+        tmp = f"{final}{TEMP_MARK}{HOST_TAG}.{os.getpid()}.{threading.get_ident()}"
+        # Padded: the payload at a block-aligned offset, for direct reads
+        poff = padded_size(header_size(full_key))
+        plen = len(view)
+        with self._card_errors():
+            try:
+                fd = self._create_temp(tmp)
+                try:
+                    hasher = payload_hasher()
+                    for off in range(0, plen, CHECKSUM_PIECE):
+                        if still_wanted is not None and not still_wanted():
+                            raise WriteAbandoned(self.location)
+                        piece = view[off : off + CHECKSUM_PIECE]
+                        hasher.update(piece)
+                        pwrite_all(fd, piece, poff + off)
+                    header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
+                    if len(header) != poff:  # pack_header and padded_size must agree
+                        raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
+                    pwrite_all(fd, header, 0)
+                    if self.sync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if still_wanted is not None and not still_wanted():
+                    raise WriteAbandoned(self.location)
+                os.rename(tmp, final)
+            except BaseException:
+                unlink_quiet(tmp)
+                raise
+        if self.sync:
+            fsync_dir(os.path.dirname(final))
+        return poff + plen
+
+    def _create_temp(self, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
+        for _ in range(3):
+            try:
+                return os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                self.make_dirs(os.path.dirname(tmp))
+            except FileExistsError:
+                # Same pid and thread id as ours, so it belongs to a process
+                # that died: this thread is not writing it.
+                unlink_quiet(tmp)
+        return os.open(tmp, flags, 0o600)
+
+    def make_dirs(self, obj_dir: str) -> None:
+        """Create ``db<NN>/<hh>`` lazily, but never re-create a vanished card directory.
+
+        ``os.makedirs`` would happily rebuild the location itself, turning an
+        unmounted card into writes on the root filesystem; ``mkdir`` of each
+        level fails with ENOENT instead.
+        """
+        db_dir = os.path.dirname(obj_dir)
+        for path in (db_dir, obj_dir):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                missing = self.errors.location_missing()
+                if missing is not None:
+                    raise missing from None
+                raise
+            if self.sync:
+                fsync_dir(os.path.dirname(path))

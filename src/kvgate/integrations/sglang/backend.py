@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -56,14 +53,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
-from kvgate.integrations.sglang.settings import (
-    NamespaceInputs,
-    derive_namespace,
-    page_keys,
-    pool_page_key,
-    pool_tag,
-    settings_from_extra,
-)
+from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
+from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
+from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, StagingRegion
 from kvgate.integrations.settings import dialog_mark as digest_mark
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
@@ -74,11 +66,6 @@ except ImportError:  # pragma: no cover - another SGLang layout: report no metri
 # under "sglang." so that SGLang's logging configuration (handler, level, format) applies
 logger = logging.getLogger("sglang.kvgate")
 
-#: Most bytes a staging region holds; a larger batch is moved in several rounds.
-STAGING_BYTES = 64 << 20
-#: Pages per batch SGLang sends (STORAGE_BATCH_SIZE): no region needs more slots.
-MAX_BATCH_PAGES = 128
-_SLOT_ALIGN = 64  # cache-line aligned slots
 _MARK_TTL_S = 30.0  # a cached dialog mark is asked again after this: the gateway keeps learning heads
 _MARK_CACHE = 4096
 
@@ -90,136 +77,6 @@ class GatewayDown(ConnectionError):
 class OutOfTime(Exception):
     """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
     gateway call: it returns what it has (the connection is fine and stays)."""
-
-
-def _pool_name(name: Any) -> str:
-    """SGLang names pools with ``PoolName`` members (a ``str`` enum) or plain strings."""
-    return str(getattr(name, "value", name))
-
-
-@dataclass
-class _Pool:
-    """One registered host pool, as the backend moves its pages.
-
-    ``tag`` None: the KV (anchor) pool, whose pages are the v1 objects under their plain page
-    keys; otherwise an extra pool of a hybrid model, whose part of a page is stored under
-    ``pool_page_key(tag, page key)`` in the same namespace.  ``error``: why this pool's pages
-    cannot be moved (its transfers are misses; '' when they can)."""
-
-    name: str
-    host: Any
-    page_size: int = 1  # host pool indices per page (tokens; 1 for a Mamba state slot)
-    fragments: int = 0
-    page_bytes: int = 0
-    slot_bytes: int = 0
-    tag: bytes | None = None
-    error: str = ""
-
-    def key(self, page: bytes) -> bytes:
-        return page if self.tag is None else pool_page_key(self.tag, page)
-
-    def fragments_of(self, host_indices: Any, n: int) -> tuple[list[int], list[int]]:
-        """(pointers, sizes) of ``n`` pages at ``host_indices``; ValueError when they do not add up."""
-        if self.error:
-            raise ValueError(f"host pool {self.name!r} cannot be stored: {self.error}")
-        if host_indices is None or int(host_indices.numel()) != n * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"host pool {self.name!r}: {got} indices for {n} pages of {self.page_size}")
-        ptrs, sizes = self.host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != n * self.fragments or len(sizes) != len(ptrs):
-            raise ValueError(f"host pool {self.name!r} gave {len(ptrs)} fragments for {n} pages of "
-                             f"{self.fragments}")
-        sizes = [int(x) for x in sizes]
-        if sum(sizes) != n * self.page_bytes:  # a slot holds page_bytes: never copy past it
-            raise ValueError(f"host pool {self.name!r} gave {sum(sizes)} bytes for {n} pages of {self.page_bytes}")
-        return [int(x) for x in ptrs], sizes
-
-
-def _describe_pool(name: str, host: Any, tag_extra: Optional[dict]) -> _Pool:
-    """A pool's page geometry from its own page description (``get_page_buffer_meta``).
-
-    ``tag_extra`` None: the KV pool (plain page keys); otherwise what, besides the geometry,
-    keeps this pool's objects apart (the TP rank of a TP-sharded state)."""
-    page_size = int(getattr(host, "page_size", 1) or 1)
-    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-    if not ptrs or len(ptrs) != len(sizes):
-        raise ValueError(f"the host pool describes a page as {len(ptrs)} pointers and {len(sizes)} sizes")
-    sizes = [int(x) for x in sizes]
-    page_bytes = sum(sizes)
-    tag = None
-    if tag_extra is not None:
-        tag = pool_tag(name, {"class": type(host).__name__, "page_size": page_size, "sizes": sizes,
-                              "layout": str(getattr(host, "layout", "unknown")),
-                              "dtype": str(getattr(host, "dtype", "unknown")).removeprefix("torch."),
-                              **tag_extra})
-    return _Pool(name, host, page_size, len(ptrs), page_bytes, -(-page_bytes // _SLOT_ALIGN) * _SLOT_ALIGN, tag)
-
-
-def _all_or_none(transfers: Sequence[Any], out: dict) -> None:
-    """Make one v2 call's per-pool results agree: a page counts for no pool unless every pool
-    of the call has its part, and nothing after such a page counts either.
-
-    SGLang's transfers of one call all end on the same page (the span's last: trailing
-    windows of Mamba/SWA states, KV-derived pools over the whole span), so pages are aligned
-    on their distance from the end.  A key reported missing by any pool is also missing for
-    every other pool that lists it, whatever the alignment."""
-    cut: int | None = None  # distance from the end (negative) of the earliest page some pool lacks
-    bad: set = set()
-    for t in transfers:
-        keys = list(t.keys or ())
-        for i, ok in enumerate(out.get(t.name, ())):
-            if not ok:
-                cut = i - len(keys) if cut is None else min(cut, i - len(keys))
-                if i < len(keys):
-                    bad.add(keys[i])
-    if cut is None:
-        return
-    for t in transfers:
-        keys = list(t.keys or ())
-        r = out.get(t.name)
-        if r is None:
-            continue
-        for i in range(len(r)):
-            if i - len(keys) >= cut or (i < len(keys) and keys[i] in bad):
-                r[i] = False
-
-
-class _Staging:
-    """A /dev/shm file mapped here and by the gateway: page slots that the gateway reads and
-    writes in place.  The file is unlinked as soon as the gateway has mapped it, so nothing is
-    left behind when the process dies; both mappings live until closed."""
-
-    def __init__(self, nbytes: int):
-        path = f"/dev/shm/kvgate-sglang-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self.path: str | None = path
-        self.view = memoryview(self.mm)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.size = nbytes
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-            self.path = None
-
-    def close(self) -> None:
-        self.unlink()
-        try:
-            self.view.release()
-            self.mm.close()
-        except (BufferError, ValueError):  # a view still exported: the mapping goes with the process
-            pass
 
 
 class _Link:
@@ -238,7 +95,7 @@ class _Link:
         self.min_bytes = 0  # the largest page of any registered pool must fit the staging region
         self.lock = threading.Lock()  # held for a whole operation: the staging slots are per call
         self.client: Client | None = None
-        self.staging: _Staging | None = None
+        self.staging: StagingRegion | None = None
         self.registered = False
         self._next_try = 0.0
         self._backoff = 0.5
@@ -293,13 +150,13 @@ class _Link:
             return client
         nbytes = max(self.slots * o.slot_bytes, self.min_bytes)
         if self.staging is None:
-            self.staging = _Staging(nbytes)
+            self.staging = StagingRegion(nbytes)
         self.registered = False
         if client.local:
             path = self.staging.path
             if path is None:  # unlinked after an earlier registration: a new gateway needs a new file
                 self.staging.close()
-                self.staging = _Staging(nbytes)
+                self.staging = StagingRegion(nbytes)
                 path = self.staging.path
             try:
                 client.register_region(path, mapping=self.staging.view)
@@ -394,8 +251,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
             "exists_v2_calls": 0, "exists_v2_pages": 0, "exists_v2_hits": 0, "get_v2_calls": 0,
             "get_v2_pages": 0, "get_v2_hits": 0, "set_v2_calls": 0, "set_v2_pages": 0, "set_v2_stored": 0,
             "no_prefix_batch_exists_v2": 0, "no_prefix_batch_get_v2": 0, "no_prefix_batch_set_v2": 0}
-        self._kv: _Pool | None = None  # the anchor (KV) pool, moved by v1
-        self._pools: dict[str, _Pool] = {}  # every pool registered through v2, by name (replaced, never mutated)
+        self._kv: RegisteredPool | None = None  # the anchor (KV) pool, moved by v1
+        # every pool registered through v2, by name (replaced, never mutated)
+        self._pools: dict[str, RegisteredPool] = {}
         self._lookups: _Link | None = None
         self._loads: _Link | None = None
         self._stores: _Link | None = None
@@ -414,7 +272,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         """
         super().register_mem_pool_host(mem_pool_host)
         try:
-            kv = _describe_pool(_pool_name(PoolName.KV), mem_pool_host, None)
+            kv = describe_pool(as_pool_name(PoolName.KV), mem_pool_host, None)
         except Exception as e:
             raise ValueError(f"kvgate backend: cannot store the host pool's pages: {e}") from e
         page_size = kv.page_size
@@ -464,19 +322,19 @@ class KvgateHiCacheStorage(HiCacheStorage):
         that need it are computed, never restored without it.
         """
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = _pool_name(host_pool_name)
-        if name == _pool_name(PoolName.KV) and host_pool is self.mem_pool_host and self._kv is not None:
+        name = as_pool_name(host_pool_name)
+        if name == as_pool_name(PoolName.KV) and host_pool is self.mem_pool_host and self._kv is not None:
             pool = self._kv  # the anchor again, as the group's KV entry: its pages are the v1 objects
         else:
             # Mamba state is split over TP ranks even where the KV is the same on all of them (an MLA
             # namespace has no TP part): its objects carry the rank.
             cfg = self.storage_config
             extra = ({"tp": f"{getattr(cfg, 'tp_rank', 0)}/{getattr(cfg, 'tp_size', 1)}"}
-                     if name == _pool_name(PoolName.MAMBA) else {})
+                     if name == as_pool_name(PoolName.MAMBA) else {})
             try:
-                pool = _describe_pool(name, host_pool, extra)
+                pool = describe_pool(name, host_pool, extra)
             except Exception as e:
-                pool = _Pool(name, host_pool, error=f"{type(e).__name__}: {e}")
+                pool = RegisteredPool(name, host_pool, error=f"{type(e).__name__}: {e}")
                 logger.warning("kvgate backend: host pool %r cannot be stored (%s): requests that need it are "
                                "computed, not restored", name, pool.error)
         self._pools = {**self._pools, name: pool}
@@ -500,15 +358,15 @@ class KvgateHiCacheStorage(HiCacheStorage):
     def pool_key(self, pool_name: Any, page_hash: str) -> bytes:
         """The kvgate key (in ``self.namespace``) of one pool's part of the page ``page_hash``;
         for the KV pool, the page's v1 key."""
-        name = _pool_name(pool_name)
-        pool = self._kv if name == _pool_name(PoolName.KV) else self._pools.get(name)
+        name = as_pool_name(pool_name)
+        pool = self._kv if name == as_pool_name(PoolName.KV) else self._pools.get(name)
         if pool is None:
             raise KeyError(f"no host pool {name!r} registered")
         return pool.key(page_keys([page_hash])[0])
 
-    def _extra_pool(self, name: Any) -> _Pool:
-        n = _pool_name(name)
-        pool = self._kv if n == _pool_name(PoolName.KV) else self._pools.get(n)
+    def _extra_pool(self, name: Any) -> RegisteredPool:
+        n = as_pool_name(name)
+        pool = self._kv if n == as_pool_name(PoolName.KV) else self._pools.get(n)
         if pool is None:
             raise ValueError(f"host pool {n!r} was never registered")
         if pool.error:
@@ -628,7 +486,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
 
     @staticmethod
-    def _rounds(link: _Link, pool: _Pool, n: int) -> list[tuple[int, int]]:
+    def _rounds(link: _Link, pool: RegisteredPool, n: int) -> list[tuple[int, int]]:
         stage = link.staging
         assert stage is not None
         per = min(MAX_BATCH_PAGES, stage.size // pool.slot_bytes)
@@ -637,7 +495,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                              f"staging region ({stage.size} bytes)")
         return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
 
-    def _load(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+    def _load(self, link: _Link, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
               dm: DialogMark, position: int, out: list) -> None:
         """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
         writes each hit into a staging slot, complete pages are scattered into their fragments.
@@ -669,7 +527,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     src += sizes[k]
                 out[i] = True
 
-    def _store(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+    def _store(self, link: _Link, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
                dm: DialogMark, position: int, out: list) -> None:
         """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
         slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
@@ -807,7 +665,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # pages, each under pool_page_key(its tag, page key).  A page is restored whole or not at all:
     # batch_exists_v2 counts a prefix only when the KV pages and every pool's required parts are
     # there, and batch_get_v2 / batch_set_v2 report a page for no pool unless every pool's part
-    # of it came (``_all_or_none``).
+    # of it came (``all_or_none``).
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
@@ -829,7 +687,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["exists_v2_pages"] += n
         try:
             extras = [(t, self._extra_pool(t.name)) for t in (pool_transfers or ())
-                      if _pool_name(t.name) != _pool_name(PoolName.KV)]  # the KV pages are ``keys`` themselves
+                      if as_pool_name(t.name) != as_pool_name(PoolName.KV)]  # the KV pages are ``keys`` themselves
             bkeys = page_keys(keys)
             with link.lock:
                 link.begin()
@@ -905,7 +763,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])
         except Exception as e:
             self._failed(link, what, e)
-        _all_or_none(transfers, out)
+        all_or_none(transfers, out)
         self.counters["get_v2_hits" if what == "load" else "set_v2_stored"] += sum(sum(r) for r in out.values())
         return out
 

@@ -35,7 +35,6 @@ object store needs for a fragmented page.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 import time
@@ -52,10 +51,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
+from kvgate.client import MARK_KEYS, DialogMark, GatewayError
+from kvgate.integrations.sglang.failures import FailureLog, logger
+from kvgate.integrations.sglang.link import GatewayDown, GatewayLink
 from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
-from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, StagingRegion
+from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES
 from kvgate.integrations.settings import dialog_mark as digest_mark
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
@@ -63,152 +64,8 @@ try:  # the metrics record SGLang's metrics collector expects from get_stats()
 except ImportError:  # pragma: no cover - another SGLang layout: report no metrics
     StorageMetrics = None  # type: ignore[assignment,misc]
 
-# under "sglang." so that SGLang's logging configuration (handler, level, format) applies
-logger = logging.getLogger("sglang.kvgate")
-
 _MARK_TTL_S = 30.0  # a cached dialog mark is asked again after this: the gateway keeps learning heads
 _MARK_CACHE = 4096
-
-
-class GatewayDown(ConnectionError):
-    """No connection to the gateway right now (it failed recently; retried after a back-off)."""
-
-
-class OutOfTime(Exception):
-    """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
-    gateway call: it returns what it has (the connection is fine and stays)."""
-
-
-class _Link:
-    """One lazily (re)connected gateway session for one SGLang thread.
-
-    ``get`` never waits longer than the connect timeout and refuses at once
-    during the back-off after a failure, so a dead gateway costs each call
-    microseconds, not a timeout.
-    """
-
-    def __init__(self, owner: "KvgateHiCacheStorage", name: str, timeout: float, slots: int):
-        self.owner = owner
-        self.name = name
-        self.timeout = timeout
-        self.slots = slots  # 0: no bytes travel here (lookups)
-        self.min_bytes = 0  # the largest page of any registered pool must fit the staging region
-        self.lock = threading.Lock()  # held for a whole operation: the staging slots are per call
-        self.client: Client | None = None
-        self.staging: StagingRegion | None = None
-        self.registered = False
-        self._next_try = 0.0
-        self._backoff = 0.5
-        self.closed = False
-        self.deadline = 0.0
-
-    def begin(self) -> Client:
-        """The connected client, and the method's time budget starts (caller holds ``self.lock``).
-
-        One SGLang call may take several gateway calls (a dialog mark, one per dialog run or
-        staging round): together they get ``timeout``, not each."""
-        client = self.get()
-        self.deadline = time.monotonic() + self.timeout
-        return client
-
-    def budget(self) -> Client:
-        """The client with its socket deadline set to what is left of the method's budget."""
-        left = self.deadline - time.monotonic()
-        if left <= 0 or self.client is None:
-            raise OutOfTime(f"{self.name}: the {self.timeout} s budget is spent")
-        self.client.set_timeout(left)
-        return self.client
-
-    def get(self) -> Client:
-        """The connected client (caller holds ``self.lock``); GatewayDown when there is none."""
-        if self.closed:
-            raise GatewayDown("the backend is closed")
-        if self.client is not None and not self.client.broken:
-            return self.client
-        self.drop()
-        now = time.monotonic()
-        if now < self._next_try:
-            raise GatewayDown(f"next try in {self._next_try - now:.1f} s")
-        try:
-            self.client = self._open()
-        except Exception as e:
-            self._next_try = now + self._backoff
-            self._backoff = min(self._backoff * 2, 10.0)
-            self.owner._went_down(self.name, e)
-            raise GatewayDown(str(e)) from e
-        self._backoff = 0.5
-        self.owner._came_up(self.name)
-        return self.client
-
-    def _open(self) -> Client:
-        o = self.owner
-        s = o.settings
-        client = Client.connect(s.target, namespace=o.namespace, token=s.token, engine_id=o.engine_id,
-                                want_shm=False, timeout=min(s.connect_timeout, self.timeout))
-        client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
-        if not self.slots:
-            return client
-        nbytes = max(self.slots * o.slot_bytes, self.min_bytes)
-        if self.staging is None:
-            self.staging = StagingRegion(nbytes)
-        self.registered = False
-        if client.local:
-            path = self.staging.path
-            if path is None:  # unlinked after an earlier registration: a new gateway needs a new file
-                self.staging.close()
-                self.staging = StagingRegion(nbytes)
-                path = self.staging.path
-            try:
-                client.register_region(path, mapping=self.staging.view)
-                self.registered = True
-            except Exception as e:
-                o._log_once("region", "kvgate: the gateway could not map the staging region %s (%s); pages "
-                            "travel inline in the socket frames", path, e)
-            self.staging.unlink()
-        return client
-
-    def fit(self, nbytes: int) -> None:
-        """Make the staging region hold at least ``nbytes`` (a newly registered pool's page).
-
-        A region cannot grow in place (the gateway has mapped it): the session and the region
-        are replaced, and the link reconnects at once (or on its next call if the gateway is
-        away).  Scheduler thread, at attach or when SGLang adds a pool."""
-        if not self.slots or nbytes <= self.min_bytes:
-            return
-        with self.lock:
-            self.min_bytes = nbytes
-            if self.staging is None or self.staging.size >= nbytes:
-                return
-            self.drop()
-            self.staging.close()
-            self.staging = None
-            try:
-                self.get()
-            except GatewayDown:
-                pass  # logged; the next call retries
-
-    def drop(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
-
-    def abort(self) -> None:
-        """Unblock a call in progress on another thread (it fails), refuse new ones."""
-        self.closed = True
-        client = self.client
-        if client is not None:
-            client.abort()
-
-    def close(self) -> None:
-        self.closed = True
-        with self.lock:
-            self.drop()
-            if self.staging is not None:
-                self.staging.close()
-                self.staging = None
 
 
 class KvgateHiCacheStorage(HiCacheStorage):
@@ -234,9 +91,6 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.slot_bytes = 0
         self.fragments = 0
         self.closed = False
-        self._down_since: float | None = None
-        self._logged: dict[str, float] = {}
-        self._log_lock = threading.Lock()
         self._marks: OrderedDict[bytes, tuple[DialogMark, float]] = OrderedDict()
         self._marks_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
@@ -251,12 +105,13 @@ class KvgateHiCacheStorage(HiCacheStorage):
             "exists_v2_calls": 0, "exists_v2_pages": 0, "exists_v2_hits": 0, "get_v2_calls": 0,
             "get_v2_pages": 0, "get_v2_hits": 0, "set_v2_calls": 0, "set_v2_pages": 0, "set_v2_stored": 0,
             "no_prefix_batch_exists_v2": 0, "no_prefix_batch_get_v2": 0, "no_prefix_batch_set_v2": 0}
+        self._log = FailureLog(self.settings.target, self.counters)
         self._kv: RegisteredPool | None = None  # the anchor (KV) pool, moved by v1
         # every pool registered through v2, by name (replaced, never mutated)
         self._pools: dict[str, RegisteredPool] = {}
-        self._lookups: _Link | None = None
-        self._loads: _Link | None = None
-        self._stores: _Link | None = None
+        self._lookups: GatewayLink | None = None
+        self._loads: GatewayLink | None = None
+        self._stores: GatewayLink | None = None
         self._warned_no_prefix = False
         logger.info("kvgate backend: gateway %s, affinity_chunks=%s, retention %s", self.settings.target,
                     self.settings.affinity_chunks or "auto (the gateway's mark)", self.settings.retention)
@@ -293,9 +148,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.engine_id = f"sglang-{os.getppid()}"
         slots = max(1, min(MAX_BATCH_PAGES, STAGING_BYTES // self.slot_bytes))
         s = self.settings
-        self._lookups = _Link(self, "lookups", s.lookup_timeout, 0)
-        self._loads = _Link(self, "loads", s.io_timeout, slots)
-        self._stores = _Link(self, "stores", s.io_timeout, slots)
+        self._lookups = self._new_link("lookups", s.lookup_timeout, 0)
+        self._loads = self._new_link("loads", s.io_timeout, slots)
+        self._stores = self._new_link("stores", s.io_timeout, slots)
         for link in (self._loads, self._stores):  # extra pools registered before the anchor (not SGLang's order)
             link.min_bytes = max([p.slot_bytes for p in self._pools.values() if not p.error] + [0])
         logger.info("kvgate backend: namespace %r%s; pages of %d tokens, %d bytes in %d fragments (%s); "
@@ -310,6 +165,11 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     link.get()
                 except GatewayDown:
                     pass  # logged; retried by the first call that needs it
+
+    def _new_link(self, name: str, timeout: float, slots: int) -> GatewayLink:
+        """A storage thread's connection, in the namespace and with the page slots just fixed."""
+        return GatewayLink(name, timeout, slots, settings=self.settings, namespace=self.namespace,
+                           engine_id=self.engine_id, slot_bytes=self.slot_bytes, log=self._log)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """One pool of SGLang's host pool group (scheduler thread): at attach, every entry (the KV
@@ -373,59 +233,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
             raise ValueError(f"host pool {n!r} cannot be stored: {pool.error}")
         return pool
 
-    # ---- logging -------------------------------------------------------------------------------
-
-    def _log_once(self, topic: str, msg: str, *args: Any, every_s: float = 60.0) -> None:
-        now = time.monotonic()
-        with self._log_lock:
-            last = self._logged.get(topic)
-            if last is not None and now - last < every_s:
-                return
-            self._logged[topic] = now
-        logger.warning(msg, *args)
-
-    def _went_down(self, what: str, e: BaseException) -> None:
-        with self._log_lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-        if first:
-            logger.warning("kvgate backend: gateway %s unreachable (%s: %s, on %s); serving without it "
-                           "(misses, no stores) and reconnecting in the background of later calls",
-                           self.settings.target, type(e).__name__, e, what)
-
-    def _came_up(self, what: str) -> None:
-        with self._log_lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            logger.warning("kvgate backend: gateway %s reachable again after %.1f s (%s)", self.settings.target,
-                           time.monotonic() - since, what)
-
-    def _failed(self, link: _Link, what: str, e: BaseException) -> None:
-        """A call failed: a refusal is logged (rate-limited), anything else drops the connection."""
-        self.counters["errors"] += 1
-        if isinstance(e, GatewayDown):
-            return
-        if isinstance(e, OutOfTime):
-            self._log_once(f"slow-{what}", "kvgate backend: a %s ran out of time (%s); the rest is a miss", what, e)
-            return
-        if isinstance(e, GatewayError):
-            self._log_once(f"refused-{what}", "kvgate backend: the gateway refused a %s: %s", what, e)
-            if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "BAD_VERSION"):
-                link.drop()
-            return
-        if isinstance(e, (OSError, EOFError, ConnectionError)):
-            link.drop()
-            self._went_down(link.name, e)
-            return
-        # Not the gateway's doing (a host pool that describes its pages unexpectedly, a bug): the
-        # connection stays (a call cut short marks its client broken, and get() replaces it).
-        self._log_once(f"unexpected-{what}-{type(e).__name__}", "kvgate backend: %s failed (%s: %s); treated "
-                       "as a miss", what, type(e).__name__, e)
-
     # ---- dialog marks ------------------------------------------------------------------------
 
-    def _dialog(self, link: _Link, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
+    def _dialog(self, link: GatewayLink, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
                 what: str) -> tuple[DialogMark, int]:
         """(DialogMark, position of keys[0]) of a call.
 
@@ -455,7 +265,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             return DialogMark(digest_mark(lead), 0), position
         return self._gateway_mark(link, lead), position
 
-    def _gateway_mark(self, link: _Link, lead: list[bytes]) -> DialogMark:
+    def _gateway_mark(self, link: GatewayLink, lead: list[bytes]) -> DialogMark:
         now = time.monotonic()
         with self._marks_lock:
             hit = self._marks.get(lead[0])
@@ -472,8 +282,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
         except GatewayError as e:
             if e.code != "UNKNOWN_OP":
                 raise
-            self._log_once("no-marks", "kvgate backend: the gateway has no dialog_mark (an older version): the "
-                           "first page marks the dialog; upgrade the gateway")
+            self._log.warn_once("no-marks", "kvgate backend: the gateway has no dialog_mark (an older version): "
+                                "the first page marks the dialog; upgrade the gateway")
             dm = DialogMark(digest_mark(lead[:1]), 0)
         if dm.mark is not None:
             with self._marks_lock:
@@ -486,7 +296,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
 
     @staticmethod
-    def _rounds(link: _Link, pool: RegisteredPool, n: int) -> list[tuple[int, int]]:
+    def _rounds(link: GatewayLink, pool: RegisteredPool, n: int) -> list[tuple[int, int]]:
         stage = link.staging
         assert stage is not None
         per = min(MAX_BATCH_PAGES, stage.size // pool.slot_bytes)
@@ -495,7 +305,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                              f"staging region ({stage.size} bytes)")
         return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
 
-    def _load(self, link: _Link, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+    def _load(self, link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
               dm: DialogMark, position: int, out: list) -> None:
         """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
         writes each hit into a staging slot, complete pages are scattered into their fragments.
@@ -516,9 +326,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 if size is None:
                     continue
                 if size != pool.page_bytes:
-                    self._log_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, this "
-                                   "pool's %d: ignored (a namespace shared by engines with different layouts?)",
-                                   pool.name, size, pool.page_bytes)
+                    self._log.warn_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, "
+                                        "this pool's %d: ignored (a namespace shared by engines with different "
+                                        "layouts?)", pool.name, size, pool.page_bytes)
                     continue
                 i = r0 + j
                 src = stage.base + j * slot
@@ -527,7 +337,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     src += sizes[k]
                 out[i] = True
 
-    def _store(self, link: _Link, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+    def _store(self, link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
                dm: DialogMark, position: int, out: list) -> None:
         """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
         slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
@@ -575,7 +385,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     if c < end - start:
                         break
         except Exception as e:
-            self._failed(link, "lookup", e)
+            self._log.failed(link, "lookup", e)
             return 0
         self.counters["exists_hits"] += found
         return found
@@ -606,7 +416,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 dm, position = self._dialog(link, bkeys, extra_info, "batch_get_v1")
                 self._load(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
-            self._failed(link, "load", e)
+            self._log.failed(link, "load", e)
         hits = sum(out)
         self.counters["get_hits"] += hits
         self._record(self._prefetch_pgs, self._prefetch_bw, hits, t0)
@@ -642,7 +452,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 dm, position = self._dialog(link, bkeys, extra_info, "batch_set_v1")
                 self._store(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
-            self._failed(link, "store", e)
+            self._log.failed(link, "store", e)
         stored_n = sum(out)
         self.counters["set_stored"] += stored_n
         self._record(self._backup_pgs, self._backup_bw, stored_n, t0)
@@ -707,7 +517,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                         for j in range(len(extras)):
                             have[j][start:end] = [bool(x) for x in got[j * m:(j + 1) * m]]
         except Exception as e:
-            self._failed(link, "lookup", e)
+            self._log.failed(link, "lookup", e)
             return PoolTransferResult(0, {}, [])
         restorable = set(range(1, kv + 1))
         hits: dict = {PoolName.KV: kv} if kv else {}
@@ -729,7 +539,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["exists_v2_hits"] += final
         return PoolTransferResult(final, hits, sorted(restorable))
 
-    def _v2_io(self, what: str, link: Optional[_Link], transfers: list,
+    def _v2_io(self, what: str, link: Optional[GatewayLink], transfers: list,
                extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
         """batch_get_v2 / batch_set_v2: every transfer's pages through ``link``'s staging region,
         under one time budget; per pool name, per key, whether it moved (all or none per page)."""
@@ -762,7 +572,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 for t, pool, bkeys, ptrs, sizes in plans:
                     move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])
         except Exception as e:
-            self._failed(link, what, e)
+            self._log.failed(link, what, e)
         all_or_none(transfers, out)
         self.counters["get_v2_hits" if what == "load" else "set_v2_stored"] += sum(sum(r) for r in out.values())
         return out
@@ -788,9 +598,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- the legacy (non-zero-copy) interface: SGLang uses it only without interface_v1 --------
 
     def _needs_v1(self, *_: Any, **__: Any) -> Any:
-        self._log_once("legacy", "kvgate backend: SGLang called the legacy page-copy interface: add "
-                       "\"interface_v1\": 1 to --hicache-storage-backend-extra-config (nothing is stored "
-                       "or read without it)")
+        self._log.warn_once("legacy", "kvgate backend: SGLang called the legacy page-copy interface: add "
+                            "\"interface_v1\": 1 to --hicache-storage-backend-extra-config (nothing is stored "
+                            "or read without it)")
         return None
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -827,7 +637,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         except GatewayError as e:
             logger.warning("kvgate backend: clear refused by the gateway (%s): nothing deleted", e)
         except Exception as e:
-            self._failed(link, "clear", e)
+            self._log.failed(link, "clear", e)
             logger.warning("kvgate backend: clear failed (%s: %s): nothing deleted", type(e).__name__, e)
 
     def get_stats(self) -> Any:

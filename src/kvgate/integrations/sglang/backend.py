@@ -38,7 +38,6 @@ import ctypes
 import os
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, List, Optional
 
 import torch
@@ -51,22 +50,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvgate.client import MARK_KEYS, DialogMark, GatewayError
+from kvgate.client import DialogMark, GatewayError
 from kvgate.integrations.sglang.failures import FailureLog, logger
 from kvgate.integrations.sglang.link import GatewayDown, GatewayLink
+from kvgate.integrations.sglang.marks import DialogMarks
 from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
 from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES
-from kvgate.integrations.settings import dialog_mark as digest_mark
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
     from sglang.srt.observability.metrics_collector import StorageMetrics
 except ImportError:  # pragma: no cover - another SGLang layout: report no metrics
     StorageMetrics = None  # type: ignore[assignment,misc]
-
-_MARK_TTL_S = 30.0  # a cached dialog mark is asked again after this: the gateway keeps learning heads
-_MARK_CACHE = 4096
-
 
 class KvgateHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage (L3) in a kvgate gateway; see the module docstring for threads.
@@ -91,8 +86,6 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.slot_bytes = 0
         self.fragments = 0
         self.closed = False
-        self._marks: OrderedDict[bytes, tuple[DialogMark, float]] = OrderedDict()
-        self._marks_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
@@ -106,13 +99,13 @@ class KvgateHiCacheStorage(HiCacheStorage):
             "get_v2_pages": 0, "get_v2_hits": 0, "set_v2_calls": 0, "set_v2_pages": 0, "set_v2_stored": 0,
             "no_prefix_batch_exists_v2": 0, "no_prefix_batch_get_v2": 0, "no_prefix_batch_set_v2": 0}
         self._log = FailureLog(self.settings.target, self.counters)
+        self._marks = DialogMarks(self.settings.affinity_chunks, self.counters, self._log)
         self._kv: RegisteredPool | None = None  # the anchor (KV) pool, moved by v1
         # every pool registered through v2, by name (replaced, never mutated)
         self._pools: dict[str, RegisteredPool] = {}
         self._lookups: GatewayLink | None = None
         self._loads: GatewayLink | None = None
         self._stores: GatewayLink | None = None
-        self._warned_no_prefix = False
         logger.info("kvgate backend: gateway %s, affinity_chunks=%s, retention %s", self.settings.target,
                     self.settings.affinity_chunks or "auto (the gateway's mark)", self.settings.retention)
 
@@ -233,66 +226,6 @@ class KvgateHiCacheStorage(HiCacheStorage):
             raise ValueError(f"host pool {n!r} cannot be stored: {pool.error}")
         return pool
 
-    # ---- dialog marks ------------------------------------------------------------------------
-
-    def _dialog(self, link: GatewayLink, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
-                what: str) -> tuple[DialogMark, int]:
-        """(DialogMark, position of keys[0]) of a call.
-
-        SGLang passes every page hash before the call's keys in
-        ``extra_info.prefix_keys`` when ``hicache_storage_pass_prefix_keys``
-        is on; without it a call's place in its prompt is unknown, and pages
-        go without a dialog.  With ``kvgate.affinity_chunks`` the mark is a
-        digest of the prompt's first pages, as in the vLLM tier; otherwise the
-        gateway's mark (``Client.dialog_mark``), cached per prompt head so that
-        the calls of one request ask once.
-        """
-        prefix = extra_info.prefix_keys if extra_info is not None else None
-        if prefix is None:
-            self.counters[f"no_prefix_{what}"] += 1
-            if not self._warned_no_prefix:
-                self._warned_no_prefix = True
-                logger.warning("kvgate backend: SGLang passed no prefix keys (%s), so pages go without dialog "
-                               "marks (no dialog placement). Add \"hicache_storage_pass_prefix_keys\": true to "
-                               "--hicache-storage-backend-extra-config", what)
-            return DialogMark(None, 0), -1
-        position = len(prefix)
-        need = MARK_KEYS + 1 if self.settings.affinity_chunks is None else self.settings.affinity_chunks
-        lead = page_keys(prefix[:need]) if position else []
-        if len(lead) < need:
-            lead += bkeys[: need - len(lead)]
-        if self.settings.affinity_chunks is not None:
-            return DialogMark(digest_mark(lead), 0), position
-        return self._gateway_mark(link, lead), position
-
-    def _gateway_mark(self, link: GatewayLink, lead: list[bytes]) -> DialogMark:
-        now = time.monotonic()
-        with self._marks_lock:
-            hit = self._marks.get(lead[0])
-        if hit is not None:
-            dm, t = hit
-            # The same prompt head iff the keys at the head's cut points and past it are the same
-            # (chained hashes: one key names its whole prefix).
-            if (now - t < _MARK_TTL_S and dm.mark is not None and dm.shared < len(lead)
-                    and lead[dm.shared] == dm.mark and all(lead[p] == m for p, m in dm.heads)):
-                return dm
-        self.counters["mark_calls"] += 1
-        try:
-            dm = link.budget().dialog_mark(lead)
-        except GatewayError as e:
-            if e.code != "UNKNOWN_OP":
-                raise
-            self._log.warn_once("no-marks", "kvgate backend: the gateway has no dialog_mark (an older version): "
-                                "the first page marks the dialog; upgrade the gateway")
-            dm = DialogMark(digest_mark(lead[:1]), 0)
-        if dm.mark is not None:
-            with self._marks_lock:
-                self._marks[lead[0]] = (dm, now)
-                self._marks.move_to_end(lead[0])
-                while len(self._marks) > _MARK_CACHE:
-                    self._marks.popitem(last=False)
-        return dm
-
     # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
 
     @staticmethod
@@ -377,7 +310,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             bkeys = page_keys(keys)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_exists")
                 found = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = link.budget().lookup(bkeys[start:end], dialog=dialog)
@@ -413,7 +346,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_get_v1")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_get_v1")
                 self._load(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
             self._log.failed(link, "load", e)
@@ -449,7 +382,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_set_v1")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_set_v1")
                 self._store(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
         except Exception as e:
             self._log.failed(link, "store", e)
@@ -501,7 +434,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             bkeys = page_keys(keys)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists_v2")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_exists_v2")
                 kv = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = link.budget().lookup(bkeys[start:end], dialog=dialog)
@@ -567,7 +500,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             with link.lock:
                 link.begin()
                 # SGLang groups the transfers of one call so that prefix_keys + keys is one chain for each
-                dm, position = self._dialog(link, plans[0][2], extra_info, f"batch_{c}")
+                dm, position = self._marks.of_call(link, plans[0][2], extra_info, f"batch_{c}")
                 move = self._load if what == "load" else self._store
                 for t, pool, bkeys, ptrs, sizes in plans:
                     move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])

@@ -22,19 +22,15 @@ no longer than ``kvgate.io_timeout`` (``kvgate.lookup_timeout`` for
 A gateway that is down or stuck means misses (False, 0) and one log line;
 the next call after a back-off reconnects.
 
-Copies.  SGLang's host pool is anonymous process memory (``torch.empty``),
-which the gateway cannot map, and a page of the ``layer_first`` layout is
-2 x layers separate fragments.  So a page moves as: pool fragments -> one
-contiguous slot of a staging region (a /dev/shm file this backend creates,
-registers with the gateway and unlinks at once) -> the gateway's RAM tier;
-and back the same way.  Two copies each way, each by ``memmove`` (no Python
-``bytes`` in between); the gather into the slot is the copy that any
-object store needs for a fragmented page.
+The parts it delegates to, one job each: ``link`` (a thread's gateway connection, its
+reconnects and time budget), ``failures`` (what a failure costs: a log line, maybe the
+connection), ``pools`` (a host pool's page geometry and keys), ``marks`` (a call's dialog
+mark), ``staging`` (the copies: pool fragments -> a registered /dev/shm slot -> the
+gateway's RAM tier, and back; two ``memmove`` each way).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -50,18 +46,19 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvgate.client import DialogMark, GatewayError
+from kvgate.client import GatewayError
 from kvgate.integrations.sglang.failures import FailureLog, logger
 from kvgate.integrations.sglang.link import GatewayDown, GatewayLink
 from kvgate.integrations.sglang.marks import DialogMarks
 from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
-from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES
+from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, load_pages, store_pages
 
 try:  # the metrics record SGLang's metrics collector expects from get_stats()
     from sglang.srt.observability.metrics_collector import StorageMetrics
 except ImportError:  # pragma: no cover - another SGLang layout: report no metrics
     StorageMetrics = None  # type: ignore[assignment,misc]
+
 
 class KvgateHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage (L3) in a kvgate gateway; see the module docstring for threads.
@@ -226,73 +223,6 @@ class KvgateHiCacheStorage(HiCacheStorage):
             raise ValueError(f"host pool {n!r} cannot be stored: {pool.error}")
         return pool
 
-    # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
-
-    @staticmethod
-    def _rounds(link: GatewayLink, pool: RegisteredPool, n: int) -> list[tuple[int, int]]:
-        stage = link.staging
-        assert stage is not None
-        per = min(MAX_BATCH_PAGES, stage.size // pool.slot_bytes)
-        if per < 1:  # cannot happen once the pool is registered (the region is fitted to it)
-            raise ValueError(f"a page of host pool {pool.name!r} ({pool.page_bytes} bytes) is larger than the "
-                             f"staging region ({stage.size} bytes)")
-        return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
-
-    def _load(self, link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
-              dm: DialogMark, position: int, out: list) -> None:
-        """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
-        writes each hit into a staging slot, complete pages are scattered into their fragments.
-        A stored object of the wrong size (another geometry under the same key) is a miss.  Sets
-        ``out[i]`` as pages arrive, so a call cut short keeps what came."""
-        stage = link.staging
-        slot, f = pool.slot_bytes, pool.fragments
-        for r0, r1 in self._rounds(link, pool, len(skeys)):
-            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
-            got: list = []
-            for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                got += link.budget().get_many(skeys[r0 + start:r0 + end], into=views[start:end], dialog=dialog)
-            sizes_got = [None if g is None else g.nbytes for g in got]
-            got = []
-            for v in views:
-                v.release()
-            for j, size in enumerate(sizes_got):
-                if size is None:
-                    continue
-                if size != pool.page_bytes:
-                    self._log.warn_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, "
-                                        "this pool's %d: ignored (a namespace shared by engines with different "
-                                        "layouts?)", pool.name, size, pool.page_bytes)
-                    continue
-                i = r0 + j
-                src = stage.base + j * slot
-                for k in range(i * f, (i + 1) * f):
-                    ctypes.memmove(ptrs[k], src, sizes[k])
-                    src += sizes[k]
-                out[i] = True
-
-    def _store(self, link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
-               dm: DialogMark, position: int, out: list) -> None:
-        """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
-        slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
-        stage = link.staging
-        slot, f = pool.slot_bytes, pool.fragments
-        for r0, r1 in self._rounds(link, pool, len(skeys)):
-            for i in range(r0, r1):
-                dst = stage.base + (i - r0) * slot
-                for k in range(i * f, (i + 1) * f):
-                    ctypes.memmove(dst, ptrs[k], sizes[k])
-                    dst += sizes[k]
-            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
-            try:
-                for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                    stored = link.budget().put_many(
-                        skeys[r0 + start:r0 + end], views[start:end], retention=self.settings.retention,
-                        dialog=dialog, position=position + r0 + start if position >= 0 else -1)
-                    out[r0 + start:r0 + end] = [bool(x) for x in stored]
-            finally:
-                for v in views:
-                    v.release()
-
     # ---- v1 interface (storage threads) --------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -347,7 +277,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             with link.lock:
                 link.begin()
                 dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_get_v1")
-                self._load(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
+                load_pages(link, self._kv, bkeys, ptrs, sizes, dm, position, out, self._log)
         except Exception as e:
             self._log.failed(link, "load", e)
         hits = sum(out)
@@ -383,7 +313,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             with link.lock:
                 link.begin()
                 dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_set_v1")
-                self._store(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
+                store_pages(link, self._kv, bkeys, ptrs, sizes, dm, position, out, self.settings.retention)
         except Exception as e:
             self._log.failed(link, "store", e)
         stored_n = sum(out)
@@ -501,9 +431,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 link.begin()
                 # SGLang groups the transfers of one call so that prefix_keys + keys is one chain for each
                 dm, position = self._marks.of_call(link, plans[0][2], extra_info, f"batch_{c}")
-                move = self._load if what == "load" else self._store
                 for t, pool, bkeys, ptrs, sizes in plans:
-                    move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])
+                    skeys = [pool.key(b) for b in bkeys]
+                    if what == "load":
+                        load_pages(link, pool, skeys, ptrs, sizes, dm, position, out[t.name], self._log)
+                    else:
+                        store_pages(link, pool, skeys, ptrs, sizes, dm, position, out[t.name], self.settings.retention)
         except Exception as e:
             self._log.failed(link, what, e)
         all_or_none(transfers, out)

@@ -26,13 +26,13 @@ The parts it delegates to, one job each: ``link`` (a thread's gateway connection
 reconnects and time budget), ``failures`` (what a failure costs: a log line, maybe the
 connection), ``pools`` (a host pool's page geometry and keys), ``marks`` (a call's dialog
 mark), ``staging`` (the copies: pool fragments -> a registered /dev/shm slot -> the
-gateway's RAM tier, and back; two ``memmove`` each way).
+gateway's RAM tier, and back; two ``memmove`` each way), ``stats`` (the figures
+``get_stats`` hands SGLang).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any, List, Optional
 
@@ -53,11 +53,7 @@ from kvgate.integrations.sglang.marks import DialogMarks
 from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
 from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, load_pages, store_pages
-
-try:  # the metrics record SGLang's metrics collector expects from get_stats()
-    from sglang.srt.observability.metrics_collector import StorageMetrics
-except ImportError:  # pragma: no cover - another SGLang layout: report no metrics
-    StorageMetrics = None  # type: ignore[assignment,misc]
+from kvgate.integrations.sglang.stats import TransferStats
 
 
 class KvgateHiCacheStorage(HiCacheStorage):
@@ -83,11 +79,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.slot_bytes = 0
         self.fragments = 0
         self.closed = False
-        self._metrics_lock = threading.Lock()
-        self._prefetch_pgs: list[int] = []
-        self._backup_pgs: list[int] = []
-        self._prefetch_bw: list[float] = []
-        self._backup_bw: list[float] = []
+        self._stats = TransferStats()
         self.counters: dict[str, int] = {
             "exists_calls": 0, "exists_pages": 0, "exists_hits": 0, "get_calls": 0, "get_pages": 0,
             "get_hits": 0, "set_calls": 0, "set_pages": 0, "set_stored": 0, "errors": 0, "mark_calls": 0,
@@ -282,7 +274,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             self._log.failed(link, "load", e)
         hits = sum(out)
         self.counters["get_hits"] += hits
-        self._record(self._prefetch_pgs, self._prefetch_bw, hits, t0)
+        self._stats.prefetched(hits, t0, self.page_bytes)
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -318,17 +310,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
             self._log.failed(link, "store", e)
         stored_n = sum(out)
         self.counters["set_stored"] += stored_n
-        self._record(self._backup_pgs, self._backup_bw, stored_n, t0)
+        self._stats.backed_up(stored_n, t0, self.page_bytes)
         return out
-
-    def _record(self, pgs: list[int], bw: list[float], pages: int, t0: float) -> None:
-        if not pages:
-            return
-        dt = time.perf_counter() - t0
-        with self._metrics_lock:
-            if len(pgs) < 10000:  # bounded when SGLang never collects (metrics off)
-                pgs.append(pages)
-                bw.append(pages * self.page_bytes / dt / 1e9 if dt > 0 else 0.0)
 
     # ---- hybrid (v2) interface: the extra pools of Mamba, SWA and DSA models (storage threads) ----
     #
@@ -508,13 +491,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
 
     def get_stats(self) -> Any:
         """Pages and bandwidth (GB/s) per transfer since the last call, as SGLang's ``StorageMetrics``."""
-        if StorageMetrics is None:
-            return None
-        with self._metrics_lock:
-            m = StorageMetrics(prefetch_pgs=self._prefetch_pgs, backup_pgs=self._backup_pgs,
-                               prefetch_bandwidth=self._prefetch_bw, backup_bandwidth=self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = [], [], [], []
-        return m
+        return self._stats.collect()
 
     def close(self) -> None:
         """Detach (scheduler thread, after SGLang stopped its storage threads): close connections and

@@ -24,10 +24,10 @@ the next call after a back-off reconnects.
 
 The parts it delegates to, one job each: ``link`` (a thread's gateway connection, its
 reconnects and time budget), ``failures`` (what a failure costs: a log line, maybe the
-connection), ``pools`` (a host pool's page geometry and keys), ``marks`` (a call's dialog
-mark), ``staging`` (the copies: pool fragments -> a registered /dev/shm slot -> the
-gateway's RAM tier, and back; two ``memmove`` each way), ``stats`` (the figures
-``get_stats`` hands SGLang).
+connection), ``pools`` (a host pool's page geometry and keys, the rules a hybrid call's
+pools agree by), ``marks`` (a call's dialog mark), ``staging`` (the copies: pool
+fragments -> a registered /dev/shm slot -> the gateway's RAM tier, and back; two
+``memmove`` each way), ``stats`` (the figures ``get_stats`` hands SGLang).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
     PoolName,
     PoolTransferResult,
 )
@@ -50,7 +49,13 @@ from kvgate.client import GatewayError
 from kvgate.integrations.sglang.failures import FailureLog, logger
 from kvgate.integrations.sglang.link import GatewayDown, GatewayLink
 from kvgate.integrations.sglang.marks import DialogMarks
-from kvgate.integrations.sglang.pools import RegisteredPool, all_or_none, as_pool_name, describe_pool
+from kvgate.integrations.sglang.pools import (
+    RegisteredPool,
+    all_or_none,
+    as_pool_name,
+    describe_pool,
+    restorable_prefixes,
+)
 from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
 from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, load_pages, store_pages
 from kvgate.integrations.sglang.stats import TransferStats
@@ -365,22 +370,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         except Exception as e:
             self._log.failed(link, "lookup", e)
             return PoolTransferResult(0, {}, [])
-        restorable = set(range(1, kv + 1))
-        hits: dict = {PoolName.KV: kv} if kv else {}
-        for (t, _), present in zip(extras, have):
-            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(t.keys or ()))
-                ok, run = set(), 0
-                for length in range(1, kv + 1):
-                    run = run + 1 if present[length - 1] else 0
-                    if run >= min(window, length):
-                        ok.add(length)
-            else:
-                lead = present.index(False) if False in present else kv
-                ok = set(range(1, lead + 1))
-            if ok:
-                hits[t.name] = max(ok)
-            restorable &= ok
+        hits, restorable = restorable_prefixes(kv, [t for t, _ in extras], have)
         final = max(restorable, default=0)
         self.counters["exists_v2_hits"] += final
         return PoolTransferResult(final, hits, sorted(restorable))

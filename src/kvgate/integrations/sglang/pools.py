@@ -7,7 +7,9 @@ page, and the key each pool's part of a page is stored under.  That is learned o
 from the pool's own page description (``get_page_buffer_meta``) and checked on every call, so
 a pool that describes its pages unexpectedly is a miss, never a copy past a slot.
 
-``all_or_none`` is the rule that makes one hybrid call's per-pool results agree.
+Two rules make the pools of one hybrid call agree: ``restorable_prefixes`` (which prefixes a
+lookup may report, per SGLang's hit policies) and ``all_or_none`` (a page moved for every pool
+of a call, or for none).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
 from kvgate.integrations.sglang.settings import pool_page_key, pool_tag
 
@@ -84,6 +87,31 @@ def describe_pool(name: str, host: Any, tag_extra: Optional[dict]) -> Registered
                               **tag_extra})
     return RegisteredPool(name, host, page_size, len(ptrs), page_bytes,
                           -(-page_bytes // _SLOT_ALIGN) * _SLOT_ALIGN, tag)
+
+
+def restorable_prefixes(kv: int, transfers: Sequence[Any], present: Sequence[list[bool]]) -> tuple[dict, set[int]]:
+    """(pages per pool, prefix lengths every pool allows) of a lookup whose first ``kv`` KV pages are
+    stored; ``present[j][i]``: whether ``transfers[j]``'s pool has its part of page ``i``.
+
+    ``TRAILING_PAGES`` needs the last ``len(transfer.keys)`` pages of a prefix, any other policy
+    every page of it (see ``KvgateHiCacheStorage.batch_exists_v2``)."""
+    restorable = set(range(1, kv + 1))
+    hits: dict = {PoolName.KV: kv} if kv else {}
+    for t, have in zip(transfers, present):
+        if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+            window = max(1, len(t.keys or ()))
+            ok, run = set(), 0
+            for length in range(1, kv + 1):
+                run = run + 1 if have[length - 1] else 0
+                if run >= min(window, length):
+                    ok.add(length)
+        else:
+            lead = have.index(False) if False in have else kv
+            ok = set(range(1, lead + 1))
+        if ok:
+            hits[t.name] = max(ok)
+        restorable &= ok
+    return hits, restorable
 
 
 def all_or_none(transfers: Sequence[Any], out: dict) -> None:

@@ -3,8 +3,10 @@
 None of SGLang's storage threads is restarted when it dies, so the backend answers trouble
 with misses and says so in the log, without flooding it: a warning at most once a minute per
 topic, one line when the gateway goes away and one when it is reachable again.  A failed
-gateway call also drops its connection when the connection is what failed (the next call
-reconnects after a back-off); a refusal or a spent time budget leaves it.
+gateway call also drops its connection when the connection broke (``OSError``, EOF) or the
+gateway refused the session itself (``ENGINE_BUSY``, ``NOT_AUTHORIZED``, ``BAD_VERSION``), and a
+later call reconnects; a spent time budget, any other refusal or a fault of the backend's own
+leaves it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ serialises its calls, so each thread has a ``GatewayLink`` of its own, and for t
 move bytes, its own staging region registered with that session.  A link connects lazily and
 again after a failure, after a back-off (0.5 s doubling to 10 s), so a dead gateway costs a
 call microseconds, not a timeout; and the gateway calls of one SGLang call share one time
-budget, so a stuck gateway costs at most that budget.
+budget, so a stuck gateway costs at most that budget (plus the connect timeout when the link
+has to reconnect).
 """
 
 from __future__ import annotations

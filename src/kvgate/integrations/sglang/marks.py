@@ -3,8 +3,9 @@
 The gateway keeps a dialog's pages together (its placement follows the mark), but SGLang tells
 a storage backend nothing about requests: only page hashes, and with
 ``hicache_storage_pass_prefix_keys`` every hash before the call's keys.  From those the mark is
-derived here, once per prompt head: a request's calls (lookup, get, set, and the extra pools of
-a hybrid model) would otherwise each ask the gateway.
+derived here: a digest of the prompt's first pages (``kvgate.affinity_chunks``), or the
+gateway's mark, cached per prompt head because a request's calls (lookup, get, set, and the
+extra pools of a hybrid model) would otherwise each ask the gateway.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - another SGLang layout: report no metri
 
 
 class TransferStats:
-    """Pages and bandwidth (GB/s) of each prefetch (load) and backup (store) since the last ``collect``."""
+    """The pages and GB/s of each prefetch (load) or backup (store) since the last ``collect``."""
 
     def __init__(self) -> None:
         self._metrics_lock = threading.Lock()

@@ -22,336 +22,43 @@ no longer than ``kvgate.io_timeout`` (``kvgate.lookup_timeout`` for
 A gateway that is down or stuck means misses (False, 0) and one log line;
 the next call after a back-off reconnects.
 
-Copies.  SGLang's host pool is anonymous process memory (``torch.empty``),
-which the gateway cannot map, and a page of the ``layer_first`` layout is
-2 x layers separate fragments.  So a page moves as: pool fragments -> one
-contiguous slot of a staging region (a /dev/shm file this backend creates,
-registers with the gateway and unlinks at once) -> the gateway's RAM tier;
-and back the same way.  Two copies each way, each by ``memmove`` (no Python
-``bytes`` in between); the gather into the slot is the copy that any
-object store needs for a fragmented page.
+The parts it delegates to, one job each: ``link`` (a thread's gateway connection, its
+reconnects and time budget), ``failures`` (what a failure costs: a log line, maybe the
+connection), ``pools`` (a host pool's page geometry and keys, the rules a hybrid call's
+pools agree by), ``marks`` (a call's dialog mark), ``staging`` (the copies: pool
+fragments -> a registered /dev/shm slot -> the gateway's RAM tier, and back; two
+``memmove`` each way), ``stats`` (the figures ``get_stats`` hands SGLang).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import mmap
 import os
-import secrets
-import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
     PoolName,
     PoolTransferResult,
 )
 
-from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
-from kvgate.integrations.sglang.settings import (
-    NamespaceInputs,
-    derive_namespace,
-    page_keys,
-    pool_page_key,
-    pool_tag,
-    settings_from_extra,
+from kvgate.client import GatewayError
+from kvgate.integrations.sglang.failures import FailureLog, logger
+from kvgate.integrations.sglang.link import GatewayDown, GatewayLink
+from kvgate.integrations.sglang.marks import DialogMarks
+from kvgate.integrations.sglang.pools import (
+    RegisteredPool,
+    all_or_none,
+    as_pool_name,
+    describe_pool,
+    restorable_prefixes,
 )
-from kvgate.integrations.settings import dialog_mark as digest_mark
-
-try:  # the metrics record SGLang's metrics collector expects from get_stats()
-    from sglang.srt.observability.metrics_collector import StorageMetrics
-except ImportError:  # pragma: no cover - another SGLang layout: report no metrics
-    StorageMetrics = None  # type: ignore[assignment,misc]
-
-# under "sglang." so that SGLang's logging configuration (handler, level, format) applies
-logger = logging.getLogger("sglang.kvgate")
-
-#: Most bytes a staging region holds; a larger batch is moved in several rounds.
-STAGING_BYTES = 64 << 20
-#: Pages per batch SGLang sends (STORAGE_BATCH_SIZE): no region needs more slots.
-MAX_BATCH_PAGES = 128
-_SLOT_ALIGN = 64  # cache-line aligned slots
-_MARK_TTL_S = 30.0  # a cached dialog mark is asked again after this: the gateway keeps learning heads
-_MARK_CACHE = 4096
-
-
-class GatewayDown(ConnectionError):
-    """No connection to the gateway right now (it failed recently; retried after a back-off)."""
-
-
-class OutOfTime(Exception):
-    """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
-    gateway call: it returns what it has (the connection is fine and stays)."""
-
-
-def _pool_name(name: Any) -> str:
-    """SGLang names pools with ``PoolName`` members (a ``str`` enum) or plain strings."""
-    return str(getattr(name, "value", name))
-
-
-@dataclass
-class _Pool:
-    """One registered host pool, as the backend moves its pages.
-
-    ``tag`` None: the KV (anchor) pool, whose pages are the v1 objects under their plain page
-    keys; otherwise an extra pool of a hybrid model, whose part of a page is stored under
-    ``pool_page_key(tag, page key)`` in the same namespace.  ``error``: why this pool's pages
-    cannot be moved (its transfers are misses; '' when they can)."""
-
-    name: str
-    host: Any
-    page_size: int = 1  # host pool indices per page (tokens; 1 for a Mamba state slot)
-    fragments: int = 0
-    page_bytes: int = 0
-    slot_bytes: int = 0
-    tag: bytes | None = None
-    error: str = ""
-
-    def key(self, page: bytes) -> bytes:
-        return page if self.tag is None else pool_page_key(self.tag, page)
-
-    def fragments_of(self, host_indices: Any, n: int) -> tuple[list[int], list[int]]:
-        """(pointers, sizes) of ``n`` pages at ``host_indices``; ValueError when they do not add up."""
-        if self.error:
-            raise ValueError(f"host pool {self.name!r} cannot be stored: {self.error}")
-        if host_indices is None or int(host_indices.numel()) != n * self.page_size:
-            got = None if host_indices is None else int(host_indices.numel())
-            raise ValueError(f"host pool {self.name!r}: {got} indices for {n} pages of {self.page_size}")
-        ptrs, sizes = self.host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != n * self.fragments or len(sizes) != len(ptrs):
-            raise ValueError(f"host pool {self.name!r} gave {len(ptrs)} fragments for {n} pages of "
-                             f"{self.fragments}")
-        sizes = [int(x) for x in sizes]
-        if sum(sizes) != n * self.page_bytes:  # a slot holds page_bytes: never copy past it
-            raise ValueError(f"host pool {self.name!r} gave {sum(sizes)} bytes for {n} pages of {self.page_bytes}")
-        return [int(x) for x in ptrs], sizes
-
-
-def _describe_pool(name: str, host: Any, tag_extra: Optional[dict]) -> _Pool:
-    """A pool's page geometry from its own page description (``get_page_buffer_meta``).
-
-    ``tag_extra`` None: the KV pool (plain page keys); otherwise what, besides the geometry,
-    keeps this pool's objects apart (the TP rank of a TP-sharded state)."""
-    page_size = int(getattr(host, "page_size", 1) or 1)
-    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-    if not ptrs or len(ptrs) != len(sizes):
-        raise ValueError(f"the host pool describes a page as {len(ptrs)} pointers and {len(sizes)} sizes")
-    sizes = [int(x) for x in sizes]
-    page_bytes = sum(sizes)
-    tag = None
-    if tag_extra is not None:
-        tag = pool_tag(name, {"class": type(host).__name__, "page_size": page_size, "sizes": sizes,
-                              "layout": str(getattr(host, "layout", "unknown")),
-                              "dtype": str(getattr(host, "dtype", "unknown")).removeprefix("torch."),
-                              **tag_extra})
-    return _Pool(name, host, page_size, len(ptrs), page_bytes, -(-page_bytes // _SLOT_ALIGN) * _SLOT_ALIGN, tag)
-
-
-def _all_or_none(transfers: Sequence[Any], out: dict) -> None:
-    """Make one v2 call's per-pool results agree: a page counts for no pool unless every pool
-    of the call has its part, and nothing after such a page counts either.
-
-    SGLang's transfers of one call all end on the same page (the span's last: trailing
-    windows of Mamba/SWA states, KV-derived pools over the whole span), so pages are aligned
-    on their distance from the end.  A key reported missing by any pool is also missing for
-    every other pool that lists it, whatever the alignment."""
-    cut: int | None = None  # distance from the end (negative) of the earliest page some pool lacks
-    bad: set = set()
-    for t in transfers:
-        keys = list(t.keys or ())
-        for i, ok in enumerate(out.get(t.name, ())):
-            if not ok:
-                cut = i - len(keys) if cut is None else min(cut, i - len(keys))
-                if i < len(keys):
-                    bad.add(keys[i])
-    if cut is None:
-        return
-    for t in transfers:
-        keys = list(t.keys or ())
-        r = out.get(t.name)
-        if r is None:
-            continue
-        for i in range(len(r)):
-            if i - len(keys) >= cut or (i < len(keys) and keys[i] in bad):
-                r[i] = False
-
-
-class _Staging:
-    """A /dev/shm file mapped here and by the gateway: page slots that the gateway reads and
-    writes in place.  The file is unlinked as soon as the gateway has mapped it, so nothing is
-    left behind when the process dies; both mappings live until closed."""
-
-    def __init__(self, nbytes: int):
-        path = f"/dev/shm/kvgate-sglang-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self.path: str | None = path
-        self.view = memoryview(self.mm)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.size = nbytes
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-            self.path = None
-
-    def close(self) -> None:
-        self.unlink()
-        try:
-            self.view.release()
-            self.mm.close()
-        except (BufferError, ValueError):  # a view still exported: the mapping goes with the process
-            pass
-
-
-class _Link:
-    """One lazily (re)connected gateway session for one SGLang thread.
-
-    ``get`` never waits longer than the connect timeout and refuses at once
-    during the back-off after a failure, so a dead gateway costs each call
-    microseconds, not a timeout.
-    """
-
-    def __init__(self, owner: "KvgateHiCacheStorage", name: str, timeout: float, slots: int):
-        self.owner = owner
-        self.name = name
-        self.timeout = timeout
-        self.slots = slots  # 0: no bytes travel here (lookups)
-        self.min_bytes = 0  # the largest page of any registered pool must fit the staging region
-        self.lock = threading.Lock()  # held for a whole operation: the staging slots are per call
-        self.client: Client | None = None
-        self.staging: _Staging | None = None
-        self.registered = False
-        self._next_try = 0.0
-        self._backoff = 0.5
-        self.closed = False
-        self.deadline = 0.0
-
-    def begin(self) -> Client:
-        """The connected client, and the method's time budget starts (caller holds ``self.lock``).
-
-        One SGLang call may take several gateway calls (a dialog mark, one per dialog run or
-        staging round): together they get ``timeout``, not each."""
-        client = self.get()
-        self.deadline = time.monotonic() + self.timeout
-        return client
-
-    def budget(self) -> Client:
-        """The client with its socket deadline set to what is left of the method's budget."""
-        left = self.deadline - time.monotonic()
-        if left <= 0 or self.client is None:
-            raise OutOfTime(f"{self.name}: the {self.timeout} s budget is spent")
-        self.client.set_timeout(left)
-        return self.client
-
-    def get(self) -> Client:
-        """The connected client (caller holds ``self.lock``); GatewayDown when there is none."""
-        if self.closed:
-            raise GatewayDown("the backend is closed")
-        if self.client is not None and not self.client.broken:
-            return self.client
-        self.drop()
-        now = time.monotonic()
-        if now < self._next_try:
-            raise GatewayDown(f"next try in {self._next_try - now:.1f} s")
-        try:
-            self.client = self._open()
-        except Exception as e:
-            self._next_try = now + self._backoff
-            self._backoff = min(self._backoff * 2, 10.0)
-            self.owner._went_down(self.name, e)
-            raise GatewayDown(str(e)) from e
-        self._backoff = 0.5
-        self.owner._came_up(self.name)
-        return self.client
-
-    def _open(self) -> Client:
-        o = self.owner
-        s = o.settings
-        client = Client.connect(s.target, namespace=o.namespace, token=s.token, engine_id=o.engine_id,
-                                want_shm=False, timeout=min(s.connect_timeout, self.timeout))
-        client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
-        if not self.slots:
-            return client
-        nbytes = max(self.slots * o.slot_bytes, self.min_bytes)
-        if self.staging is None:
-            self.staging = _Staging(nbytes)
-        self.registered = False
-        if client.local:
-            path = self.staging.path
-            if path is None:  # unlinked after an earlier registration: a new gateway needs a new file
-                self.staging.close()
-                self.staging = _Staging(nbytes)
-                path = self.staging.path
-            try:
-                client.register_region(path, mapping=self.staging.view)
-                self.registered = True
-            except Exception as e:
-                o._log_once("region", "kvgate: the gateway could not map the staging region %s (%s); pages "
-                            "travel inline in the socket frames", path, e)
-            self.staging.unlink()
-        return client
-
-    def fit(self, nbytes: int) -> None:
-        """Make the staging region hold at least ``nbytes`` (a newly registered pool's page).
-
-        A region cannot grow in place (the gateway has mapped it): the session and the region
-        are replaced, and the link reconnects at once (or on its next call if the gateway is
-        away).  Scheduler thread, at attach or when SGLang adds a pool."""
-        if not self.slots or nbytes <= self.min_bytes:
-            return
-        with self.lock:
-            self.min_bytes = nbytes
-            if self.staging is None or self.staging.size >= nbytes:
-                return
-            self.drop()
-            self.staging.close()
-            self.staging = None
-            try:
-                self.get()
-            except GatewayDown:
-                pass  # logged; the next call retries
-
-    def drop(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
-
-    def abort(self) -> None:
-        """Unblock a call in progress on another thread (it fails), refuse new ones."""
-        self.closed = True
-        client = self.client
-        if client is not None:
-            client.abort()
-
-    def close(self) -> None:
-        self.closed = True
-        with self.lock:
-            self.drop()
-            if self.staging is not None:
-                self.staging.close()
-                self.staging = None
+from kvgate.integrations.sglang.settings import NamespaceInputs, derive_namespace, page_keys, settings_from_extra
+from kvgate.integrations.sglang.staging import MAX_BATCH_PAGES, STAGING_BYTES, load_pages, store_pages
+from kvgate.integrations.sglang.stats import TransferStats
 
 
 class KvgateHiCacheStorage(HiCacheStorage):
@@ -377,16 +84,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.slot_bytes = 0
         self.fragments = 0
         self.closed = False
-        self._down_since: float | None = None
-        self._logged: dict[str, float] = {}
-        self._log_lock = threading.Lock()
-        self._marks: OrderedDict[bytes, tuple[DialogMark, float]] = OrderedDict()
-        self._marks_lock = threading.Lock()
-        self._metrics_lock = threading.Lock()
-        self._prefetch_pgs: list[int] = []
-        self._backup_pgs: list[int] = []
-        self._prefetch_bw: list[float] = []
-        self._backup_bw: list[float] = []
+        self._stats = TransferStats()
         self.counters: dict[str, int] = {
             "exists_calls": 0, "exists_pages": 0, "exists_hits": 0, "get_calls": 0, "get_pages": 0,
             "get_hits": 0, "set_calls": 0, "set_pages": 0, "set_stored": 0, "errors": 0, "mark_calls": 0,
@@ -394,12 +92,14 @@ class KvgateHiCacheStorage(HiCacheStorage):
             "exists_v2_calls": 0, "exists_v2_pages": 0, "exists_v2_hits": 0, "get_v2_calls": 0,
             "get_v2_pages": 0, "get_v2_hits": 0, "set_v2_calls": 0, "set_v2_pages": 0, "set_v2_stored": 0,
             "no_prefix_batch_exists_v2": 0, "no_prefix_batch_get_v2": 0, "no_prefix_batch_set_v2": 0}
-        self._kv: _Pool | None = None  # the anchor (KV) pool, moved by v1
-        self._pools: dict[str, _Pool] = {}  # every pool registered through v2, by name (replaced, never mutated)
-        self._lookups: _Link | None = None
-        self._loads: _Link | None = None
-        self._stores: _Link | None = None
-        self._warned_no_prefix = False
+        self._log = FailureLog(self.settings.target, self.counters)
+        self._marks = DialogMarks(self.settings.affinity_chunks, self.counters, self._log)
+        self._kv: RegisteredPool | None = None  # the anchor (KV) pool, moved by v1
+        # every pool registered through v2, by name (replaced, never mutated)
+        self._pools: dict[str, RegisteredPool] = {}
+        self._lookups: GatewayLink | None = None
+        self._loads: GatewayLink | None = None
+        self._stores: GatewayLink | None = None
         logger.info("kvgate backend: gateway %s, affinity_chunks=%s, retention %s", self.settings.target,
                     self.settings.affinity_chunks or "auto (the gateway's mark)", self.settings.retention)
 
@@ -414,7 +114,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         """
         super().register_mem_pool_host(mem_pool_host)
         try:
-            kv = _describe_pool(_pool_name(PoolName.KV), mem_pool_host, None)
+            kv = describe_pool(as_pool_name(PoolName.KV), mem_pool_host, None)
         except Exception as e:
             raise ValueError(f"kvgate backend: cannot store the host pool's pages: {e}") from e
         page_size = kv.page_size
@@ -435,9 +135,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.engine_id = f"sglang-{os.getppid()}"
         slots = max(1, min(MAX_BATCH_PAGES, STAGING_BYTES // self.slot_bytes))
         s = self.settings
-        self._lookups = _Link(self, "lookups", s.lookup_timeout, 0)
-        self._loads = _Link(self, "loads", s.io_timeout, slots)
-        self._stores = _Link(self, "stores", s.io_timeout, slots)
+        self._lookups = self._new_link("lookups", s.lookup_timeout, 0)
+        self._loads = self._new_link("loads", s.io_timeout, slots)
+        self._stores = self._new_link("stores", s.io_timeout, slots)
         for link in (self._loads, self._stores):  # extra pools registered before the anchor (not SGLang's order)
             link.min_bytes = max([p.slot_bytes for p in self._pools.values() if not p.error] + [0])
         logger.info("kvgate backend: namespace %r%s; pages of %d tokens, %d bytes in %d fragments (%s); "
@@ -453,6 +153,11 @@ class KvgateHiCacheStorage(HiCacheStorage):
                 except GatewayDown:
                     pass  # logged; retried by the first call that needs it
 
+    def _new_link(self, name: str, timeout: float, slots: int) -> GatewayLink:
+        """A storage thread's connection, in the namespace and with the page slots just fixed."""
+        return GatewayLink(name, timeout, slots, settings=self.settings, namespace=self.namespace,
+                           engine_id=self.engine_id, slot_bytes=self.slot_bytes, log=self._log)
+
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """One pool of SGLang's host pool group (scheduler thread): at attach, every entry (the KV
         anchor again, then a hybrid model's Mamba, SWA, indexer... pools); later, a sidecar SGLang
@@ -464,19 +169,19 @@ class KvgateHiCacheStorage(HiCacheStorage):
         that need it are computed, never restored without it.
         """
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = _pool_name(host_pool_name)
-        if name == _pool_name(PoolName.KV) and host_pool is self.mem_pool_host and self._kv is not None:
+        name = as_pool_name(host_pool_name)
+        if name == as_pool_name(PoolName.KV) and host_pool is self.mem_pool_host and self._kv is not None:
             pool = self._kv  # the anchor again, as the group's KV entry: its pages are the v1 objects
         else:
             # Mamba state is split over TP ranks even where the KV is the same on all of them (an MLA
             # namespace has no TP part): its objects carry the rank.
             cfg = self.storage_config
             extra = ({"tp": f"{getattr(cfg, 'tp_rank', 0)}/{getattr(cfg, 'tp_size', 1)}"}
-                     if name == _pool_name(PoolName.MAMBA) else {})
+                     if name == as_pool_name(PoolName.MAMBA) else {})
             try:
-                pool = _describe_pool(name, host_pool, extra)
+                pool = describe_pool(name, host_pool, extra)
             except Exception as e:
-                pool = _Pool(name, host_pool, error=f"{type(e).__name__}: {e}")
+                pool = RegisteredPool(name, host_pool, error=f"{type(e).__name__}: {e}")
                 logger.warning("kvgate backend: host pool %r cannot be stored (%s): requests that need it are "
                                "computed, not restored", name, pool.error)
         self._pools = {**self._pools, name: pool}
@@ -500,197 +205,20 @@ class KvgateHiCacheStorage(HiCacheStorage):
     def pool_key(self, pool_name: Any, page_hash: str) -> bytes:
         """The kvgate key (in ``self.namespace``) of one pool's part of the page ``page_hash``;
         for the KV pool, the page's v1 key."""
-        name = _pool_name(pool_name)
-        pool = self._kv if name == _pool_name(PoolName.KV) else self._pools.get(name)
+        name = as_pool_name(pool_name)
+        pool = self._kv if name == as_pool_name(PoolName.KV) else self._pools.get(name)
         if pool is None:
             raise KeyError(f"no host pool {name!r} registered")
         return pool.key(page_keys([page_hash])[0])
 
-    def _extra_pool(self, name: Any) -> _Pool:
-        n = _pool_name(name)
-        pool = self._kv if n == _pool_name(PoolName.KV) else self._pools.get(n)
+    def _extra_pool(self, name: Any) -> RegisteredPool:
+        n = as_pool_name(name)
+        pool = self._kv if n == as_pool_name(PoolName.KV) else self._pools.get(n)
         if pool is None:
             raise ValueError(f"host pool {n!r} was never registered")
         if pool.error:
             raise ValueError(f"host pool {n!r} cannot be stored: {pool.error}")
         return pool
-
-    # ---- logging -------------------------------------------------------------------------------
-
-    def _log_once(self, topic: str, msg: str, *args: Any, every_s: float = 60.0) -> None:
-        now = time.monotonic()
-        with self._log_lock:
-            last = self._logged.get(topic)
-            if last is not None and now - last < every_s:
-                return
-            self._logged[topic] = now
-        logger.warning(msg, *args)
-
-    def _went_down(self, what: str, e: BaseException) -> None:
-        with self._log_lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-        if first:
-            logger.warning("kvgate backend: gateway %s unreachable (%s: %s, on %s); serving without it "
-                           "(misses, no stores) and reconnecting in the background of later calls",
-                           self.settings.target, type(e).__name__, e, what)
-
-    def _came_up(self, what: str) -> None:
-        with self._log_lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            logger.warning("kvgate backend: gateway %s reachable again after %.1f s (%s)", self.settings.target,
-                           time.monotonic() - since, what)
-
-    def _failed(self, link: _Link, what: str, e: BaseException) -> None:
-        """A call failed: a refusal is logged (rate-limited), anything else drops the connection."""
-        self.counters["errors"] += 1
-        if isinstance(e, GatewayDown):
-            return
-        if isinstance(e, OutOfTime):
-            self._log_once(f"slow-{what}", "kvgate backend: a %s ran out of time (%s); the rest is a miss", what, e)
-            return
-        if isinstance(e, GatewayError):
-            self._log_once(f"refused-{what}", "kvgate backend: the gateway refused a %s: %s", what, e)
-            if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "BAD_VERSION"):
-                link.drop()
-            return
-        if isinstance(e, (OSError, EOFError, ConnectionError)):
-            link.drop()
-            self._went_down(link.name, e)
-            return
-        # Not the gateway's doing (a host pool that describes its pages unexpectedly, a bug): the
-        # connection stays (a call cut short marks its client broken, and get() replaces it).
-        self._log_once(f"unexpected-{what}-{type(e).__name__}", "kvgate backend: %s failed (%s: %s); treated "
-                       "as a miss", what, type(e).__name__, e)
-
-    # ---- dialog marks ------------------------------------------------------------------------
-
-    def _dialog(self, link: _Link, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
-                what: str) -> tuple[DialogMark, int]:
-        """(DialogMark, position of keys[0]) of a call.
-
-        SGLang passes every page hash before the call's keys in
-        ``extra_info.prefix_keys`` when ``hicache_storage_pass_prefix_keys``
-        is on; without it a call's place in its prompt is unknown, and pages
-        go without a dialog.  With ``kvgate.affinity_chunks`` the mark is a
-        digest of the prompt's first pages, as in the vLLM tier; otherwise the
-        gateway's mark (``Client.dialog_mark``), cached per prompt head so that
-        the calls of one request ask once.
-        """
-        prefix = extra_info.prefix_keys if extra_info is not None else None
-        if prefix is None:
-            self.counters[f"no_prefix_{what}"] += 1
-            if not self._warned_no_prefix:
-                self._warned_no_prefix = True
-                logger.warning("kvgate backend: SGLang passed no prefix keys (%s), so pages go without dialog "
-                               "marks (no dialog placement). Add \"hicache_storage_pass_prefix_keys\": true to "
-                               "--hicache-storage-backend-extra-config", what)
-            return DialogMark(None, 0), -1
-        position = len(prefix)
-        need = MARK_KEYS + 1 if self.settings.affinity_chunks is None else self.settings.affinity_chunks
-        lead = page_keys(prefix[:need]) if position else []
-        if len(lead) < need:
-            lead += bkeys[: need - len(lead)]
-        if self.settings.affinity_chunks is not None:
-            return DialogMark(digest_mark(lead), 0), position
-        return self._gateway_mark(link, lead), position
-
-    def _gateway_mark(self, link: _Link, lead: list[bytes]) -> DialogMark:
-        now = time.monotonic()
-        with self._marks_lock:
-            hit = self._marks.get(lead[0])
-        if hit is not None:
-            dm, t = hit
-            # The same prompt head iff the keys at the head's cut points and past it are the same
-            # (chained hashes: one key names its whole prefix).
-            if (now - t < _MARK_TTL_S and dm.mark is not None and dm.shared < len(lead)
-                    and lead[dm.shared] == dm.mark and all(lead[p] == m for p, m in dm.heads)):
-                return dm
-        self.counters["mark_calls"] += 1
-        try:
-            dm = link.budget().dialog_mark(lead)
-        except GatewayError as e:
-            if e.code != "UNKNOWN_OP":
-                raise
-            self._log_once("no-marks", "kvgate backend: the gateway has no dialog_mark (an older version): the "
-                           "first page marks the dialog; upgrade the gateway")
-            dm = DialogMark(digest_mark(lead[:1]), 0)
-        if dm.mark is not None:
-            with self._marks_lock:
-                self._marks[lead[0]] = (dm, now)
-                self._marks.move_to_end(lead[0])
-                while len(self._marks) > _MARK_CACHE:
-                    self._marks.popitem(last=False)
-        return dm
-
-    # ---- moving pages through a staging region (caller holds link.lock, after link.begin()) ----
-
-    @staticmethod
-    def _rounds(link: _Link, pool: _Pool, n: int) -> list[tuple[int, int]]:
-        stage = link.staging
-        assert stage is not None
-        per = min(MAX_BATCH_PAGES, stage.size // pool.slot_bytes)
-        if per < 1:  # cannot happen once the pool is registered (the region is fitted to it)
-            raise ValueError(f"a page of host pool {pool.name!r} ({pool.page_bytes} bytes) is larger than the "
-                             f"staging region ({stage.size} bytes)")
-        return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
-
-    def _load(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
-              dm: DialogMark, position: int, out: list) -> None:
-        """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
-        writes each hit into a staging slot, complete pages are scattered into their fragments.
-        A stored object of the wrong size (another geometry under the same key) is a miss.  Sets
-        ``out[i]`` as pages arrive, so a call cut short keeps what came."""
-        stage = link.staging
-        slot, f = pool.slot_bytes, pool.fragments
-        for r0, r1 in self._rounds(link, pool, len(skeys)):
-            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
-            got: list = []
-            for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                got += link.budget().get_many(skeys[r0 + start:r0 + end], into=views[start:end], dialog=dialog)
-            sizes_got = [None if g is None else g.nbytes for g in got]
-            got = []
-            for v in views:
-                v.release()
-            for j, size in enumerate(sizes_got):
-                if size is None:
-                    continue
-                if size != pool.page_bytes:
-                    self._log_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, this "
-                                   "pool's %d: ignored (a namespace shared by engines with different layouts?)",
-                                   pool.name, size, pool.page_bytes)
-                    continue
-                i = r0 + j
-                src = stage.base + j * slot
-                for k in range(i * f, (i + 1) * f):
-                    ctypes.memmove(ptrs[k], src, sizes[k])
-                    src += sizes[k]
-                out[i] = True
-
-    def _store(self, link: _Link, pool: _Pool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
-               dm: DialogMark, position: int, out: list) -> None:
-        """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
-        slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
-        stage = link.staging
-        slot, f = pool.slot_bytes, pool.fragments
-        for r0, r1 in self._rounds(link, pool, len(skeys)):
-            for i in range(r0, r1):
-                dst = stage.base + (i - r0) * slot
-                for k in range(i * f, (i + 1) * f):
-                    ctypes.memmove(dst, ptrs[k], sizes[k])
-                    dst += sizes[k]
-            views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
-            try:
-                for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-                    stored = link.budget().put_many(
-                        skeys[r0 + start:r0 + end], views[start:end], retention=self.settings.retention,
-                        dialog=dialog, position=position + r0 + start if position >= 0 else -1)
-                    out[r0 + start:r0 + end] = [bool(x) for x in stored]
-            finally:
-                for v in views:
-                    v.release()
 
     # ---- v1 interface (storage threads) --------------------------------------------------------
 
@@ -709,7 +237,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
             bkeys = page_keys(keys)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_exists")
                 found = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = link.budget().lookup(bkeys[start:end], dialog=dialog)
@@ -717,7 +245,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     if c < end - start:
                         break
         except Exception as e:
-            self._failed(link, "lookup", e)
+            self._log.failed(link, "lookup", e)
             return 0
         self.counters["exists_hits"] += found
         return found
@@ -745,13 +273,13 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_get_v1")
-                self._load(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_get_v1")
+                load_pages(link, self._kv, bkeys, ptrs, sizes, dm, position, out, self._log)
         except Exception as e:
-            self._failed(link, "load", e)
+            self._log.failed(link, "load", e)
         hits = sum(out)
         self.counters["get_hits"] += hits
-        self._record(self._prefetch_pgs, self._prefetch_bw, hits, t0)
+        self._stats.prefetched(hits, t0, self.page_bytes)
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -781,23 +309,14 @@ class KvgateHiCacheStorage(HiCacheStorage):
             ptrs, sizes = self._kv.fragments_of(host_indices, n)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_set_v1")
-                self._store(link, self._kv, bkeys, ptrs, sizes, dm, position, out)
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_set_v1")
+                store_pages(link, self._kv, bkeys, ptrs, sizes, dm, position, out, self.settings.retention)
         except Exception as e:
-            self._failed(link, "store", e)
+            self._log.failed(link, "store", e)
         stored_n = sum(out)
         self.counters["set_stored"] += stored_n
-        self._record(self._backup_pgs, self._backup_bw, stored_n, t0)
+        self._stats.backed_up(stored_n, t0, self.page_bytes)
         return out
-
-    def _record(self, pgs: list[int], bw: list[float], pages: int, t0: float) -> None:
-        if not pages:
-            return
-        dt = time.perf_counter() - t0
-        with self._metrics_lock:
-            if len(pgs) < 10000:  # bounded when SGLang never collects (metrics off)
-                pgs.append(pages)
-                bw.append(pages * self.page_bytes / dt / 1e9 if dt > 0 else 0.0)
 
     # ---- hybrid (v2) interface: the extra pools of Mamba, SWA and DSA models (storage threads) ----
     #
@@ -807,7 +326,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # pages, each under pool_page_key(its tag, page key).  A page is restored whole or not at all:
     # batch_exists_v2 counts a prefix only when the KV pages and every pool's required parts are
     # there, and batch_get_v2 / batch_set_v2 report a page for no pool unless every pool's part
-    # of it came (``_all_or_none``).
+    # of it came (``all_or_none``).
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
@@ -829,11 +348,11 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.counters["exists_v2_pages"] += n
         try:
             extras = [(t, self._extra_pool(t.name)) for t in (pool_transfers or ())
-                      if _pool_name(t.name) != _pool_name(PoolName.KV)]  # the KV pages are ``keys`` themselves
+                      if as_pool_name(t.name) != as_pool_name(PoolName.KV)]  # the KV pages are ``keys`` themselves
             bkeys = page_keys(keys)
             with link.lock:
                 link.begin()
-                dm, position = self._dialog(link, bkeys, extra_info, "batch_exists_v2")
+                dm, position = self._marks.of_call(link, bkeys, extra_info, "batch_exists_v2")
                 kv = 0
                 for start, end, dialog in dm.spans(position, n):
                     c = link.budget().lookup(bkeys[start:end], dialog=dialog)
@@ -849,29 +368,14 @@ class KvgateHiCacheStorage(HiCacheStorage):
                         for j in range(len(extras)):
                             have[j][start:end] = [bool(x) for x in got[j * m:(j + 1) * m]]
         except Exception as e:
-            self._failed(link, "lookup", e)
+            self._log.failed(link, "lookup", e)
             return PoolTransferResult(0, {}, [])
-        restorable = set(range(1, kv + 1))
-        hits: dict = {PoolName.KV: kv} if kv else {}
-        for (t, _), present in zip(extras, have):
-            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(t.keys or ()))
-                ok, run = set(), 0
-                for length in range(1, kv + 1):
-                    run = run + 1 if present[length - 1] else 0
-                    if run >= min(window, length):
-                        ok.add(length)
-            else:
-                lead = present.index(False) if False in present else kv
-                ok = set(range(1, lead + 1))
-            if ok:
-                hits[t.name] = max(ok)
-            restorable &= ok
+        hits, restorable = restorable_prefixes(kv, [t for t, _ in extras], have)
         final = max(restorable, default=0)
         self.counters["exists_v2_hits"] += final
         return PoolTransferResult(final, hits, sorted(restorable))
 
-    def _v2_io(self, what: str, link: Optional[_Link], transfers: list,
+    def _v2_io(self, what: str, link: Optional[GatewayLink], transfers: list,
                extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
         """batch_get_v2 / batch_set_v2: every transfer's pages through ``link``'s staging region,
         under one time budget; per pool name, per key, whether it moved (all or none per page)."""
@@ -899,13 +403,16 @@ class KvgateHiCacheStorage(HiCacheStorage):
             with link.lock:
                 link.begin()
                 # SGLang groups the transfers of one call so that prefix_keys + keys is one chain for each
-                dm, position = self._dialog(link, plans[0][2], extra_info, f"batch_{c}")
-                move = self._load if what == "load" else self._store
+                dm, position = self._marks.of_call(link, plans[0][2], extra_info, f"batch_{c}")
                 for t, pool, bkeys, ptrs, sizes in plans:
-                    move(link, pool, [pool.key(b) for b in bkeys], ptrs, sizes, dm, position, out[t.name])
+                    skeys = [pool.key(b) for b in bkeys]
+                    if what == "load":
+                        load_pages(link, pool, skeys, ptrs, sizes, dm, position, out[t.name], self._log)
+                    else:
+                        store_pages(link, pool, skeys, ptrs, sizes, dm, position, out[t.name], self.settings.retention)
         except Exception as e:
-            self._failed(link, what, e)
-        _all_or_none(transfers, out)
+            self._log.failed(link, what, e)
+        all_or_none(transfers, out)
         self.counters["get_v2_hits" if what == "load" else "set_v2_stored"] += sum(sum(r) for r in out.values())
         return out
 
@@ -930,9 +437,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- the legacy (non-zero-copy) interface: SGLang uses it only without interface_v1 --------
 
     def _needs_v1(self, *_: Any, **__: Any) -> Any:
-        self._log_once("legacy", "kvgate backend: SGLang called the legacy page-copy interface: add "
-                       "\"interface_v1\": 1 to --hicache-storage-backend-extra-config (nothing is stored "
-                       "or read without it)")
+        self._log.warn_once("legacy", "kvgate backend: SGLang called the legacy page-copy interface: add "
+                            "\"interface_v1\": 1 to --hicache-storage-backend-extra-config (nothing is stored "
+                            "or read without it)")
         return None
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -969,18 +476,12 @@ class KvgateHiCacheStorage(HiCacheStorage):
         except GatewayError as e:
             logger.warning("kvgate backend: clear refused by the gateway (%s): nothing deleted", e)
         except Exception as e:
-            self._failed(link, "clear", e)
+            self._log.failed(link, "clear", e)
             logger.warning("kvgate backend: clear failed (%s: %s): nothing deleted", type(e).__name__, e)
 
     def get_stats(self) -> Any:
         """Pages and bandwidth (GB/s) per transfer since the last call, as SGLang's ``StorageMetrics``."""
-        if StorageMetrics is None:
-            return None
-        with self._metrics_lock:
-            m = StorageMetrics(prefetch_pgs=self._prefetch_pgs, backup_pgs=self._backup_pgs,
-                               prefetch_bandwidth=self._prefetch_bw, backup_bandwidth=self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = [], [], [], []
-        return m
+        return self._stats.collect()
 
     def close(self) -> None:
         """Detach (scheduler thread, after SGLang stopped its storage threads): close connections and

@@ -20,7 +20,14 @@ import numpy as np
 from kvgate.clientargs import Buffer
 from kvgate.clienttransport import InlineTransport, Transport, packed_hits, stalled
 from kvgate.clientwire import Copy, ObjectTooLarge, Op, Wire, not_permitted
-from kvgate.protocol import MISS, SESSION_REGION, TOO_SMALL, Get, HelloReply, Put, RegisterRegion
+from kvgate import crossmem
+from kvgate.protocol import (LENT, MISS, NOT_DONE, SESSION_REGION, TOO_SMALL, Get, GiveBack, HelloReply, Put,
+                             RegisterRegion)
+
+# A get of plain buffers this large is read out of the gateway's memory: one copy instead of two, for
+# a second round trip (the loan given back), which costs more than it saves below about a MiB.
+LEND_MIN_BYTES = 1 << 20
+_LENT = (LENT, 0)  # placed: done by a lent get
 
 
 @dataclass
@@ -64,8 +71,13 @@ class SharedMemoryTransport(Transport):
         self.session_region: _Region | None = None  # None: a session opened without one (want_shm=False)
         self.registered: list[_Region] = []
         self._mm: mmap.mmap | None = None
+        self.lends = False  # gets of plain buffers read lent objects out of the gateway (kvgate.crossmem)
+        self.lend_error: str | None = None  # why they stopped, if they did
+        self.gateway_pid = 0
 
     def open(self, hello: HelloReply) -> None:
+        self.lends = hello.lends and crossmem.supported and hello.pid > 0
+        self.gateway_pid = hello.pid
         if not hello.shm_path:
             return
         try:
@@ -194,8 +206,16 @@ class SharedMemoryTransport(Transport):
     def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None) -> Op:
         out: list = [None] * len(keys)
         placed = [self._locate(v) for v in views]
+        if self.lends:
+            mine = [i for i, p in enumerate(placed) if p is None]
+            if sum(views[i].nbytes for i in mine) >= LEND_MIN_BYTES:
+                done = yield from self._get_lent(keys, views, mine, dialog, out)
+                if done:  # only the registered regions' part is left
+                    for i in mine:
+                        placed[i] = _LENT
         inline = self._inline_here(views, placed)
-        for batch in self._staged_batches([i for i, x in enumerate(inline) if not x], views, placed):
+        for batch in self._staged_batches([i for i, x in enumerate(inline) if not x and placed[i] is not _LENT],
+                                          views, placed):
             yield from self._get_here(keys, views, placed, batch, dialog, out)
         index = [i for i, x in enumerate(inline) if x]
         if index:
@@ -203,6 +223,67 @@ class SharedMemoryTransport(Transport):
             for i, g in zip(index, got):
                 out[i] = g
         return out
+
+    def _get_lent(self, keys: list[bytes], views: list[memoryview], index: list[int], dialog: bytes | None,
+                  out: list) -> Op:
+        """Get ``index`` (indexes) into their views by reading them out of the gateway's memory
+        (``kvgate.crossmem``); sets ``out[i]``.  False when this process may not read it (nothing was
+        read then, and this session copies through its region from now on)."""
+        todo = list(index)
+        was_stalled = False
+        while todo:
+            reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=LENT,
+                                                     capacities=[views[i].nbytes for i in todo], dialog=dialog))
+            segments = reply.segments or []
+            pairs = iter(zip(segments[0::2], segments[1::2]))
+            local: list[tuple[int, int]] = []
+            remote: list[tuple[int, int]] = []
+            hits: list[tuple[int, int]] = []
+            again: list[int] = []
+            too_small: tuple[int, int] | None = None
+            for j, (i, s) in enumerate(zip(todo, reply.sizes)):
+                if s == NOT_DONE:
+                    again.append(i)
+                elif s == TOO_SMALL:
+                    too_small = too_small or (i, reply.needed[j] if reply.needed else -1)
+                elif s >= 0:
+                    if s > views[i].nbytes:
+                        raise self.wire.out_of_step(f"get reply of {s} bytes for a destination of {views[i].nbytes}")
+                    addr, _n = _address(views[i])
+                    local.append((addr, s))
+                    left = s
+                    while left:
+                        a, n = next(pairs, (0, 0))
+                        if n <= 0 or n > left:
+                            raise self.wire.out_of_step("a lent get's segments do not add up to its sizes")
+                        remote.append((a, n))
+                        left -= n
+                    hits.append((i, s))
+            failed: crossmem.CrossMemoryError | None = None
+            if local:
+                pid = self.gateway_pid
+
+                def read(local=local, remote=remote) -> None:
+                    crossmem.read(pid, local, remote)
+
+                try:
+                    yield Copy(read, sum(n for _, n in local))
+                except crossmem.CrossMemoryError as e:
+                    failed = e
+            yield from self.wire.call(GiveBack(loan=reply.loan))
+            if failed is not None:
+                # Not permitted here (another user, Yama, seccomp) or the gateway's pages were not where it
+                # said: nothing of this call is trusted; the region path does it all again.
+                self.lends = False
+                self.lend_error = str(failed)
+                return False
+            if too_small is not None:
+                raise ObjectTooLarge(*too_small)
+            for i, s in hits:
+                out[i] = views[i][:s]
+            was_stalled = stalled(todo, again, was_stalled)
+            todo = again
+        return True
 
     def _get_here(self, keys: list[bytes], views: list[memoryview], placed: list, batch: list[int],
                   dialog: bytes | None, out: list) -> Op:

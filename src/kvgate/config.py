@@ -253,6 +253,10 @@ class Config:
                              "fsync every object before acknowledging it (survives power loss)")
     direct_reads: bool = _key(_parse_bool, True,
                               "directory cards read what the page cache lacks with O_DIRECT, around the page cache")
+    cross_memory_gets: bool = _key(
+        _parse_bool, True,
+        "local clients of the gateway's own user read gets of plain buffers straight out of its memory "
+        "(process_vm_readv: one copy), instead of through their session region (two)")
     prepare_reads: bool = _key(
         _parse_bool, True,
         "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)")

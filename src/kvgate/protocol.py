@@ -40,6 +40,9 @@ MAX_HEADER_BYTES = 4 << 20  # 1000s of keys fit; bounds what a bad client makes 
 
 INLINE = -1  # region id meaning "bytes are in the frame body"
 SESSION_REGION = 0
+# Region id of a get whose bytes the client reads out of the gateway's memory itself
+# (``process_vm_readv``): the reply names where they are and a loan the client gives back.
+LENT = -2
 
 # Get result sizes below zero, on the wire as their values (``kvgate.types.SizeCode``)
 MISS = int(SizeCode.MISS)
@@ -134,6 +137,12 @@ class Hold(_Msg, tag="hold"):
     dialog: bytes | None = None
 
 
+class GiveBack(_Msg, tag="give_back"):
+    """The client read what a ``LENT`` get lent it; CountReply: 1 if the loan was open, else 0."""
+
+    loan: int = 0
+
+
 class Release(_Msg, tag="release"):
     """End this session's holds on these keys; CountReply: how many it held."""
 
@@ -165,9 +174,9 @@ class Cards(_Msg, tag="cards"):
 
 
 Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats,
-                Cards]
+                Cards, GiveBack]
 REQUEST_OPS = ("hello", "register_region", "put", "get", "lookup", "exists", "delete", "prewarm", "hold", "release",
-               "mark", "clean", "stats", "cards")
+               "mark", "clean", "stats", "cards", "give_back")
 
 # ---- replies ------------------------------------------------------------------
 
@@ -185,6 +194,10 @@ class HelloReply(_Msg, tag="hello_reply"):
     max_frame_bytes: int = 0
     fingerprint: str = ""
     placement: str = ""
+    # The gateway's pid and whether this session may read lent objects out of its memory (``LENT``
+    # gets): a local session of the gateway's own user, with cross_memory_gets on.
+    pid: int = 0
+    lends: bool = False
 
 
 class RegionReply(_Msg, tag="region_reply"):
@@ -200,6 +213,10 @@ class GetReply(_Msg, tag="get_reply"):
     sizes: list[int] = []  # >= 0 hit, MISS, NOT_DONE or TOO_SMALL (then needed in `needed`)
     offsets: list[int] | None = None  # where each hit was placed, in pack mode
     needed: list[int] | None = None
+    # LENT: per hit, in key order, (address, length) pairs of the gateway's memory holding it, flattened;
+    # ``loan`` is given back (``GiveBack``) once they are read
+    segments: list[int] | None = None
+    loan: int = 0
 
 
 class CountReply(_Msg, tag="count_reply"):

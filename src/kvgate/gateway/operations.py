@@ -20,11 +20,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.gateway.connection import Connection
 from kvgate.latency import Latencies
-from kvgate.gateway.sessions import Session, reply
+from kvgate.gateway.sessions import LentBody, Session, reply
 from kvgate.gateway.shm import RegionError, map_client_region
 from kvgate.heads import SharedHeads
 from kvgate.keys import MARK_KEYS, MAX_KEY_BYTES, BadKey, check_key, dialog_digest, encode_namespace, full_key
@@ -41,9 +43,11 @@ from kvgate.protocol import (
     ExistsReply,
     Get,
     GetReply,
+    GiveBack,
     Hello,
     Hold,
     INLINE,
+    LENT,
     Lookup,
     Mark,
     MarkReply,
@@ -56,6 +60,7 @@ from kvgate.protocol import (
     RegisterRegion,
     Release,
     RequestError,
+    SESSION_REGION,
     Stats,
     StatsReply,
     TOO_SMALL,
@@ -75,13 +80,9 @@ Handler = Callable[[Session, Any, bytes], Awaitable[tuple[Any, Any]]]
 
 
 @dataclass(frozen=True)
-class LentBody:
-    """A reply body sent from several buffers, RAM-tier pages among them: ``loans`` go back to the store,
-    and ``nbytes`` to the session's inline share, once the reply is out."""
-
-    segments: list[memoryview]
-    nbytes: int
-    loans: list[RamLoan | None]
+class _Lent:
+    sizes: list[int]  # per object lent, in order: its size, MISS or NOT_DONE
+    body: LentBody
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Operations:
         self.pool = pool
         self.heads = heads
         self.snapshot = snapshot
+        self._loans = 0  # the last loan id given (ids are per gateway, looked up per session)
         keyed = self._keyed
         self.table: dict[type, Operation] = {
             Stats: Operation(self._stats, engine_only=False),
@@ -122,6 +124,7 @@ class Operations:
             Prewarm: Operation(keyed(self._prewarm), engine_only=True),
             Hold: Operation(keyed(self._hold), engine_only=True),
             Release: Operation(keyed(self._release), engine_only=True),
+            GiveBack: Operation(self._give_back, engine_only=True),
         }
 
         # The wire name of each request type ("lookup", "get"): the label of its latency histogram.
@@ -321,6 +324,9 @@ class Operations:
 
     async def _get(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes, body: bytes):
         n = len(keys)
+        paths = self.store.counters.get_paths
+        paths["lent" if req.region == LENT else "inline" if req.region == INLINE else
+              "session_region" if req.region == SESSION_REGION else "registered_region"] += 1
         if req.offsets is not None:
             if req.region == INLINE:
                 raise RequestError(ErrorCode.BAD_REQUEST, "offsets need a region; inline gets are packed by the gateway")
@@ -330,6 +336,8 @@ class Operations:
             dests = [region.slice(o, c) for o, c in zip(req.offsets, req.capacities)]
             sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)], sess.local)
             return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None), None
+        if req.region == LENT:
+            return await self._get_lent(sess, req, keys, dialog)
         return await self._get_packed(sess, req, keys, dialog)
 
     async def _get_packed(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
@@ -370,7 +378,17 @@ class Operations:
             for i, s in zip(wanted, got):
                 sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
             return GetReply(sizes=sizes, offsets=offsets), None
-        await sess.inline.acquire(cursor)
+        lent = await self._lend(sess, keys, dialog, wanted, hints, cursor)
+        for i, s in zip(wanted, lent.sizes):
+            sizes[i] = s
+        return GetReply(sizes=sizes, offsets=offsets), lent.body
+
+    async def _lend(self, sess: Session, keys: list[bytes], dialog: bytes, wanted: list[int], hints: list,
+                    nbytes: int) -> "_Lent":
+        """The objects ``wanted`` (``hints``: their sizes, ``nbytes`` in all) as a ``LentBody`` in key order:
+        the RAM tier's own pages where it holds them, a buffer of ours filled by the cards for the rest.
+        Holds ``nbytes`` of the session's inline share until the body is given back."""
+        await sess.inline.acquire(nbytes)
         loans: list[RamLoan | None] = []
         try:
             loans = self.store.lend_ram([keys[i] for i in wanted], [hints[i] for i in wanted])
@@ -384,18 +402,75 @@ class Operations:
             got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local)
         except BaseException:
             self.store.return_ram(loans)
-            await sess.inline.release(cursor)
+            await sess.inline.release(nbytes)
             raise
-        for i, s in zip(from_cards, got):
-            sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
+        read = dict(zip(from_cards, got))
+        sizes: list[int] = []
         segments: list[memoryview] = []
         for i, loan in zip(wanted, loans):
             if loan is None:
+                s = read[i]
+                sizes.append(NOT_DONE if s == TOO_SMALL else s)  # changed size under us: ask again
                 segments.append(dest[i])
             else:
-                sizes[i] = loan.size
+                sizes.append(loan.size)
                 segments += loan.views
-        return GetReply(sizes=sizes, offsets=offsets), LentBody(segments, cursor, loans)
+        return _Lent(sizes, LentBody(segments, nbytes, loans))
+
+    async def _get_lent(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
+        """A get the client reads out of our memory (``LENT``): one copy, made by the client
+        (``kvgate.crossmem``).  Each hit is lent whole; the reply says where its bytes are."""
+        if not sess.lends:
+            raise RequestError(ErrorCode.BAD_REQUEST, "this session may not read the gateway's memory (a TCP "
+                               "session, another user's, or cross_memory_gets is off): get into its region")
+        n = len(keys)
+        if req.capacities is None or len(req.capacities) != n:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a lent get needs one capacity per key")
+        sizes = [MISS] * n
+        needed = [0] * n
+        hints = [self.store.size_hint(k, dialog) for k in keys]
+        unknown = [i for i, h in enumerate(hints) if h is None]
+        if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
+            probe, need = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
+            for i, s, nd in zip(unknown, probe, need):
+                hints[i] = nd if s == TOO_SMALL else (s if s >= 0 else MISS)
+        wanted, total = [], 0
+        for i, h in enumerate(hints):
+            if h == MISS:
+                continue
+            if h > req.capacities[i]:
+                sizes[i], needed[i] = TOO_SMALL, h
+                continue
+            # at most a share's worth a loan; the first object always goes (the client asks again for the rest)
+            if total + h > self.cfg.max_frame_bytes and wanted:
+                sizes[i] = NOT_DONE
+                continue
+            wanted.append(i)
+            total += h
+        lent = await self._lend(sess, keys, dialog, wanted, hints, total)
+        segments: list[int] = []
+        views = iter(lent.body.segments)
+        for i, s, loan in zip(wanted, lent.sizes, lent.body.loans):
+            sizes[i] = s
+            parts = len(loan.views) if loan is not None else 1
+            for _ in range(parts):
+                v = next(views)
+                if s >= 0:
+                    addr = np.frombuffer(v, np.uint8).ctypes.data if v.nbytes else 0
+                    segments += (addr, min(v.nbytes, s))
+                    s -= min(v.nbytes, s)
+        self._loans += 1
+        sess.loans[self._loans] = lent.body
+        return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None, segments=segments,
+                        loan=self._loans), None
+
+    async def _give_back(self, sess: Session, req: GiveBack, body: bytes) -> tuple[CountReply, None]:
+        lent = sess.loans.pop(req.loan, None)
+        if lent is None:
+            return CountReply(count=0), None
+        self.store.return_ram(lent.loans)
+        await sess.inline.release(lent.nbytes)
+        return CountReply(count=1), None
 
     # ---- over HTTP ------------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ import asyncio
 import hmac
 import itertools
 import logging
+import os
 from dataclasses import dataclass, field
 
-from kvgate import __version__
+from kvgate import __version__, crossmem
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
 from kvgate.gateway.shm import Region, RegionError, create_session_region
@@ -36,7 +37,7 @@ from kvgate.protocol import (
     encode_frame,
 )
 from kvgate.tiers.io import IoPool
-from kvgate.tiers.store import TieredStore
+from kvgate.tiers.store import RamLoan, TieredStore
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -91,6 +92,17 @@ class InlineShare:
             await self.budget.release(self, n)
 
 
+@dataclass(frozen=True)
+class LentBody:
+    """Bytes a reply lends from several buffers, RAM-tier pages among them: sent as a reply body (TCP,
+    inline), or read by the client out of our memory (a ``LENT`` get).  Once done with, ``loans`` go back
+    to the store and ``nbytes`` to the session's inline share."""
+
+    segments: list[memoryview]
+    nbytes: int
+    loans: list[RamLoan | None]
+
+
 @dataclass
 class Session:
     id: int
@@ -102,6 +114,8 @@ class Session:
     namespace: bytes = b""
     engine_id: str = ""
     regions: dict[int, Region] = field(default_factory=dict)
+    lends: bool = False  # may read lent objects out of our memory (HelloReply.lends)
+    loans: dict[int, LentBody] = field(default_factory=dict)  # lent, not given back yet, by loan id
 
     def region(self, rid: int) -> Region:
         r = self.regions.get(rid)
@@ -133,6 +147,7 @@ class Sessions:
         self.engine: EngineClaim | None = None
         self.by_id: dict[int, Session] = {}
         self._ids = itertools.count(1)
+        self._releasing: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -182,11 +197,13 @@ class Sessions:
                 return None
             sess.regions[SESSION_REGION] = region
             shm_path, shm_size = region.path, region.size
+        # Only our own user: what a process of it can read of ours it could read anyway (kvgate.crossmem).
+        sess.lends = local and self.cfg.cross_memory_gets and crossmem.supported and uid == os.geteuid()
         self.by_id[sess.id] = sess
         await reply(conn, HelloReply(
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
             max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.long.fingerprint,
-            placement=self.cfg.key_placement,
+            placement=self.cfg.key_placement, pid=os.getpid(), lends=sess.lends,
         ), deadline=deadline)
         return sess
 
@@ -199,6 +216,13 @@ class Sessions:
         sess.engine_id = ""
 
     def close(self, sess: Session) -> None:
+        for lent in sess.loans.values():
+            self.store.return_ram(lent.loans)
+            # its share goes with the connection, but the listener's budget must be told
+            task = asyncio.get_running_loop().create_task(sess.inline.release(lent.nbytes))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+        sess.loans.clear()
         self.by_id.pop(sess.id, None)
         self.store.holds.release_all(sess.id)
         self._release_engine(sess)

@@ -140,6 +140,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
             "read_priority": "realtime" if pool.realtime else "normal",
         },
         "tiers": {"ram": ram_tier, "long": long_tier},
+        "get_paths": dict(c.get_paths),
         "namespaces": store.usage.snapshot(),
         "holds": {"objects": len(store.holds), "refused": store.holds.refused},
         "lookups": c.lookups,
@@ -177,6 +178,11 @@ class _SnapshotCollector:
             yield m
         yield GaugeMetricFamily("kvgate_ram_pinned_bytes", "RAM-tier bytes held by reads and replies in progress "
                                 "(eviction cannot take them)", value=s["tiers"]["ram"]["pinned_bytes"])
+        m = CounterMetricFamily("kvgate_get_requests", "get requests by the way their bytes travel (lent: "
+                                "read by the client out of the gateway's memory)", labels=["path"])
+        for path, n in s["get_paths"].items():
+            m.add_metric([path], n)
+        yield m
         yield CounterMetricFamily("kvgate_lookups", "lookup requests", value=s["lookups"])
         yield CounterMetricFamily("kvgate_corrupt_objects", "objects that failed their checks (removed, served as misses)",
                                   value=s["corrupt_objects"])

@@ -128,7 +128,16 @@ class RamTier:
         self.total_pages = capacity // page_size
         self.policy: EvictionPolicy = make_policy(policy)
         if self.total_pages:
-            self._mm: mmap.mmap | None = mmap.mmap(-1, self.total_pages * page_size)
+            # Private, in huge pages where the kernel has them: every copy out of the arena pins or
+            # walks fewer pages (a client reading lent objects, kvgate.crossmem: 15 GiB/s from huge
+            # pages, 11 from the shared 4 KiB pages the arena used to be).
+            self._mm: mmap.mmap | None = mmap.mmap(-1, self.total_pages * page_size,
+                                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass  # no transparent huge pages here: 4 KiB pages, as before
             self._arena = np.frombuffer(self._mm, dtype=np.uint8)
             # Fault every page in now, while nobody waits (see module docstring).
             self._arena[:: mmap.PAGESIZE] = 0

@@ -57,6 +57,9 @@ class TierCounters:
     bytes_written: int = 0
 
 
+GET_PATHS = ("lent", "session_region", "registered_region", "inline")
+
+
 @dataclass
 class StoreCounters:
     ram: TierCounters = field(default_factory=TierCounters)
@@ -64,6 +67,9 @@ class StoreCounters:
     lookups: int = 0
     corrupt: int = 0
     expired: int = 0
+    # get requests by the way their bytes travel: read out of our memory by the client (``lent``),
+    # through the session region, in place in a registered region, or in the frames (``inline``)
+    get_paths: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GET_PATHS, 0))
 
 
 @dataclass(slots=True)

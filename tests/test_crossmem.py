@@ -1,0 +1,89 @@
+"""Cross-memory gets: a local client reads lent objects out of the gateway's memory, in one copy.
+
+Against a real gateway: the bytes are right (RAM tier and card, hits and misses mixed), the request
+counts say the lent path was used, every loan is given back (nothing stays pinned), and with
+``cross_memory_gets`` off the same call goes through the session region with the same result.
+``crossmem.read`` itself is checked against a child process's memory, runs split and uneven.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from kvgate import crossmem
+from kvgate.client import Client
+
+pytestmark = pytest.mark.skipif(not crossmem.supported, reason="process_vm_readv is Linux only")
+
+
+def _child(q, r) -> None:
+    buf = np.frombuffer(bytes(range(256)) * (40 << 10), np.uint8).copy()  # 10 MiB
+    q.put((os.getpid(), buf.ctypes.data, buf.nbytes))
+    r.get()
+
+
+@pytest.mark.slow
+def test_read_copies_uneven_runs_out_of_another_process() -> None:
+    ctx = mp.get_context("fork")
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, r))
+    p.start()
+    try:
+        pid, addr, n = q.get(timeout=20)
+        want = np.frombuffer(bytes(range(256)) * (40 << 10), np.uint8)
+        dst = np.zeros(n, np.uint8)
+        # local runs of 3 MiB + 7 MiB, remote runs cut elsewhere, over the split threshold: two threads
+        local = [(dst.ctypes.data, 3 << 20), (dst.ctypes.data + (3 << 20), n - (3 << 20))]
+        remote = [(addr, 1000), (addr + 1000, (5 << 20) - 1000), (addr + (5 << 20), n - (5 << 20))]
+        crossmem.read(pid, local, remote)
+        assert np.array_equal(dst, want)
+        many = [(addr + i * 64, 64) for i in range(3000)]  # more runs than one call takes
+        small = np.zeros(3000 * 64, np.uint8)
+        crossmem.read(pid, [(small.ctypes.data, small.nbytes)], many)
+        assert np.array_equal(small, want[: small.nbytes])
+        with pytest.raises(crossmem.CrossMemoryError):
+            crossmem.read(pid, [(small.ctypes.data, 64)], [(8, 64)])  # an address nothing is mapped at
+        with pytest.raises(ValueError):
+            crossmem.read(pid, [(small.ctypes.data, 64)], [(addr, 63)])
+    finally:
+        r.put(1)
+        p.join(10)
+
+
+def _counts(gw) -> tuple[dict, int]:
+    st = gw.stats()
+    return st["get_paths"], st["tiers"]["ram"]["pinned_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cross", [True, False])
+def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path, cross: bool) -> None:
+    gw = gateway_factory(["--max-bytes", "16M", "--storage-devices", str(tmp_path / "card"),
+                          "--cross-memory-gets", "true" if cross else "false"])
+    datas = [os.urandom(n) for n in (1 << 20, 3 << 20, 5, 300 << 10, 2 << 20, 2 << 20)]
+    keys = [f"lent-{i}".encode() for i in range(len(datas))]
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, datas, retention="long"))
+        for i in range(8):  # push the first ones out of the RAM tier: they come from the card
+            c.put_many([f"push-{i}".encode()], [os.urandom(2 << 20)], retention="long")
+        bufs = [np.zeros(len(d) + 11, np.uint8) for d in datas]
+        got = c.get_many([keys[0], b"absent", *keys[1:]], into=[bufs[0], np.zeros(10, np.uint8), *bufs[1:]])
+        assert got[1] is None
+        assert [bytes(g) for g in [got[0], *got[2:]]] == datas
+        paths, pinned = _counts(gw)
+        assert pinned == 0, "a loan was not given back"
+        if cross:
+            assert paths["lent"] >= 1 and paths["session_region"] == 0, paths
+        else:
+            assert paths["lent"] == 0 and paths["session_region"] >= 1, paths
+        # a destination too small is named, and its loan is given back all the same
+        from kvgate.client import ObjectTooLarge
+        with pytest.raises(ObjectTooLarge) as ei:
+            c.get_many(keys[:2], into=[np.zeros(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)])
+        assert ei.value.index == 1
+        assert _counts(gw)[1] == 0
+        assert bytes(c.get_many(keys[1:2], into=[bufs[1]])[0]) == datas[1]  # still in step

@@ -340,6 +340,17 @@ class Operations:
             return await self._get_lent(sess, req, keys, dialog)
         return await self._get_packed(sess, req, keys, dialog)
 
+    async def _sizes(self, sess: Session, keys: list[bytes], dialog: bytes) -> list[int]:
+        """Each key's payload size, or MISS: known to the tiers, else asked of the cards (a read into an
+        empty buffer tells it)."""
+        hints = [self.store.size_hint(k, dialog) for k in keys]
+        unknown = [i for i, h in enumerate(hints) if h is None]
+        if unknown:
+            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
+            for i, s, need in zip(unknown, probe, needed):
+                hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
+        return hints  # type: ignore[return-value]
+
     async def _get_packed(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
         """Place results one after another: from offset 0 of a region, or in the reply body.
 
@@ -347,12 +358,7 @@ class Operations:
         its own pages (``TieredStore.lend_ram``, a ``LentBody``); only the
         objects read from cards are copied, into a buffer of ours.
         """
-        hints = [self.store.size_hint(k, dialog) for k in keys]
-        unknown = [i for i, h in enumerate(hints) if h is None]
-        if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
-            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
-            for i, s, need in zip(unknown, probe, needed):
-                hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
+        hints = await self._sizes(sess, keys, dialog)
         inline = req.region == INLINE
         limit = self.cfg.max_frame_bytes - (1 << 20) if inline else sess.region(req.region).size
         offsets = [0] * len(keys)
@@ -428,12 +434,7 @@ class Operations:
             raise RequestError(ErrorCode.BAD_REQUEST, "a lent get needs one capacity per key")
         sizes = [MISS] * n
         needed = [0] * n
-        hints = [self.store.size_hint(k, dialog) for k in keys]
-        unknown = [i for i, h in enumerate(hints) if h is None]
-        if unknown:  # ask the cards for the sizes: a read into an empty buffer tells it
-            probe, need = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
-            for i, s, nd in zip(unknown, probe, need):
-                hints[i] = nd if s == TOO_SMALL else (s if s >= 0 else MISS)
+        hints = await self._sizes(sess, keys, dialog)
         wanted, total = [], 0
         for i, h in enumerate(hints):
             if h == MISS:

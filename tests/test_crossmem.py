@@ -87,3 +87,43 @@ def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path
         assert ei.value.index == 1
         assert _counts(gw)[1] == 0
         assert bytes(c.get_many(keys[1:2], into=[bufs[1]])[0]) == datas[1]  # still in step
+
+
+@pytest.mark.slow
+def test_a_lent_get_cancelled_during_its_copy_gives_its_loan_back(gateway_factory) -> None:
+    """An AsyncClient get cancelled while it reads lent objects ends after the copy, and the loan goes back:
+    nothing stays pinned, and the session's next gets are neither blocked nor wrong."""
+    import asyncio
+
+    from kvgate.asyncclient import AsyncClient
+
+    gw = gateway_factory(["--max-bytes", "256M"])
+    n, size = 16, 4 << 20
+    datas = [os.urandom(size) for _ in range(n)]
+    keys = [f"cancel-{i}".encode() for i in range(n)]
+
+    async def main() -> int:
+        cancelled_in_copy = 0
+        async with AsyncClient.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+            assert all(await c.put_many(keys, datas, retention="short"))
+            for round_ in range(40):
+                dests = [np.zeros(size, np.uint8) for _ in range(n)]
+                task = asyncio.ensure_future(c.get_many(keys, into=dests))
+                await asyncio.sleep(0.001 * (round_ % 8))
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    if c.broken:
+                        await c.close()
+                        c = await AsyncClient.connect(gw.socket, namespace="lent", engine_id="lent")
+                    else:
+                        cancelled_in_copy += 1
+                got = await asyncio.wait_for(c.get_many(keys, into=[np.zeros(size, np.uint8) for _ in range(n)]),
+                                             20)
+                assert [bytes(g) for g in got] == datas
+                assert _counts(gw)[1] == 0, f"round {round_}: pages still pinned"
+        return cancelled_in_copy
+
+    asyncio.run(main())
+    assert gw.stats()["get_paths"]["lent"] > 0

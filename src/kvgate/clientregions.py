@@ -270,6 +270,11 @@ class SharedMemoryTransport(Transport):
                     yield Copy(read, sum(n for _, n in local))
                 except crossmem.CrossMemoryError as e:
                     failed = e
+                except BaseException:
+                    # A cancelled call (its copy has ended: see AsyncClient) still gives the loan back,
+                    # or the pages would stay pinned, and the session's share held, until it closes.
+                    yield from self.wire.call(GiveBack(loan=reply.loan))
+                    raise
             yield from self.wire.call(GiveBack(loan=reply.loan))
             if failed is not None:
                 # Not permitted here (another user, Yama, seccomp) or the gateway's pages were not where it

@@ -92,6 +92,17 @@ def address_of(buf) -> tuple[int, int]:
     return ctypes.addressof((ctypes.c_char * n).from_buffer(mv.cast("B") if mv.format != "B" else mv)), n
 
 
+def _advance(runs: list[tuple[int, int]], i: int, off: int, n: int) -> tuple[int, int]:
+    """Where a side stands (run ``i``, ``off`` bytes into it) after ``n`` more bytes."""
+    while n:
+        take = min(runs[i][1] - off, n)
+        off += take
+        n -= take
+        if off == runs[i][1]:
+            i, off = i + 1, 0
+    return i, off
+
+
 def _read_runs(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
     """One side's runs into the other's, equal in total, in calls of at most ``IOV_MAX`` runs a side."""
     li = ri = 0
@@ -127,26 +138,8 @@ def _read_runs(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, i
         if got == 0:
             raise CrossMemoryError(errno.EFAULT, f"process_vm_readv of pid {pid} read nothing of "
                                                  f"{min(want_l, want_r)} bytes")
-        # advance both sides by ``got``
-        left = got
-        while left:
-            a, n = local[li]
-            take = min(n - loff, left)
-            loff += take
-            left -= take
-            if loff == n:
-                li, loff = li + 1, 0
-        left = got
-        while left:
-            a, n = remote[ri]
-            take = min(n - roff, left)
-            roff += take
-            left -= take
-            if roff == n:
-                ri, roff = ri + 1, 0
-        while li < len(local) and local[li][1] == 0:
-            li += 1
-
+        li, loff = _advance(local, li, loff, got)
+        ri, roff = _advance(remote, ri, roff, got)
 
 def read(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
     """Copy the bytes at ``remote`` (address, length) runs of process ``pid`` into the ``local`` runs of

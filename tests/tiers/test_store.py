@@ -226,3 +226,32 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
             assert dest[: sizes[0]].tobytes() == payload(b"k")
 
     asyncio.run(main())
+
+
+def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_share_of_ram(tmp_path: Path) -> None:
+    """``lend_ram``: a lent object's pages keep its bytes while it is replaced and the tier is written over;
+    past ``LEND_SHARE`` of the tier nothing more is lent (a stalled reply cannot starve puts of pages)."""
+    from kvgate.tiers.store import LEND_SHARE
+
+    async def main() -> None:
+        async with started_store(tmp_path, max_bytes=8 << 20) as store:
+            size = len(payload(b"x"))
+            keys = [f"lend-{i}".encode() for i in range(400)]  # 400 x 10 kB in 8 MiB of 256 KiB pages: 32 fit
+            assert all(await put(store, keys[:20], Retention.SHORT))
+            loans = store.lend_ram([fk(k) for k in keys[:20]], [size] * 20)
+            lent = [i for i, loan in enumerate(loans) if loan is not None]
+            assert lent and len(lent) < 20, "the share was never reached, or nothing was lent"
+            assert store.ram.pinned_bytes <= store.ram.capacity * LEND_SHARE
+            assert store.lend_ram([fk(keys[0])], [size - 1]) == [None], "a size that changed is not lent"
+            # replace every lent object and write the rest of the tier over: puts still find pages
+            items = [PutItem(fk(k), memoryview(b"\xee" * size), ObjectMeta(DIALOG, 0, time.time_ns()))
+                     for k in keys[:20]]
+            assert all(await store.put(items, Retention.SHORT))
+            for at in range(20, 80, 10):  # three times what the unpinned pages hold, a batch that fits at a time
+                assert all(await put(store, keys[at : at + 10], Retention.SHORT))
+            for i in lent:
+                assert b"".join(bytes(v) for v in loans[i].views) == payload(keys[i])
+            store.return_ram(loans)
+            assert store.ram.pinned_bytes == 0
+
+    asyncio.run(main())

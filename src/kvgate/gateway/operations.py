@@ -360,7 +360,10 @@ class Operations:
         """
         hints = await self._sizes(sess, keys, dialog)
         inline = req.region == INLINE
-        limit = self.cfg.max_frame_bytes - (1 << 20) if inline else sess.region(req.region).size
+        # inline: a frame's worth, and no more than the RAM tier may still lend (``_lend``): past that
+        # the client asks again, rather than have the rest copied into fresh memory of ours
+        limit = (min(self.cfg.max_frame_bytes - (1 << 20), max(self.store.lendable_bytes(), 1 << 20)) if inline
+                 else sess.region(req.region).size)
         offsets = [0] * len(keys)
         sizes = [MISS] * len(keys)
         wanted, cursor = [], 0
@@ -436,14 +439,16 @@ class Operations:
         needed = [0] * n
         hints = await self._sizes(sess, keys, dialog)
         wanted, total = [], 0
+        # At most a frame's worth a loan, and what the RAM tier may still lend (the rest would be copied
+        # into fresh memory of ours); the first object always goes: the client asks again for the rest.
+        limit = min(self.cfg.max_frame_bytes, max(self.store.lendable_bytes(), 1 << 20))
         for i, h in enumerate(hints):
             if h == MISS:
                 continue
             if h > req.capacities[i]:
                 sizes[i], needed[i] = TOO_SMALL, h
                 continue
-            # at most a share's worth a loan; the first object always goes (the client asks again for the rest)
-            if total + h > self.cfg.max_frame_bytes and wanted:
+            if total + h > limit and wanted:
                 sizes[i] = NOT_DONE
                 continue
             wanted.append(i)

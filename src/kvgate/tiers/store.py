@@ -57,6 +57,7 @@ class TierCounters:
     bytes_written: int = 0
 
 
+LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
 GET_PATHS = ("lent", "session_region", "registered_region", "inline")
 
 
@@ -384,7 +385,10 @@ class TieredStore:
         c = self.counters
         out: list[RamLoan | None] = []
         for k, size in zip(fkeys, sizes, strict=True):
-            entry = self.ram.pin(k) if self.ram.size_of(k) == size else None
+            # Replies held by slow or stalled clients must not pin the tier: past a share of it, an
+            # object is copied out instead (its pin then lasts the copy), so puts always find pages.
+            room = size <= self.lendable_bytes()
+            entry = self.ram.pin(k) if room and self.ram.size_of(k) == size else None
             if entry is None:  # (or its ttl ran out between the two)
                 out.append(None)
                 continue
@@ -397,6 +401,10 @@ class TieredStore:
             row.bytes_read += entry.size
             out.append(RamLoan(entry.size, entry.views(), entry))
         return out
+
+    def lendable_bytes(self) -> int:
+        """How many more RAM-tier bytes ``lend_ram`` would lend now."""
+        return max(0, int(self.ram.capacity * LEND_SHARE) - self.ram.pinned_bytes)
 
     def return_ram(self, loans: list[RamLoan | None]) -> None:
         """Unpin what ``lend_ram`` lent (each loan once)."""

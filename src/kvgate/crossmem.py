@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-log = logging.getLogger("kvgate.crossmem")
+from kvgate.memcopy import IOV_MAX, Iovec, syscall
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one call, on each side
+
 # A read this large is split over two threads: one thread reaches about 0.8 of a memcpy here, two its
 # full speed; below a few MiB the hand-off costs more than it gains.
 SPLIT_BYTES = 8 << 20
@@ -50,22 +49,11 @@ class CrossMemoryError(OSError):
     address outside the mapped memory) or a short read."""
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = None
-_readv = None
-if sys.platform.startswith("linux"):
-    try:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _readv = _libc.process_vm_readv
-        _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                           ctypes.c_ulong, ctypes.c_ulong]
-        _readv.restype = ctypes.c_ssize_t
-    except (OSError, AttributeError):
-        _readv = None
-
+_readv = syscall("process_vm_readv") if sys.platform.startswith("linux") else None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if _readv is not None else None
+except OSError:
+    _libc = None
 supported = _readv is not None
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -108,15 +96,15 @@ def _read_runs(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, i
     li = ri = 0
     loff = roff = 0  # bytes of local[li] / remote[ri] already done
     while li < len(local):
-        lv = (_Iovec * IOV_MAX)()
-        rv = (_Iovec * IOV_MAX)()
+        lv = (Iovec * IOV_MAX)()
+        rv = (Iovec * IOV_MAX)()
         nl = nr = 0
         want_l = want_r = 0
         j = li
         off = loff
         while j < len(local) and nl < IOV_MAX:
             a, n = local[j]
-            lv[nl] = _Iovec(a + off, n - off)
+            lv[nl] = Iovec(a + off, n - off)
             want_l += n - off
             nl += 1
             j += 1
@@ -126,7 +114,7 @@ def _read_runs(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, i
         while k < len(remote) and nr < IOV_MAX and want_r < want_l:
             a, n = remote[k]
             take = min(n - off, want_l - want_r)
-            rv[nr] = _Iovec(a + off, take)
+            rv[nr] = Iovec(a + off, take)
             want_r += take
             nr += 1
             k += 1

@@ -53,11 +53,12 @@ class ReadAbandoned(OSError):
     """The caller stopped waiting for this read (deadline, or it went away); nothing more is delivered."""
 
 
-class _Iovec(ctypes.Structure):
+class Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _syscall(name: str) -> Any:
+def syscall(name: str) -> Any:
+    """A ``process_vm_readv``-shaped call of libc, or None where there is none (kvgate.crossmem uses it too)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
@@ -74,8 +75,8 @@ def _syscall(name: str) -> Any:
 # thread, 2 MiB objects from anonymous memory into /dev/shm pages, readv
 # 5.1 GiB/s (numpy.copyto 5.1), writev 3.7; back out of /dev/shm, writev
 # 5.0, readv 3.7.
-_vm_writev = _syscall("process_vm_writev")
-_vm_readv = _syscall("process_vm_readv")
+_vm_writev = syscall("process_vm_writev")
+_vm_readv = syscall("process_vm_readv")
 _PID = os.getpid()
 _CHAR = ctypes.c_char
 # (start, end) of every mapping of client memory; replaced whole under the
@@ -191,7 +192,7 @@ def _kernel_copy(spans: list[tuple[int, int, int]], into_client: bool) -> bool:
     for start in range(0, len(spans), IOV_MAX):
         batch = spans[start : start + IOV_MAX]
         n = len(batch)
-        dsts, srcs = (_Iovec * n)(), (_Iovec * n)()
+        dsts, srcs = (Iovec * n)(), (Iovec * n)()
         want = 0
         for i, (d, s, size) in enumerate(batch):
             srcs[i].base, srcs[i].len = s, size

@@ -32,6 +32,8 @@ import socket
 import stat
 from collections.abc import Callable, Sequence
 
+from kvgate.memcopy import IOV_MAX
+
 log = logging.getLogger("kvgate.gateway")
 
 STAGE_BYTES = 64 << 10  # preambles and headers are read through this much
@@ -40,7 +42,6 @@ LISTEN_BACKLOG = 100  # what asyncio.start_server used
 _ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _SCRATCH = memoryview(bytearray(STAGE_BYTES))  # bytes read to be dropped go here (never read back: one is enough)
-IOV_MAX = 1024  # Linux's limit on the buffers of one sendmsg
 
 Buffer = bytes | bytearray | memoryview
 Body = Buffer | Sequence[Buffer]

@@ -127,3 +127,46 @@ def test_a_lent_get_cancelled_during_its_copy_gives_its_loan_back(gateway_factor
 
     asyncio.run(main())
     assert gw.stats()["get_paths"]["lent"] > 0
+
+
+@pytest.mark.slow
+def test_loans_a_client_never_gives_back_end_with_its_connection(gateway_factory) -> None:
+    """A peer that takes lent objects and goes away without giving them back: its pins and its share of
+    the inline budget are released with its session; a lent get over TCP is refused, naming why."""
+    import socket
+    import time
+
+    from kvgate import protocol as p
+    from tests.gateway.test_inline_bytes import _frame, _read_reply
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    gw = gateway_factory(["--max-bytes", "64M", "--port", str(port)])
+    keys = [f"kept-{i}".encode() for i in range(4)]
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, [os.urandom(2 << 20) for _ in keys], retention="short"))
+        for _ in range(3):  # more than the listener's budget would hold, were loans not given back
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(gw.socket)
+            s.settimeout(20)
+            s.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent", want_shm=False)))
+            hello, _ = _read_reply(s)
+            assert hello.lends and hello.pid == gw.pid
+            s.sendall(_frame(p.Get(id=2, keys=keys, region=p.LENT, capacities=[2 << 20] * len(keys))))
+            reply, _ = _read_reply(s)
+            assert isinstance(reply, p.GetReply) and reply.loan and len(reply.segments) >= 2 * len(keys)
+            assert _counts(gw)[1] == 4 * (2 << 20)
+            s.close()
+            deadline = time.monotonic() + 10
+            while _counts(gw)[1] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _counts(gw)[1] == 0
+        assert len(c.get_many(keys, into=[np.zeros(2 << 20, np.uint8) for _ in keys])) == len(keys)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as t:
+        t.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent")))
+        hello, _ = _read_reply(t)
+        assert not hello.lends
+        t.sendall(_frame(p.Get(id=2, keys=keys, region=p.LENT, capacities=[2 << 20] * len(keys))))
+        reply, _ = _read_reply(t)
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST and "TCP" in reply.message

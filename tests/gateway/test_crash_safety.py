@@ -60,6 +60,7 @@ while i < n:
     batch = list(range(i, min(n, i + 1 + i % 3)))  # batches of 1..3 keys
     bufs = [payload(j) for j in batch]
     print("SEND", *batch, flush=True)
+    sys.stdin.readline()  # the test's go: it has seen this SEND (a reader lagging behind a pipe sees no later one)
     try:
         stored = c.put_many([b"key-%d" % j for j in batch], bufs, retention="long")
     except Exception as e:
@@ -77,7 +78,7 @@ def test_sigkill_mid_stream_keeps_every_acknowledged_put(gateway_factory, acks_b
     gw = gateway_factory(["--max-bytes", "32M"], name="victim")
     total = 400
     child = subprocess.Popen([sys.executable, "-c", STREAMER, gw.socket, str(total), NAMESPACE], env=kvgate_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sent: set[int] = set()
     acked: set[int] = set()
     nacked: set[int] = set()
@@ -92,7 +93,13 @@ def test_sigkill_mid_stream_keeps_every_acknowledged_put(gateway_factory, acks_b
             ids = {int(x) for x in nums} if word in ("SEND", "ACK", "NACK") else set()
             if word == "SEND":
                 sent |= ids
-                # the child sends this batch right after printing: kill while it is in flight
+                assert child.stdin is not None
+                try:  # go: the child sends this batch now, and no later one before we have seen its SEND
+                    child.stdin.write("\n")
+                    child.stdin.flush()
+                except BrokenPipeError:
+                    pass
+                # kill while it is in flight
                 if killed_at is None and len(acked) >= acks_before_kill:
                     gw.kill(signal.SIGKILL)
                     killed_at = max(ids)

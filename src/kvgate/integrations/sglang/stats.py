@@ -29,17 +29,18 @@ class TransferStats:
 
     def prefetched(self, pages: int, t0: float, page_bytes: int) -> None:
         """A load that began at ``t0`` (``time.perf_counter``) brought ``pages`` pages."""
-        self._record(self._prefetch_pgs, self._prefetch_bw, pages, t0, page_bytes)
+        self._record(False, pages, t0, page_bytes)
 
     def backed_up(self, pages: int, t0: float, page_bytes: int) -> None:
         """A store that began at ``t0`` (``time.perf_counter``) stored ``pages`` pages."""
-        self._record(self._backup_pgs, self._backup_bw, pages, t0, page_bytes)
+        self._record(True, pages, t0, page_bytes)
 
-    def _record(self, pgs: list[int], bw: list[float], pages: int, t0: float, page_bytes: int) -> None:
+    def _record(self, backup: bool, pages: int, t0: float, page_bytes: int) -> None:
         if not pages:
             return
         dt = time.perf_counter() - t0
-        with self._metrics_lock:
+        with self._metrics_lock:  # the lists are picked under the lock: collect() swaps them
+            pgs, bw = (self._backup_pgs, self._backup_bw) if backup else (self._prefetch_pgs, self._prefetch_bw)
             if len(pgs) < 10000:  # bounded when SGLang never collects (metrics off)
                 pgs.append(pages)
                 bw.append(pages * page_bytes / dt / 1e9 if dt > 0 else 0.0)

@@ -65,6 +65,15 @@ def test_every_table_keeps_its_headers_whole_at_80_columns(busy) -> None:
     assert names == snap["cards"][0]["serial"] + snap["cards"][0]["location"], "serial and path fold, whole"
 
 
+def test_the_footer_says_which_path_gets_took(busy) -> None:
+    snap = busy.stats()
+    text = _rendered(statview.footer(snap))
+    line = next(x for x in text.splitlines() if x.startswith("gets by path: "))
+    shown = dict(re.findall(r"([a-z ]+?) (\d+)(?:, |$)", line.removeprefix("gets by path: ").strip()))
+    assert {k.replace(" ", "_"): int(v) for k, v in shown.items()} == snap["get_paths"]
+    assert sum(snap["get_paths"].values()) >= 2  # one get_many per namespace
+
+
 def test_rates_come_from_the_counters_of_two_snapshots() -> None:
     tier = {"hits": 10, "misses": 4, "bytes_read": 1 << 20, "bytes_written": 0}
     before = {"tiers": {"ram": tier}, "lookups": 100}

@@ -19,7 +19,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-THROUGHPUT_FIGURES = ("ram_get", "tcp_get", "card_get_warm", "card_get_cold", "card_put")
+THROUGHPUT_FIGURES = ("ram_get", "plain_get", "tcp_get", "card_get_warm", "plain_card_get_warm", "card_get_cold",
+                      "card_put")
 
 
 def _env() -> dict[str, str]:
@@ -61,7 +62,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     result = json.loads(out)  # exactly one JSON document on stdout, nothing else
     svg = drawing.read_text()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
-    for label in ("RAM get to shm", "card get, warm", "vs pwritev"):
+    for label in ("RAM get to shm", "RAM get, plain", "card get, warm", "card warm, plain", "vs pwritev"):
         assert label in svg, f"the drawing names {label!r}"
     cfg = result["config"]
     assert (cfg["object_size"], cfg["batch"], cfg["pass_bytes"]) == (256 << 10, 8, 2 << 20)
@@ -83,7 +84,7 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
         assert fig["ratio_median"] > 0, name
         # both sides of a figure always get the same number of passes
         assert fig["kvgate"]["passes"] == fig["baseline"]["passes"], name
-        if name not in ("ram_get", "tcp_get"):  # single-thread baselines
+        if name not in ("ram_get", "plain_get", "tcp_get"):  # single-thread baselines
             assert fig["baseline"]["threads"] in (cfg["threads"], 1)
             assert set(fig["baseline"]["by_threads"]) == {str(cfg["threads"]), "1"}
 
@@ -93,7 +94,11 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     assert 0 < lookup["best_ms"] <= lookup["p50_ms"] <= lookup["p99_ms"]
     assert lookup["one_key_p50_ms"] > 0
 
-    assert set(result["bars"]) == {"ram_get", "card_get_warm", "lookup_p50"}
+    for name in ("plain_get", "plain_card_get_warm"):  # which way the plain gets went, counted by the gateway
+        paths = figures[name]["get_paths"]
+        assert set(paths) <= {"lent", "session_region"} and sum(paths.values()) >= figures[name]["kvgate"]["passes"]
+    assert set(result["bars"]) == {"ram_get", "plain_get", "tcp_get", "card_get_warm", "plain_card_get_warm",
+                                   "card_put", "lookup_p50", "lookup_p99"}
     assert all(isinstance(v, bool) for v in result["bars"].values())
 
     # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.

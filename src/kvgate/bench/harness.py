@@ -5,11 +5,17 @@ engine would talk to) and moves bytes the way engines do: through a
 /dev/shm file the client registers, so the gateway reads and writes the
 engine's memory in place.
 
-    A  RAM tier twice the working set       -> figure 1 (RAM get), and the
-                                               same get over TCP (inline bytes)
-                                               against a raw loopback socket
-    B  RAM tier off (``--max-bytes 0``)     -> figures 2-5 (card get warm and
-                                               cold, card put, lookup)
+    A  RAM tier twice the working set       -> figure 1 (RAM get), the same
+                                               get into plain buffers, and over
+                                               TCP (inline bytes) against a raw
+                                               loopback socket
+    B  RAM tier off (``--max-bytes 0``)     -> figures 2-5 (card get warm, also
+                                               into plain buffers, and cold,
+                                               card put, lookup)
+
+Plain buffers (``kvgate.bench.plain``) are numpy arrays of the bench's own,
+outside any registered region: how SGLang's and LMCache's host pools and
+plain Python users call ``get_many``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from kvgate.bench.baselines import (
     write_files,
 )
 from kvgate.bench.measure import Contender, Plan, Series, figure, measure, ratio
+from kvgate.bench.plain import plain_card_get_warm, plain_get
 from kvgate.bench.processes import GatewayProcess, free_port
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.client import Client
@@ -153,6 +160,7 @@ class Bench:
         self.ram_client: Client
         self.card_client: Client
         self.tcp_client: Client  # the RAM gateway again, over TCP
+        self.plain_clients: list[Client] = []  # one per gateway, with a session region: plain-buffer gets
         self.slices: list[memoryview] = []  # the batch's destinations (and put sources) in the region
         self.ref = np.empty(0, dtype=np.uint8)  # the batch's payload, outside the region
         self.timing: dict[str, Any] = {}
@@ -198,6 +206,10 @@ class Bench:
         self.tcp_client = Client.connect(f"127.0.0.1:{port}", namespace=NAMESPACE,
                                          engine_id=f"kvgate-bench-{os.getpid()}", timeout=120)
         self.clients.append(self.tcp_client)
+        for g in self.gateways:
+            c = Client.connect(g.socket, namespace=NAMESPACE, engine_id=f"kvgate-bench-{os.getpid()}", timeout=120)
+            self.plain_clients.append(c)
+            self.clients.append(c)
         return self.clients[0], self.clients[1]
 
     def close(self) -> None:
@@ -252,7 +264,7 @@ class Bench:
         """The baselines run with the gateway's thread count and with one thread (once if they are equal)."""
         return list(dict.fromkeys((self.plan.threads, 1)))
 
-    def _raw_contenders(self, pass_fn: Callable[[int, int], None], before: Callable[[], None] | None = None,
+    def raw_contenders(self, pass_fn: Callable[[int, int], None], before: Callable[[], None] | None = None,
                         after: Callable[[int], None] | None = None) -> list[Contender]:
         """One contender per thread count; ``pass_fn(round, threads)`` is one raw pass."""
         return [Contender(f"raw{n}", lambda r, n=n: pass_fn(r, n), before, after) for n in self.thread_counts]
@@ -264,7 +276,7 @@ class Bench:
         return [Contender(f"direct{n}", lambda _r, n=n: on_threads(self.pool, read_files_direct, items, n),
                           drop_caches) for n in self.thread_counts]
 
-    def _figure(self, series: dict[str, Series], what: str) -> dict[str, Any]:
+    def raw_figure(self, series: dict[str, Series], what: str) -> dict[str, Any]:
         """kvgate against the faster raw thread count: the physical limit is the best the machine does."""
         return figure(series, "kvgate", self.thread_counts, what)
 
@@ -286,10 +298,14 @@ class Bench:
         skipped: dict[str, str] = {}
         self.progress("RAM-tier get")
         figures["ram_get"] = self._ram_get()
+        self.progress("RAM-tier get into plain buffers")
+        figures["plain_get"] = plain_get(self)
         self.progress("RAM-tier get over TCP")
         figures["tcp_get"] = self._tcp_get()
         self.progress("card get (warm)")
         figures["card_get_warm"], card_get, items = self._card_get_warm()
+        self.progress("card get (warm) into plain buffers")
+        figures["plain_card_get_warm"] = plain_card_get_warm(self, items)
         self.progress("card get (cold)")
         why = can_drop_caches()
         if why is None:
@@ -391,22 +407,22 @@ class Bench:
         card_get(0)
         self._verify(ref, "card get")
         s = measure([Contender("kvgate", card_get),
-                     *self._raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items, n))],
+                     *self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items, n))],
                     ws, **self.timing)
-        return self._figure(s, "open+preadv+close"), card_get, items
+        return self.raw_figure(s, "open+preadv+close"), card_get, items
 
     def _card_get_cold(self, card_get: Callable[[int], None], items: list[tuple[str, int, memoryview]]) -> dict[str, Any]:
         """3. As 2, with the page cache dropped before every pass of either side; few passes, they are slow."""
         n = self.plan.cold_rounds
         s = measure([Contender("kvgate", card_get, drop_caches),
-                     *self._raw_contenders(lambda _r, t: on_threads(self.pool, read_files, items, t), drop_caches),
+                     *self.raw_contenders(lambda _r, t: on_threads(self.pool, read_files, items, t), drop_caches),
                      *self._direct_contenders(items)],
                     self.plan.pass_bytes, budget_s=0.0, min_rounds=n, max_rounds=n, warmup=False)
         self.shm.array[: self.plan.pass_bytes] = 0
         drop_caches()
         card_get(0)
         self._verify(self.ref, "cold card get")
-        return self._figure(s, "open+preadv+close")
+        return self.raw_figure(s, "open+preadv+close")
 
     def _card_put(self) -> dict[str, Any]:
         """4. Write-through put from the region vs new files (temp name, pwritev, rename); fresh names each pass."""
@@ -434,10 +450,10 @@ class Bench:
 
         # Both sides delete what a pass wrote (untimed), so the filesystem does not fill up.
         s = measure([Contender("kvgate", card_put, after=lambda r: client.delete_many(put_keys(r))),
-                     *self._raw_contenders(lambda r, n: on_threads(self.pool, write_files, raw_items(r), n),
+                     *self.raw_contenders(lambda r, n: on_threads(self.pool, write_files, raw_items(r), n),
                                            after=raw_delete)],
                     self.plan.pass_bytes, **self.timing)
-        return self._figure(s, "open+pwritev+close+rename")
+        return self.raw_figure(s, "open+pwritev+close+rename")
 
     def _lookup(self) -> dict[str, Any]:
         """5. Lookup of 1,000 stored keys: what an engine asks on every scheduling step."""

@@ -13,12 +13,20 @@ from kvgate.bench import BenchError
 from kvgate.bench.measure import fmt_size
 from kvgate.bench.restores import CARDS_FIGURES
 
-# The bars: what a healthy gateway reaches on any machine, as ratios to the
-# physical baseline (or, for lookups, a latency an engine's scheduler can
-# afford on every request).
-BAR_RAM_GET_RATIO = 0.5
-BAR_CARD_GET_WARM_RATIO = 0.6
-BAR_LOOKUP_P50_MS = 2.0
+# The bars: ratios to the physical baseline measured in the same run (or, for
+# lookups, latencies an engine's scheduler can afford on every step).  One
+# copy at the medium's speed is the aim: a figure under its bar is a path
+# that still costs more than the medium.
+BAR_RATIOS = {
+    "ram_get": 0.8,  # RAM tier into a registered region vs np.copyto
+    "plain_get": 0.8,  # RAM tier into plain buffers vs np.copyto
+    "tcp_get": 0.8,  # RAM tier over loopback TCP vs a raw loopback stream
+    "card_get_warm": 0.85,  # warm card into a registered region vs open+preadv+close
+    "plain_card_get_warm": 0.8,  # warm card into plain buffers vs open+preadv+close
+    "card_put": 0.8,  # write-through put vs open+pwritev+close+rename
+}
+BAR_LOOKUP_P50_MS = 0.5
+BAR_LOOKUP_P99_MS = 2.0
 
 MODEL_TOLERANCE = 0.01  # gateway vs model, in share of all blocks, before a note says they differ
 
@@ -34,12 +42,19 @@ def base_label(base: dict[str, Any], plain: str) -> str:
 # ---- figures 1-5 ---------------------------------------------------------------------------
 
 
+FIGURE_LABELS = [("RAM get to shm", "ram_get"), ("RAM get, plain", "plain_get"), ("RAM get over TCP", "tcp_get"),
+                 ("card get, warm", "card_get_warm"), ("card warm, plain", "plain_card_get_warm"),
+                 ("card get, cold", "card_get_cold"), ("card put", "card_put")]
+
+BASELINE_SHORT = {"ram_get": "copyto", "plain_get": "copyto", "tcp_get": "socket", "card_get_warm": "preadv",
+                  "plain_card_get_warm": "preadv", "card_get_cold": "preadv", "card_put": "pwritev"}
+
+
 def bars_passed(figures: dict[str, Any]) -> dict[str, bool]:
-    return {
-        "ram_get": figures["ram_get"]["ratio"] >= BAR_RAM_GET_RATIO,
-        "card_get_warm": figures["card_get_warm"]["ratio"] >= BAR_CARD_GET_WARM_RATIO,
-        "lookup_p50": figures["lookup"]["p50_ms"] <= BAR_LOOKUP_P50_MS,
-    }
+    out = {name: figures[name]["ratio"] >= limit for name, limit in BAR_RATIOS.items()}
+    out["lookup_p50"] = figures["lookup"]["p50_ms"] <= BAR_LOOKUP_P50_MS
+    out["lookup_p99"] = figures["lookup"]["p99_ms"] <= BAR_LOOKUP_P99_MS
+    return out
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -55,8 +70,7 @@ def print_table(result: dict[str, Any]) -> None:
     def gib(side: dict[str, Any], note: str = "") -> str:
         return f"{gib_s(side['best_gib_s'])}\n[dim]{note}med {side['median_gib_s']:.2f}[/]"
 
-    short = {"ram_get": "copyto", "tcp_get": "socket", "card_get_warm": "preadv", "card_get_cold": "preadv",
-             "card_put": "pwritev"}
+    short = BASELINE_SHORT
 
     # Sized to fit 80 columns: the second line of a cell says what the baseline is, and the medians.
     t = Table(title=f"kvgate bench{' --quick' if cfg['quick'] else ''}: best pass, ratio = kvgate / baseline")
@@ -65,24 +79,26 @@ def print_table(result: dict[str, Any]) -> None:
     t.add_column("baseline", justify="right")
     t.add_column("ratio", justify="right")
     t.add_column("bar")
-    rows = [("RAM get to shm", "ram_get", f">={BAR_RAM_GET_RATIO}"), ("RAM get over TCP", "tcp_get", None),
-            ("card get, warm", "card_get_warm", f">={BAR_CARD_GET_WARM_RATIO}"),
-            ("card get, cold", "card_get_cold", None), ("card put", "card_put", None)]
-    for label, name, limit in rows:
-        f = figs[name]
+    for label, name in FIGURE_LABELS:
+        f = figs.get(name)
         if f is None:
             t.add_row(label, "[yellow]skipped[/]", "-", "-", "-")
             continue
         b = f["baseline"]
-        t.add_row(label, gib(f["kvgate"]), gib(b, f"{base_label(b, short[name])} x{b['threads']}, "), f"{f['ratio']:.2f}",
-                  bar(bars[name], limit) if limit else "-")
+        paths = f.get("get_paths")
+        t.add_row(label + (f"\n[dim]{', '.join(paths)}[/]" if paths else ""), gib(f["kvgate"]),
+                  gib(b, f"{base_label(b, short[name])} x{b['threads']}, "), f"{f['ratio']:.2f}",
+                  bar(bars[name], f">={BAR_RATIOS[name]}") if name in BAR_RATIOS else "-")
     f = figs["lookup"]
     t.add_row(f"lookup {f['keys']} keys", f"p50 {f['p50_ms']:.2f} ms\n[dim]p99 {f['p99_ms']:.2f}\nbest {f['best_ms']:.2f}[/]",
-              f"[dim]1 key: p50\n{f['one_key_p50_ms']:.2f} ms[/]", "-", bar(bars["lookup_p50"], f"<={BAR_LOOKUP_P50_MS:g}ms"))
+              f"[dim]1 key: p50\n{f['one_key_p50_ms']:.2f} ms[/]", "-",
+              bar(bars["lookup_p50"], f"p50<={BAR_LOOKUP_P50_MS:g}ms") + "\n"
+              + bar(bars["lookup_p99"], f"p99<={BAR_LOOKUP_P99_MS:g}ms"))
     con.print(t)
     con.print(f"machine: {cfg['cores']} cores; {fmt_size(cfg['object_size'])} objects x {cfg['batch']} = "
               f"{fmt_size(cfg['pass_bytes'])} per pass; gateway and baseline threads {cfg['threads']}; "
-              f"passes RAM/TCP/warm/cold/put {figs['ram_get']['kvgate']['passes']}/{figs['tcp_get']['kvgate']['passes']}/"
+              f"passes RAM/plain/TCP/warm/cold/put {figs['ram_get']['kvgate']['passes']}/"
+              f"{figs['plain_get']['kvgate']['passes']}/{figs['tcp_get']['kvgate']['passes']}/"
               f"{figs['card_get_warm']['kvgate']['passes']}/"
               f"{figs['card_get_cold']['kvgate']['passes'] if figs['card_get_cold'] else 0}/"
               f"{figs['card_put']['kvgate']['passes']}, {figs['lookup']['reps']} lookups; "
@@ -356,16 +372,14 @@ def plot_bars(title: str, rows: list[tuple[str, float, float, str, float]], path
 
 def plot_figures(result: dict[str, Any], path: str) -> None:
     """``kvgate bench --plot``: each throughput figure's best pass beside its baseline's."""
-    names = {"ram_get": ("RAM get to shm", "copyto"), "tcp_get": ("RAM get, TCP", "socket"),
-             "card_get_warm": ("card get, warm", "preadv"), "card_get_cold": ("card get, cold", "preadv"),
-             "card_put": ("card put", "pwritev")}
     rows = []
-    for name, (label, plain) in names.items():
+    for label, name in FIGURE_LABELS:
         f = result["figures"].get(name)
         if f is None:
             continue
         b = f["baseline"]
-        rows.append((label, f["kvgate"]["best_gib_s"], b["best_gib_s"], base_label(b, plain), f["ratio"]))
+        rows.append((label, f["kvgate"]["best_gib_s"], b["best_gib_s"], base_label(b, BASELINE_SHORT[name]),
+                     f["ratio"]))
     lookup = result["figures"]["lookup"]
     cfg = result["config"]
     plot_bars(f"kvgate bench{' --quick' if cfg['quick'] else ''}: best pass, ratio = kvgate / baseline",

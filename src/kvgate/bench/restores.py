@@ -238,7 +238,7 @@ class CardsBench(Bench):
                 f.result()
 
         def raw_single(before: Callable[[], None] | None) -> list[Contender]:
-            return self._raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items[0], n), before)
+            return self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items[0], n), before)
 
         # Untimed checks: the baseline moves the real bytes (and warms the page cache), and so do both restores.
         total = nr * ws

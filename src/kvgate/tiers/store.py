@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,42 +35,21 @@ from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import key_digest
-from kvgate.tiers.io import ByteBudget, IoPool
+from kvgate.tiers.io import IoPool
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
+from kvgate.tiers.counters import StoreCounters
 from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.reads import CardRead, ReadOutcome
+from kvgate.tiers.staging import Staging
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.types import Retention, SizeCode
 
 log = logging.getLogger("kvgate.store")
 
-@dataclass
-class TierCounters:
-    sets: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-
 LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
-GET_PATHS = ("lent", "session_region", "registered_region", "inline")
-
-
-@dataclass
-class StoreCounters:
-    ram: TierCounters = field(default_factory=TierCounters)
-    long: TierCounters = field(default_factory=TierCounters)
-    lookups: int = 0
-    corrupt: int = 0
-    expired: int = 0
-    # get requests by the way their bytes travel: read out of our memory by the client (``lent``),
-    # through the session region, in place in a registered region, or in the frames (``inline``)
-    get_paths: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GET_PATHS, 0))
 
 
 @dataclass(slots=True)
@@ -97,45 +76,15 @@ class RamLoan:
     entry: object  # the pinned ``ram.Entry``: for ``return_ram`` only
 
 
-class Staging:
-    """Buffers of ours that card writes of items without a RAM copy read from (see ``TieredStore.put``).
+class TieredStore:
+    """The RAM tier in front of the card set: puts, gets, lookups, lends, deletes (module docstring).
 
-    Puts hold at most ``limit`` bytes of them at once, as inline frames do;
-    puts beyond it wait their turn.  Given-back buffers are kept for reuse up
-    to ``KEEP`` bytes: fresh memory fills at about 0.5 GiB/s here (a page
-    fault and a zeroing per 4 KiB, see ``RamTier``), which made a fresh
-    buffer per put cost more than the card write itself.
+    Called by the gateway's operation handlers, on the event loop only; every
+    coroutine keeps the loop free of copies and I/O by running them in
+    ``pool``.  Nothing here blocks the loop but bookkeeping: a request waits
+    on pool threads, not on other requests' bookkeeping.
     """
 
-    KEEP = 64 << 20
-
-    def __init__(self, limit: int):
-        self.budget = ByteBudget(limit)
-        self._free: dict[int, list[memoryview]] = {}
-        self._kept = 0
-
-    async def take(self, sizes: list[int]) -> list[memoryview]:
-        await self.budget.acquire(sum(sizes))
-        out = []
-        for n in sizes:
-            free = self._free.get(n)
-            if free:
-                out.append(free.pop())
-                self._kept -= n
-            else:
-                out.append(memoryview(bytearray(n)))
-        return out
-
-    async def give_back(self, buffers: list[memoryview]) -> None:
-        for buf in buffers:
-            n = len(buf)
-            if self._kept + n <= self.KEEP:
-                self._free.setdefault(n, []).append(buf)
-                self._kept += n
-        await self.budget.release(sum(len(b) for b in buffers))
-
-
-class TieredStore:
     def __init__(self, cfg: Config, pool: IoPool):
         self.cfg = cfg
         self.pool = pool

@@ -90,6 +90,29 @@ def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path
 
 
 @pytest.mark.slow
+def test_card_reads_are_lent_in_one_round_from_reused_buffers(gateway_factory, tmp_path) -> None:
+    """No RAM tier: every object is read from the card into reply buffers of the gateway's. A get of
+    8 objects is one lent request (the RAM tier's lending share does not cut card reads into rounds),
+    and buffers reused from one get to the next never show the last get's bytes."""
+    gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(tmp_path / "card")])
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        batches = []
+        for b in range(3):
+            keys = [f"card-{b}-{i}".encode() for i in range(8)]
+            datas = [os.urandom(2 << 20) for _ in keys]
+            assert all(c.put_many(keys, datas, retention="long"))
+            batches.append((keys, datas))
+        before = _counts(gw)[0]["lent"]
+        for _ in range(2):
+            for keys, datas in batches:
+                bufs = [np.zeros(2 << 20, np.uint8) for _ in keys]
+                got = c.get_many(keys, into=bufs)
+                assert [bytes(g) for g in got] == datas
+        assert _counts(gw)[0]["lent"] - before == 6, "one lent request per get of 8 card objects"
+        assert _counts(gw)[1] == 0
+
+
+@pytest.mark.slow
 def test_a_lent_get_cancelled_during_its_copy_gives_its_loan_back(gateway_factory) -> None:
     """An AsyncClient get cancelled while it reads lent objects ends after the copy, and the loan goes back:
     nothing stays pinned, and the session's next gets are neither blocked nor wrong."""

@@ -85,6 +85,28 @@ class _Lent:
     body: LentBody
 
 
+class _LendRoom:
+    """What one reply sent or lent from our memory may still take: ``limit`` bytes in all, and RAM-tier
+    objects only while the tier may still lend them (``TieredStore.lendable_bytes``).  Past that share
+    an object would be copied out of the tier into a buffer of ours: the client asks again for it
+    instead.  Objects read from cards go into reply buffers whatever the share.  The first object
+    always goes (the client's request carried it in one frame, so one frame carries it back)."""
+
+    def __init__(self, store: TieredStore, limit: int) -> None:
+        self.store = store
+        self.left = limit
+        self.ram_left = max(store.lendable_bytes(), 1 << 20)
+
+    def take(self, key: bytes, size: int, first: bool) -> bool:
+        in_ram = self.store.ram.size_of(key) == size
+        if not first and (size > self.left or (in_ram and size > self.ram_left)):
+            return False
+        self.left -= size
+        if in_ram:
+            self.ram_left -= size
+        return True
+
+
 @dataclass(frozen=True)
 class Operation:
     handler: Handler
@@ -161,7 +183,7 @@ class Operations:
                 await reply(conn, answer, reply_body)
         finally:
             if isinstance(reply_body, LentBody):
-                self.store.return_ram(reply_body.loans)
+                self.store.return_ram(reply_body.loans, reply_body.buffers)
                 await session.inline.release(reply_body.nbytes)
             elif reply_body is not None:
                 await session.inline.release(len(reply_body))
@@ -360,10 +382,8 @@ class Operations:
         """
         hints = await self._sizes(sess, keys, dialog)
         inline = req.region == INLINE
-        # inline: a frame's worth, and no more than the RAM tier may still lend (``_lend``): past that
-        # the client asks again, rather than have the rest copied into fresh memory of ours
-        limit = (min(self.cfg.max_frame_bytes - (1 << 20), max(self.store.lendable_bytes(), 1 << 20)) if inline
-                 else sess.region(req.region).size)
+        room = _LendRoom(self.store, self.cfg.max_frame_bytes - (1 << 20)) if inline else None
+        limit = sess.region(req.region).size if not inline else 0
         offsets = [0] * len(keys)
         sizes = [MISS] * len(keys)
         wanted, cursor = [], 0
@@ -372,7 +392,7 @@ class Operations:
                 continue
             # inline: the first object always goes, even past the limit (it came in one frame, so one
             # frame carries it back); otherwise an object near max_frame_bytes could never be read
-            if cursor + h > limit and (wanted or not inline):
+            if not room.take(keys[i], h, not wanted) if room is not None else cursor + h > limit:
                 for j in range(i, len(keys)):
                     if hints[j] != MISS:
                         sizes[j] = NOT_DONE
@@ -402,14 +422,11 @@ class Operations:
         try:
             loans = self.store.lend_ram([keys[i] for i in wanted], [hints[i] for i in wanted])
             from_cards = [i for i, loan in zip(wanted, loans) if loan is None]
-            buf = memoryview(bytearray(sum(hints[i] for i in from_cards)))
-            dest: dict[int, memoryview] = {}
-            at = 0
-            for i in from_cards:
-                dest[i] = buf[at : at + hints[i]]
-                at += hints[i]
+            buffers = self.store.reply_buffers.take([hints[i] for i in from_cards])
+            dest = dict(zip(from_cards, buffers))
             got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local)
         except BaseException:
+            # Not given back (a cancelled get's copies may still be landing in them): dropped.
             self.store.return_ram(loans)
             await sess.inline.release(nbytes)
             raise
@@ -424,7 +441,7 @@ class Operations:
             else:
                 sizes.append(loan.size)
                 segments += loan.views
-        return _Lent(sizes, LentBody(segments, nbytes, loans))
+        return _Lent(sizes, LentBody(segments, nbytes, loans, buffers))
 
     async def _get_lent(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
         """A get the client reads out of our memory (``LENT``): one copy, made by the client
@@ -439,16 +456,14 @@ class Operations:
         needed = [0] * n
         hints = await self._sizes(sess, keys, dialog)
         wanted, total = [], 0
-        # At most a frame's worth a loan, and what the RAM tier may still lend (the rest would be copied
-        # into fresh memory of ours); the first object always goes: the client asks again for the rest.
-        limit = min(self.cfg.max_frame_bytes, max(self.store.lendable_bytes(), 1 << 20))
+        room = _LendRoom(self.store, self.cfg.max_frame_bytes)
         for i, h in enumerate(hints):
             if h == MISS:
                 continue
             if h > req.capacities[i]:
                 sizes[i], needed[i] = TOO_SMALL, h
                 continue
-            if total + h > limit and wanted:
+            if not room.take(keys[i], h, not wanted):
                 sizes[i] = NOT_DONE
                 continue
             wanted.append(i)
@@ -474,7 +489,7 @@ class Operations:
         lent = sess.loans.pop(req.loan, None)
         if lent is None:
             return CountReply(count=0), None
-        self.store.return_ram(lent.loans)
+        self.store.return_ram(lent.loans, lent.buffers)
         await sess.inline.release(lent.nbytes)
         return CountReply(count=1), None
 

@@ -101,6 +101,7 @@ class LentBody:
     segments: list[memoryview]
     nbytes: int
     loans: list[RamLoan | None]
+    buffers: list[memoryview] = field(default_factory=list)  # ours, filled by card reads: back with the loans
 
 
 @dataclass
@@ -217,7 +218,7 @@ class Sessions:
 
     def close(self, sess: Session) -> None:
         for lent in sess.loans.values():
-            self.store.return_ram(lent.loans)
+            self.store.return_ram(lent.loans, lent.buffers)
             # its share goes with the connection, but the listener's budget must be told
             task = asyncio.get_running_loop().create_task(sess.inline.release(lent.nbytes))
             self._releasing.add(task)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,13 +44,14 @@ from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
 from kvgate.tiers.reads import CardRead, ReadOutcome
-from kvgate.tiers.staging import Staging
+from kvgate.tiers.staging import BufferCache, Staging
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.types import Retention, SizeCode
 
 log = logging.getLogger("kvgate.store")
 
 LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
+REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
 
 
 @dataclass(slots=True)
@@ -98,6 +100,9 @@ class TieredStore:
                                                  on_expired=self._count_expired, io_seconds=self.card_io_seconds))
         self.finder = KeyFinder(self.long)
         self.staging = Staging(2 * cfg.max_frame_bytes)
+        # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
+        # them, the card reads fill them, and they come back with the loans (return_ram).
+        self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
         memcopy.check()
 
     def _count_expired(self, n: int) -> None:
@@ -355,11 +360,13 @@ class TieredStore:
         """How many more RAM-tier bytes ``lend_ram`` would lend now."""
         return max(0, int(self.ram.capacity * LEND_SHARE) - self.ram.pinned_bytes)
 
-    def return_ram(self, loans: list[RamLoan | None]) -> None:
-        """Unpin what ``lend_ram`` lent (each loan once)."""
+    def return_ram(self, loans: list[RamLoan | None], buffers: Sequence[memoryview] = ()) -> None:
+        """Unpin what ``lend_ram`` lent (each loan once), and keep ``buffers`` (``reply_buffers``'s,
+        filled by card reads that have returned, sent or read by now) for the next reply."""
         for loan in loans:
             if loan is not None:
                 self.ram.unpin(loan.entry)
+        self.reply_buffers.give(buffers)
 
     def size_hint(self, fkey: bytes, dialog: bytes) -> int | None:
         """Payload size if this gateway knows it without touching a card."""

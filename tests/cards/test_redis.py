@@ -550,7 +550,9 @@ def test_scan_deletes_corrupt_and_skips_foreign(server: RedisServer, cards: list
     foreign = [b"kvgate:o:not-ours", b"kvgate:o:0:xyz", b"user:x"]
     for f in foreign:
         raw.set(f, b"not ours")
+    assert c.scan_corrupt == 0
     assert sorted(o.full_key for o in c.scan()) == sorted([good, wrong_name])
+    assert c.scan_corrupt == 3  # the bad header, the short value and the misnamed one
     for gone in (c.object_key(bad_hdr), c.object_key(short), misnamed, typed):
         assert not raw.exists(gone)
     assert all(raw.exists(f) for f in foreign)

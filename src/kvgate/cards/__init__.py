@@ -27,5 +27,6 @@ __all__ = [
     "expand",
     "is_network",
     "is_redis",
+    "kind_of",
     "make_card",
 ]

@@ -330,6 +330,7 @@ class RedisCard(Card):
             return None
         except ObjectCorrupt:
             self._objects.discard(name, bytes(buf))
+            self.scan_corrupt += 1
             return None
         return StoredObject(header.full_key, header.payload_len, size, header.meta)
 

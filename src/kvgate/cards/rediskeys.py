@@ -30,7 +30,6 @@ HEADS_KEY = b"kvgate:heads"  # a set of 8-byte shared-head ids; outside OBJECT_P
 SNAPSHOT_KEY = b"kvgate:index"  # outside OBJECT_PREFIX too
 SNAPSHOT_TEMP = b"kvgate:index-tmp:"  # + a writer's uuid; renamed to SNAPSHOT_KEY when whole
 OBJECT_PREFIX = b"kvgate:o:"
-OBJECT_MATCH = OBJECT_PREFIX + b"*"
 SCAN_COUNT = 1000  # SCAN COUNT hint, wherever the object keys are walked
 
 TAG_PARAM = "kvgate_tag"  # in a card's URL: the hash tag of its keys (a Redis Cluster primary's card)

@@ -135,6 +135,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         self.engine_id = f"sglang-{os.getppid()}"
         slots = max(1, min(MAX_BATCH_PAGES, STAGING_BYTES // self.slot_bytes))
         s = self.settings
+        self._close_links()  # a second registration (a new pool) replaces the first one's connections
         self._lookups = self._new_link("lookups", s.lookup_timeout, 0)
         self._loads = self._new_link("loads", s.io_timeout, slots)
         self._stores = self._new_link("stores", s.io_timeout, slots)
@@ -152,6 +153,17 @@ class KvgateHiCacheStorage(HiCacheStorage):
                     link.get()
                 except GatewayDown:
                     pass  # logged; retried by the first call that needs it
+
+    def _close_links(self) -> None:
+        links = [x for x in (self._lookups, self._loads, self._stores) if x is not None]
+        self._lookups = self._loads = self._stores = None
+        for link in links:
+            link.abort()
+        for link in links:
+            try:
+                link.close()
+            except Exception:
+                pass
 
     def _new_link(self, name: str, timeout: float, slots: int) -> GatewayLink:
         """A storage thread's connection, in the namespace and with the page slots just fixed."""
@@ -487,12 +499,5 @@ class KvgateHiCacheStorage(HiCacheStorage):
         """Detach (scheduler thread, after SGLang stopped its storage threads): close connections and
         staging regions.  Calls still in flight on other threads are aborted first."""
         self.closed = True
-        links = [x for x in (self._lookups, self._loads, self._stores) if x is not None]
-        for link in links:
-            link.abort()
-        for link in links:
-            try:
-                link.close()
-            except Exception:
-                pass
+        self._close_links()
         logger.info("kvgate backend: closed; %s", self.counters)

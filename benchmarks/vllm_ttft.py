@@ -71,6 +71,8 @@ from vllm_harness import (
 
 BAR_VS_COMPUTED = 0.25
 BAR_VS_FS = 1.0
+BAR_MISS = 1.02  # TTFT with kvgate configured and nothing to hit, over TTFT without kvgate
+MISS_SEED = 5000  # the miss prompts' seeds: apart from the restore prompts', so nothing of them is stored
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument of `kvgate serve`, e.g. --gateway-arg=--thread-pool-size=8 (repeatable)")
     p.add_argument("--engine-timeout", type=float, default=900.0)
+    p.add_argument("--miss-prompts", type=int, default=6,
+                   help="fresh prompts per engine for the miss cost (0: skip it); each is computed once")
+    p.add_argument("--miss-tokens", type=int, default=2048, help="tokens in each miss prompt")
+    p.add_argument("--miss-only", action="store_true", help="measure the miss cost only (engines 0a/0b)")
+    p.add_argument("--miss-rounds", type=int, default=1,
+                   help="rounds of four miss engines (without, with, with, without kvgate)")
     return p.parse_args(argv)
 
 
@@ -114,11 +122,12 @@ def main(argv=None) -> int:
     work = Path(args.workdir).resolve()
     model_dir = work / f"llama-l{args.layers}-h{args.hidden}-kv{args.kv_heads}-v{args.vocab}-{args.dtype}"
     card = work / "card"
+    miss_card = work / "miss-card"
     fs_root = work / "fs"
     logs = work / "runs"
-    for d in (card, fs_root, logs):
+    for d in (card, miss_card, fs_root, logs):
         shutil.rmtree(d, ignore_errors=True)
-    for d in (work, card, fs_root, logs):
+    for d in (work, card, miss_card, fs_root, logs):
         d.mkdir(parents=True, exist_ok=True)
 
     head_dim = args.hidden // args.heads
@@ -207,6 +216,42 @@ def main(argv=None) -> int:
         gw = Gateway(work, card, name="gw", max_bytes=gateway_ram, extra_args=args.gateway_arg).start()
         log(f"gateway up (pid {gw.proc.pid}, socket {gw.socket}, card {card}, RAM tier {gateway_ram})")
 
+        # 0. the cost of a miss: fresh prompts computed by an engine without kvgate and by one
+        # with kvgate configured (its only secondary tier), nothing to hit in either
+        if args.miss_prompts:
+            t = time.monotonic()
+            log(f"engines 0a/0b: the cost of a miss, {args.miss_prompts} fresh prompts of {args.miss_tokens} "
+                f"tokens each, without kvgate and with it")
+            # its own gateway and card, so the restore runs' counts of stored chunks see none of these
+            miss_gw = Gateway(work, miss_card, name="gw-miss", max_bytes=gateway_ram,
+                              extra_args=args.gateway_arg).start()
+            try:
+                kvgate_only = {**base_kv, "secondary_tiers": [{"type": "KvgateTier", "module_path":
+                                                                 "kvgate.integrations.vllm", "socket": miss_gw.socket}]}
+                # Engines of either kind in the order A B B A (and again per further round): the
+                # machine's speed drifts by about 10 % between engines here, which this order cancels
+                # to first order; every prompt is fresh (its own seed), so nothing is ever hit.
+                order = [("miss_plain", None), ("miss_kvgate", kvgate_only)]
+                seq = []
+                for r in range(args.miss_rounds):
+                    seq += order + order[::-1] if r % 2 == 0 else order[::-1] + order
+                for n, (run, plan_kv) in enumerate(seq):
+                    steps = [{"op": "warmup"}]
+                    for i in range(args.miss_prompts + 1):  # the first one takes the engine's one-time costs
+                        ids = prompt_ids(MISS_SEED + 100 * n + i, args.miss_tokens, args.vocab)
+                        name = f"first-miss:M{i}" if i == 0 else f"{run.replace('_', '-')}:M{n}.{i}"
+                        steps += [{"op": "warmup"}, {"op": "generate", "name": name, "prompt_token_ids": ids,
+                                                     "max_tokens": args.max_tokens}]
+                    got = runner.run(f"0-{n}-{run}", {"model": model, "llm": llm, "steps": steps, "kv": plan_kv},
+                                     timeout=args.engine_timeout)
+                    runs.setdefault(run, {"results": []})["results"] += got["results"]
+            finally:
+                miss_gw.cleanup()
+            timeline.append(("engines 0a/0b: miss cost", time.monotonic() - t))
+
+        if args.miss_only:
+            return _miss_report(args, runs, t_start)
+
         # 1. compute: every prompt computed once and stored in both tiers
         steps: list[dict] = [{"op": "warmup"}]
         for i in range(args.prompts):
@@ -255,9 +300,11 @@ def main(argv=None) -> int:
             gw.cleanup()
 
     report = summarize(args, runs, prompts, names, hit_tokens, can_drop)
+    report["miss"] = summarize_miss(runs)
     report["setup"] = {
         "model": model["config"] | {"dtype": args.dtype}, "prompt_tokens": args.prompt_tokens,
         "prompts": args.prompts, "repeats": args.repeats, "restorable_tokens": hit_tokens,
+        "miss_prompts": args.miss_prompts, "miss_tokens": args.miss_tokens,
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_bytes_per_prompt": prompt_bytes, "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space_gib,
         "cpu_bytes_to_use": cpu_tier_bytes, "gateway_max_bytes": gateway_ram, "gateway_args": args.gateway_arg,
@@ -275,7 +322,46 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
         log(f"wrote {args.json}")
-    return 0 if report["checks_ok"] else 1
+    return 0 if report["checks_ok"] and not report["miss"].get("problems") else 1
+
+
+def _miss_report(args, runs: dict[str, dict], t_start: float) -> int:
+    """``--miss-only``: the miss cost, printed and written as JSON alone."""
+    miss = summarize_miss(runs)
+    a, b = miss["miss_plain"], miss["miss_kvgate"]
+    print(f"\nmiss cost, {args.miss_prompts} fresh prompts of {args.miss_tokens} tokens per engine: TTFT median "
+          f"{a['median_ttft_s']:.3f} s without kvgate ({a['ttft_s']}), {b['median_ttft_s']:.3f} s with it "
+          f"({b['ttft_s']}): ratio {miss['ttft_ratio']:.3f}; whole request {miss['wall_ratio']:.3f}; per engine "
+          f"{a['engine_medians_s']} without, {b['engine_medians_s']} with; "
+          f"{time.monotonic() - t_start:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"miss": miss}, indent=1))
+    return 0 if not miss["problems"] else 1
+
+
+def summarize_miss(runs: dict[str, dict]) -> dict[str, Any]:
+    """TTFT and whole-request time of fresh prompts, with kvgate configured and without: what a miss costs."""
+    if "miss_plain" not in runs or "miss_kvgate" not in runs:
+        return {}
+    out: dict[str, Any] = {"problems": []}
+    for run in ("miss_plain", "miss_kvgate"):
+        tag = run.replace("_", "-") + ":"
+        samples = [r for r in runs[run]["results"] if r["name"].startswith(tag)]
+        if any(r["external_prefix_cache_hits"] for r in samples):
+            out["problems"].append(f"{run}: a fresh prompt had external hits")
+        out[run] = {"ttft_s": [round(r["ttft_s"] if r["ttft_s"] is not None else r["wall_s"], 4) for r in samples],
+                    "wall_s": [round(r["wall_s"], 4) for r in samples]}
+        engines: dict[str, list[float]] = {}
+        for r, t in zip(samples, out[run]["ttft_s"]):
+            engines.setdefault(r["name"].split(":")[1].split(".")[0], []).append(t)
+        out[run]["engine_medians_s"] = {k: median(v) for k, v in engines.items()}
+        out[run]["median_ttft_s"] = median(out[run]["ttft_s"])
+        out[run]["median_wall_s"] = median(out[run]["wall_s"])
+    out["ttft_ratio"] = round(out["miss_kvgate"]["median_ttft_s"] / out["miss_plain"]["median_ttft_s"], 4)
+    out["wall_ratio"] = round(out["miss_kvgate"]["median_wall_s"] / out["miss_plain"]["median_wall_s"], 4)
+    out["bar"] = {f"ttft with kvgate, nothing to hit / without <= {BAR_MISS}": out["ttft_ratio"] <= BAR_MISS}
+    return out
 
 
 def _loadavg() -> str:
@@ -353,7 +439,7 @@ def summarize(args, runs, prompts, names, hit_tokens, can_drop) -> dict[str, Any
             v <= BAR_VS_FS for k, v in ratios.items() if "/fs" in k and v is not None),
     }
     first = {run: {r["name"].split(":")[0]: r["ttft_s"] for r in runs[run]["results"]
-                   if r["name"].startswith("first-restore-")} for run in runs if run != "compute"}
+                   if r["name"].startswith("first-restore-")} for run in runs if run in ("ram", "card")}
     return {"rows": rows, "ratios": ratios, "paired_ratios": paired, "bars": bars, "problems": problems,
             "first_restores_s": first,
             "checks_ok": not problems, "cold_is_cold": can_drop}
@@ -394,7 +480,15 @@ def print_report(rep: dict[str, Any]) -> None:
     for run, first in rep.get("first_restores_s", {}).items():
         print(f"  unmeasured first restores of engine '{run}' (one-time costs): "
               + ", ".join(f"{k.replace('first-restore-', '')} {v:.3f} s" for k, v in first.items() if v))
-    for p in rep["problems"]:
+    miss = rep.get("miss")
+    if miss:
+        a, b = miss["miss_plain"], miss["miss_kvgate"]
+        print(f"  miss cost, {s['miss_prompts']} fresh prompts of {s['miss_tokens']} tokens per engine: TTFT median "
+              f"{a['median_ttft_s']:.3f} s without kvgate, {b['median_ttft_s']:.3f} s with it "
+              f"(ratio {miss['ttft_ratio']:.3f}); whole request {miss['wall_ratio']:.3f}")
+        for k, ok in miss["bar"].items():
+            print(f"  bar {k}: {'met' if ok else 'NOT met'}")
+    for p in rep["problems"] + (miss or {}).get("problems", []):
         print(f"  PROBLEM: {p}")
     print(f"  engine start (s): {s['engine_start_s']}; total {rep['total_s']} s; "
           f"load average {s['loadavg_start']} at start, {s['loadavg_end']} at the end")

@@ -45,6 +45,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvgate.client import Client, GatewayError, ObjectTooLarge
+from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.lmcache.settings import (
     PARAM_KEYS,
     AdapterSettings,
@@ -104,25 +105,6 @@ def find_shm_mapping(ptr: int) -> tuple[str, int, int] | None:
                 return path, lo, end - lo
             return None
     return None
-
-
-class _RateLimitedLog:
-    def __init__(self, every_s: float = 30.0):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, topic: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(topic)
-            if last is not None and now - last < self.every_s:
-                self._suppressed[topic] = self._suppressed.get(topic, 0) + 1
-                return
-            n = self._suppressed.pop(topic, 0)
-            self._last[topic] = now
-        logger.warning(msg + (f" ({n} similar messages suppressed)" if n else ""), *args)
 
 
 class _GatewayDown(RuntimeError):
@@ -221,7 +203,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         self.config = config
         self.settings = config.settings
         self._base_ns = self.settings.tier.namespace
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()

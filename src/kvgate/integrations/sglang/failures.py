@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvgate.client import GatewayError
+from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.sglang.link import GatewayDown, OutOfTime
 
 if TYPE_CHECKING:
@@ -35,17 +36,12 @@ class FailureLog:
         self.target = target
         self.counters = counters
         self._down_since: float | None = None
-        self._logged: dict[str, float] = {}
+        self._warnings = RateLimitedLog(logger, every_s=60.0)
         self._lock = threading.Lock()
 
-    def warn_once(self, topic: str, msg: str, *args: Any, every_s: float = 60.0) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._logged.get(topic)
-            if last is not None and now - last < every_s:
-                return
-            self._logged[topic] = now
-        logger.warning(msg, *args)
+    def warn_once(self, topic: str, msg: str, *args: Any) -> None:
+        """A warning at most once a minute per topic."""
+        self._warnings.warning(topic, msg, *args)
 
     def went_down(self, what: str, e: BaseException) -> None:
         with self._lock:

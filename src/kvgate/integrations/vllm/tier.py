@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
+from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.vllm import compat
 from kvgate.integrations.vllm.compat import (
     AsyncLookupManager,
@@ -71,24 +72,6 @@ class _ReqState:
     dialog: DialogMark | None = None
     shared_tokens: int = 0  # tokens covered by the shared head: chunks ending at or before it are heads
     head_bounds: list[tuple[int, bytes]] = field(default_factory=list)  # (last end token, mark) per head segment
-
-
-class _RateLimitedLog:
-    def __init__(self, every_s: float = 30.0):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, topic: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last = self._last.get(topic)
-        if last is not None and now - last < self.every_s:
-            self._suppressed[topic] = self._suppressed.get(topic, 0) + 1
-            return
-        n = self._suppressed.pop(topic, 0)
-        self._last[topic] = now
-        suffix = f" ({n} similar messages suppressed)" if n else ""
-        logger.warning(msg + suffix, *args)
 
 
 class _Connection:
@@ -260,7 +243,7 @@ class KvgateTier(SecondaryTierManager):
         self.namespace: str = self.settings.namespace or info.namespace
         self.salt_detection: bool = info.salt_detection
         self._tokens_per_chunk: dict[int, int] = info.tokens_per_chunk
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         logger.info("kvgate tier: gateway %s, namespace %r%s, affinity_chunks=%s, default retention %s%s",
                     self.settings.target, self.namespace,
                     "" if self.settings.namespace else " (derived from the model config)",

@@ -231,6 +231,9 @@ def check() -> bool:
     return bool(_safe)
 
 
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux 4.14+: a read that fails rather than wait for the device
+
+
 class Abandon:
     """Set by the loop when it stops waiting; checked by the worker before it publishes.
 
@@ -241,17 +244,42 @@ class Abandon:
     starts.  A copy holds the lock for one piece (about 1 MiB, well under a
     millisecond), never for I/O, so ``abandon`` never waits on a card.
     Writes poll ``abandoned`` before they publish.
+
+    ``own``: the destinations are the gateway's own memory (a reply buffer,
+    RAM-tier pages), which no client can unmap or write while the read runs.
+    A card may then read cached bytes straight into them (``read_cached``)
+    and verify them there, saving the copy through its scratch.
     """
 
-    __slots__ = ("_lock", "abandoned")
+    __slots__ = ("_lock", "abandoned", "own")
 
-    def __init__(self) -> None:
+    def __init__(self, own: bool = False) -> None:
         self._lock = threading.Lock()
         self.abandoned = False
+        self.own = own
 
     def abandon(self) -> None:
         with self._lock:
             self.abandoned = True
+
+    def read_cached(self, fd: int, dst: memoryview, offset: int) -> int | None:
+        """``preadv`` of ``dst`` at ``offset`` of ``fd`` from the page cache only (``RWF_NOWAIT``), unless
+        abandoned (``ReadAbandoned`` then): the bytes read, or None when they are not all cached (nothing
+        is waited for: the caller reads them its usual way).  Held under the lock like ``copy``: a read
+        that cannot wait for the device is a memory copy, so ``abandon`` still never waits on a card."""
+        if _NOWAIT is None:
+            return None
+        with self._lock:
+            if self.abandoned:
+                raise ReadAbandoned(errno.ECANCELED, "read abandoned: its caller stopped waiting")
+            try:
+                return os.preadv(fd, [dst], offset, _NOWAIT)
+            except BlockingIOError:
+                return None
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return None  # a filesystem without it: read the usual way
+                raise
 
     def copy(self, dst: Any, src: Any) -> None:
         """``copy(dst, src)`` unless abandoned (``ReadAbandoned`` then); ``MemoryFault`` as ``copy``."""

@@ -961,3 +961,55 @@ def test_names_list_every_object_and_stored_objects_read_their_headers(card: Dir
 def test_the_index_snapshot_is_replaced_whole_or_not_at_all(card: DirectoryCard) -> None:
     check_snapshot_round_trip(card, 0)
     assert not [p for p in os.listdir(card.location) if ".tmp." in p], "no temp file left"
+
+
+# ------------------------------------------------------------ reads into the gateway's own memory
+
+
+def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Abandon(own=True)``: cached pieces land in the destination in one copy (``read_cached``), a
+    piece the page cache lacks goes through the scratch, and either way a flipped byte is caught."""
+    from kvgate.memcopy import Abandon, ReadAbandoned
+
+    c = DirectoryCard(str(tmp_path / "c"), direct_reads=False)
+    c.open()
+    k = key("own")
+    data = payload_for(k, (3 << 20) + 123)  # three whole pieces and a short one
+    c.write(k, memoryview(data), ObjectMeta())
+    calls: list[int | None] = []
+    real = Abandon.read_cached
+
+    def counted(self, fd, dst, offset):
+        n = real(self, fd, dst, offset)
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(Abandon, "read_cached", counted)
+    buf = np.zeros(data.size, np.uint8)
+    c.read_into(k, memoryview(buf))  # warms the cache (and is not own: no read_cached)
+    assert calls == []
+    buf[:] = 0
+    assert c.read_into(k, memoryview(buf), Abandon(own=True)).payload_len == data.size
+    assert np.array_equal(buf, data)
+    assert len(calls) == 4 and None not in calls, "every cached piece read straight into the destination"
+
+    evict(c.object_path(k))
+    calls.clear()
+    buf[:] = 0
+    c.read_into(k, memoryview(buf), Abandon(own=True))
+    assert np.array_equal(buf, data)
+    if pages_cached(c.object_path(k)) is not None:
+        assert None in calls, "an evicted piece is read through the scratch"
+
+    gone = Abandon(own=True)
+    gone.abandon()
+    with pytest.raises(ReadAbandoned):
+        c.read_into(k, memoryview(buf), gone)
+
+    raw = bytearray(Path(c.object_path(k)).read_bytes())
+    raw[-7] ^= 0x40
+    Path(c.object_path(k)).write_bytes(bytes(raw))
+    with pytest.raises(ObjectCorrupt):
+        c.read_into(k, memoryview(buf), Abandon(own=True))
+    assert not os.path.exists(c.object_path(k)), "deleted as corrupt"

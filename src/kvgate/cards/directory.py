@@ -211,6 +211,11 @@ class DirectoryCard(Card):
         poff = padded_size(hsize)  # where our writes put the payload
         head = self._scratch.head(poff)
         piece = self._scratch.piece
+        if guard.own:  # into our own memory: cached pieces straight there, verified there
+            header = check_read_header(head, os.preadv(fd, [head], 0), full_key, len(view), file_size)
+            if header.payload_offset == poff:
+                return self._read_own(fd, header, view, guard)
+            # (unpadded, written before objects were padded: the usual way below)
         n = os.preadv(fd, [head, piece[: min(len(view), READ_PIECE)]], 0)
         header = check_read_header(head, n, full_key, len(view), file_size)
         plen = header.payload_len
@@ -227,6 +232,32 @@ class DirectoryCard(Card):
                 raise ObjectCorrupt("object shorter than its header says")
             hasher.update(piece[:k])
             guard.copy(view[off : off + k], piece[:k])
+            off += k
+        if hasher.intdigest() != header.payload_hash:
+            raise ObjectCorrupt("payload checksum mismatch")
+        return header
+
+    def _read_own(self, fd: int, header: Header, view: memoryview, guard: Abandon) -> Header:
+        """The payload into ``view``, the gateway's own memory (``guard.own``): each cached piece read
+        straight into it and hashed there, one copy where the scratch costs two; a piece the page
+        cache lacks goes through the scratch as in ``_read_buffered``.  (kvgate bench, a warm card
+        get into plain buffers: 0.23-0.27 of ``preadv`` with every piece through the scratch, 0.26-0.29
+        this way; the client's copy out of the gateway that follows the read is the larger part.)"""
+        plen, at = header.payload_len, header.payload_offset
+        piece = self._scratch.piece
+        hasher = payload_hasher()
+        off = 0
+        while off < plen:
+            want = min(READ_PIECE, plen - off)
+            dst = view[off : off + want]
+            k = guard.read_cached(fd, dst, at + off)
+            if k is None:
+                k = os.preadv(fd, [piece[:want]], at + off)
+                if k > 0:
+                    guard.copy(dst[:k], piece[:k])
+            if k <= 0:
+                raise ObjectCorrupt("object shorter than its header says")
+            hasher.update(dst[:k])
             off += k
         if hasher.intdigest() != header.payload_hash:
             raise ObjectCorrupt("payload checksum mismatch")

@@ -424,7 +424,8 @@ class Operations:
             from_cards = [i for i, loan in zip(wanted, loans) if loan is None]
             buffers = self.store.reply_buffers.take([hints[i] for i in from_cards])
             dest = dict(zip(from_cards, buffers))
-            got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local)
+            got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local,
+                                                own=True)
         except BaseException:
             # Not given back (a cancelled get's copies may still be landing in them): dropped.
             self.store.return_ram(loans)

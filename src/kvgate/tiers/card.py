@@ -502,7 +502,8 @@ class ManagedCard:
             self.prepared.note(digests[fresh])
             self.counters.read_hints += len(fkeys)
 
-    async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False) -> list[CardRead]:
+    async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False,
+                   own: bool = False) -> list[CardRead]:
         """Read ``(full key, dest)`` pairs, in parallel chunks, each with a deadline.
 
         ``urgent``: an engine waits on it (``IoPool.run``).  Once this returns
@@ -510,9 +511,10 @@ class ManagedCard:
         guard is abandoned first), however long the card takes.  Raises
         ``MemoryFault`` when a ``dest`` is memory that is gone (a client's
         region shrunk under its mapping): the client's doing, not the card's.
+        ``own``: every ``dest`` is the gateway's own memory (``Abandon.own``).
         """
         chunks = split_calls(items, self.io.threads, [len(dest) for _k, dest in items])
-        out = await self._chunked([self._read_chunk(chunk, urgent) for chunk in chunks])
+        out = await self._chunked([self._read_chunk(chunk, urgent, own) for chunk in chunks])
         fault = next((r for r in out if isinstance(r, MemoryFault)), None)
         if fault is not None:
             raise fault
@@ -536,11 +538,11 @@ class ManagedCard:
             out += res
         return out
 
-    async def _read_chunk(self, chunk: list, urgent: bool) -> list | BaseException:
+    async def _read_chunk(self, chunk: list, urgent: bool, own: bool) -> list | BaseException:
         # The card reads into its own memory and delivers through the guard,
         # which CardIo.run abandons before it gives up on the call: a read
         # that ends after its deadline writes nothing into the destinations.
-        guard = Abandon()
+        guard = Abandon(own=own)
         try:
             return await self.io.run(self.card.read_many_into, chunk, guard, abandon=guard, urgent=urgent)
         except OSError as e:

@@ -211,7 +211,7 @@ class CardMover:
                 reads.append((obj.full_key, dst, memoryview(bytearray(obj.payload_len))))
         if not reads:
             return True
-        results = await src.read([(fkey, buf) for fkey, _dst, buf in reads])
+        results = await src.read([(fkey, buf) for fkey, _dst, buf in reads], own=True)
         by_dst: dict[int, tuple[ManagedCard, list]] = {}
         for (fkey, dst, buf), r in zip(reads, results):
             if r.header is not None:

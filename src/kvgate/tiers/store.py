@@ -215,10 +215,11 @@ class TieredStore:
 
     # ---- get ------------------------------------------------------------------
 
-    async def get(self, items: list[GetItem], urgent: bool = False) -> tuple[list[int], list[int]]:
+    async def get(self, items: list[GetItem], urgent: bool = False, own: bool = False) -> tuple[list[int], list[int]]:
         """Fill each item's dest; returns (sizes, needed) with ``SizeCode.MISS`` / ``TOO_SMALL`` in sizes.
 
-        ``urgent``: an engine on this host waits on it (``IoPool.run``).
+        ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
+        gateway's own memory, which card reads may fill in place (``Abandon.own``).
         """
         c = self.counters
         sizes: list[int] = [SizeCode.MISS] * len(items)
@@ -256,7 +257,7 @@ class TieredStore:
         tried: dict[int, list[ManagedCard]] = {}  # item -> the cards that did not have it
 
         async def from_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
-            results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent)
+            results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent, own)
             for i, r in zip(idx, results):
                 if not last_try and r.outcome is ReadOutcome.MISSING:
                     lacked = tried.setdefault(i, [])
@@ -502,7 +503,7 @@ class TieredStore:
             for _k, _cs, res, size in group:
                 views = res.views()
                 dests.append(views[0] if len(views) == 1 else memoryview(bytearray(size)))
-            results = await cs.read([(p[0], d) for p, d in zip(group, dests)])
+            results = await cs.read([(p[0], d) for p, d in zip(group, dests)], own=True)
             done = 0
             for (k, _cs, res, size), dest, r in zip(group, dests, results):
                 header = r.header

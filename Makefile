@@ -118,7 +118,7 @@ demo-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/integrations/test_three_engines.py
 
 # TTFT of an 8K-token prompt: computed vs restored through kvgate vs vLLM's fs tier,
-# after engine restarts (~4 min). ARGS="--json out.json --engine-env OMP_WAIT_POLICY=PASSIVE".
+# after engine restarts, and what a miss costs (~10 min; ARGS="--miss-only": the miss cost alone, ~3 min).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_ttft.py $(ARGS)
 

@@ -40,6 +40,11 @@ Every restore must cover the prompt's full blocks with external prefix-cache
 hits (vllm:external_prefix_cache_hits) and give the same greedy output as the
 computed run.  The page cache is dropped with `echo 3 > /proc/sys/vm/drop_caches`
 (root only; without it "cold" is reported as not cold).
+
+First (engines 0a/0b, unless --miss-prompts 0) the cost of a miss: fresh prompts computed by
+engines without KV offloading and with kvgate as their only secondary tier, in the order
+without, with, with, without (--miss-rounds more of them), nothing to hit in either; TTFT with
+kvgate over TTFT without. --miss-only stops after it.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ class Abandon:
             if self.abandoned:
                 raise ReadAbandoned(errno.ECANCELED, "read abandoned: its caller stopped waiting")
             try:
-                return os.preadv(fd, [dst], offset, _NOWAIT)
+                # 0 is left to the caller's usual read too: that read, not this one, says the file is short
+                return os.preadv(fd, [dst], offset, _NOWAIT) or None
             except BlockingIOError:
                 return None
             except OSError as e:

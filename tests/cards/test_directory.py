@@ -989,10 +989,19 @@ def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path
     buf = np.zeros(data.size, np.uint8)
     c.read_into(k, memoryview(buf))  # warms the cache (and is not own: no read_cached)
     assert calls == []
+    fd = os.open(c.object_path(k), os.O_RDONLY)
+    try:  # a filesystem without cache-only reads: every piece goes the usual way, and that is all
+        nowait = os.preadv(fd, [bytearray(16)], 0, os.RWF_NOWAIT) == 16
+    except OSError as e:
+        nowait = e.errno not in (errno.EOPNOTSUPP, errno.EINVAL)
+    finally:
+        os.close(fd)
     buf[:] = 0
     assert c.read_into(k, memoryview(buf), Abandon(own=True)).payload_len == data.size
     assert np.array_equal(buf, data)
-    assert len(calls) == 4 and None not in calls, "every cached piece read straight into the destination"
+    assert len(calls) == 4
+    if nowait:
+        assert None not in calls, "every cached piece read straight into the destination"
 
     evict(c.object_path(k))
     calls.clear()
@@ -1008,7 +1017,7 @@ def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path
         c.read_into(k, memoryview(buf), gone)
 
     raw = bytearray(Path(c.object_path(k)).read_bytes())
-    raw[-7] ^= 0x40
+    raw[padded_size(header_size(k)) + (2 << 20) + 5] ^= 0x40  # in the third piece of the payload
     Path(c.object_path(k)).write_bytes(bytes(raw))
     with pytest.raises(ObjectCorrupt):
         c.read_into(k, memoryview(buf), Abandon(own=True))

@@ -255,3 +255,19 @@ def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_
             assert store.ram.pinned_bytes == 0
 
     asyncio.run(main())
+
+
+def test_buffer_cache_reuses_by_size_within_its_bound() -> None:
+    from kvgate.tiers.staging import BufferCache
+
+    cache = BufferCache(keep=3 << 20)
+    a, b = cache.take([1 << 20, 2 << 20])
+    cache.give([a, b])
+    assert cache.kept == 3 << 20
+    again = cache.take([2 << 20, 1 << 20])
+    assert again[0] is b and again[1] is a and cache.kept == 0
+    extra = cache.take([1 << 20])[0]
+    cache.give([*again, extra])  # 4 MiB given back, 3 MiB kept: the last one is let go
+    assert cache.kept == 3 << 20
+    cache.give([memoryview(bytearray(0))])
+    assert cache.kept == 3 << 20

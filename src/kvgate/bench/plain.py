@@ -14,7 +14,7 @@ the objects (the RAM get, the warm card get); each blocks until measured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def _verify(bufs: list[np.ndarray], ref: np.ndarray, what: str) -> None:
 
 
 def _figure(bench: "Bench", client: Client, keys: list[bytes], bufs: list[np.ndarray], baselines: list[Contender],
-            what: str, pick: Any) -> dict[str, Any]:
+            what: str, pick: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     osz = bench.plan.object_size
     for b in bufs:
         b.fill(0)

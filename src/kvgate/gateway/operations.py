@@ -383,7 +383,7 @@ class Operations:
         hints = await self._sizes(sess, keys, dialog)
         inline = req.region == INLINE
         room = _LendRoom(self.store, self.cfg.max_frame_bytes - (1 << 20)) if inline else None
-        limit = sess.region(req.region).size if not inline else 0
+        region_size = 0 if inline else sess.region(req.region).size
         offsets = [0] * len(keys)
         sizes = [MISS] * len(keys)
         wanted, cursor = [], 0
@@ -392,7 +392,8 @@ class Operations:
                 continue
             # inline: the first object always goes, even past the limit (it came in one frame, so one
             # frame carries it back); otherwise an object near max_frame_bytes could never be read
-            if not room.take(keys[i], h, not wanted) if room is not None else cursor + h > limit:
+            full = not room.take(keys[i], h, not wanted) if room is not None else cursor + h > region_size
+            if full:
                 for j in range(i, len(keys)):
                     if hints[j] != MISS:
                         sizes[j] = NOT_DONE

@@ -177,10 +177,6 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
         try:
             dialogs = {d: await _write_dialog(cards, d) for d in range(24)}
             (src,) = cards.cards
-            hot = list(range(0, 24, 3))
-            for d in hot:  # read again: these are the hot ones now
-                for k in dialogs[d]:
-                    src.note_hit(k, SIZE)
             cards.mover.rate = 20 * SIZE  # bytes a second: the half of 96 objects that move take about 2.4 s
             copied: list[bytes] = []
             real_note_written = cards.note_written
@@ -191,7 +187,18 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
 
             cards.note_written = note_written  # type: ignore[method-assign]
             (tmp_path / "b").mkdir()
-            await cards.add(str(tmp_path / "b"))  # one source card: one order to check
+            # Which dialogs move depends on the new card's (random) serial: hold the mover until the
+            # hot ones are chosen among those, so the order is checked on every run.
+            real_wake, cards.mover.wake = cards.mover.wake, lambda: None  # type: ignore[method-assign]
+            joined = await cards.add(str(tmp_path / "b"))  # one source card: one order to check
+            moving = [d for d, ks in dialogs.items() if cards.card_for(ks[0], dialog_digest(b"dialog-%d" % d)) is joined]
+            assert len(moving) >= 2, moving  # about 12 of 24
+            hot = moving[::2]
+            for d in hot:  # read again: these are the hot ones now
+                for k in dialogs[d]:
+                    src.note_hit(k, SIZE)
+            cards.mover.wake = real_wake  # type: ignore[method-assign]
+            cards.mover.wake()
             started = asyncio.get_running_loop().time()
             await asyncio.sleep(1.0)
             in_one_second = cards.mover.moved_bytes

@@ -13,7 +13,8 @@ on the general pool.
 
 A card is known by the serial on its label: found again under another path
 that its ``storage_devices`` entry matches (a glob), it is taken back there;
-a different card at its old path is never used in its place.
+a different card at its old path is never used in its place
+(``kvgate.tiers.discovery``).
 
 Claims: every card is claimed (``Card.claim``) before it is used, exclusively
 or, with ``shared_storage``, shared.  At start a card another gateway holds
@@ -33,11 +34,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvgate.cards import Card, CardInUse, expand, is_redis, make_card
+from kvgate.cards import CardInUse, expand, make_card
 from kvgate.config import Config
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.card import ManagedCard, TierHooks
+from kvgate.tiers.discovery import CardDiscovery
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
 
@@ -95,7 +97,7 @@ class CardSet:
         # The slot maps before each change the mover has not settled yet (newest last): a key not in any
         # index (another gateway of a shared card wrote it) may still be on its slot's card of then.
         self._unsettled: list[SlotMap] = []
-        self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
+        self.discovery = CardDiscovery(cfg, pool)
 
     @property
     def slots(self) -> int:
@@ -293,7 +295,7 @@ class CardSet:
     async def _check(self, mc: ManagedCard) -> None:
         was_active = mc.active
         if not await mc.check():
-            await self._relocate(mc)
+            await self.discovery.relocate(mc, {c.location for c in self.cards if c is not mc})
         elif mc.active and not was_active and (self._unsettled or self._draining):
             self.mover.wake()  # what waited for this card can move now
 
@@ -306,77 +308,20 @@ class CardSet:
         mc.pattern = pattern
         await self._check(mc)
 
-    async def _relocate(self, mc: ManagedCard) -> None:
-        """Look for the card's serial under the other locations its entry matches."""
-        if is_redis(mc.pattern) and mc.pattern == mc.location:
-            return  # one server, one address: nowhere else to look
-        candidates = await self.pool.run(expand, mc.pattern)
-        in_use = {c.location for c in self.cards if c is not mc}
-        for loc in candidates:
-            if loc == mc.location or loc in in_use:
-                continue
-            probe = make_card(loc, self.cfg)
-            try:
-                serial = await mc.io.run(probe.check)
-            except OSError:
-                continue
-            if serial != mc.serial:
-                continue
-            try:
-                await mc.io.run(probe.open)
-            except OSError:
-                continue
-            # The old claim goes first: the card moved is the same lock file, which our own old lock would hold.
-            mc.card.close()
-            if not await self._claim_later(mc, probe, loc):
-                try:
-                    await mc.io.run(mc.card.claim, self.cfg.shared_storage)
-                except OSError:
-                    pass  # best effort: the old path failed its check, which is why we looked elsewhere
-                continue
-            mc.reopen(probe, loc)
-            return
-
-    async def _claim_later(self, mc: ManagedCard, probe: Card, loc: str) -> bool:
-        """Claim a card found after start; one another gateway holds is not used, and logged once."""
-        try:
-            await mc.io.run(probe.claim, self.cfg.shared_storage)
-        except OSError as e:
-            probe.close()
-            if self._refusals.get(loc) != str(e):
-                self._refusals[loc] = str(e)
-                log.warning("card %s is not used: %s", probe.display_location, e)
-            return False
-        self._refusals.pop(loc, None)
-        return True
-
     async def _retry_pending(self) -> None:
-        """Entries with no card at start: take the card as soon as one is there.
-
-        A directory is taken labelled or not, as at start: what was missing
-        then (a directory not created, a filesystem not mounted) is there now
-        because someone made it so.  A directory this gateway would have had
-        to create itself is never taken (``DirectoryCard.create_missing``).
-        """
+        """Entries with no card at start: take the card as soon as one is there (``CardDiscovery.find``)."""
         for mc in list(self.pending):
-            for loc in await self.pool.run(expand, mc.pattern):
-                if any(c.location == loc for c in self.cards):
-                    continue
-                probe = make_card(loc, self.cfg)
-                try:
-                    serial = await mc.io.run(probe.open)
-                except OSError:
-                    continue
-                if serial in self._by_serial or not await self._claim_later(mc, probe, loc):
-                    continue
-                self.pending.remove(mc)
-                mc.serve(probe, loc, serial)
-                await mc.adopt()  # its index snapshot loaded before any request can reach it
-                self.cards.append(mc)
-                self._by_serial[serial] = mc
-                log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
-                self._remap()
-                break
+            found = await self.discovery.find(mc, {c.location for c in self.cards}, self._by_serial)
+            if found is None:
+                continue
+            probe, loc, serial = found
+            self.pending.remove(mc)
+            mc.serve(probe, loc, serial)
+            await mc.adopt()  # its index snapshot loaded before any request can reach it
+            self.cards.append(mc)
+            self._by_serial[serial] = mc
+            log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
+            self._remap()
 
     # ---- changes while serving ---------------------------------------------------
 

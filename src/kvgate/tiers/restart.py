@@ -338,10 +338,8 @@ class IndexKeeper:
                 await mc.resize()
             else:
                 mc.evict_over_capacity()
-            # Counted before the card reads as scanned, so whoever waits for that sees the count.
+            # Counted and logged before the card reads as scanned, so whoever waits for that sees both.
             self._report_corrupt(corrupt0)
-            mc.scanned = True
-            await mc.pool.run(give_back_memory)
             log.info("card %s (%s): %d objects, %d bytes indexed, capacity %d bytes; %s, in %.1f s%s", mc.where,
                      mc.serial, len(mc.index), mc.used, mc.capacity,
                      f"{self.loaded} from its snapshot, {found} found on the card, {dropped} gone from it"
@@ -351,6 +349,8 @@ class IndexKeeper:
                 log.warning("card %s (%s) held more than its capacity of %d bytes at start: %d objects (%d bytes) "
                             "evicted", mc.where, mc.serial, mc.capacity, mc.counters.evictions - evictions,
                             used - mc.used)
+            mc.scanned = True
+            await mc.pool.run(give_back_memory)
         except OSError as e:
             log.warning("card %s: index scan stopped: %s", mc.where, e)
             self._report_corrupt(corrupt0)  # what it deleted before it stopped is gone all the same

@@ -9,7 +9,7 @@ import pytest
 import xxhash
 
 from kvgate.tiers import rows as rows_module
-from kvgate.tiers.rows import DigestRows, digest_array, split_digest
+from kvgate.tiers.rows import DigestRows, digest_array, split_digest, unique_digests
 
 
 def digests(n: int, salt: bytes = b"") -> list[bytes]:
@@ -116,3 +116,12 @@ def test_a_table_that_doubles_moves_over_while_it_serves(monkeypatch: pytest.Mon
             assert all(rows.v[int(x)] == ref[k] for k, x in zip(keys, found) if x >= 0)
     assert migrating > 100, "the steps ran while the table was doubling"
     assert rows.cap >= rows_module.RESERVE_ROWS or rows.cap >= len(ref), "columns grew"
+
+
+def test_dialogs_told_apart_by_both_halves_of_their_digest() -> None:
+    """Dialogs are grouped by the high half of their digest first: two that share it stay two."""
+    d = np.array([[1, 7], [2, 7], [1, 7], [3, 9]], np.uint64)
+    uniq, inv = unique_digests(d)
+    assert len(uniq) == 3 and (uniq[inv] == d).all()
+    uniq, inv = unique_digests(d[[0, 2, 3]])
+    assert len(uniq) == 2 and (uniq[inv] == d[[0, 2, 3]]).all()

@@ -159,14 +159,3 @@ def test_rows_of_a_dialog_without_a_position_keep_their_dialog() -> None:
     pol.removing(r)
     rows.remove(r)
     assert len(pol.dialogs) == 0, "a dialog no row names is let go"
-
-
-def test_dialogs_told_apart_by_both_halves_of_their_digest() -> None:
-    """Dialogs are grouped by the high half of their digest first: two that share it stay two."""
-    from kvgate.tiers.sampled import _unique_digests
-
-    d = np.array([[1, 7], [2, 7], [1, 7], [3, 9]], np.uint64)
-    uniq, inv = _unique_digests(d)
-    assert len(uniq) == 3 and (uniq[inv] == d).all()
-    uniq, inv = _unique_digests(d[[0, 2, 3]])
-    assert len(uniq) == 2 and (uniq[inv] == d[[0, 2, 3]]).all()

@@ -37,7 +37,7 @@ import numpy as np
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.index import EXPIRING
 from kvgate.tiers.rows import join_digest
-from kvgate.tiers.sampled import OrderColumns
+from kvgate.tiers.copyorder import OrderColumns
 
 if TYPE_CHECKING:
     from kvgate.tiers.cardset import CardSet

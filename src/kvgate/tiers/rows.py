@@ -116,6 +116,22 @@ def digest_array(digests: list[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(digests), "<u8").reshape(-1, 2)
 
 
+def unique_digests(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``(n, 2)`` digests and each row's index among them.
+
+    By the high half alone, checked against the low half: a sort of one
+    column, where ``np.unique(axis=0)`` took a second for a million rows.
+    """
+    hi_values, inv = np.unique(digests[:, 1], return_inverse=True)
+    inv = inv.ravel()
+    first = np.zeros(len(hi_values), np.int64)
+    first[inv[::-1]] = np.arange(len(inv))[::-1]  # a row of each distinct high half
+    if (digests[first[inv], 0] == digests[:, 0]).all():
+        return digests[first], inv
+    uniq, inv = np.unique(digests, axis=0, return_inverse=True)  # two digests share a high half: rare
+    return uniq, inv.ravel()
+
+
 class DigestRows:
     """Dense rows with a ``lo``/``hi`` digest and the owner's columns; see the module docstring.
 

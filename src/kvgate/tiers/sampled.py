@@ -43,88 +43,18 @@ by identity, for the trace replay and tests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 
 from kvgate.keys import NO_DIALOG
 from kvgate.tiers.eviction import RecentKeys, Segment
-from kvgate.tiers.rows import DigestRows, split_digest
+from kvgate.tiers.copyorder import NEW, REUSED, TAIL, OrderColumns, rank_rows
+from kvgate.tiers.rows import DigestRows, split_digest, unique_digests
 
-TAIL: Final = int(Segment.TAIL)
-NEW: Final = int(Segment.NEW)
-REUSED: Final = int(Segment.REUSED)
 _FAR_PAST: Final = -(1 << 62)
 
 RowSkip = Callable[[int], bool]
-
-
-def _rank(prefix: bool, seg: np.ndarray, tick: np.ndarray, dlg: np.ndarray, pos: np.ndarray, gtick: np.ndarray,
-          young_after: int, rows_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(phase, group tick) of rows, from a policy's columns (``SampledPolicy._rank``)."""
-    gt = tick[rows_]
-    if not prefix:
-        return np.zeros(len(rows_), np.int64), gt
-    seg_ = seg[rows_].astype(np.int64)
-    listed = pos[rows_] >= 0
-    if listed.any():
-        gt = np.where(listed, gtick[np.where(listed, dlg[rows_], 0), seg_], gt)
-    young = (seg_ != REUSED) & (gt > young_after)
-    phase = np.where(young, seg_ + 3, np.where(seg_ == REUSED, 2, seg_))
-    return phase, gt
-
-
-@dataclass(frozen=True)
-class OrderColumns:
-    """A policy's columns as of one moment (``SampledPolicy.order_columns``): what the copy order of its
-    rows is worked out from, on the loop (views) or on a pool thread (a copy)."""
-
-    prefix: bool
-    seg: np.ndarray
-    tick: np.ndarray
-    dlg: np.ndarray
-    pos: np.ndarray
-    gtick: np.ndarray  # per dialog
-    dialog_lo: np.ndarray  # per dialog
-    dialog_hi: np.ndarray  # per dialog
-    young_after: int
-
-    def dialog_digests(self, rows_: np.ndarray) -> np.ndarray:
-        """``(n, 2)`` uint64 dialog digests of rows (zeros: none)."""
-        d = self.dlg[rows_]
-        out = np.zeros((len(rows_), 2), np.uint64)
-        has = d >= 0
-        out[has, 0] = self.dialog_lo[d[has]]
-        out[has, 1] = self.dialog_hi[d[has]]
-        return out
-
-    def hottest_first(self, rows_: np.ndarray) -> np.ndarray:
-        """``rows_`` in the order a mover copies them: dialogs used again (most recent first), then new
-        ones, then tails; each dialog once, from its head, in the place of its hottest group.
-
-        Not the reverse of the eviction order: eviction shields young new
-        dialogs for a while, which would put one-off dialogs ahead of the
-        ones being reused.  O(n log n) over the rows at once, for the rare
-        moves between cards.
-        """
-        sel = np.asarray(rows_, np.int64)
-        if not sel.size:
-            return sel
-        _phase, gt = _rank(self.prefix, self.seg, self.tick, self.dlg, self.pos, self.gtick, self.young_after, sel)
-        if not self.prefix:
-            return sel[np.argsort(-gt, kind="stable")]
-        seg = self.seg[sel].astype(np.int64)
-        worth = np.where(seg == REUSED, 0, np.where(seg == NEW, 1, 2))
-        key = np.lexsort((-gt, worth)).argsort()  # each row's place in copy order, on its own
-        listed = self.pos[sel] >= 0
-        group = np.where(listed, self.dlg[sel].astype(np.int64), -1 - sel)  # unlisted rows are groups of their own
-        _, inv = np.unique(group, return_inverse=True)
-        inv = inv.ravel()
-        group_key = np.full(inv.max() + 1, len(sel), np.int64)
-        np.minimum.at(group_key, inv, key)
-        order = np.lexsort((self.pos[sel], inv, group_key[inv]))
-        return sel[order]
 
 
 class SampledPolicy:
@@ -440,7 +370,7 @@ class SampledPolicy:
     def _rank(self, rows_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(phase, group tick) per row: evicted in order of phase, then of tick (see the module docstring)."""
         rows = self.rows
-        return _rank(self.prefix, rows.seg, rows.tick, rows.dlg, rows.pos, self.dialogs.gtick, self._young_after(),
+        return rank_rows(self.prefix, rows.seg, rows.tick, rows.dlg, rows.pos, self.dialogs.gtick, self._young_after(),
                      rows_)
 
     def _tail_of(self, row: int, skip: RowSkip | None) -> int:
@@ -548,7 +478,7 @@ class SampledPolicy:
         rows.next[rows_] = -1
         dlg = np.full(n, -1, np.int32)
         if has.any():
-            uniq, inv = _unique_digests(dialogs[has])
+            uniq, inv = unique_digests(dialogs[has])
             ids = self.dialogs.add_many(uniq[:, 0], uniq[:, 1])
             self.dialogs.refs[ids] = np.bincount(inv.ravel(), minlength=len(ids))
             self.dialogs.head[ids] = self.dialogs.tail[ids] = -1
@@ -588,19 +518,3 @@ class SampledPolicy:
         # What was written before the restart is not young: the window starts now.
         self._adds = len(self._add_clock)
         self._add_clock.fill(self._clock)
-
-
-def _unique_digests(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of ``(n, 2)`` digests and each row's index among them.
-
-    By the high half alone, checked against the low half: a sort of one
-    column, where ``np.unique(axis=0)`` took a second for a million rows.
-    """
-    hi_values, inv = np.unique(digests[:, 1], return_inverse=True)
-    inv = inv.ravel()
-    first = np.zeros(len(hi_values), np.int64)
-    first[inv[::-1]] = np.arange(len(inv))[::-1]  # a row of each distinct high half
-    if (digests[first[inv], 0] == digests[:, 0]).all():
-        return digests[first], inv
-    uniq, inv = np.unique(digests, axis=0, return_inverse=True)  # two digests share a high half: rare
-    return uniq, inv.ravel()

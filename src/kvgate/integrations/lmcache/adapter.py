@@ -28,11 +28,11 @@ Copies: when LMCache's L1 arena is a /dev/shm file mapping (``lmcache server
 every transfer is one copy, made by the gateway, between its own memory and
 L1.  Otherwise (the default lazy L1 is anonymous memory) objects are staged
 through the session's shared-memory region: one more copy each way, made here.
+Finding that mapping: ``l1``; the worker threads' gateway sessions: ``sessions``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
@@ -45,7 +45,8 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvgate.client import Client, GatewayError, ObjectTooLarge
-from kvgate.integrations.ratelimit import RateLimitedLog
+from kvgate.integrations.lmcache.l1 import find_shm_mapping, map_l1
+from kvgate.integrations.lmcache.sessions import GatewayDown, Sessions
 from kvgate.integrations.lmcache.settings import (
     PARAM_KEYS,
     AdapterSettings,
@@ -54,6 +55,7 @@ from kvgate.integrations.lmcache.settings import (
     plugin_logger,
     split_by_namespace,
 )
+from kvgate.integrations.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -77,118 +79,6 @@ class KvgateL2AdapterConfig(L2AdapterConfigBase):
     @classmethod
     def help(cls) -> str:
         return "kvgate L2 adapter params:\n" + "\n".join(f"- {k}: {v}" for k, v in PARAM_KEYS.items())
-
-
-def find_shm_mapping(ptr: int) -> tuple[str, int, int] | None:
-    """(path, start, size) of the /dev/shm file mapping (at file offset 0) that holds ``ptr``."""
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if lo <= ptr < hi:
-            path = parts[5].strip()
-            if path.startswith("/dev/shm/") and int(parts[2], 16) == 0 and "rw" in parts[1]:
-                # the file may be mapped in several adjacent pieces: take the whole run from lo
-                end = hi
-                for other in lines:
-                    p = other.split(maxsplit=5)
-                    if len(p) == 6 and p[5].strip() == path:
-                        a, b = (int(x, 16) for x in p[0].split("-"))
-                        if a == end and int(p[2], 16) == end - lo:
-                            end = b
-                return path, lo, end - lo
-            return None
-    return None
-
-
-class _GatewayDown(RuntimeError):
-    pass
-
-
-class _Sessions:
-    """One worker thread's gateway sessions, one per namespace, (re)opened lazily with backoff."""
-
-    def __init__(self, adapter: "KvgateL2Adapter", name: str, timeout: float, bulk: bool):
-        self.adapter = adapter
-        self.name = name
-        self.timeout = timeout
-        self.bulk = bulk  # bytes travel on these sessions: register L1 (or take a session region)
-        self.clients: dict[str, Client] = {}
-        self._next_try = 0.0
-        self._backoff = 0.5
-        self._lock = threading.Lock()  # close() from another thread
-        self.closed = False
-
-    def get(self, namespace: str) -> Client:
-        c = self.clients.get(namespace)
-        if c is not None and not c.broken:
-            return c
-        if c is not None:
-            self.drop(namespace)
-        if self.closed:
-            raise _GatewayDown("the adapter is closing")
-        now = time.monotonic()
-        if now < self._next_try:
-            raise _GatewayDown(f"gateway {self.adapter.settings.target} unreachable; next try in "
-                               f"{self._next_try - now:.1f} s")
-        try:
-            c = self._open(namespace)
-        except Exception as e:
-            self._next_try = now + self._backoff
-            self._backoff = min(self._backoff * 2, 10.0)
-            self.adapter._gateway_failed(f"cannot connect ({type(e).__name__}: {e})")
-            raise _GatewayDown(str(e)) from e
-        self._backoff = 0.5
-        with self._lock:
-            self.clients[namespace] = c
-        self.adapter._gateway_ok()
-        return c
-
-    def _open(self, namespace: str) -> Client:
-        a = self.adapter
-        s = a.settings.tier
-        kw = dict(namespace=namespace, token=s.token, timeout=min(s.connect_timeout, self.timeout))
-        region = a._l1_region if self.bulk else None
-        c = Client.connect(s.target, want_shm=self.bulk and region is None, **kw)
-        c.set_timeout(self.timeout)
-        if region is not None and c.local:
-            try:
-                c.register_region(region[0], mapping=a._l1_view)
-                a._zero_copy_sessions += 1
-                return c
-            except Exception as e:
-                a._log.warning("region", "kvgate: the gateway could not map LMCache's L1 %s (%s); staging "
-                               "through a session region instead", region[0], e)
-                c.close()
-                c = Client.connect(s.target, want_shm=True, **kw)
-                c.set_timeout(self.timeout)
-        return c
-
-    def drop(self, namespace: str) -> None:
-        with self._lock:
-            c = self.clients.pop(namespace, None)
-        if c is not None:
-            try:
-                c.close()
-            except Exception:
-                pass
-
-    def abort(self) -> None:
-        self.closed = True
-        with self._lock:
-            for c in self.clients.values():
-                c.abort()
-
-    def close(self) -> None:
-        self.closed = True
-        for ns in list(self.clients):
-            self.drop(ns)
 
 
 class KvgateL2Adapter(L2AdapterInterface):
@@ -220,7 +110,6 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._seen_ns: set[str] = set()  # namespaces whose store and load sessions were asked to open
         self._down = False
         self._down_since = 0.0
-        self._zero_copy_sessions = 0
         self.counters = {"stores": 0, "stored": 0, "store_failed": 0, "lookups": 0, "lookup_hits": 0,
                          "loads": 0, "loaded": 0, "load_failed": 0, "bytes_stored": 0, "bytes_loaded": 0}
 
@@ -228,11 +117,9 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._l1_region: tuple[str, int, int] | None = None
         self._l1_view: memoryview | None = None
         if l1_memory_desc is not None and self.settings.register_l1 and not self._tcp:
-            found = find_shm_mapping(int(l1_memory_desc.ptr))
-            if found is not None:
-                path, start, size = found
-                self._l1_region = found
-                self._l1_view = memoryview((ctypes.c_ubyte * size).from_address(start)).cast("B")
+            mapped = map_l1(int(l1_memory_desc.ptr))
+            if mapped is not None:
+                self._l1_region, self._l1_view = mapped
             else:
                 logger.info("kvgate: LMCache's L1 arena (0x%x) is not a /dev/shm file mapping: objects are "
                             "staged through a shared-memory session region (one copy each way here)",
@@ -242,10 +129,13 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._store_q: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._load_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._sessions = [_Sessions(self, "store", t.io_timeout, bulk=True),
-                          _Sessions(self, "lookup", t.lookup_timeout, bulk=False)]
-        self._sessions += [_Sessions(self, f"load{i}", t.io_timeout, bulk=True)
-                           for i in range(self.settings.load_workers)]
+
+        def sessions(name: str, timeout: float, bulk: bool) -> Sessions:
+            return Sessions(name, timeout, tier=t, bulk=bulk, l1=self._l1, log=self._log,
+                            on_down=self._gateway_failed, on_up=self._gateway_ok)
+
+        self._sessions = [sessions("store", t.io_timeout, True), sessions("lookup", t.lookup_timeout, False)]
+        self._sessions += [sessions(f"load{i}", t.io_timeout, True) for i in range(self.settings.load_workers)]
         self._threads = [threading.Thread(target=self._loop, args=(self._store_q, self._sessions[0]),
                                           name="kvgate-l2-store", daemon=True),
                          threading.Thread(target=self._loop, args=(self._lookup_q, self._sessions[1]),
@@ -263,6 +153,13 @@ class KvgateL2Adapter(L2AdapterInterface):
     @property
     def _tcp(self) -> bool:
         return "kvgate.address" in self.config.params
+
+    def _l1(self) -> tuple[str, memoryview] | None:
+        """L1's /dev/shm file and this process's view of it, for the bulk sessions to register (None: not
+        registered: objects are staged through a session region)."""
+        if self._l1_region is None or self._l1_view is None:
+            return None
+        return self._l1_region[0], self._l1_view
 
     # ---- event fds ---------------------------------------------------------------------
 
@@ -333,7 +230,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         return {"is_healthy": not self._down, "type": "KvgateL2Adapter", "gateway": self.settings.target,
                 "gateway_down_for_s": round(time.monotonic() - self._down_since, 1) if self._down else 0.0,
                 "l1_registered": self._l1_region[0] if self._l1_region else None,
-                "zero_copy_sessions": self._zero_copy_sessions, "locked_key_count": locked,
+                "zero_copy_sessions": sum(s.zero_copy for s in self._sessions), "locked_key_count": locked,
                 "lock_held_by_gateway": False, **self.counters}
 
     def close(self) -> None:
@@ -356,7 +253,7 @@ class KvgateL2Adapter(L2AdapterInterface):
 
     # ---- the worker threads ----------------------------------------------------------------
 
-    def _loop(self, q: queue.SimpleQueue, sessions: _Sessions) -> None:
+    def _loop(self, q: queue.SimpleQueue, sessions: Sessions) -> None:
         while True:
             item = q.get()
             if item is None:
@@ -386,11 +283,11 @@ class KvgateL2Adapter(L2AdapterInterface):
             logger.info("kvgate: gateway %s reachable again after %.1f s", self.settings.target,
                         time.monotonic() - self._down_since)
 
-    def _call(self, sessions: _Sessions, namespace: str, what: str, fn) -> Any:
+    def _call(self, sessions: Sessions, namespace: str, what: str, fn) -> Any:
         """fn(client) on this namespace's session; None (logged) when the gateway fails."""
         try:
             client = sessions.get(namespace)
-        except _GatewayDown:
+        except GatewayDown:
             return None
         try:
             return fn(client)
@@ -416,7 +313,7 @@ class KvgateL2Adapter(L2AdapterInterface):
     def _finish_store(self, tid: L2TaskId, ok: bool, nbytes: int) -> None:
         self._finish(self._store_done, self._store_efd, tid, L2StoreResult(ok, nbytes))
 
-    def _run_store(self, sessions: _Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _run_store(self, sessions: Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
         self.counters["stores"] += 1
         ok = True
         nbytes = 0
@@ -446,7 +343,7 @@ class KvgateL2Adapter(L2AdapterInterface):
             self.counters["store_failed"] += 1
         self._finish_store(tid, ok, nbytes)
 
-    def _run_lookup(self, sessions: _Sessions, tid: L2TaskId, keys: list, _objects: Any) -> None:
+    def _run_lookup(self, sessions: Sessions, tid: L2TaskId, keys: list, _objects: Any) -> None:
         self.counters["lookups"] += 1
         bitmap = Bitmap(len(keys))
         found: list = []
@@ -482,13 +379,13 @@ class KvgateL2Adapter(L2AdapterInterface):
                                "upgrade the gateway")
         return c.exists_many(bkeys)
 
-    def _run_unlock(self, sessions: _Sessions, _tid: L2TaskId, keys: list, _objects: Any) -> None:
+    def _run_unlock(self, sessions: Sessions, _tid: L2TaskId, keys: list, _objects: Any) -> None:
         if not self._holds:
             return
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
             self._call(sessions, ns, "unlock", lambda c: c.release_many([key_bytes(keys[i]) for i in idx]))
 
-    def _run_load(self, sessions: _Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _run_load(self, sessions: Sessions, tid: L2TaskId, keys: list, objects: list) -> None:
         self.counters["loads"] += 1
         bitmap = Bitmap(len(keys))
         loaded: list = []
@@ -527,14 +424,14 @@ class KvgateL2Adapter(L2AdapterInterface):
             break
         return out
 
-    def _run_open(self, sessions: _Sessions, _tid: int, namespaces: list, _objects: Any) -> None:
+    def _run_open(self, sessions: Sessions, _tid: int, namespaces: list, _objects: Any) -> None:
         for ns in namespaces:
             try:
                 sessions.get(ns)
-            except _GatewayDown:  # logged; the next task tries again
+            except GatewayDown:  # logged; the next task tries again
                 pass
 
-    def _run_delete(self, sessions: _Sessions, _tid: int, keys: list, _objects: Any) -> None:
+    def _run_delete(self, sessions: Sessions, _tid: int, keys: list, _objects: Any) -> None:
         deleted: list = []
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
             res = self._call(sessions, ns, "delete", lambda c: c.delete_many([key_bytes(keys[i]) for i in idx]))

@@ -3,8 +3,8 @@
 SGLang's three storage threads (lookups, loads, stores) run at once and a ``Client``
 serialises its calls, so each thread has a ``GatewayLink`` of its own, and for the two that
 move bytes, its own staging region registered with that session.  A link connects lazily and
-again after a failure, after a back-off (0.5 s doubling to 10 s), so a dead gateway costs a
-call microseconds, not a timeout; and the gateway calls of one SGLang call share one time
+again after a failure, after a back-off (0.5 s doubling to 10 s; ``reconnect.Reconnector``), so
+a dead gateway costs a call microseconds, not a timeout; and the gateway calls of one SGLang call share one time
 budget, so a stuck gateway costs at most that budget (plus the connect timeout when the link
 has to reconnect).
 """
@@ -16,15 +16,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvgate.client import Client
+from kvgate.integrations.reconnect import GatewayDown, Reconnector
 from kvgate.integrations.settings import TierSettings
 from kvgate.integrations.sglang.staging import StagingRegion
 
 if TYPE_CHECKING:
     from kvgate.integrations.sglang.failures import FailureLog
 
-
-class GatewayDown(ConnectionError):
-    """No connection to the gateway right now (it failed recently; retried after a back-off)."""
+__all__ = ["GatewayDown", "GatewayLink", "OutOfTime"]
 
 
 class OutOfTime(Exception):
@@ -32,16 +31,20 @@ class OutOfTime(Exception):
     gateway call: it returns what it has (the connection is fine and stays)."""
 
 
-class GatewayLink:
-    """One lazily (re)connected gateway session for one SGLang thread.
+class GatewayLink(Reconnector[Client]):
+    """One lazily (re)connected gateway session for one SGLang thread (see ``Reconnector``).
 
-    ``get`` never waits longer than the connect timeout and refuses at once
-    during the back-off after a failure, so a dead gateway costs each call
-    microseconds, not a timeout.
+    Used under ``lock``, which the caller holds for a whole operation (``begin``, its gateway
+    calls, the staging slots); ``abort`` (shutdown, from another thread) does not take it.
+    ``get`` never waits longer than the connect timeout and refuses at once during the
+    back-off after a failure, so a dead gateway costs each call microseconds, not a timeout.
+    Going down and coming back are logged through ``log`` (one line each, not one per call).
     """
 
     def __init__(self, name: str, timeout: float, slots: int, *, settings: TierSettings, namespace: str,
                  engine_id: str, slot_bytes: int, log: FailureLog):
+        super().__init__(settings.target, self._open, closed_message="the backend is closed",
+                         on_down=lambda e: log.went_down(name, e), on_up=lambda: log.came_up(name))
         self.settings = settings
         self.namespace = namespace
         self.engine_id = engine_id
@@ -52,12 +55,8 @@ class GatewayLink:
         self.slots = slots  # 0: no bytes travel here (lookups)
         self.min_bytes = 0  # the largest page of any registered pool must fit the staging region
         self.lock = threading.Lock()  # held for a whole operation: the staging slots are per call
-        self.client: Client | None = None
         self.staging: StagingRegion | None = None
         self.registered = False
-        self._next_try = 0.0
-        self._backoff = 0.5
-        self.closed = False
         self.deadline = 0.0
 
     def begin(self) -> Client:
@@ -72,31 +71,11 @@ class GatewayLink:
     def budget(self) -> Client:
         """The client with its socket deadline set to what is left of the method's budget."""
         left = self.deadline - time.monotonic()
-        if left <= 0 or self.client is None:
+        client = self.client
+        if left <= 0 or client is None:
             raise OutOfTime(f"{self.name}: the {self.timeout} s budget is spent")
-        self.client.set_timeout(left)
-        return self.client
-
-    def get(self) -> Client:
-        """The connected client (caller holds ``self.lock``); GatewayDown when there is none."""
-        if self.closed:
-            raise GatewayDown("the backend is closed")
-        if self.client is not None and not self.client.broken:
-            return self.client
-        self.drop()
-        now = time.monotonic()
-        if now < self._next_try:
-            raise GatewayDown(f"next try in {self._next_try - now:.1f} s")
-        try:
-            self.client = self._open()
-        except Exception as e:
-            self._next_try = now + self._backoff
-            self._backoff = min(self._backoff * 2, 10.0)
-            self.log.went_down(self.name, e)
-            raise GatewayDown(str(e)) from e
-        self._backoff = 0.5
-        self.log.came_up(self.name)
-        return self.client
+        client.set_timeout(left)
+        return client
 
     def _open(self) -> Client:
         s = self.settings
@@ -144,25 +123,11 @@ class GatewayLink:
             except GatewayDown:
                 pass  # logged; the next call retries
 
-    def drop(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
-
-    def abort(self) -> None:
-        """Unblock a call in progress on another thread (it fails), refuse new ones."""
-        self.closed = True
-        client = self.client
-        if client is not None:
-            client.abort()
-
     def close(self) -> None:
-        self.closed = True
+        """Close the session and the staging region, once a call in progress is over (scheduler
+        thread, after ``abort``, which refused new calls at once)."""
         with self.lock:
-            self.drop()
+            super().close()
             if self.staging is not None:
                 self.staging.close()
                 self.staging = None

@@ -12,6 +12,9 @@ It runs in vLLM's scheduler process and never blocks it:
   gateway, so the gateway reads and writes chunk rows in place (zero copy);
 - a gateway that is down, slow or refusing means misses and failed stores,
   never an exception into vLLM.
+
+Each thread's gateway session is a ``connection.TierConnection``; what the tier keeps per
+request (retention, dialog mark) is ``request_state``.
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar
 
-from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError
+from kvgate.client import GatewayError
 from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.vllm import compat
 from kvgate.integrations.vllm.compat import (
@@ -42,129 +44,13 @@ from kvgate.integrations.vllm.compat import (
     SecondaryTierManager,
     TransferJob,
 )
-from kvgate.integrations.vllm.engine import RequestSalt, describe_engine, install_salt_probe
-from kvgate.integrations.vllm.settings import (
-    TierSettings,
-    chunk_runs,
-    dialog_mark,
-    first_chunk_keys,
-    request_retention,
-)
+from kvgate.integrations.vllm.connection import GatewayDown, TierConnection
+from kvgate.integrations.vllm.engine import describe_engine, install_salt_probe
+from kvgate.integrations.vllm.request_state import ReqState, RequestStates
+from kvgate.integrations.vllm.settings import TierSettings, chunk_runs
 
 # under "vllm." so that vLLM's logging configuration (handler, level, format) applies
 logger = logging.getLogger("vllm.kvgate")
-
-
-class GatewayDown(ConnectionError):
-    """No connection to the gateway right now (failed recently; retried after a backoff)."""
-
-
-@dataclass
-class _ReqState:
-    retention: str
-    enabled: bool  # False: this request is neither looked up nor stored (unsalted, switched off)
-    mark: bytes | None = None
-    mark_known: bool = False
-    # Gateway marks (affinity_chunks not set): the prompt's leading (key, end token) pairs of
-    # the first KV group, taken on the scheduler thread; the DialogMark, asked for once by
-    # whichever I/O thread needs it first (every thread would get the same answer).
-    leading: list[tuple[bytes, int]] | None = None
-    dialog: DialogMark | None = None
-    shared_tokens: int = 0  # tokens covered by the shared head: chunks ending at or before it are heads
-    head_bounds: list[tuple[int, bytes]] = field(default_factory=list)  # (last end token, mark) per head segment
-
-
-class _Connection:
-    """One lazily (re)connected gateway session, used by one background thread at a time."""
-
-    def __init__(self, tier: "KvgateTier", name: str, timeout: float, bulk: bool = True):
-        self._tier = tier
-        self.name = name
-        self.timeout = timeout
-        self.bulk = bulk  # False: no bytes travel here (lookups): the CPU tier is not registered
-        self._client: Client | None = None
-        self._lock = threading.Lock()
-        self._next_try = 0.0
-        self._backoff = 0.5
-        self.zero_copy = False
-        self.closed = False
-
-    def get(self) -> Client:
-        with self._lock:
-            if self.closed:
-                raise GatewayDown("the tier is shutting down")
-            if self._client is not None:
-                if not self._client.broken:
-                    return self._client
-                self._client.close()
-                self._client = None
-            now = time.monotonic()
-            if now < self._next_try:
-                raise GatewayDown(f"gateway {self._tier.settings.target} unreachable; next try in "
-                                  f"{self._next_try - now:.1f} s")
-            try:
-                self._client = self._open()
-            except Exception as e:
-                self._next_try = now + self._backoff
-                self._backoff = min(self._backoff * 2, 10.0)
-                self._tier._log.warning(f"connect-{self.name}", "kvgate: cannot connect to gateway %s (%s); "
-                                        "serving without it (misses, no stores) and retrying",
-                                        self._tier.settings.target, e)
-                raise GatewayDown(str(e)) from e
-            self._backoff = 0.5
-            return self._client
-
-    def _open(self) -> Client:
-        t = self._tier
-        s = t.settings
-        kw = dict(namespace=t.namespace, token=s.token, engine_id=t.engine_id, salted=s.salted_only)
-        client = Client.connect(s.target, want_shm=False, timeout=min(s.connect_timeout, self.timeout), **kw)
-        client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
-        if not client.local:
-            logger.info("kvgate: connected to %s over TCP (%s): bytes travel inline", s.target, self.name)
-            return client
-        if not self.bulk:
-            logger.info("kvgate: connected to %s (%s)", s.target, self.name)
-            return client
-        path = t.region_path()
-        if path:
-            try:
-                client.register_region(path, mapping=t._primary_view)
-                self.zero_copy = True
-                logger.info("kvgate: connected to %s (%s); %s registered: transfers are zero copy",
-                            s.target, self.name, path)
-                return client
-            except Exception as e:
-                t._log.warning("region", "kvgate: the gateway could not map vLLM's CPU tier %s (%s); "
-                               "falling back to copies through a session region", path, e)
-        client.close()
-        self.zero_copy = False
-        client = Client.connect(s.target, want_shm=True, timeout=min(s.connect_timeout, self.timeout), **kw)
-        client.set_timeout(self.timeout)
-        logger.info("kvgate: connected to %s (%s) with a shared-memory session region (one copy per "
-                    "transfer)", s.target, self.name)
-        return client
-
-    def drop(self) -> None:
-        """Forget a broken connection; the next get() reconnects."""
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
-
-    def abort(self) -> None:
-        """Unblock a thread waiting in a call on this connection, and refuse new calls."""
-        self.closed = True
-        client = self._client
-        if client is not None:
-            client.abort()
-
-    def close(self) -> None:
-        self.closed = True
-        self.drop()
 
 
 class _KvgateLookup(AsyncLookupManager):
@@ -234,7 +120,6 @@ class KvgateTier(SecondaryTierManager):
         if locality is not None:
             self.locality = Locality(locality)
         self._spec = offloading_spec
-        self._primary_view = primary_kv_view  # registered with a local gateway: transfers in place
         # One flat byte view of the CPU tier; chunk c is [c * block_size_bytes, +block_size_bytes).
         # It and every slice of it are released before vLLM unmaps the tier (shutdown()).
         self._flat: memoryview | None = primary_kv_view.cast("B")
@@ -242,7 +127,6 @@ class KvgateTier(SecondaryTierManager):
         self.engine_id: str = info.engine_id
         self.namespace: str = self.settings.namespace or info.namespace
         self.salt_detection: bool = info.salt_detection
-        self._tokens_per_chunk: dict[int, int] = info.tokens_per_chunk
         self._log = RateLimitedLog(logger)
         logger.info("kvgate tier: gateway %s, namespace %r%s, affinity_chunks=%s, default retention %s%s",
                     self.settings.target, self.namespace,
@@ -265,9 +149,17 @@ class KvgateTier(SecondaryTierManager):
         self.counters = {"stores": 0, "stored_chunks": 0, "store_failures": 0, "skipped_stores": 0,
                          "loads": 0, "loaded_chunks": 0, "load_failures": 0, "lookups": 0, "lookup_hits": 0}
 
-        self._store_conn = _Connection(self, "stores", self.settings.io_timeout)
-        self._load_conn = _Connection(self, "loads", self.settings.io_timeout)
-        self._lookup_conn = _Connection(self, "lookups", self.settings.lookup_timeout, bulk=False)
+        self._requests = RequestStates(self.settings, self._log, info.tokens_per_chunk)
+
+        def connection(name: str, timeout: float, bulk: bool = True) -> TierConnection:
+            # primary_kv_view is registered with a local gateway: transfers in place
+            return TierConnection(name, timeout, settings=self.settings, namespace=self.namespace,
+                                  engine_id=self.engine_id, region_path=self.region_path,
+                                  region_view=primary_kv_view, log=self._log, bulk=bulk)
+
+        self._store_conn = connection("stores", self.settings.io_timeout)
+        self._load_conn = connection("loads", self.settings.io_timeout)
+        self._lookup_conn = connection("lookups", self.settings.lookup_timeout, bulk=False)
         self._load_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._store_q: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._threads = [
@@ -286,96 +178,6 @@ class KvgateTier(SecondaryTierManager):
         """The /dev/shm file behind the primary tier (the scheduler's mapping of it)."""
         return compat.scheduler_region_path(self._spec)
 
-    def _state(self, ctx: ReqContext) -> _ReqState:
-        st = ctx.get_state(_ReqState)
-        if st is None:
-            retention, warning = request_retention(ctx.kv_transfer_params, self.settings.retention)
-            if warning:
-                self._log.warning("retention", "kvgate: request %s: %s", ctx.req_id, warning)
-            enabled = True
-            if self.settings.salted_only:
-                salt = ctx.get_state(RequestSalt)
-                if salt is None or not salt.salted:
-                    enabled = False
-                    if self.settings.refuse_unsalted:
-                        self._log.warning("unsalted", "kvgate: request %s has no cache_salt: refused (neither "
-                                          "looked up nor stored in kvgate; refuse_unsalted is set)", ctx.req_id)
-                    else:
-                        logger.debug("kvgate: request %s has no cache_salt: not cached (skip_unsalted)", ctx.req_id)
-            st = _ReqState(retention=retention, enabled=enabled)
-            ctx.set_state(st)
-        return st
-
-    def _mark(self, ctx: ReqContext, st: _ReqState) -> bytes | None:
-        """Fix what the request's dialog mark comes from (scheduler thread, once per request).
-
-        With ``affinity_chunks`` set: a digest of that many first chunk keys.
-        Otherwise the gateway's mark (``_dialog``), from the leading keys
-        taken here; this returns None and the I/O threads ask the gateway.
-        """
-        if st.mark_known:
-            return st.mark
-        positions = compat.offload_key_positions(ctx)
-        if not positions:
-            return None
-        by_group: dict[int, list[tuple[bytes, int]]] = {}
-        for key, end_token in positions.items():
-            by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append((bytes(key), end_token))
-        first = by_group[min(by_group)]
-        if self.settings.affinity_chunks is not None:
-            st.mark = dialog_mark(first_chunk_keys(first, self.settings.affinity_chunks))
-        else:
-            st.leading = sorted(first, key=lambda kv: kv[1])[:MARK_KEYS]
-        st.mark_known = True
-        return st.mark
-
-    def _dialog(self, st: _ReqState | None, client: Client) -> DialogMark:
-        """The request's DialogMark (I/O threads): fixed by affinity_chunks, or asked of the gateway once."""
-        if st is None:
-            return DialogMark(None, 0)
-        if st.leading is None:
-            return DialogMark(st.mark, 0)
-        dm = st.dialog
-        if dm is None:
-            try:
-                dm = client.dialog_mark([k for k, _ in st.leading])
-            except GatewayError as e:
-                if e.code != "UNKNOWN_OP":
-                    raise
-                # A gateway from before dialog_mark: the first chunk marks the dialog, as it used to.
-                self._log.warning("no-marks", "kvgate: the gateway has no dialog_mark (an older version): dialog "
-                                  "marks come from the first chunk; upgrade the gateway")
-                dm = DialogMark(dialog_mark([st.leading[0][0]]), 0)
-            # Each head segment as the end token of its last chunk: chunks of any KV group ending
-            # inside it go with its mark (groups chunk the same tokens differently).
-            ends = [p for p, _ in dm.heads[1:]] + [dm.shared]
-            st.head_bounds = [(st.leading[end - 1][1], mark) for end, (_, mark) in zip(ends, dm.heads)]
-            st.shared_tokens = st.leading[dm.shared - 1][1] if dm.shared else 0
-            st.dialog = dm
-        return dm
-
-    @staticmethod
-    def _runs(st: _ReqState | None, dm: DialogMark, end_tokens: Sequence[int | None]) -> list[tuple[int, int, bytes | None]]:
-        """Split a batch into runs of one dialog: chunks inside the shared head go with their segment's mark."""
-        shared = st.shared_tokens if st is not None else 0
-        runs: list[tuple[int, int, bytes | None]] = []
-        for i, end in enumerate(end_tokens):
-            dialog = dm.mark
-            if shared and end is not None and 0 < end <= shared:
-                dialog = next(mark for upper, mark in st.head_bounds if end <= upper)  # type: ignore[union-attr]
-            if runs and runs[-1][2] == dialog and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1, dialog)
-            else:
-                runs.append((i, i + 1, dialog))
-        return runs
-
-    def _position(self, ctx: ReqContext, key: OffloadKey) -> int:
-        end = ctx.get_offload_key_position(key)
-        tpc = self._tokens_per_chunk.get(int.from_bytes(key[-4:], "big"))
-        if end is None or not tpc:
-            return -1
-        return max(-1, end // tpc - 1)
-
     def _job_started(self) -> None:
         with self._idle:
             self._outstanding += 1
@@ -390,14 +192,14 @@ class KvgateTier(SecondaryTierManager):
     # ---- SecondaryTierManager: scheduler thread ------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._state(req_context)
+        self._requests.of(req_context)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        st = self._state(req_context)
+        st = self._requests.of(req_context)
         if not st.enabled or self._closing:
             return LookupResult.MISS
-        self._mark(req_context, st)
+        self._requests.mark(req_context, st)
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -405,7 +207,7 @@ class KvgateTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         ctx = job_metadata.req_context
-        st = self._state(ctx)
+        st = self._requests.of(ctx)
         self._job_started()
         if not st.enabled or st.retention == "none" or self._closing:
             self.counters["skipped_stores"] += 1
@@ -414,19 +216,19 @@ class KvgateTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         # Everything read from the (scheduler-owned) request context is resolved here.
         job_metadata.keys = keys
-        self._mark(ctx, st)
+        self._requests.mark(ctx, st)
         ends = [ctx.get_offload_key_position(k) for k in keys]
-        compat.attach_to_job(job_metadata, (st, [self._position(ctx, k) for k in keys], ends))
+        compat.attach_to_job(job_metadata, (st, [self._requests.position(ctx, k) for k in keys], ends))
         self._store_q.put(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         ctx = job_metadata.req_context
-        st = self._state(ctx)
+        st = self._requests.of(ctx)
         keys = list(job_metadata.keys)
         job_metadata.keys = keys
         self._load_keys[job_metadata.job_id] = keys
         self._job_started()
-        self._mark(ctx, st)
+        self._requests.mark(ctx, st)
         compat.attach_to_job(job_metadata, (st, None, [ctx.get_offload_key_position(k) for k in keys]))
         self._load_q.put(job_metadata)
 
@@ -496,15 +298,15 @@ class KvgateTier(SecondaryTierManager):
     # ---- background threads ----------------------------------------------------------------
 
     def _batch_exists(self, keys: list[OffloadKey], ctx: ReqContext) -> list[bool]:
-        st = ctx.get_state(_ReqState)
+        st = ctx.get_state(ReqState)
         self.counters["lookups"] += len(keys)
         try:
             client = self._lookup_conn.get()
-            dm = self._dialog(st, client)
+            dm = self._requests.dialog(st, client)
             ends = [ctx.get_offload_key_position(k) for k in keys] if st is not None and st.shared_tokens else \
                 [None] * len(keys)
             present = []
-            for start, end, dialog in self._runs(st, dm, ends):
+            for start, end, dialog in self._requests.runs(st, dm, ends):
                 present += client.exists_many([bytes(k) for k in keys[start:end]], dialog=dialog)
         except GatewayDown:
             return [False] * len(keys)
@@ -521,7 +323,7 @@ class KvgateTier(SecondaryTierManager):
         self.counters["lookup_hits"] += sum(out)
         return out
 
-    def _connection_error(self, conn: _Connection, what: str, e: Exception) -> None:
+    def _connection_error(self, conn: TierConnection, what: str, e: Exception) -> None:
         if isinstance(e, GatewayError):
             self._log.warning(f"refused-{what}", "kvgate: gateway refused a %s: %s", what, e)
             if e.code in ("ENGINE_BUSY", "NOT_AUTHORIZED", "UNSALTED_REFUSED", "BAD_VERSION"):
@@ -532,7 +334,7 @@ class KvgateTier(SecondaryTierManager):
                               what, type(e).__name__, e)
         conn.drop()
 
-    def _job_loop(self, q: "queue.SimpleQueue[TransferJob | None]", conn: _Connection, is_load: bool) -> None:
+    def _job_loop(self, q: "queue.SimpleQueue[TransferJob | None]", conn: TierConnection, is_load: bool) -> None:
         # Open the sessions now, not in the first request's lookup and load: connecting and
         # registering the CPU tier cost the first restore after an engine start ~30 ms.
         for c in (self._lookup_conn, conn) if is_load else (conn,):
@@ -565,7 +367,7 @@ class KvgateTier(SecondaryTierManager):
             except Exception:
                 pass
 
-    def _run_store(self, job: TransferJob, conn: _Connection) -> JobResult:
+    def _run_store(self, job: TransferJob, conn: TierConnection) -> JobResult:
         st, positions, ends = compat.job_attachment(job)
         keys = [bytes(k) for k in job.keys]
         t0 = time.monotonic()
@@ -576,8 +378,8 @@ class KvgateTier(SecondaryTierManager):
         ok = 0
         try:
             client = conn.get()
-            dm = self._dialog(st, client)
-            for d_start, d_end, dialog in self._runs(st, dm, ends):
+            dm = self._requests.dialog(st, client)
+            for d_start, d_end, dialog in self._requests.runs(st, dm, ends):
                 for start, end, pos in chunk_runs(positions[d_start:d_end]):
                     start, end = start + d_start, end + d_start
                     stored = client.put_many(keys[start:end], rows[start:end], retention=st.retention,
@@ -597,7 +399,7 @@ class KvgateTier(SecondaryTierManager):
         return JobResult(job_id=job.job_id, success=success, transfer_time=time.monotonic() - t0,
                          transfer_bytes=ok * self.block_size_bytes)
 
-    def _run_load(self, job: TransferJob, conn: _Connection) -> JobResult:
+    def _run_load(self, job: TransferJob, conn: TierConnection) -> JobResult:
         st, _, ends = compat.job_attachment(job)
         keys = list(job.keys)
         t0 = time.monotonic()
@@ -607,9 +409,9 @@ class KvgateTier(SecondaryTierManager):
         good: list[OffloadKey] = []
         try:
             client = conn.get()
-            dm = self._dialog(st, client)
+            dm = self._requests.dialog(st, client)
             sizes: list[int | None] = []
-            for start, end, dialog in self._runs(st, dm, ends):
+            for start, end, dialog in self._requests.runs(st, dm, ends):
                 got = client.get_many([bytes(k) for k in keys[start:end]], into=rows[start:end], dialog=dialog)
                 sizes += [None if g is None else g.nbytes for g in got]
                 got = None  # drop the views of the CPU tier that get_many returned

@@ -166,6 +166,9 @@ def main() -> None:
         max_model_len=4096,
         seed=0,
         **({"kv_cache_dtype": plan["kv_cache_dtype"]} if plan.get("kv_cache_dtype") else {}),
+        # On a CPU with AMX vLLM picks its AMX MLA backend, which takes bf16/int8 weights only:
+        # this float32 model needs the reference CPU MLA backend there too.
+        **({"attention_backend": "CPU_MLA"} if plan.get("arch") == "mla" else {}),
         kv_transfer_config=KVTransferConfig(**plan["kv_transfer_config"]) if plan.get("kv_transfer_config") else
         KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra),
     )

@@ -53,6 +53,7 @@ from kvgate.integrations.lmcache.settings import (
     parse_connector_config,
     plugin_logger,
 )
+from kvgate.integrations.reconnect import Backoff
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -97,8 +98,7 @@ class KvgateRemoteConnector(RemoteConnector):
         self._closed = False
         self._down = False
         self._down_since = 0.0
-        self._next_try = 0.0
-        self._backoff = 0.5
+        self._backoff = Backoff()  # one for all its sessions: a gateway that is down is down for all
         self._refusals_logged: set[str] = set()
         self.counters = {"lookups": 0, "lookup_hits": 0, "loads": 0, "loaded": 0, "stores": 0, "stored": 0,
                          "store_failed": 0, "bytes_loaded": 0, "bytes_stored": 0, "outages": 0}
@@ -124,7 +124,7 @@ class KvgateRemoteConnector(RemoteConnector):
             if self._closed:
                 raise _Unavailable("the connector is closed")
             now = time.monotonic()
-            if now < self._next_try:
+            if self._backoff.left(now) > 0:
                 raise _Unavailable("backing off")
             s = self.settings
             try:
@@ -133,13 +133,12 @@ class KvgateRemoteConnector(RemoteConnector):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self._next_try = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, 10.0)
+                self._backoff.failed(time.monotonic())
                 self._failed(f"cannot connect ({type(e).__name__}: {e})")
                 raise _Unavailable(str(e)) from e
             c.set_timeout(s.lookup_timeout if kind == _LOOKUP else s.io_timeout)
             self._clients[key] = c
-            self._backoff = 0.5
+            self._backoff.succeeded()
             self._back()
             return c
 

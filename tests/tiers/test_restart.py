@@ -24,10 +24,11 @@ import xxhash
 
 from kvgate.cards import DirectoryCard, ObjectMeta
 from kvgate.config import Config
-from kvgate.keys import dialog_digest, full_key
+from kvgate.keys import dialog_digest, full_key, key_digest
 from kvgate.tiers import restart
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.finder import KeyFinder
+from kvgate.tiers.rows import split_digest
 from tests.helpers import as_newer_format
 from tests.tiers.common import card_set
 
@@ -307,3 +308,30 @@ def test_a_scan_whose_header_reads_fail_stops_with_a_log_line_and_keeps_what_it_
     asyncio.run(main())
     gc.collect()  # an abandoned future's unretrieved error is logged when it is collected
     assert "never retrieved" not in caplog.text
+
+
+def test_a_snapshot_saved_in_many_steps_while_keys_are_written_loads_every_row(tmp_path: Path, monkeypatch) -> None:
+    """The saver reuses one record buffer for every step: each step's rows reach the card as they were
+    encoded, even when the index grows past its size at the start of the save between two steps."""
+    monkeypatch.setattr(restart, "SAVE_ROWS", 7)  # 64 and 128 rows: a short last step
+
+    async def main() -> None:
+        cfg = _config(tmp_path, ["card"])
+        cards = await _holding(cfg, [_key(i) for i in range(N)])
+        mc = cards.cards[0]
+        late = [_key(N + i) for i in range(N)]
+        writes = asyncio.ensure_future(_write(cards, late))  # lands between the save's steps
+        assert await mc.keeper.save("in a test")
+        snap = restart.decode((tmp_path / "card" / "kvgate-index").read_bytes(), mc.serial, cfg.num_dbs)
+        digests = {(int(r["lo"]), int(r["hi"])) for r in snap.rows}
+        every = {split_digest(key_digest(k)) for k in [_key(i) for i in range(2 * N)]}
+        assert {split_digest(key_digest(_key(i))) for i in range(N)} <= digests <= every
+        await writes
+        await cards.stop()  # saves again, all 2N rows
+        cards = await _started(cfg)
+        mc = cards.cards[0]
+        assert mc.keeper.loaded == 2 * N and len(mc.index) == 2 * N
+        assert all([await _reads_back(cards, k) for k in [_key(i) for i in range(2 * N)]])
+        await cards.stop()
+
+    asyncio.run(main())

@@ -194,7 +194,8 @@ class SnapshotWriter(ABC):
     """Bytes of a new index snapshot, in pieces; ``commit`` publishes them whole, ``abort`` leaves the old one."""
 
     @abstractmethod
-    def write(self, data: bytes | memoryview) -> None: ...
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``; nothing of it is kept once this returns (the saver reuses its buffer)."""
 
     @abstractmethod
     def commit(self) -> None: ...

@@ -111,7 +111,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--miss-only", action="store_true", help="measure the miss cost only (engines 0a/0b)")
     p.add_argument("--miss-rounds", type=int, default=1,
                    help="rounds of four miss engines (without, with, with, without kvgate)")
-    return p.parse_args(argv)
+    p.add_argument("--plot", metavar="FILE.svg|FILE.png",
+                   help="draw TTFT per configuration, kvgate beside fs (needs matplotlib in this venv: "
+                        ".venv-vllm/bin/pip install matplotlib)")
+    p.add_argument("--replot", metavar="RESULT.json",
+                   help="no engines: draw --plot from a result an earlier run wrote with --json (any venv with "
+                        "matplotlib and kvgate, e.g. .venv/bin/python benchmarks/vllm_ttft.py --replot ...)")
+    args = p.parse_args(argv)
+    if args.replot and not args.plot:
+        p.error("--replot needs --plot FILE")
+    if args.plot and args.miss_only:
+        p.error("--plot draws the restore rows, which --miss-only does not measure")
+    return args
 
 
 def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -121,6 +132,19 @@ def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        from kvgate.bench import BenchError
+        from kvgate.bench.report import check_matplotlib, plot_ttft
+
+        try:
+            check_matplotlib()  # before any engine runs, not after seven minutes of them
+        except BenchError as e:
+            print(f"vllm_ttft: {e}", file=sys.stderr)
+            return 2
+        if args.replot:
+            plot_ttft(json.loads(Path(args.replot).read_text()), args.plot)
+            print(f"wrote {args.plot}")
+            return 0
     exit_on_sigterm()
     t_start = time.monotonic()
     loadavg_start = _loadavg()
@@ -327,6 +351,11 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
         log(f"wrote {args.json}")
+    if args.plot:
+        from kvgate.bench.report import plot_ttft
+
+        plot_ttft(report, args.plot)
+        log(f"wrote {args.plot}")
     return 0 if report["checks_ok"] and not report["miss"].get("problems") else 1
 
 

@@ -280,3 +280,35 @@ def test_plot_is_refused_where_nothing_is_drawn_and_without_matplotlib(capsys, m
     assert "pip install 'kvgate[plot]'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         p.parse_args(["--plot", "x.jpg"])
+
+
+def _ttft_row(label: str, median_s: float) -> dict:
+    return {"label": label, "ttft_s": [median_s * 0.9, median_s, median_s * 1.2], "median_s": median_s,
+            "min_s": median_s * 0.9, "max_s": median_s * 1.2}
+
+
+def test_vllm_ttft_replot_draws_each_restore_beside_fs(tmp_path: Path) -> None:
+    """``make bench-vllm ARGS="--plot F"`` draws what ``--json`` wrote; ``--replot`` draws it again, no engines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_ttft", Path(__file__).parent.parent / "benchmarks" /
+                                                  "vllm_ttft.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {"computed": _ttft_row("computed (no cache)", 11.91), "kvgate_ram": _ttft_row("kvgate RAM", 0.125),
+            "fs_ram": _ttft_row("fs", 0.25), "kvgate_warm": _ttft_row("kvgate warm", 0.15),
+            "fs_warm": _ttft_row("fs warm", 0.2), "kvgate_cold": _ttft_row("kvgate cold", 0.2),
+            "fs_cold": _ttft_row("fs cold", 0.16)}
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"rows": rows}))
+    drawing = tmp_path / "ttft.svg"
+    assert bench.main(["--replot", str(result), "--plot", str(drawing)]) == 0
+    svg = drawing.read_text()
+    for text in ("RAM tier", "card, page cache warm", "card, page cache dropped", "0.50", "0.75", "1.25",
+                 "computed (no cache): median 11.91 s", "kvgate", "vLLM fs tier"):
+        assert text in svg, f"the drawing has {text!r}"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--replot", str(result)])  # nowhere to draw it
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plot", str(drawing), "--miss-only"])  # no restore rows to draw

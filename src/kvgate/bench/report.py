@@ -412,3 +412,42 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# The rows of ``make bench-vllm`` in the order they are drawn, each kvgate row beside the fs row of its
+# engine and page-cache state (``benchmarks/vllm_ttft.py`` names them).
+TTFT_PAIRS = (("kvgate_ram", "fs_ram", "RAM tier"), ("kvgate_warm", "fs_warm", "card, page cache warm"),
+              ("kvgate_cold", "fs_cold", "card, page cache dropped"))
+
+
+def plot_ttft(result: dict[str, Any], path: str) -> None:
+    """``make bench-vllm ARGS="--plot FILE"``: TTFT per configuration (median, min-max whiskers), kvgate beside
+    the ``fs`` tier restoring in the same engine, the ratio of medians above each pair; the computed prefill
+    (about 100x a restore) as a note."""
+    plt = _pyplot()
+    rows = result["rows"]
+    pairs = [(k, f, label) for k, f, label in TTFT_PAIRS if k in rows and f in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    width = 0.38
+    for x, (k, f, _label) in enumerate(pairs):
+        for dx, key, color, name in ((-width / 2, k, "#2a7ab9", "kvgate"), (width / 2, f, "#b0b0b0", "vLLM fs tier")):
+            r = rows[key]
+            ax.bar(x + dx, r["median_s"], width, color=color, label=name if x == 0 else None,
+                   yerr=[[r["median_s"] - r["min_s"]], [r["max_s"] - r["median_s"]]], capsize=3)
+        ratio = rows[k]["median_s"] / rows[f]["median_s"]
+        ax.annotate(f"{ratio:.2f}", (x, max(rows[k]["max_s"], rows[f]["max_s"])), textcoords="offset points",
+                    xytext=(0, 4), ha="center", fontsize=9)
+    ax.set_xticks(range(len(pairs)), [label for _k, _f, label in pairs], fontsize=9)
+    ax.set_ylabel("time to first token, s")
+    ax.set_ylim(0, 1.15 * max(rows[key]["max_s"] for k, f, _ in pairs for key in (k, f)))  # room for the ratios
+    ax.set_title("vLLM TTFT, restored: kvgate beside the fs tier in the same engine (ratio of medians)",
+                 fontsize=10)
+    computed = rows.get("computed")
+    if computed is not None:  # 60-150x the restores: a note, not a bar that flattens them
+        fig.text(0.01, 0.01, f"computed (no cache): median {computed['median_s']:.2f} s", fontsize=8,
+                 color="dimgray")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

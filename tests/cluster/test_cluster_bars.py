@@ -185,7 +185,9 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
         outage_misses = work.misses_since(t)
 
         # The leader agent: a new one within seconds, no new view for cards that are fine.
-        leader = ask(eps, lambda reg: reg.leader())
+        # After the quorum came back the agents' leases may have lapsed with it: until one campaigns
+        # again there is no leader (a clean-clone run read None here).
+        leader = wait_until(lambda: ask(eps, lambda reg: reg.leader()), 30, logs)
         t = time.monotonic()
         agents[leader].signal(signal.SIGKILL)
         wait_until(lambda: ask(eps, lambda reg: reg.leader()) not in (None, leader), 15, logs)

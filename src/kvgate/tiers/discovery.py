@@ -35,11 +35,11 @@ class CardDiscovery:
         self.pool = pool  # globbing
         self._refusals: dict[str, str] = {}  # location -> the last reason it was not taken, said once
 
-    async def relocate(self, mc: ManagedCard, in_use: Container[str]) -> bool:
+    async def relocate(self, mc: ManagedCard, in_use: Container[str]) -> None:
         """Look for ``mc``'s serial under the other locations its entry matches (``in_use``: other cards'
         locations); found, it is claimed there and reopened (``ManagedCard.reopen``)."""
         if is_redis(mc.pattern) and mc.pattern == mc.location:
-            return False  # one server, one address: nowhere else to look
+            return  # one server, one address: nowhere else to look
         for loc in await self.pool.run(expand, mc.pattern):
             if loc == mc.location or loc in in_use:
                 continue
@@ -63,8 +63,7 @@ class CardDiscovery:
                     pass  # best effort: the old path failed its check, which is why we looked elsewhere
                 continue
             mc.reopen(probe, loc)
-            return True
-        return False
+            return
 
     async def find(self, mc: ManagedCard, in_use: Container[str],
                    serials: Container[str]) -> tuple[Card, str, str] | None:

@@ -45,7 +45,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvgate.client import Client, GatewayError, ObjectTooLarge
-from kvgate.integrations.lmcache.l1 import find_shm_mapping, map_l1
+from kvgate.integrations.lmcache.l1 import map_l1
 from kvgate.integrations.lmcache.sessions import GatewayDown, Sessions
 from kvgate.integrations.lmcache.settings import (
     PARAM_KEYS,
@@ -441,4 +441,4 @@ class KvgateL2Adapter(L2AdapterInterface):
             self._notify_keys_deleted(deleted, [self._object_bytes] * len(deleted))
 
 
-__all__ = ["KvgateL2Adapter", "KvgateL2AdapterConfig", "find_shm_mapping"]
+__all__ = ["KvgateL2Adapter", "KvgateL2AdapterConfig"]

@@ -138,13 +138,35 @@ def test_a_batch_reports_each_object_on_its_own(card: NetworkCard) -> None:
     assert card.exists(small), "too small a buffer keeps the object"
 
 
+def _abandoned() -> Abandon:
+    guard = Abandon()
+    guard.abandon()
+    return guard
+
+
+class _GivesUpLater(Abandon):
+    """A guard abandoned as ``wanted`` says, one answer per look."""
+
+    def __init__(self, wanted) -> None:
+        super().__init__()
+        self._wanted = wanted
+
+    @property  # type: ignore[override]
+    def abandoned(self) -> bool:
+        return not next(self._wanted)
+
+    @abandoned.setter
+    def abandoned(self, value: bool) -> None:
+        pass
+
+
 def test_a_write_the_caller_gave_up_on_publishes_nothing(card: NetworkCard) -> None:
     k = key("late")
     with pytest.raises(WriteAbandoned):
-        card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta(), still_wanted=lambda: False)
+        card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta(), guard=_abandoned())
     calls = iter([True, False])  # wanted when asked before sending, not any more once it was sent
     with pytest.raises(WriteAbandoned):
-        card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta(), still_wanted=lambda: next(calls))
+        card.write(k, memoryview(payload_for(k, 1000)), ObjectMeta(), guard=_GivesUpLater(calls))
     assert not card.exists(k)
 
 

@@ -136,10 +136,10 @@ def test_an_eviction_issued_while_a_rewrite_is_under_way_leaves_the_new_object(t
         real_write = cs.card.write_many
         in_write = threading.Event()
 
-        def slow_write_many(items, still_wanted=None):
+        def slow_write_many(items, guard=None):
             in_write.set()
             time.sleep(0.3)  # the point: the rewrite is still under way when the eviction is decided
-            return real_write(items, still_wanted)
+            return real_write(items, guard)
 
         cs.card.write_many = slow_write_many
         rewrite = asyncio.create_task(_put(tier, b"a", 9, size))

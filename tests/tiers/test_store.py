@@ -271,3 +271,48 @@ def test_buffer_cache_reuses_by_size_within_its_bound() -> None:
     assert cache.kept == 3 << 20
     cache.give([memoryview(bytearray(0))])
     assert cache.kept == 3 << 20
+
+
+def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstaged(tmp_path: Path) -> None:
+    """RAM tier off: a directory card writes the client's region itself; the bytes and the hash are right."""
+    import os
+    import uuid
+
+    from kvgate.gateway import shm
+
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    size, keys = 600_000, [b"c0", b"c1", b"c2"]
+    try:
+        os.ftruncate(fd, size * len(keys))
+        for i, k in enumerate(keys):
+            os.pwrite(fd, payload(k, size), i * size)
+        region = shm.map_client_region(path, os.getuid())
+
+        async def main() -> None:
+            async with started_store(tmp_path, max_bytes=0) as store:
+                taken: list[list[int]] = []
+                take = store.staging.take
+
+                async def counted_take(sizes: list[int]) -> list[memoryview]:
+                    taken.append(sizes)
+                    return await take(sizes)
+
+                store.staging.take = counted_take  # type: ignore[method-assign]
+                items = [PutItem(fk(k), region.slice(i * size, size), ObjectMeta(DIALOG, i, time.time_ns()))
+                         for i, k in enumerate(keys)]
+                assert await store.put(items, Retention.LONG) == [True] * 3
+                for it in items:
+                    it.src.release()
+                assert taken == [] and store.staging.budget.used == 0  # nothing staged
+                assert not any(store.ram.contains(fk(k)) for k in keys)
+                gets = [GetItem(fk(k), DIALOG, memoryview(bytearray(size))) for k in keys]
+                sizes, _ = await store.get(gets)
+                assert sizes == [size] * 3
+                assert [bytes(g.dest) for g in gets] == [payload(k, size) for k in keys]
+
+        asyncio.run(main())
+        region.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -20,7 +20,10 @@ Contract:
   read, is ``ObjectTooNew`` (a miss) and stays; ``scan`` skips it.
 - ``write`` is atomic: a concurrent or later reader sees the whole new object
   or none (or the previous whole object).  A crash mid-write leaves nothing
-  readable.
+  readable.  Its payload is memory the gateway owns, except on a kind with
+  ``writes_client_memory``: that one may be given client memory, and then
+  moves it only through the kernel (``guard.pwrite``) and hashes what
+  landed on the card, never the client's pages.
 - A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
 - ``claim`` takes the card for this process's life, exclusively or shared
   with other ``shared_storage`` gateways; a card another gateway holds in a
@@ -48,11 +51,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from collections.abc import Collection
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
 from kvgate.keys import key_digest
-from kvgate.memcopy import Abandon
+from kvgate.memcopy import Abandon, WriteAbandoned
 
 log = logging.getLogger("kvgate.cards")
 
@@ -133,10 +136,6 @@ def holder_dead(doc: Any) -> bool:
     return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
 
 
-class WriteAbandoned(OSError):
-    """The caller stopped waiting for this write (deadline); nothing was published."""
-
-
 LABEL_FORMAT = 1
 LABEL_MAX = 64 << 10  # a larger "label" is not ours: refuse it without reading more
 
@@ -215,6 +214,9 @@ class Card(ABC):
     kind: ClassVar[str]
     # Whether prepare_reads does anything: lookups hand keys only to kinds that use them.
     prepares_reads: ClassVar[bool] = False
+    # Whether write may be given client memory (see the module contract): the store then skips
+    # the staging copy it makes for every other kind.
+    writes_client_memory: ClassVar[bool] = False
 
     def __init__(self, location: str, num_dbs: int = 1):
         if num_dbs < 1:
@@ -279,14 +281,13 @@ class Card(ABC):
         """
 
     @abstractmethod
-    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
-              still_wanted: Callable[[], bool] | None = None) -> int:
+    def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta, guard: Abandon | None = None) -> int:
         """Store atomically; returns the bytes the object takes on the card.
 
-        ``still_wanted`` is polled before the object is published: once it
-        returns False the caller has given up (its deadline passed and the
+        ``guard.abandoned`` is polled before the object is published: once
+        it is set the caller has given up (its deadline passed and the
         payload buffer may already hold other data), so the write must raise
-        ``WriteAbandoned`` and publish nothing.
+        ``WriteAbandoned`` and publish nothing.  None: nobody gives up.
         """
 
     @abstractmethod
@@ -406,19 +407,18 @@ class Card(ABC):
         return out
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
-                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
+                   guard: Abandon | None = None) -> list[int | BaseException]:
         out: list[int | BaseException] = []
         for full_key, payload, meta in items:
             try:
-                out.append(self.write(full_key, payload, meta, still_wanted))
+                out.append(self.write(full_key, payload, meta, guard))
             except OSError as e:
                 out.append(e)
         return out
 
-    def _write_one(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
-                   still_wanted: Callable[[], bool] | None) -> int:
+    def _write_one(self, full_key: bytes, payload: memoryview, meta: ObjectMeta, guard: Abandon | None) -> int:
         """``write`` of a kind whose ``write_many`` is its write path (one round trip for the batch)."""
-        result = self.write_many([(full_key, payload, meta)], still_wanted)[0]
+        result = self.write_many([(full_key, payload, meta)], guard)[0]
         if isinstance(result, BaseException):
             raise result
         return result

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection
-from typing import Callable, Iterator
+from typing import Iterator
 
 from kvgate.cards.base import (
     HOST_TAG,
@@ -82,6 +82,7 @@ class DirectoryCard(Card):
 
     kind = "directory"
     prepares_reads = True
+    writes_client_memory = True  # ObjectFileWriter: through the kernel, hashed as read back from the file
 
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
@@ -325,9 +326,9 @@ class DirectoryCard(Card):
             log.warning("card %s: direct reads are off (%s); reading through the page cache", self.location, why)
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
-              still_wanted: Callable[[], bool] | None = None) -> int:
+              guard: Abandon | None = None) -> int:
         view = byte_view(payload)
-        return self._writer.write(self.object_path(full_key), full_key, view, meta, still_wanted)
+        return self._writer.write(self.object_path(full_key), full_key, view, meta, guard)
 
     def prepare_reads(self, full_keys: list[bytes]) -> None:
         """Look the files up: a read opens a file by a path walk, and on a cold

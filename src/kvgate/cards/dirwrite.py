@@ -16,9 +16,9 @@ every part of the card that writes or removes files.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
-from typing import Callable
 
 from kvgate.cards.base import HOST_TAG, WriteAbandoned
 from kvgate.cards.direrrors import CardErrors
@@ -31,6 +31,7 @@ from kvgate.cards.objectformat import (
     padded_size,
     payload_hasher,
 )
+from kvgate.memcopy import Abandon, in_client_memory
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -78,8 +79,28 @@ def discard_corrupt(path: str, fd: int | None) -> None:
         pass
 
 
+class _ReadBack(threading.local):
+    """Per-thread buffer that a piece written out of client memory is read back into, to be hashed."""
+
+    def __init__(self) -> None:
+        self.piece = memoryview(mmap.mmap(-1, CHECKSUM_PIECE))
+
+
 class ObjectFileWriter:
-    """Writes one card directory's object files: under a temp name, then renamed over the final one."""
+    """Writes one card directory's object files: under a temp name, then renamed over the final one.
+
+    A payload in the gateway's own memory is hashed and written piece by
+    piece, each piece hashed while it is in the CPU cache.  A payload in
+    client memory (a registered region or a session region) is written
+    straight from there, through the kernel (``Abandon.pwrite``: a region
+    shrunk under us is ``MemoryFault``, never SIGBUS, and no piece is read
+    after the caller gave up), then each piece is read back from the page
+    cache and hashed: the hash is of what landed in the file, and the
+    gateway never loads a client's page itself.  That saves the staging
+    copy the store makes for other cards (kvgate bench, 32 x 2 MiB puts into
+    the page cache, same run: staged 0.40-0.45 of a raw write + rename,
+    direct 0.69-0.74).
+    """
 
     def __init__(self, location: str, errors: CardErrors, sync: bool):
         self.location = location
@@ -87,9 +108,9 @@ class ObjectFileWriter:
         self.sync = sync  # fsync each file and each new directory entry
         # Bound once: write enters it for every object.
         self._card_errors = errors.around
+        self._read_back = _ReadBack()
 
-    def write(self, final: str, full_key: bytes, view: memoryview, meta: ObjectMeta,
-              still_wanted: Callable[[], bool] | None) -> int:
+    def write(self, final: str, full_key: bytes, view: memoryview, meta: ObjectMeta, guard: Abandon | None) -> int:
         """Publish ``view`` as the object of ``full_key`` at ``final``; the bytes it takes on the card."""
         # host + boot + pid + thread: concurrent writers of one key, in this
         # process or another on a shared card, each get their own temp file,
@@ -98,18 +119,18 @@ class ObjectFileWriter:
         # Padded: the payload at a block-aligned offset, for direct reads
         poff = padded_size(header_size(full_key))
         plen = len(view)
+        client = in_client_memory(view)
+        if client and guard is None:
+            guard = Abandon()
         with self._card_errors():
             try:
                 fd = self._create_temp(tmp)
                 try:
-                    hasher = payload_hasher()
-                    for off in range(0, plen, CHECKSUM_PIECE):
-                        if still_wanted is not None and not still_wanted():
-                            raise WriteAbandoned(self.location)
-                        piece = view[off : off + CHECKSUM_PIECE]
-                        hasher.update(piece)
-                        pwrite_all(fd, piece, poff + off)
-                    header = pack_header(full_key, plen, hasher.intdigest(), meta, padded=True)
+                    if client:
+                        payload_hash = self._write_client_payload(fd, view, poff, guard)  # type: ignore[arg-type]
+                    else:
+                        payload_hash = self._write_own_payload(fd, view, poff, guard)
+                    header = pack_header(full_key, plen, payload_hash, meta, padded=True)
                     if len(header) != poff:  # pack_header and padded_size must agree
                         raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
                     pwrite_all(fd, header, 0)
@@ -117,7 +138,7 @@ class ObjectFileWriter:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                if still_wanted is not None and not still_wanted():
+                if guard is not None and guard.abandoned:
                     raise WriteAbandoned(self.location)
                 os.rename(tmp, final)
             except BaseException:
@@ -127,8 +148,31 @@ class ObjectFileWriter:
             fsync_dir(os.path.dirname(final))
         return poff + plen
 
+    def _write_own_payload(self, fd: int, view: memoryview, poff: int, guard: Abandon | None) -> int:
+        hasher = payload_hasher()
+        for off in range(0, len(view), CHECKSUM_PIECE):
+            if guard is not None and guard.abandoned:
+                raise WriteAbandoned(self.location)
+            piece = view[off : off + CHECKSUM_PIECE]
+            hasher.update(piece)
+            pwrite_all(fd, piece, poff + off)
+        return hasher.intdigest()
+
+    def _write_client_payload(self, fd: int, view: memoryview, poff: int, guard: Abandon) -> int:
+        hasher = payload_hasher()
+        back = self._read_back.piece
+        for off in range(0, len(view), CHECKSUM_PIECE):
+            piece = view[off : off + CHECKSUM_PIECE]
+            guard.pwrite(fd, piece, poff + off)
+            n = len(piece)
+            got = os.preadv(fd, [back[:n]], poff + off)
+            if got != n:
+                raise OSError(errno.EIO, f"read back {got} of the {n} bytes just written")
+            hasher.update(back[:n])
+        return hasher.intdigest()
+
     def _create_temp(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_TRUNC  # RDWR: a piece from client memory is read back
         for _ in range(3):
             try:
                 return os.open(tmp, flags, 0o600)

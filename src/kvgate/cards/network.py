@@ -33,7 +33,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Collection
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from kvgate.cards import netwire as w
@@ -251,13 +251,13 @@ class NetworkCard(Card):
     # ------------------------------------------------------------------ writes
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
-              still_wanted: Callable[[], bool] | None = None) -> int:
-        return self._write_one(full_key, payload, meta, still_wanted)
+              guard: Abandon | None = None) -> int:
+        return self._write_one(full_key, payload, meta, guard)
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
-                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
+                   guard: Abandon | None = None) -> list[int | BaseException]:
         """One ``WriteMany`` per ``BATCH`` objects.  Each payload goes to the socket from the caller's buffer,
-        its hash beside it; after it is sent, ``still_wanted`` decides whether the server publishes it."""
+        its hash beside it; after it is sent, ``guard`` decides whether the server publishes it."""
         out: list[int | BaseException | None] = [None] * len(items)
         views = [byte_view(p) for _, p, _ in items]
         sendable = []
@@ -271,7 +271,7 @@ class NetworkCard(Card):
                 sendable.append(i)
         for start in range(0, len(sendable), BATCH):
             chunk = sendable[start : start + BATCH]
-            if still_wanted is not None and not still_wanted():
+            if guard is not None and guard.abandoned:
                 for i in chunk:
                     out[i] = WriteAbandoned(self.location)
                 continue
@@ -285,7 +285,7 @@ class NetworkCard(Card):
                 with conn.transport():
                     for i in chunk:
                         w.send_all(conn.sock, [go, views[i]])
-                        go = b"\0" if still_wanted is not None and not still_wanted() else b"\1"
+                        go = b"\0" if guard is not None and guard.abandoned else b"\1"
                     w.send_all(conn.sock, [go])
                 results, _ = conn.reply(req)
             except CardUnavailable as e:

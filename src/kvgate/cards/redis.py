@@ -62,7 +62,7 @@ import errno
 import logging
 import uuid
 from collections.abc import Collection
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import redis.exceptions as rexc
 
@@ -213,12 +213,12 @@ class RedisCard(Card):
         return self._objects.read_many_into(items, guard)
 
     def write(self, full_key: bytes, payload: memoryview, meta: ObjectMeta,
-              still_wanted: Callable[[], bool] | None = None) -> int:
-        return self._write_one(full_key, payload, meta, still_wanted)
+              guard: Abandon | None = None) -> int:
+        return self._write_one(full_key, payload, meta, guard)
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
-                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
-        return self._objects.write_many(items, still_wanted)
+                   guard: Abandon | None = None) -> list[int | BaseException]:
+        return self._objects.write_many(items, guard)
 
     def exists(self, full_key: bytes, not_before_ns: int | None = None) -> bool:
         """``not_before_ns`` needs no check here: with a ttl the server expires objects itself (``ttl_s``)."""

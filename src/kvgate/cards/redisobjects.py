@@ -196,7 +196,7 @@ class RedisObjects:
     # ----------------------------------------------------------------- writes
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
-                   still_wanted: Callable[[], bool] | None = None) -> list[int | BaseException]:
+                   guard: Abandon | None = None) -> list[int | BaseException]:
         """One pipeline: ``EXISTS label`` then a ``SET`` per object.
 
         The label test rides in the same pipeline (same connection, same
@@ -218,7 +218,7 @@ class RedisObjects:
                 pipe.set(rkey, value, px=max(1, (meta.created_ns + self.ttl_ns - time.time_ns()) // 1_000_000))
             rkeys.append(rkey)
             sizes.append(size)
-        if still_wanted is not None and not still_wanted():
+        if guard is not None and guard.abandoned:
             return [WriteAbandoned(self.conns.display_location) for _ in items]
         try:
             replies = pipe.execute(raise_on_error=False)

@@ -576,7 +576,7 @@ class ManagedCard:
     async def _write_chunk(self, chunk: list) -> list | BaseException:
         abandon = Abandon()
         try:
-            return await self.io.run(self.card.write_many, chunk, lambda: not abandon.abandoned, abandon=abandon)
+            return await self.io.run(self.card.write_many, chunk, abandon, abandon=abandon)
         except OSError as e:
             return _whole_chunk(e, len(chunk))
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgate import memcopy
+from kvgate.memcopy import MemoryFault
 from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
@@ -138,9 +139,11 @@ class TieredStore:
         after the client got its (failed) answer.  An item with no RAM copy
         in one piece (tier off or full, object larger than it, pages not
         contiguous) is staged in a buffer of ours first, within the staging
-        budget: no card ever reads client memory, which the client may shrink
-        under us.  Copies out of client memory are ``memcopy`` copies:
-        ``MemoryFault`` when the client shrank it, and nothing is stored then.
+        budget, unless its card ``writes_client_memory``: such a card reads
+        the client's region only through the kernel, and never after the
+        write's guard is abandoned.  Copies out of client memory are
+        ``memcopy`` copies: ``MemoryFault`` when the client shrank it, and
+        nothing is stored then.
         """
         if retention is Retention.NONE or not items:
             return [False] * len(items)
@@ -174,12 +177,28 @@ class TieredStore:
             views = entry.views() if entry is not None else []
             if len(views) == 1:
                 source[id(it)] = views[0]
-        staged = [it for it in items if id(it) not in source]
+        from_client = {id(it) for it in items if id(it) not in source and memcopy.in_client_memory(it.src)}
         card_ok = [False] * len(items)
         card_left: list[int] = []
+        faults: list[MemoryFault] = []
 
         async def one_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
-            results = await cs.write([(items[i].fkey, source[id(items[i])], items[i].meta) for i in idx])
+            # What has no RAM copy is staged here, for this card: a card that writes client
+            # memory itself (through the kernel) is given the client's bytes instead.
+            direct = cs.card.writes_client_memory
+            staged = [i for i in idx if id(items[i]) not in source
+                      and not (direct and id(items[i]) in from_client)]
+            buffers = await self.staging.take([len(items[i].src) for i in staged]) if staged else []
+            try:
+                if staged:
+                    await self.pool.map_chunks(_stage, [(b, items[i]) for b, i in zip(buffers, staged)],
+                                               min_chunk=2)
+                src = {i: source.get(id(items[i]), items[i].src) for i in idx}
+                src.update(zip(staged, buffers))
+                results = await cs.write([(items[i].fkey, src[i], items[i].meta) for i in idx])
+            finally:
+                if staged:
+                    await self.staging.give_back(buffers)
             if not last_try and not self.long.serves(cs):
                 card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
                 return
@@ -189,16 +208,14 @@ class TieredStore:
                     card_ok[i] = self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
                     c.long.sets += 1
                     c.long.bytes_written += len(it.src)
+                elif isinstance(r, MemoryFault):
+                    faults.append(r)
                 else:
                     log.debug("write to card %s failed: %s", cs.location, r)
             for i in idx:  # a later object of this batch may have evicted an earlier one
                 card_ok[i] = card_ok[i] and items[i].fkey in cs.index
 
-        buffers = await self.staging.take([len(it.src) for it in staged]) if staged else []
         try:
-            if staged:
-                await self.pool.map_chunks(_stage, list(zip(buffers, staged)), min_chunk=2)
-                source.update((id(it), buf) for it, buf in zip(staged, buffers))
             groups = group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i) for i, it in enumerate(items))
             await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
             if card_left:  # once: a writer never notices a card removed under it
@@ -206,11 +223,11 @@ class TieredStore:
                                        for i in card_left)
                 await asyncio.gather(*(one_card(cs, idx, last_try=True) for cs, idx in groups.values()))
         finally:
-            if staged:
-                await self.staging.give_back(buffers)
             for entry in pinned:
                 if entry is not None:
                     self.ram.unpin(entry)
+        if faults:  # the client shrank its region under the write: as a fault while staging says
+            raise faults[0]
         return card_ok
 
     # ---- get ------------------------------------------------------------------

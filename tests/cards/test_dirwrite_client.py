@@ -1,0 +1,124 @@
+"""A directory card written straight out of client memory (``ObjectFileWriter``'s kernel path).
+
+The store hands a ``writes_client_memory`` card the client's own region
+instead of a staged copy.  The card must then store exactly the bytes that
+were there, with the hash of what landed in the file, turn a region shrunk
+under it into ``MemoryFault`` (never SIGBUS), and read no piece of it after
+the caller gave up.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kvgate.cards import DirectoryCard, ObjectMeta, WriteAbandoned
+from kvgate.cards.objectformat import CHECKSUM_PIECE
+from kvgate.gateway import shm
+from kvgate.keys import full_key
+from kvgate.memcopy import Abandon, MemoryFault, in_client_memory
+
+SIZE = 3 * CHECKSUM_PIECE + 4321  # several pieces and a short last one
+
+
+@pytest.fixture
+def card(tmp_path: Path) -> DirectoryCard:
+    c = DirectoryCard(str(tmp_path / "card"))
+    c.open()
+    return c
+
+
+@pytest.fixture
+def client_file() -> Iterator[tuple[int, shm.Region]]:
+    """A /dev/shm file of ours, mapped as the gateway maps a client's registered region."""
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 2 * SIZE)
+        region = shm.map_client_region(path, os.getuid())
+        try:
+            yield fd, region
+        finally:
+            region.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _fill(fd: int, data: np.ndarray, offset: int = 0) -> None:
+    """Write the client's bytes through its file, as the client would (the test never loads the mapping)."""
+    os.pwrite(fd, data.tobytes(), offset)
+
+
+def _leftovers(card: DirectoryCard, k: bytes) -> list[str]:
+    d = os.path.dirname(card.object_path(k))
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_client_memory_is_stored_exactly_with_the_hash_of_what_landed(card: DirectoryCard, client_file) -> None:
+    fd, region = client_file
+    data = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+    _fill(fd, data, 100)
+    src = region.slice(100, SIZE)
+    assert in_client_memory(src) and DirectoryCard.writes_client_memory
+    k = full_key(b"ns", b"direct")
+    card.write(k, src, ObjectMeta(), Abandon())
+    src.release()
+    out = np.zeros(SIZE, np.uint8)
+    assert card.read_into(k, memoryview(out)).payload_len == SIZE  # the hash checks out
+    assert np.array_equal(out, data)
+
+
+def test_a_shrunk_client_region_is_a_memory_fault_and_publishes_nothing(card: DirectoryCard, client_file) -> None:
+    fd, region = client_file
+    k = full_key(b"ns", b"shrunk")
+    src = region.slice(0, SIZE)
+    os.ftruncate(fd, CHECKSUM_PIECE)  # the first piece is still there, the rest is gone
+    with pytest.raises(MemoryFault):
+        card.write(k, src, ObjectMeta(), Abandon())
+    src.release()
+    assert not card.exists(k) and _leftovers(card, k) == []  # no object, no temp file
+
+
+class _GiveUpAfter(Abandon):
+    """A guard its caller abandons right after the ``n``-th piece was written (as a deadline would)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.pieces = n, 0
+
+    def pwrite(self, fd: int, src: memoryview, offset: int) -> None:
+        super().pwrite(fd, src, offset)
+        self.pieces += 1
+        if self.pieces == self.n:
+            self.abandon()
+
+
+def test_no_piece_is_read_after_the_caller_gave_up(card: DirectoryCard, client_file) -> None:
+    fd, region = client_file
+    _fill(fd, np.full(SIZE, 5, np.uint8))
+    k = full_key(b"ns", b"late")
+    src = region.slice(0, SIZE)
+    guard = _GiveUpAfter(1)
+    with pytest.raises(WriteAbandoned):
+        card.write(k, src, ObjectMeta(), guard)
+    src.release()
+    assert guard.pieces == 1  # abandon() stopped the next piece before it read a byte
+    assert not card.exists(k) and _leftovers(card, k) == []
+
+
+def test_own_memory_still_takes_the_hash_in_place_path(card: DirectoryCard) -> None:
+    data = np.random.default_rng(2).integers(0, 256, SIZE, dtype=np.uint8)
+    assert not in_client_memory(memoryview(data))
+    k = full_key(b"ns", b"own")
+    guard = _GiveUpAfter(1)  # never asked: own memory is not written through the guard
+    card.write(k, memoryview(data), ObjectMeta(), guard)
+    assert guard.pieces == 0
+    out = np.zeros(SIZE, np.uint8)
+    card.read_into(k, memoryview(out))
+    assert np.array_equal(out, data)

@@ -442,13 +442,18 @@ class TieredStore:
         while True:
             n, unknown, hints = self._known_prefix(fkeys, homes, n, self.cfg.prepare_reads)
             if hints:
-                self.finder.hint_reads(hints, urgent)
+                self._hint_later(hints, urgent)
             if not unknown:
                 return n
             found = await self.finder.probe_prefix(fkeys[n : n + len(unknown)], unknown, dialog, urgent)
             n += found
             if found < len(unknown):
                 return n
+
+    def _hint_later(self, hints: list, urgent: bool) -> None:
+        """Read hints once the answer is out: they serve the load that follows it, and their 30 µs
+        (1,000 keys on one card) need not wait in front of the reply."""
+        asyncio.get_running_loop().call_soon(self.finder.hint_reads, hints, urgent)
 
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Whether each key is present (the module's rule)."""
@@ -468,7 +473,7 @@ class TieredStore:
                 unknown.append(i)
                 unknown_homes.append(cs)
         if self.cfg.prepare_reads and indexed.any():
-            self.finder.hint_reads(found_on_cards(where, asked, digests, indexed), urgent)
+            self._hint_later(found_on_cards(where, asked, digests, indexed), urgent)
         if unknown:
             found = await self.finder.probe_each([fkeys[i] for i in unknown], unknown_homes, dialog, urgent)
             for i, f in zip(unknown, found):

@@ -256,9 +256,8 @@ class Abandon:
     copy is still writing into memory the client may now reuse, and none
     starts.  A copy holds the lock for one piece (about 1 MiB, well under a
     millisecond), never for I/O, so ``abandon`` never waits on a card.
-    Writes poll ``abandoned`` before they publish; a write straight out of
-    client memory takes each piece through ``pwrite``, under the same lock,
-    so no byte the client may have reused after its answer is ever read.
+    Writes poll ``abandoned`` before they publish: a write straight out of
+    client memory (``pwrite``) publishes only bytes read before the answer.
 
     ``own``: the destinations are the gateway's own memory (a reply buffer,
     RAM-tier pages), which no client can unmap or write while the read runs.
@@ -298,26 +297,32 @@ class Abandon:
                 raise
 
     def pwrite(self, fd: int, src: memoryview, offset: int) -> None:
-        """All of ``src`` (one piece, client memory) written at ``offset`` of ``fd`` unless abandoned
+        """All of ``src`` (one piece, client memory) written at ``offset`` of ``fd``, unless abandoned
         (``WriteAbandoned`` then).  The kernel reads ``src``: memory that is gone is ``MemoryFault``,
-        never SIGBUS.  A write into a new file's page cache, so ``abandon`` waits at most one piece's
-        memory copy (256 KiB, about 50 µs), as for ``copy``; with ``O_SYNC`` or a slow network
-        filesystem it waits for the write."""
-        with self._lock:
-            if self.abandoned:
-                raise WriteAbandoned(errno.ECANCELED, "write abandoned: its caller stopped waiting")
-            while src:
-                try:
-                    n = os.pwrite(fd, src, offset)
-                except OSError as e:
-                    if e.errno == errno.EFAULT:
-                        raise MemoryFault(errno.EFAULT, "memory of a shared region is gone (the file was shrunk "
-                                                        "under its mapping)") from None
-                    raise
-                if n <= 0:  # never for a regular file, but a loop must not spin
-                    raise OSError(errno.EIO, "write made no progress")
-                src = src[n:]
-                offset += n
+        never SIGBUS.
+
+        Not under the lock, unlike ``copy``: a ``pwrite`` can wait for the
+        device (dirty-page throttling, a hung NFS server), and ``abandon``
+        runs on the event loop.  Nothing is lost by it: a write publishes
+        its file only if ``abandoned`` is still clear after its last piece
+        (its check before the rename), so every byte of a published object
+        was read before the caller's answer; a piece read later only ever
+        lands in a temp file that is deleted.
+        """
+        if self.abandoned:
+            raise WriteAbandoned(errno.ECANCELED, "write abandoned: its caller stopped waiting")
+        while src:
+            try:
+                n = os.pwrite(fd, src, offset)
+            except OSError as e:
+                if e.errno == errno.EFAULT:
+                    raise MemoryFault(errno.EFAULT, "memory of a shared region is gone (the file was shrunk "
+                                                    "under its mapping)") from None
+                raise
+            if n <= 0:  # never for a regular file, but a loop must not spin
+                raise OSError(errno.EIO, "write made no progress")
+            src = src[n:]
+            offset += n
 
     def copy(self, dst: Any, src: Any) -> None:
         """``copy(dst, src)`` unless abandoned (``ReadAbandoned`` then); ``MemoryFault`` as ``copy``."""

@@ -3,13 +3,16 @@
 The store hands a ``writes_client_memory`` card the client's own region
 instead of a staged copy.  The card must then store exactly the bytes that
 were there, with the hash of what landed in the file, turn a region shrunk
-under it into ``MemoryFault`` (never SIGBUS), and read no piece of it after
-the caller gave up.
+under it into ``MemoryFault`` (never SIGBUS), and publish nothing once the
+caller gave up, without making the event loop (``abandon``) wait for a
+``pwrite`` in flight.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -109,6 +112,48 @@ def test_no_piece_is_read_after_the_caller_gave_up(card: DirectoryCard, client_f
         card.write(k, src, ObjectMeta(), guard)
     src.release()
     assert guard.pieces == 1  # abandon() stopped the next piece before it read a byte
+    assert not card.exists(k) and _leftovers(card, k) == []
+
+
+def test_abandon_does_not_wait_for_a_pwrite_in_flight(card: DirectoryCard, client_file, monkeypatch) -> None:
+    """A pwrite held up (as by dirty-page throttling or a hung NFS server) must not hold up ``abandon``,
+    which runs on the event loop; the write it belongs to then publishes nothing."""
+    fd, region = client_file
+    _fill(fd, np.full(SIZE, 9, np.uint8))
+    k = full_key(b"ns", b"held")
+    src = region.slice(0, SIZE)
+    entered, release = threading.Event(), threading.Event()
+    real_pwrite = os.pwrite
+
+    def held_pwrite(fd_: int, data, offset: int) -> int:
+        if not entered.is_set():
+            entered.set()
+            release.wait(10)
+        return real_pwrite(fd_, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", held_pwrite)
+    guard = Abandon()
+    outcome: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            card.write(k, src, ObjectMeta(), guard)
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        guard.abandon()
+        assert time.monotonic() - t0 < 0.5  # did not wait for the held pwrite
+    finally:
+        release.set()
+        writer.join(10)
+    monkeypatch.undo()
+    src.release()
+    assert len(outcome) == 1 and isinstance(outcome[0], WriteAbandoned)
     assert not card.exists(k) and _leftovers(card, k) == []
 
 

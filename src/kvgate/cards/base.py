@@ -22,8 +22,9 @@ Contract:
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.  Its payload is memory the gateway owns, except on a kind with
   ``writes_client_memory``: that one may be given client memory, and then
-  moves it only through the kernel (``guard.pwrite``) and hashes what
-  landed on the card, never the client's pages.
+  moves it only through the kernel (``guard.pwrite``), hashes what landed
+  on the card, never the client's pages, and publishes it only if the guard
+  was not abandoned by the time the last piece was written.
 - A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
 - ``claim`` takes the card for this process's life, exclusively or shared
   with other ``shared_storage`` gateways; a card another gateway holds in a

@@ -93,9 +93,9 @@ class ObjectFileWriter:
     piece, each piece hashed while it is in the CPU cache.  A payload in
     client memory (a registered region or a session region) is written
     straight from there, through the kernel (``Abandon.pwrite``: a region
-    shrunk under us is ``MemoryFault``, never SIGBUS, and no piece is read
-    after the caller gave up), then each piece is read back from the page
-    cache and hashed: the hash is of what landed in the file, and the
+    shrunk under us is ``MemoryFault``, never SIGBUS, and the file is
+    published only if the caller had not given up when its last piece was
+    written), then each piece is read back from the page cache and hashed: the hash is of what landed in the file, and the
     gateway never loads a client's page itself.  That saves the staging
     copy the store makes for other cards (kvgate bench, 32 x 2 MiB puts into
     the page cache, same run: staged 0.40-0.45 of a raw write + rename,

@@ -140,8 +140,9 @@ class TieredStore:
         in one piece (tier off or full, object larger than it, pages not
         contiguous) is staged in a buffer of ours first, within the staging
         budget, unless its card ``writes_client_memory``: such a card reads
-        the client's region only through the kernel, and never after the
-        write's guard is abandoned.  Copies out of client memory are
+        the client's region only through the kernel, and publishes only
+        what it read before the write's guard was abandoned.  Copies out of
+        client memory are
         ``memcopy`` copies: ``MemoryFault`` when the client shrank it, and
         nothing is stored then.
         """

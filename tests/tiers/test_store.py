@@ -316,3 +316,70 @@ def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstag
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_a_put_whose_staging_faults_still_lets_every_other_card_write_finish_first(tmp_path: Path) -> None:
+    """A client region shrunk under one card's staging fails the put, but only once every other card's
+    write has ended: those read the RAM tier's pinned copies, which must stay pinned until then."""
+    import os
+    import threading
+    import uuid
+
+    from kvgate.gateway import shm
+    from kvgate.keys import dialog_digest
+    from kvgate.memcopy import MemoryFault
+
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    big = 3 << 20  # over the 2 MiB RAM tier: no RAM copy, so staged for its card
+    try:
+        os.ftruncate(fd, big)
+        region = shm.map_client_region(path, os.getuid())
+
+        async def main() -> None:
+            async with started_store(tmp_path, n_cards=2, max_bytes=2 << 20) as store:
+                dialogs = [dialog_digest(b"d%d" % i) for i in range(64)]
+                by_card: dict[int, bytes] = {}
+                for d in dialogs:
+                    by_card.setdefault(id(store.long.card_for(fk(b"x"), d)), d)
+                (x, dx), (y, dy) = [(mc, by_card[id(mc)]) for mc in store.long.cards]
+                y.card.writes_client_memory = False  # as a Redis card: its source is staged
+                loop = asyncio.get_running_loop()
+                entered, ended = asyncio.Event(), []
+                release = threading.Event()
+                write_many = x.card.write_many
+
+                def held_write(*args, **kw):
+                    loop.call_soon_threadsafe(entered.set)
+                    release.wait(10)
+                    out = write_many(*args, **kw)
+                    ended.append(time.monotonic())
+                    return out
+
+                x.card.write_many = held_write
+                src = region.slice(0, big)
+                os.ftruncate(fd, 0)  # the client shrinks its region: the staging copy faults
+                items = [PutItem(fk(b"small"), memoryview(payload(b"small")), ObjectMeta(dx, 0, time.time_ns())),
+                         PutItem(fk(b"big"), src, ObjectMeta(dy, 0, time.time_ns()))]
+                putting = asyncio.ensure_future(store.put(items, Retention.LONG))
+                await asyncio.wait_for(entered.wait(), 10)
+                await asyncio.sleep(0.2)  # the staging fault has happened by now
+                assert not putting.done()  # waits for x's write
+                release.set()
+                try:
+                    await putting
+                    raise AssertionError("the put of a shrunk region succeeded")
+                except MemoryFault:
+                    raised = time.monotonic()
+                src.release()
+                assert ended and ended[0] <= raised
+                assert x.card.exists(fk(b"small")) and not y.card.exists(fk(b"big"))
+                out = memoryview(bytearray(10_000))
+                assert x.card.read_into(fk(b"small"), out).payload_len == 10_000
+                assert bytes(out) == payload(b"small")
+
+        asyncio.run(main())
+        region.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -142,9 +142,8 @@ class TieredStore:
         budget, unless its card ``writes_client_memory``: such a card reads
         the client's region only through the kernel, and publishes only
         what it read before the write's guard was abandoned.  Copies out of
-        client memory are
-        ``memcopy`` copies: ``MemoryFault`` when the client shrank it, and
-        nothing is stored then.
+        client memory are ``memcopy`` copies: ``MemoryFault`` when the
+        client shrank it, and its card stores nothing of it then.
         """
         if retention is Retention.NONE or not items:
             return [False] * len(items)
@@ -216,13 +215,20 @@ class TieredStore:
             for i in idx:  # a later object of this batch may have evicted an earlier one
                 card_ok[i] = card_ok[i] and items[i].fkey in cs.index
 
+        async def every_card(groups: dict, last_try: bool = False) -> None:
+            # Every card's write ends before any error leaves: they read the pinned RAM copies.
+            done = await asyncio.gather(*(one_card(cs, idx, last_try) for cs, idx in groups.values()),
+                                        return_exceptions=True)
+            failed = next((r for r in done if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+
         try:
-            groups = group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i) for i, it in enumerate(items))
-            await asyncio.gather(*(one_card(cs, idx) for cs, idx in groups.values()))
+            await every_card(group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i)
+                                           for i, it in enumerate(items)))
             if card_left:  # once: a writer never notices a card removed under it
-                groups = group_by_card((self.long.card_for(items[i].fkey, items[i].meta.dialog), i)
-                                       for i in card_left)
-                await asyncio.gather(*(one_card(cs, idx, last_try=True) for cs, idx in groups.values()))
+                await every_card(group_by_card((self.long.card_for(items[i].fkey, items[i].meta.dialog), i)
+                                               for i in card_left), last_try=True)
         finally:
             for entry in pinned:
                 if entry is not None:

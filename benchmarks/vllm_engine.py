@@ -18,6 +18,8 @@ PLAN (JSON):
         writes reach kvgate_sets and fs_root holds fs_files chunk files
     {"op": "drop_caches"}       sync; echo 3 > /proc/sys/vm/drop_caches
     {"op": "reset_cache"}       empty the engine's prefix cache and vLLM's CPU tier
+    {"op": "reset_device_cache"} empty the engine's prefix cache only: vLLM's CPU tier keeps
+                                what it holds, so the next request of a prompt loads from there
   "out": where the results go (JSON)
 """
 
@@ -164,11 +166,11 @@ def main() -> None:
             results.append({"name": "drop_caches", "done": ok})
             if not ok:
                 say("cannot drop the page cache (not permitted): 'cold' results are not cold")
-        elif op == "reset_cache":
-            ok = llm.reset_prefix_cache(reset_connector=True)
-            results.append({"name": "reset_cache", "done": bool(ok)})
+        elif op in ("reset_cache", "reset_device_cache"):
+            ok = llm.reset_prefix_cache(reset_connector=op == "reset_cache")
+            results.append({"name": op, "done": bool(ok)})
             if not ok:
-                say("reset_prefix_cache failed")
+                say(f"reset_prefix_cache failed ({op})")
         else:
             raise ValueError(f"unknown step {op!r}")
 

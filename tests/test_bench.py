@@ -287,6 +287,7 @@ def _ttft_row(label: str, median_s: float) -> dict:
             "min_s": median_s * 0.9, "max_s": median_s * 1.2}
 
 
+@pytest.mark.slow  # matplotlib's first use on a machine runs fc-list to build its font cache
 def test_vllm_ttft_replot_draws_each_restore_beside_fs(tmp_path: Path) -> None:
     """``make bench-vllm ARGS="--plot F"`` draws what ``--json`` wrote; ``--replot`` draws it again, no engines."""
     import importlib.util
@@ -299,14 +300,15 @@ def test_vllm_ttft_replot_draws_each_restore_beside_fs(tmp_path: Path) -> None:
     rows = {"computed": _ttft_row("computed (no cache)", 11.91), "kvgate_ram": _ttft_row("kvgate RAM", 0.125),
             "fs_ram": _ttft_row("fs", 0.25), "kvgate_warm": _ttft_row("kvgate warm", 0.15),
             "fs_warm": _ttft_row("fs warm", 0.2), "kvgate_cold": _ttft_row("kvgate cold", 0.2),
-            "fs_cold": _ttft_row("fs cold", 0.16)}
+            "fs_cold": _ttft_row("fs cold", 0.16), "cputier_ram": _ttft_row("vLLM CPU tier", 0.1)}
     result = tmp_path / "result.json"
     result.write_text(json.dumps({"rows": rows}))
     drawing = tmp_path / "ttft.svg"
     assert bench.main(["--replot", str(result), "--plot", str(drawing)]) == 0
     svg = drawing.read_text()
     for text in ("RAM tier", "card, page cache warm", "card, page cache dropped", "0.50", "0.75", "1.25",
-                 "computed (no cache): median 11.91 s", "kvgate", "vLLM fs tier"):
+                 "computed (no cache): median 11.91 s", "kvgate", "vLLM fs tier",
+                 "vLLM's own CPU tier: 0.100 s (the floor)"):
         assert text in svg, f"the drawing has {text!r}"
     with pytest.raises(SystemExit):
         bench.parse_args(["--replot", str(result)])  # nowhere to draw it

@@ -422,8 +422,9 @@ TTFT_PAIRS = (("kvgate_ram", "fs_ram", "RAM tier"), ("kvgate_warm", "fs_warm", "
 
 def plot_ttft(result: dict[str, Any], path: str) -> None:
     """``make bench-vllm ARGS="--plot FILE"``: TTFT per configuration (median, min-max whiskers), kvgate beside
-    the ``fs`` tier restoring in the same engine, the ratio of medians above each pair; the computed prefill
-    (about 100x a restore) as a note."""
+    the ``fs`` tier restoring in the same engine, the ratio of medians above each pair; vLLM's own CPU tier
+    (no secondary tier read) as a dashed line over the RAM pair; the computed prefill (about 100x a restore)
+    as a note."""
     plt = _pyplot()
     rows = result["rows"]
     pairs = [(k, f, label) for k, f, label in TTFT_PAIRS if k in rows and f in rows]
@@ -442,6 +443,11 @@ def plot_ttft(result: dict[str, Any], path: str) -> None:
     ax.set_ylim(0, 1.15 * max(rows[key]["max_s"] for k, f, _ in pairs for key in (k, f)))  # room for the ratios
     ax.set_title("vLLM TTFT, restored: kvgate beside the fs tier in the same engine (ratio of medians)",
                  fontsize=10)
+    floor = rows.get("cputier_ram")
+    ram = next((x for x, (k, _f, _l) in enumerate(pairs) if k == "kvgate_ram"), None)
+    if floor is not None and ram is not None:  # no secondary tier read at all: what any restore costs the engine
+        ax.hlines(floor["median_s"], ram - width, ram + width, colors="black", linestyles="dashed",
+                  label=f"vLLM's own CPU tier: {floor['median_s']:.3f} s (the floor)")
     computed = rows.get("computed")
     if computed is not None:  # 60-150x the restores: a note, not a bar that flattens them
         fig.text(0.01, 0.01, f"computed (no cache): median {computed['median_s']:.2f} s", fontsize=8,

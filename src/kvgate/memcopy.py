@@ -49,12 +49,14 @@ class MemoryFault(OSError):
     """A copy met memory that is not there: a mapped file was shrunk under its mapping."""
 
 
+def region_gone(detail: str = "") -> MemoryFault:
+    """The error of a kernel copy (or write) that met client memory no longer there (EFAULT)."""
+    return MemoryFault(errno.EFAULT, f"memory of a shared region is gone ({detail}the file was shrunk under its "
+                                     "mapping)")
+
+
 class ReadAbandoned(OSError):
     """The caller stopped waiting for this read (deadline, or it went away); nothing more is delivered."""
-
-
-class WriteAbandoned(OSError):
-    """The caller stopped waiting for this write (deadline); nothing was published."""
 
 
 class Iovec(ctypes.Structure):
@@ -221,10 +223,8 @@ def _kernel_copy(spans: list[tuple[int, int, int]], into_client: bool) -> bool:
                 return False
             if err != errno.EFAULT:
                 raise OSError(err, f"{name}: {os.strerror(err)}")
-            raise MemoryFault(errno.EFAULT, "memory of a shared region is gone (the file was shrunk under "
-                                            "its mapping)")
-        raise MemoryFault(errno.EFAULT, f"memory of a shared region is gone ({done} of {want} bytes copied; "
-                                        "the file was shrunk under its mapping)")
+            raise region_gone()
+        raise region_gone(f"{done} of {want} bytes copied; ")
     return True
 
 
@@ -256,8 +256,10 @@ class Abandon:
     copy is still writing into memory the client may now reuse, and none
     starts.  A copy holds the lock for one piece (about 1 MiB, well under a
     millisecond), never for I/O, so ``abandon`` never waits on a card.
-    Writes poll ``abandoned`` before they publish: a write straight out of
-    client memory (``pwrite``) publishes only bytes read before the answer.
+    Writes poll ``abandoned`` before they publish, so a write straight out
+    of client memory (``kvgate.cards.dirwrite``) publishes only bytes it
+    read before the answer; it needs no lock, and ``abandon`` never waits
+    for its ``pwrite``, which may wait for the device.
 
     ``own``: the destinations are the gateway's own memory (a reply buffer,
     RAM-tier pages), which no client can unmap or write while the read runs.
@@ -295,34 +297,6 @@ class Abandon:
                 if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     return None  # a filesystem without it: read the usual way
                 raise
-
-    def pwrite(self, fd: int, src: memoryview, offset: int) -> None:
-        """All of ``src`` (one piece, client memory) written at ``offset`` of ``fd``, unless abandoned
-        (``WriteAbandoned`` then).  The kernel reads ``src``: memory that is gone is ``MemoryFault``,
-        never SIGBUS.
-
-        Not under the lock, unlike ``copy``: a ``pwrite`` can wait for the
-        device (dirty-page throttling, a hung NFS server), and ``abandon``
-        runs on the event loop.  Nothing is lost by it: a write publishes
-        its file only if ``abandoned`` is still clear after its last piece
-        (its check before the rename), so every byte of a published object
-        was read before the caller's answer; a piece read later only ever
-        lands in a temp file that is deleted.
-        """
-        if self.abandoned:
-            raise WriteAbandoned(errno.ECANCELED, "write abandoned: its caller stopped waiting")
-        while src:
-            try:
-                n = os.pwrite(fd, src, offset)
-            except OSError as e:
-                if e.errno == errno.EFAULT:
-                    raise MemoryFault(errno.EFAULT, "memory of a shared region is gone (the file was shrunk "
-                                                    "under its mapping)") from None
-                raise
-            if n <= 0:  # never for a regular file, but a loop must not spin
-                raise OSError(errno.EIO, "write made no progress")
-            src = src[n:]
-            offset += n
 
     def copy(self, dst: Any, src: Any) -> None:
         """``copy(dst, src)`` unless abandoned (``ReadAbandoned`` then); ``MemoryFault`` as ``copy``."""

@@ -88,30 +88,34 @@ def test_a_shrunk_client_region_is_a_memory_fault_and_publishes_nothing(card: Di
     assert not card.exists(k) and _leftovers(card, k) == []  # no object, no temp file
 
 
-class _GiveUpAfter(Abandon):
-    """A guard its caller abandons right after the ``n``-th piece was written (as a deadline would)."""
+def _client_pieces(monkeypatch, after_first=None) -> list[int]:
+    """Count the pwrites whose source is client memory (``after_first``: called after the first one)."""
+    real_pwrite, pieces = os.pwrite, []
 
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.pieces = n, 0
+    def counting(fd: int, data, offset: int) -> int:
+        n = real_pwrite(fd, data, offset)
+        if in_client_memory(data):
+            pieces.append(offset)
+            if len(pieces) == 1 and after_first is not None:
+                after_first()
+        return n
 
-    def pwrite(self, fd: int, src: memoryview, offset: int) -> None:
-        super().pwrite(fd, src, offset)
-        self.pieces += 1
-        if self.pieces == self.n:
-            self.abandon()
+    monkeypatch.setattr(os, "pwrite", counting)
+    return pieces
 
 
-def test_no_piece_is_read_after_the_caller_gave_up(card: DirectoryCard, client_file) -> None:
+def test_no_piece_is_read_after_the_caller_gave_up(card: DirectoryCard, client_file, monkeypatch) -> None:
     fd, region = client_file
     _fill(fd, np.full(SIZE, 5, np.uint8))
     k = full_key(b"ns", b"late")
     src = region.slice(0, SIZE)
-    guard = _GiveUpAfter(1)
+    guard = Abandon()
+    pieces = _client_pieces(monkeypatch, after_first=guard.abandon)  # the deadline passes mid-write
     with pytest.raises(WriteAbandoned):
         card.write(k, src, ObjectMeta(), guard)
+    monkeypatch.undo()
     src.release()
-    assert guard.pieces == 1  # abandon() stopped the next piece before it read a byte
+    assert len(pieces) == 1  # the next piece was not read
     assert not card.exists(k) and _leftovers(card, k) == []
 
 
@@ -157,13 +161,27 @@ def test_abandon_does_not_wait_for_a_pwrite_in_flight(card: DirectoryCard, clien
     assert not card.exists(k) and _leftovers(card, k) == []
 
 
-def test_own_memory_still_takes_the_hash_in_place_path(card: DirectoryCard) -> None:
+def test_own_memory_is_hashed_in_place_and_client_memory_read_back(card: DirectoryCard, client_file,
+                                                                     monkeypatch) -> None:
+    fd, region = client_file
     data = np.random.default_rng(2).integers(0, 256, SIZE, dtype=np.uint8)
+    _fill(fd, data)
+    real_preadv, read_backs = os.preadv, []
+
+    def counting(fd_: int, bufs, offset: int, *flags) -> int:
+        read_backs.append(offset)
+        return real_preadv(fd_, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", counting)
     assert not in_client_memory(memoryview(data))
-    k = full_key(b"ns", b"own")
-    guard = _GiveUpAfter(1)  # never asked: own memory is not written through the guard
-    card.write(k, memoryview(data), ObjectMeta(), guard)
-    assert guard.pieces == 0
-    out = np.zeros(SIZE, np.uint8)
-    card.read_into(k, memoryview(out))
-    assert np.array_equal(out, data)
+    card.write(full_key(b"ns", b"own"), memoryview(data), ObjectMeta(), Abandon())
+    assert read_backs == []  # hashed where it was, no second copy
+    src = region.slice(0, SIZE)
+    card.write(full_key(b"ns", b"client"), src, ObjectMeta(), Abandon())
+    src.release()
+    assert len(read_backs) == 4  # one read-back per 256 KiB piece (three and a short one)
+    monkeypatch.undo()
+    for name in (b"own", b"client"):
+        out = np.zeros(SIZE, np.uint8)
+        card.read_into(full_key(b"ns", name), memoryview(out))
+        assert np.array_equal(out, data)

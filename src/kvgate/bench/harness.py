@@ -316,7 +316,7 @@ class Bench:
         self.progress("card put")
         figures["card_put"] = self._card_put()
         self.progress("lookup")
-        os.sync()  # untimed: the put figure's 2 GiB are written back before lookups are timed, not during
+        os.sync()  # untimed: the put figure's writes reach the disk before lookups are timed, not during
         figures["lookup"] = self._lookup()
         self.progress("stopping gateways")
         return {"figures": figures, "skipped": skipped}

@@ -22,9 +22,9 @@ Contract:
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.  Its payload is memory the gateway owns, except on a kind with
   ``writes_client_memory``: that one may be given client memory, and then
-  moves it only through the kernel (``guard.pwrite``), hashes what landed
-  on the card, never the client's pages, and publishes it only if the guard
-  was not abandoned by the time the last piece was written.
+  moves it only through the kernel (a ``pwrite`` from it), hashes what
+  landed on the card, never the client's pages, and publishes it only if
+  the guard was not abandoned by the time the last piece was written.
 - A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
 - ``claim`` takes the card for this process's life, exclusively or shared
   with other ``shared_storage`` gateways; a card another gateway holds in a
@@ -56,7 +56,7 @@ from typing import Any, ClassVar, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
 from kvgate.keys import key_digest
-from kvgate.memcopy import Abandon, WriteAbandoned
+from kvgate.memcopy import Abandon
 
 log = logging.getLogger("kvgate.cards")
 
@@ -135,6 +135,10 @@ def holder_dead(doc: Any) -> bool:
         return True
     pid = doc.get("pid")
     return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
+
+
+class WriteAbandoned(OSError):
+    """The caller stopped waiting for this write (deadline); nothing was published."""
 
 
 LABEL_FORMAT = 1

@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, TypeVar
+from typing import Awaitable, Callable, Iterable, TypeVar
 
 from kvgate.latency import Latencies
 from kvgate.memcopy import Abandon
@@ -184,11 +184,7 @@ class IoPool:
             return [await self.run(fn, chunks[0], urgent=urgent)]
         # Every chunk ends before this returns or raises: a chunk still
         # copying after the caller answered would write buffers it reuses.
-        results = await asyncio.gather(*(self.run(fn, c, urgent=urgent) for c in chunks), return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
-        return results
+        return await gather_all(*(self.run(fn, c, urgent=urgent) for c in chunks))
 
     def oldest_age(self) -> float:
         """Seconds the oldest in-flight call has been running (0 when idle)."""
@@ -201,6 +197,20 @@ class IoPool:
 
     def shutdown(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+async def gather_all(*aws: Awaitable[T]) -> list[T]:
+    """Every awaitable run to its end, then the first error raised, if any.
+
+    For parts of one request that write or read the same buffers (copy
+    chunks, one card's share of a put or a get): an error in one must not
+    answer the request while another is still at work on them.
+    """
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results  # type: ignore[return-value]
 
 
 class CardGone(OSError):

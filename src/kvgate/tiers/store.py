@@ -37,7 +37,7 @@ from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import key_digest
-from kvgate.tiers.io import IoPool
+from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
 from kvgate.tiers.counters import StoreCounters
@@ -217,11 +217,7 @@ class TieredStore:
 
         async def every_card(groups: dict, last_try: bool = False) -> None:
             # Every card's write ends before any error leaves: they read the pinned RAM copies.
-            done = await asyncio.gather(*(one_card(cs, idx, last_try) for cs, idx in groups.values()),
-                                        return_exceptions=True)
-            failed = next((r for r in done if isinstance(r, BaseException)), None)
-            if failed is not None:
-                raise failed
+            await gather_all(*(one_card(cs, idx, last_try) for cs, idx in groups.values()))
 
         try:
             await every_card(group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i)
@@ -298,19 +294,15 @@ class TieredStore:
         groups = group_by_card(zip(where, misses))
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
-        done = await asyncio.gather(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()),
-                                    return_exceptions=True)
+        await gather_all(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()))
         # A miss read again where the key is now, or on the cards its slot had before (one round per card
         # set change the mover has not settled, at most).
         for round_ in range(UNSETTLED_LAYOUTS):
-            if not again or any(isinstance(r, BaseException) for r in done):
+            if not again:
                 break
             retry, again = again, []
-            done = await asyncio.gather(*(from_card(cs, idx, last_try=round_ == UNSETTLED_LAYOUTS - 1)
-                                          for cs, idx in group_by_card(retry).values()), return_exceptions=True)
-        failed = next((r for r in done if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
+            await gather_all(*(from_card(cs, idx, last_try=round_ == UNSETTLED_LAYOUTS - 1)
+                               for cs, idx in group_by_card(retry).values()))
         for it, size in zip(items, sizes):
             row = self.usage.row(it.fkey)
             row.gets += 1

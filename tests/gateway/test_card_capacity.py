@@ -84,6 +84,106 @@ def test_restart_keeps_what_a_fairly_full_card_holds(tmp_path: Path, tmpfs, gate
     assert len(object_files(card)) == 40
 
 
+@needs_root
+def test_batches_larger_than_a_small_cards_room_keep_their_head_and_the_next_batches_too(
+        tmp_path: Path, tmpfs, gateway_factory) -> None:
+    """A 64 MiB tmpfs card, RAM tier off: three puts of 48 objects of 2 MiB (96 MiB each, past the 60 MiB room).
+
+    Each batch keeps its leading objects, as many as the card holds, every
+    one acknowledged reads back whole, and the next batch takes the room of
+    the last.  (A batch started whole used to meet ENOSPC halfway with
+    nothing of it indexed, and the card was lowered to a capacity of 0.)
+    """
+    card = tmpfs("64m") / "card"
+    gw = gateway_factory(free_space_flags("--card-reserve", "4M", "--max-bytes", "0", "--shared-memory-size", "128M"),
+                         card=card, defaults=False)
+    gw.wait_scanned()
+    for batch in range(3):
+        keys = [b"b%d-%02d" % (batch, i) for i in range(48)]
+        values = [payload(batch * 100 + i, 2 * MiB) for i in range(48)]
+        with gw.client() as c:
+            ok = c.put_many(keys, values)
+            kept = ok.count(True)
+            assert ok == [True] * kept + [False] * (48 - kept), "a batch keeps its head: a restore needs a prefix"
+            assert 25 <= kept <= 30, f"60 MiB hold 29 objects of 2 MiB and a header; {kept} kept"
+            got = c.get_many(keys[:kept])
+            assert all(g is not None and bytes(g) == v for g, v in zip(got, values)), batch
+            assert c.lookup(keys) == kept
+    assert "capacity lowered" not in gw.log() and "can hold nothing" not in gw.log(), gw.log()
+    wait_until(lambda: len(object_files(card)) == kept, 10, lambda: f"{len(object_files(card))} objects on the card")
+    restart(gw)
+    with gw.client() as c:
+        assert c.lookup(keys) == kept, "what was acknowledged is on the card after a restart"
+
+
+@needs_root
+def test_puts_in_flight_together_take_room_one_after_another(tmp_path: Path, tmpfs, gateway_factory) -> None:
+    """Two engines put 40 MiB batches at once to a 64 MiB card: each batch fits alone, two do not.
+
+    Room is taken before a batch starts, counting the other's bytes in
+    flight: the medium never runs out (no ENOSPC, no lowered capacity), and
+    what each put acknowledged is stored whole until a later batch evicts it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    card = tmpfs("64m") / "card"
+    gw = gateway_factory(free_space_flags("--card-reserve", "4M", "--max-bytes", "0", "--shared-memory-size", "64M"),
+                         card=card, defaults=False)
+    gw.wait_scanned()
+
+    def engine(e: int) -> list[tuple[bytes, bytes]]:
+        acked = []
+        with gw.client(namespace="test-ns") as c:
+            for batch in range(4):
+                keys = [b"e%d-b%d-%02d" % (e, batch, i) for i in range(20)]
+                values = [payload(e * 1000 + batch * 100 + i, 2 * MiB) for i in range(20)]
+                acked += [(k, v) for k, v, ok in zip(keys, values, c.put_many(keys, values)) if ok]
+        return acked
+
+    with ThreadPoolExecutor(2) as pool:
+        acked = [kv for part in pool.map(engine, range(2)) for kv in part]
+    assert len(acked) >= 80, f"{len(acked)} of 160 acknowledged"
+    card_row = gw.stats()["cards"][0]
+    assert card_row["errors"] == 0 and "capacity lowered" not in gw.log(), gw.log()
+    with gw.client() as c:
+        got = c.get_many([k for k, _v in acked])
+    assert all(g is None or bytes(g) == v for g, (_k, v) in zip(got, acked))
+    assert sum(g is not None for g in got) >= 25, "the card holds what fits: 29 objects of 2 MiB"
+
+
+@needs_root
+def test_a_card_filled_by_another_writer_is_lowered_to_what_fits_not_to_nothing(
+        tmp_path: Path, tmpfs, gateway_factory) -> None:
+    """Another writer takes 50 of the card's 64 MiB after the gateway sized it; a batch then meets ENOSPC.
+
+    The card is lowered to what it holds plus what is free less the
+    reserve (read again from the medium), not to a share of what was
+    indexed when the write failed (nothing yet: that made it 0).
+    """
+    mnt = tmpfs("64m")
+    card = mnt / "card"
+    gw = gateway_factory(free_space_flags("--card-reserve", "4M", "--max-bytes", "0", "--shared-memory-size", "64M"),
+                         card=card, defaults=False)
+    gw.wait_scanned()
+    with open(mnt / "other-writer", "wb") as f:
+        f.write(b"x" * (50 * MiB))
+    keys = [b"k%d" % i for i in range(8)]
+    values = [payload(i, 2 * MiB) for i in range(8)]
+    with gw.client() as c:
+        ok = c.put_many(keys, values)
+        assert 3 <= ok.count(True) < 8, ok
+        lowered = int(wait_log(gw, r"capacity lowered to (\d+) bytes").group(1))
+        assert 4 * MiB <= lowered <= 14 * MiB, lowered
+        assert "can hold nothing" not in gw.log()
+        # What was indexed is evicted down to the lowered capacity (four of 2 MiB and a header in 10 MiB),
+        # and the card goes on taking what fits beside them.
+        assert c.put_many([b"after"], [payload(99)]) == [True], "the card still takes puts"
+        got = c.get_many(keys + [b"after"])
+    stored = [g for g in got if g is not None]
+    assert all(bytes(g) == v for g, v in zip(got, values + [payload(99)]) if g is not None)
+    assert 2 <= len(stored) and sum(len(g) for g in stored) <= lowered
+
+
 def test_card_over_its_capacity_at_start_evicts_and_says_how_many(tmp_path: Path, gateway_factory) -> None:
     gw = gateway_factory(["--card-capacity", "1G"])
     keys = [b"obj-%02d" % i for i in range(10)]
@@ -190,6 +290,26 @@ def test_redis_card_within_its_capacity_never_runs_out_of_memory(tmp_path: Path,
     assert card["objects"] > 150, "the card holds what fits, about 180 objects of 1 MiB"
     used = int(redis.Redis(unix_socket_path=srv.sock).info("memory")["used_memory"])
     assert used < 256 * MiB
+
+
+def test_one_batch_larger_than_a_redis_card_keeps_its_head_and_never_runs_the_server_out_of_memory(
+        tmp_path: Path, redis_server, gateway_factory) -> None:
+    """300 objects of 1 MiB in one put to a 256 MiB server: the batch is cut to what the card holds."""
+    srv = redis_server("--maxmemory", "256mb")
+    gw = gateway_factory(free_space_flags("--max-bytes", "0", "--shared-memory-size", "512M"), card=srv.url,
+                         defaults=False)
+    wait_log(gw, r"bytes indexed")
+    keys = [b"obj-%03d" % i for i in range(300)]
+    values = [payload(i) for i in range(300)]
+    with gw.client() as c:
+        ok = c.put_many(keys, values)
+        kept = ok.count(True)
+        assert ok == [True] * kept + [False] * (300 - kept) and kept > 150, kept
+        got = c.get_many(keys[:kept])
+    assert all(g is not None and bytes(g) == v for g, v in zip(got, values))
+    card = gw.stats()["cards"][0]
+    assert card["errors"] == 0, gw.log()
+    assert int(redis.Redis(unix_socket_path=srv.sock).info("memory")["used_memory"]) < 256 * MiB
 
 
 def test_redis_card_that_can_hold_nothing_warns_and_refuses_puts(tmp_path: Path, redis_server,

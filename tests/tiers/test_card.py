@@ -1,12 +1,14 @@
 """ManagedCard on its own: what each card answer reads as, and what a full card does (ENOSPC lowers its
-capacity once per episode, not once per failed write).
+capacity to what the medium really has, once per episode, not once per failed write).
 
 One request that meets a full card fails several objects at once; lowering
-the capacity to 90 % of what is held for each of them shrank it to
-0.9 ** n of what fits (a 48-object request on an 8 MiB card left 0.3 MiB).
-While the objects evicted for the first ENOSPC are still being deleted, a
-further ENOSPC tells nothing new.  Once they are gone, a new ENOSPC lowers
-the capacity again.
+the capacity for each of them compounded (0.9 ** n of what fits: a
+48-object request on an 8 MiB card left 0.3 MiB), and a guess from what was
+indexed when the write failed was 0 when nothing of the request was indexed
+yet.  So an ENOSPC reads the medium's free space again: capacity is what
+the card holds plus what is free, less the reserve.  While the objects
+evicted for the first ENOSPC are still being deleted, a further ENOSPC
+tells nothing new.  Once they are gone, a new ENOSPC lowers it again.
 """
 
 from __future__ import annotations
@@ -22,26 +24,65 @@ from kvgate.tiers.io import CardIo
 from tests.tiers.common import serving_card
 
 
-def test_enospc_lowers_capacity_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:
+def test_enospc_lowers_capacity_to_the_medium_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:
     async def main() -> None:
         (tmp_path / "card").mkdir()  # a configured card directory is never created by the gateway
-        cfg = Config(storage_devices=[str(tmp_path / "card")], card_capacity=1 << 30)
+        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=10_000)  # sized by its free space
         card = make_card(str(tmp_path / "card"), cfg)
+        card.free_bytes = lambda: 0  # type: ignore[method-assign]  # another writer filled the medium
         io = CardIo(1, 5.0, "test-card")
-        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))  # capacity 1 GiB: the free space it had
         for i in range(100):
             cs.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
         assert cs.used == 100_000
 
+        async def settle() -> None:  # the free space read, then the delete it spawned
+            while cs.tasks._running:
+                await cs.tasks.wait()
+
         full = OSError(errno.ENOSPC, "No space left on device")
         for _ in range(8):  # one request, eight objects that did not fit
             cs.note_result(full)
-        assert cs.capacity == 90_000, "lowered once per failed object"
+        await settle()  # the free space is read, the card shrunk, the evicted objects deleted
+        assert cs.capacity == 90_000, "held + free - reserve, once for the whole request"
         assert cs.used <= 90_000 and cs.counters.evictions == 10
         assert cs.active, "a full card is not a broken card"
-        await cs.tasks.wait()  # the evicted objects are deleted
-        cs.note_result(full)  # full again with the room made: the medium is smaller still
-        assert cs.capacity == 81_000
+        cs.note_result(full)  # full again with the room made: others took it
+        await settle()
+        assert cs.capacity == 80_000
+        card.free_bytes = lambda: 1 << 20  # type: ignore[method-assign]
+        cs.note_result(full)  # a write that failed for room the medium has now: nothing to lower
+        await settle()
+        assert cs.capacity == 80_000
+        await cs.close()
+
+    asyncio.run(main())
+
+
+def test_a_configured_capacity_larger_than_the_medium_is_lowered_to_it_and_writes_then_make_room_first(
+        tmp_path: Path) -> None:
+    """card_capacity promises room (no reserve applies); an ENOSPC shows the medium is smaller: capacity
+    becomes what it holds plus what is free, and from then on a write evicts before it starts."""
+    async def main() -> None:
+        (tmp_path / "card").mkdir()
+        cfg = Config(storage_devices=[str(tmp_path / "card")], card_capacity=1 << 30)
+        card = make_card(str(tmp_path / "card"), cfg)
+        io = CardIo(1, 5.0, "test-card")
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        payload = memoryview(bytes(4096))
+        keys = [b"k%d" % i for i in range(4)]
+        for k in keys:
+            (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
+            assert cs.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+        assert cs.slack > 1 << 40 and cs.deleting == 0, "as configured: the write went first, no eviction"
+        card.free_bytes = lambda: 0  # type: ignore[method-assign]
+        cs.note_result(OSError(errno.ENOSPC, "No space left on device"))
+        while cs.tasks._running:
+            await cs.tasks.wait()
+        assert cs.capacity == cs.used == 4 * stored and cs.slack == 0
+        (again,) = await cs.write([(b"new", payload, ObjectMeta(created_ns=1))])
+        assert isinstance(again, int) and cs.counters.evictions == 1, "room made before the write"
+        assert len([k for k in keys if cs.card.exists(k)]) == 3, "the victim is deleted (the write waited for it)"
         await cs.close()
 
     asyncio.run(main())

@@ -38,6 +38,7 @@ import numpy as np
 from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
 from kvgate.cards.base import StoredObject
+from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
 from kvgate.memcopy import MemoryFault
@@ -57,10 +58,16 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
 UNREADABLE_MAX = 65536
+UNBOUNDED_SLACK = 1 << 62  # ManagedCard.slack of a configured capacity the medium has not refused yet
 
 
 class TooLarge(OSError):
     """A write refused before any I/O: the object is larger than the card's capacity (0 for a card that holds nothing)."""
+
+
+class NoRoom(OSError):
+    """A write refused before any I/O: its batch holds more than the card can take beside the writes in flight
+    and the held objects; the batch's last objects are the ones refused."""
 
 
 class CardCounters:
@@ -113,6 +120,7 @@ class ManagedCard:
         self.prepared = RecentlyPrepared()
         self.scanned = False
         self.deleting = 0  # eviction batches whose deletes have not finished yet
+        self.writing = 0  # bytes that writes in flight take on the medium (``_take_room``), not yet indexed
         # Digests of unindexed keys whose delete has not run yet: a probe must not find them
         # (a put answered False for an object its own batch evicted; it stays a miss).
         self.leaving: set[bytes] = set()
@@ -121,6 +129,8 @@ class ManagedCard:
         self.unreadable: set[bytes] = set()
         self.refused_serial: str | None = None  # the other card last seen at our path
         self._warned_empty = False  # said that it can hold nothing (said again only after it could hold some)
+        self._shrinking = False  # a re-read of the free space after a full medium is under way
+        self._medium_full = False  # a configured capacity was found larger than the medium
         self.tasks = Tasks()
 
     # ---- naming -------------------------------------------------------------
@@ -244,6 +254,10 @@ class ManagedCard:
         self.evict_over_capacity()
 
     def evict_over_capacity(self) -> None:
+        self._evict_to(self.capacity)
+
+    def _evict_to(self, limit: int) -> asyncio.Task | None:
+        """Evict until the index holds at most ``limit`` bytes (held objects stay); the victims' delete, if any."""
         victims = []
         held = None
         holds = self.hooks.holds
@@ -252,7 +266,7 @@ class ManagedCard:
             holds.expire()
             if holds:
                 held = lambda r: holds.holds_digest(index.digest(r))  # noqa: E731
-        while index.used > self.capacity:
+        while index.used > limit:
             r = index.policy.choose_victim(held)
             if r < 0:
                 break
@@ -261,9 +275,61 @@ class ManagedCard:
             self.keeper.digest_gone(victim)
             self.counters.evictions += 1
             victims.append(victim)
-        if victims:
-            self.deleting += 1
-            self.spawn_delete(victims).add_done_callback(self._deleted)
+        if not victims:
+            return None
+        self.deleting += 1
+        task = self.spawn_delete(victims)
+        task.add_done_callback(self._deleted)
+        return task
+
+    @property
+    def slack(self) -> int:
+        """What the medium takes beyond ``capacity``, which writes in flight may use until the eviction after
+        them catches up.  A card sized by its free space: the reserve it keeps free there (none on Redis,
+        whose free space already leaves the server its own).  A configured ``card_capacity``: room enough,
+        as configured, until the medium runs full; from then on (capacity lowered to what the medium
+        holds: ``_shrink_to_medium``) nothing."""
+        if self.cfg.card_capacity is None:
+            return self.card.reserve_bytes(self.cfg.card_reserve)
+        return 0 if self._medium_full else UNBOUNDED_SLACK
+
+    def _take_room(self, items: list, fit: list[int], out: list) -> tuple[int, asyncio.Task | None]:
+        """Take room on the medium for the objects ``fit`` names, before any of them is written.
+
+        Without this a batch larger than the medium's free room is started
+        whole and meets ENOSPC halfway, with nothing of it indexed yet to
+        evict.  So: the batch is cut from its end to what the card can hold
+        beside the writes in flight (a restore needs a prefix: the leading
+        objects matter most, and a batch is a request's blocks in order);
+        then older objects are evicted until the rest fits on the medium
+        (``capacity`` plus ``slack``, less what other writes take), and
+        their delete is handed back for the writer to wait on.  Objects cut
+        get ``NoRoom`` in ``out``.  Returns the bytes taken (the caller gives
+        them back after the write; the writer indexes what it wrote before
+        its next await, so the room moves from ``writing`` to the index
+        with no gap) and the victims' delete.
+        """
+        sizes = [padded_size(header_size(items[i][0])) + len(items[i][1]) for i in fit]
+        total = sum(sizes)
+        cut = 0
+        while fit and total > self.capacity - self.writing:
+            total -= sizes.pop()
+            out[fit.pop()] = NoRoom(errno.ENOSPC, "no room for this object: its batch is larger than the card's "
+                                    f"capacity of {self.capacity} bytes less {self.writing} bytes being written",
+                                    self.where)
+            cut += 1
+        limit = self.capacity + self.slack - self.writing - total
+        freeing = self._evict_to(limit) if self.index.used > limit else None
+        while fit and self.index.used > self.capacity + self.slack - self.writing - total:  # held objects stay
+            total -= sizes.pop()
+            out[fit.pop()] = NoRoom(errno.ENOSPC, f"no room for this object: {self.index.used} bytes of the card's "
+                                    f"capacity of {self.capacity} are held (lookup-and-lock) or being written",
+                                    self.where)
+            cut += 1
+        if cut:
+            log.debug("card %s: %d objects of a batch cut for room", self.where, cut)
+        self.writing += total
+        return total, freeing
 
     def _deleted(self, _t: asyncio.Task) -> None:
         self.deleting -= 1
@@ -424,12 +490,30 @@ class ManagedCard:
             # Shrinking again for each such write would compound, 0.9 ** n of a batch.)
             return
         # Full, not broken: the medium holds less than we thought (other
-        # writers, a smaller filesystem).  Shrink to what fits and evict.
-        log.warning("card %s (%s) is full; capacity lowered to %d bytes", self.where, self.serial,
-                    min(self.capacity, int(self.used * 0.9)))
-        self._set_capacity(min(self.capacity, int(self.used * 0.9)),
-                           "its medium refused a write as full while it held nothing of ours; make room there")
-        self.evict_over_capacity()
+        # writers, a smaller filesystem).  What it has free is read again
+        # rather than guessed from what we hold: a batch that fails before
+        # any of it is indexed would make such a guess 0.
+        if not self._shrinking:
+            self._shrinking = True
+            self.tasks.spawn(self._shrink_to_medium())
+
+    async def _shrink_to_medium(self) -> None:
+        """After a write found the medium full: capacity at most what we hold plus what is free now (less the
+        reserve, for a card sized by its free space); what no longer fits is evicted.  A card sized by its
+        free space grows back at its next ``resize``; a configured ``card_capacity`` stays lowered."""
+        try:
+            free = await self.io.run(self.card.free_bytes)
+        except OSError:
+            return
+        finally:
+            self._shrinking = False
+        sized = self.cfg.card_capacity is None
+        fits = self.used + free - (self.card.reserve_bytes(self.cfg.card_reserve) if sized else 0)
+        if fits < self.capacity:
+            self._medium_full = not sized
+            log.warning("card %s (%s) is full; capacity lowered to %d bytes", self.where, self.serial, max(0, fits))
+            self._set_capacity(fits, self.card.why_empty(free, self.used, self.cfg.card_reserve if sized else 0))
+            self.evict_over_capacity()
 
     async def check(self) -> bool:
         """One health check of the card's label; False when the card is not (or no longer) at its location."""
@@ -553,7 +637,10 @@ class ManagedCard:
 
         An object whose payload alone is not smaller than the card's
         capacity is refused without I/O (``TooLarge``): the card could only
-        evict it again.
+        evict it again.  So are the last objects of a batch larger than the
+        card can take beside the writes in flight (``NoRoom``); for the rest,
+        room is made on the medium before the first byte is written
+        (``_take_room``).
         """
         if self.read_only:  # known to refuse: fail at once, no I/O (the health check tries it again)
             return [OSError(errno.EROFS, "card is read-only", self.where) for _ in items]
@@ -565,12 +652,18 @@ class ManagedCard:
                                   f"of {self.capacity} bytes", self.where)
             else:
                 fit.append(i)
-        if fit:
-            async with self.order.turn((key_digest(items[i][0]) for i in fit), write=True):
-                chunks = split_calls([items[i] for i in fit], self.io.threads, [len(items[i][1]) for i in fit])
-                done = await self._chunked([self._write_chunk(chunk) for chunk in chunks])
-            for i, r in zip(fit, done):
-                out[i] = r
+        taken, freeing = self._take_room(items, fit, out)
+        try:
+            if freeing is not None:
+                await asyncio.wait({freeing})  # the room is there once the victims are gone (not cancelled with us)
+            if fit:
+                async with self.order.turn((key_digest(items[i][0]) for i in fit), write=True):
+                    chunks = split_calls([items[i] for i in fit], self.io.threads, [len(items[i][1]) for i in fit])
+                    done = await self._chunked([self._write_chunk(chunk) for chunk in chunks])
+                for i, r in zip(fit, done):
+                    out[i] = r
+        finally:
+            self.writing -= taken
         return out  # type: ignore[return-value]
 
     async def _write_chunk(self, chunk: list) -> list | BaseException:

@@ -196,22 +196,24 @@ class TieredStore:
                 src = {i: source.get(id(items[i]), items[i].src) for i in idx}
                 src.update(zip(staged, buffers))
                 results = await cs.write([(items[i].fkey, src[i], items[i].meta) for i in idx])
+                # Indexed before the next await: the card's room for them passes from its writes in
+                # flight to its index with no gap another put could fill (ManagedCard._take_room).
+                if not last_try and not self.long.serves(cs):
+                    card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
+                    return
+                for i, r in zip(idx, results):
+                    it = items[i]
+                    if isinstance(r, int):
+                        card_ok[i] = self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
+                        c.long.sets += 1
+                        c.long.bytes_written += len(it.src)
+                    elif isinstance(r, MemoryFault):
+                        faults.append(r)
+                    else:
+                        log.debug("write to card %s failed: %s", cs.location, r)
             finally:
                 if staged:
                     await self.staging.give_back(buffers)
-            if not last_try and not self.long.serves(cs):
-                card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
-                return
-            for i, r in zip(idx, results):
-                it = items[i]
-                if isinstance(r, int):
-                    card_ok[i] = self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
-                    c.long.sets += 1
-                    c.long.bytes_written += len(it.src)
-                elif isinstance(r, MemoryFault):
-                    faults.append(r)
-                else:
-                    log.debug("write to card %s failed: %s", cs.location, r)
             for i in idx:  # a later object of this batch may have evicted an earlier one
                 card_ok[i] = card_ok[i] and items[i].fkey in cs.index
 

@@ -220,10 +220,11 @@ class Config:
         parse_size, None,
         "bytes each card may hold (default: what it holds plus its free space, less card_reserve on a "
         "filesystem; a Redis card: what fits under its maxmemory)", optional=True)
-    card_reserve: int = _key(
-        parse_size, 1 << 30,
-        "free space left on a directory card's filesystem when card_capacity is not set (not used for Redis "
-        "cards: they keep a share of maxmemory for the server)")
+    card_reserve: int | None = _key(
+        parse_size, None,
+        "free space left on a directory card's filesystem when card_capacity is not set (default: a tenth of what "
+        "the card could hold, its objects plus the free space, at most 1 GiB; not used for Redis cards: they keep "
+        "a share of maxmemory for the server)", optional=True)
     eviction_policy: str = _key(_parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru"))
     ttl: float | None = _key(parse_duration, None, "objects older than this are misses and are deleted",
                              optional=True)

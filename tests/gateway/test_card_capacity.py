@@ -67,11 +67,17 @@ def tmpfs(tmp_path: Path):
 
 
 @needs_root
-@pytest.mark.parametrize("reserve", ["0", "20M"])
-def test_restart_keeps_what_a_fairly_full_card_holds(tmp_path: Path, tmpfs, gateway_factory, reserve: str) -> None:
-    """40 acknowledged 1 MiB objects on a 64 MiB card are all there after a restart."""
+@pytest.mark.parametrize("reserve", ["0", "20M", None])
+def test_restart_keeps_what_a_fairly_full_card_holds(tmp_path: Path, tmpfs, gateway_factory,
+                                                     reserve: str | None) -> None:
+    """40 acknowledged 1 MiB objects on a 64 MiB card are all there after a restart (``None``: the default
+    reserve, a tenth of the card)."""
     card = tmpfs("64m") / "card"
-    gw = gateway_factory(free_space_flags("--card-reserve", reserve), card=card, defaults=False)
+    gw = gateway_factory(free_space_flags(*(("--card-reserve", reserve) if reserve else ())), card=card,
+                         defaults=False)
+    if reserve is None:
+        cap = int(wait_log(gw, r"bytes indexed, capacity (\d+) bytes").group(1))
+        assert 0.88 * 64 * MiB < cap < 0.91 * 64 * MiB, cap
     keys = [b"obj-%02d" % i for i in range(40)]
     with gw.client() as c:
         assert c.put_many(keys, [payload(i) for i in range(40)]) == [True] * 40

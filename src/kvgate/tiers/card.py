@@ -18,7 +18,8 @@ its writes and deletes (``order``): an eviction names its victims by digest,
 and the card deletes them by name.
 
 Capacity: what a card may hold is what it holds plus what its medium has
-free beyond the reserve of its kind (``Card.reserve_bytes``), or
+free beyond the reserve of its kind (``Card.reserve_bytes`` of
+``card_reserve``, by default a tenth of the two, at most 1 GiB), or
 ``card_capacity`` when set.  What a card holds at start counts exactly as it
 does later, so a restart evicts only from a card that really is over its
 capacity, and says so.  A card that can hold nothing is warned about, and
@@ -58,6 +59,7 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
 UNREADABLE_MAX = 65536
+DEFAULT_RESERVE_MAX = 1 << 30  # the most a card keeps free on its medium when card_reserve is not set
 UNBOUNDED_SLACK = 1 << 62  # ManagedCard.slack of a configured capacity the medium has not refused yet
 
 
@@ -112,6 +114,7 @@ class ManagedCard:
                                latencies=hooks.io_seconds)
         self.serial: str | None = None
         self.capacity = 0
+        self.reserve = 0  # what the card leaves free on its medium, as of its last free-space read (``_reserve``)
         self.index = CardIndex(hooks.usage, cfg.eviction_policy)
         self.keeper = IndexKeeper(self)
         self.health = CardHealth(cfg.io_timeout_strikes, self.describe)
@@ -188,7 +191,7 @@ class ManagedCard:
             except OSError as e:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
-            self.capacity = max(0, free - self.card.reserve_bytes(self.cfg.card_reserve)) + self.used
+            self.capacity = max(0, free - self._reserve(free)) + self.used
         self.tasks.spawn(self.keeper.check())
         self.tasks.spawn(self.keeper.save_now_and_then())
 
@@ -249,8 +252,8 @@ class ManagedCard:
             free = await self.io.run(self.card.free_bytes)
         except OSError:
             return
-        self._set_capacity(self.used + free - self.card.reserve_bytes(self.cfg.card_reserve),
-                           self.card.why_empty(free, self.used, self.cfg.card_reserve))
+        reserve = self._reserve(free)
+        self._set_capacity(self.used + free - reserve, self.card.why_empty(free, self.used, reserve))
         self.evict_over_capacity()
 
     def evict_over_capacity(self) -> None:
@@ -290,8 +293,23 @@ class ManagedCard:
         as configured, until the medium runs full; from then on (capacity lowered to what the medium
         holds: ``_shrink_to_medium``) nothing."""
         if self.cfg.card_capacity is None:
-            return self.card.reserve_bytes(self.cfg.card_reserve)
+            return self.reserve
         return 0 if self._medium_full else UNBOUNDED_SLACK
+
+    def _reserve(self, free: int) -> int:
+        """What the card leaves free on its medium, from its free space read now (``reserve``).
+
+        ``card_reserve``, or by default a tenth of what the card could hold
+        (its objects and the free space), at most ``DEFAULT_RESERVE_MAX``:
+        a fixed 1 GiB left a 64 MiB tmpfs or a nearly full disk with no
+        room at all, and a tenth of a large NVMe is more than a filesystem
+        needs to stay fast.  Redis cards keep none (``reserve_bytes``).
+        """
+        wanted = self.cfg.card_reserve
+        if wanted is None:
+            wanted = min(DEFAULT_RESERVE_MAX, (self.used + free) // 10)
+        self.reserve = self.card.reserve_bytes(wanted)
+        return self.reserve
 
     def _take_room(self, items: list, fit: list[int], out: list) -> tuple[int, asyncio.Task | None]:
         """Take room on the medium for the objects ``fit`` names, before any of them is written.
@@ -508,11 +526,12 @@ class ManagedCard:
         finally:
             self._shrinking = False
         sized = self.cfg.card_capacity is None
-        fits = self.used + free - (self.card.reserve_bytes(self.cfg.card_reserve) if sized else 0)
+        reserve = self._reserve(free) if sized else 0
+        fits = self.used + free - reserve
         if fits < self.capacity:
             self._medium_full = not sized
             log.warning("card %s (%s) is full; capacity lowered to %d bytes", self.where, self.serial, max(0, fits))
-            self._set_capacity(fits, self.card.why_empty(free, self.used, self.cfg.card_reserve if sized else 0))
+            self._set_capacity(fits, self.card.why_empty(free, self.used, reserve))
             self.evict_over_capacity()
 
     async def check(self) -> bool:

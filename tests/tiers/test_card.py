@@ -99,3 +99,34 @@ def test_each_card_answer_reads_as_its_own_outcome() -> None:
              (BufferTooSmall(10), ReadOutcome.TOO_SMALL), (TimeoutError("late"), ReadOutcome.FAILED)]
     for answer, outcome in cases:
         assert CardRead.of(answer).outcome is outcome, answer
+
+
+def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: Path) -> None:
+    """Held objects (lookup-and-lock) are never evicted to make room: a batch that would need them gone
+    keeps its leading objects and its last ones are refused (``NoRoom``) without I/O, until the holds end."""
+    from kvgate.tiers.card import NoRoom
+
+    async def main() -> None:
+        (tmp_path / "card").mkdir()
+        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=0)  # sized by free space, no slack
+        card = make_card(str(tmp_path / "card"), cfg)
+        io = CardIo(2, 5.0, "test-card")
+        payload = memoryview(bytes(64 << 10))
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        old = [b"old%d" % i for i in range(3)]
+        for k in old:
+            (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
+            assert cs.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+        cs.capacity = 3 * stored + stored // 2  # room for three and a half
+        assert cs.hooks.holds.hold(1, old[:2]) == [True, True]
+        new = [(b"new%d" % i, payload, ObjectMeta(created_ns=2)) for i in range(3)]
+        out = await cs.write(new)
+        assert isinstance(out[0], int) and [type(r) for r in out[1:]] == [NoRoom, NoRoom], out
+        assert "held" in str(out[2]) and cs.writing == 0
+        assert cs.counters.evictions == 1 and all(cs.card.exists(k) for k in old[:2]), "held objects stay"
+        cs.hooks.holds.release(1, old[:2])
+        out = await cs.write(new[1:])
+        assert all(isinstance(r, int) for r in out), out
+        await cs.close()
+
+    asyncio.run(main())

@@ -74,12 +74,12 @@ def test_a_configured_capacity_larger_than_the_medium_is_lowered_to_it_and_write
         for k in keys:
             (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
             assert cs.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
-        assert cs.slack > 1 << 40 and cs.deleting == 0, "as configured: the write went first, no eviction"
+        assert cs.room.slack > 1 << 40 and cs.deleting == 0, "as configured: the write went first, no eviction"
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
         cs.note_result(OSError(errno.ENOSPC, "No space left on device"))
         while cs.tasks._running:
             await cs.tasks.wait()
-        assert cs.capacity == cs.used == 4 * stored and cs.slack == 0
+        assert cs.capacity == cs.used == 4 * stored and cs.room.slack == 0
         (again,) = await cs.write([(b"new", payload, ObjectMeta(created_ns=1))])
         assert isinstance(again, int) and cs.counters.evictions == 1, "room made before the write"
         assert len([k for k in keys if cs.card.exists(k)]) == 3, "the victim is deleted (the write waited for it)"
@@ -122,7 +122,7 @@ def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: 
         new = [(b"new%d" % i, payload, ObjectMeta(created_ns=2)) for i in range(3)]
         out = await cs.write(new)
         assert isinstance(out[0], int) and [type(r) for r in out[1:]] == [NoRoom, NoRoom], out
-        assert "held" in str(out[2]) and cs.writing == 0
+        assert "held" in str(out[2]) and cs.room.writing == 0
         assert cs.counters.evictions == 1 and all(cs.card.exists(k) for k in old[:2]), "held objects stay"
         cs.hooks.holds.release(1, old[:2])
         out = await cs.write(new[1:])

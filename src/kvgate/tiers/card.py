@@ -18,12 +18,11 @@ its writes and deletes (``order``): an eviction names its victims by digest,
 and the card deletes them by name.
 
 Capacity: what a card may hold is what it holds plus what its medium has
-free beyond the reserve of its kind (``Card.reserve_bytes`` of
-``card_reserve``, by default a tenth of the two, at most 1 GiB), or
-``card_capacity`` when set.  What a card holds at start counts exactly as it
-does later, so a restart evicts only from a card that really is over its
-capacity, and says so.  A card that can hold nothing is warned about, and
-long puts to it fail.
+free beyond the reserve of its kind, or ``card_capacity`` when set
+(``CardRoom``).  What a card holds at start counts exactly as it does later,
+so a restart evicts only from a card that really is over its capacity, and
+says so.  A card that can hold nothing is warned about, and long puts to it
+fail.  A write takes its room before its first byte (``write``).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import numpy as np
 from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
 from kvgate.cards.base import StoredObject
-from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
 from kvgate.memcopy import MemoryFault
@@ -49,6 +47,7 @@ from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
 from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split_calls
 from kvgate.tiers.reads import CardRead, ReadOutcome, RecentlyPrepared
 from kvgate.tiers.restart import IndexKeeper
+from kvgate.tiers.room import CardRoom, stored_size
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage
@@ -59,8 +58,6 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
 UNREADABLE_MAX = 65536
-DEFAULT_RESERVE_MAX = 1 << 30  # the most a card keeps free on its medium when card_reserve is not set
-UNBOUNDED_SLACK = 1 << 62  # ManagedCard.slack of a configured capacity the medium has not refused yet
 
 
 class TooLarge(OSError):
@@ -113,8 +110,7 @@ class ManagedCard:
         self.io = io or CardIo(cfg.thread_pool_size, cfg.io_timeout_ms / 1000, "kvgate-card", realtime=pool.realtime,
                                latencies=hooks.io_seconds)
         self.serial: str | None = None
-        self.capacity = 0
-        self.reserve = 0  # what the card leaves free on its medium, as of its last free-space read (``_reserve``)
+        self.room = CardRoom(lambda: self.card, cfg, self.describe)
         self.index = CardIndex(hooks.usage, cfg.eviction_policy)
         self.keeper = IndexKeeper(self)
         self.health = CardHealth(cfg.io_timeout_strikes, self.describe)
@@ -123,7 +119,6 @@ class ManagedCard:
         self.prepared = RecentlyPrepared()
         self.scanned = False
         self.deleting = 0  # eviction batches whose deletes have not finished yet
-        self.writing = 0  # bytes that writes in flight take on the medium (``_take_room``), not yet indexed
         # Digests of unindexed keys whose delete has not run yet: a probe must not find them
         # (a put answered False for an object its own batch evicted; it stays a miss).
         self.leaving: set[bytes] = set()
@@ -131,9 +126,7 @@ class ManagedCard:
         # call them misses instead of offering what every read of it would refuse.
         self.unreadable: set[bytes] = set()
         self.refused_serial: str | None = None  # the other card last seen at our path
-        self._warned_empty = False  # said that it can hold nothing (said again only after it could hold some)
         self._shrinking = False  # a re-read of the free space after a full medium is under way
-        self._medium_full = False  # a configured capacity was found larger than the medium
         self.tasks = Tasks()
 
     # ---- naming -------------------------------------------------------------
@@ -170,6 +163,15 @@ class ManagedCard:
         return self.index.used
 
     @property
+    def capacity(self) -> int:
+        """What the card's index may hold (``CardRoom``)."""
+        return self.room.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self.room.capacity = value
+
+    @property
     def policy(self) -> SampledPolicy:
         """The eviction order of the card's rows (part of its index)."""
         return self.index.policy
@@ -182,7 +184,7 @@ class ManagedCard:
         self.index = CardIndex(self.hooks.usage, self.cfg.eviction_policy)
         await self.keeper.load()
         if self.cfg.card_capacity is not None:
-            self._set_capacity(self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
+            self.room.set(self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
         else:
             # Free space plus what the snapshot says the card holds, for now: the check adds
             # (or takes back) what it finds, and sizes the card again at its end.
@@ -191,7 +193,7 @@ class ManagedCard:
             except OSError as e:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
-            self.capacity = max(0, free - self._reserve(free)) + self.used
+            self.capacity = max(0, free - self.room.reserve_for(free, self.used)) + self.used
         self.tasks.spawn(self.keeper.check())
         self.tasks.spawn(self.keeper.save_now_and_then())
 
@@ -229,18 +231,6 @@ class ManagedCard:
 
     # ---- capacity -------------------------------------------------------------
 
-    def _set_capacity(self, capacity: int, why_empty: str) -> None:
-        """Set what the card may hold; say loudly when that becomes nothing (``why_empty``: cause and fix)."""
-        self.capacity = max(0, capacity)
-        if self.capacity == 0 and not self._warned_empty:
-            self._warned_empty = True
-            log.warning("card %s (%s) can hold nothing: %s; long puts to it fail until it can", self.where,
-                        self.serial, why_empty)
-        elif self.capacity > 0 and self._warned_empty:
-            self._warned_empty = False
-            log.warning("card %s (%s) can hold objects again: capacity %d bytes", self.where, self.serial,
-                        self.capacity)
-
     async def resize(self) -> None:
         """Follow the medium's free space (others write to shared filesystems too).
 
@@ -252,8 +242,7 @@ class ManagedCard:
             free = await self.io.run(self.card.free_bytes)
         except OSError:
             return
-        reserve = self._reserve(free)
-        self._set_capacity(self.used + free - reserve, self.card.why_empty(free, self.used, reserve))
+        self.room.size(free, self.used)
         self.evict_over_capacity()
 
     def evict_over_capacity(self) -> None:
@@ -285,68 +274,34 @@ class ManagedCard:
         task.add_done_callback(self._deleted)
         return task
 
-    @property
-    def slack(self) -> int:
-        """What the medium takes beyond ``capacity``, which writes in flight may use until the eviction after
-        them catches up.  A card sized by its free space: the reserve it keeps free there (none on Redis,
-        whose free space already leaves the server its own).  A configured ``card_capacity``: room enough,
-        as configured, until the medium runs full; from then on (capacity lowered to what the medium
-        holds: ``_shrink_to_medium``) nothing."""
-        if self.cfg.card_capacity is None:
-            return self.reserve
-        return 0 if self._medium_full else UNBOUNDED_SLACK
-
-    def _reserve(self, free: int) -> int:
-        """What the card leaves free on its medium, from its free space read now (``reserve``).
-
-        ``card_reserve``, or by default a tenth of what the card could hold
-        (its objects and the free space), at most ``DEFAULT_RESERVE_MAX``:
-        a fixed 1 GiB left a 64 MiB tmpfs or a nearly full disk with no
-        room at all, and a tenth of a large NVMe is more than a filesystem
-        needs to stay fast.  Redis cards keep none (``reserve_bytes``).
-        """
-        wanted = self.cfg.card_reserve
-        if wanted is None:
-            wanted = min(DEFAULT_RESERVE_MAX, (self.used + free) // 10)
-        self.reserve = self.card.reserve_bytes(wanted)
-        return self.reserve
-
     def _take_room(self, items: list, fit: list[int], out: list) -> tuple[int, asyncio.Task | None]:
-        """Take room on the medium for the objects ``fit`` names, before any of them is written.
+        """Take room for the objects ``fit`` names before any of them is written (``CardRoom``).
 
-        Without this a batch larger than the medium's free room is started
-        whole and meets ENOSPC halfway, with nothing of it indexed yet to
-        evict.  So: the batch is cut from its end to what the card can hold
-        beside the writes in flight (a restore needs a prefix: the leading
-        objects matter most, and a batch is a request's blocks in order);
-        then older objects are evicted until the rest fits on the medium
-        (``capacity`` plus ``slack``, less what other writes take), and
-        their delete is handed back for the writer to wait on.  Objects cut
-        get ``NoRoom`` in ``out``.  Returns the bytes taken (the caller gives
-        them back after the write; the writer indexes what it wrote before
-        its next await, so the room moves from ``writing`` to the index
-        with no gap) and the victims' delete.
+        The batch is cut from its end to what the card can hold beside the
+        writes in flight; older objects are evicted until the rest fits on
+        the medium, and their delete is handed back for the writer to wait
+        on; held objects stay, and where they leave no room the batch is
+        cut further.  Objects cut get ``NoRoom`` in ``out``, and leave
+        ``fit``.  Returns the bytes taken (the caller gives them back after
+        the write; the writer indexes what it wrote before its next await,
+        so the room moves from ``writing`` to the index with no gap) and
+        the victims' delete.
         """
-        sizes = [padded_size(header_size(items[i][0])) + len(items[i][1]) for i in fit]
+        room = self.room
+        sizes = [stored_size(items[i][0], len(items[i][1])) for i in fit]
+        keep = room.plan(sizes)
+        for i in fit[keep:]:
+            out[i] = NoRoom(errno.ENOSPC, "no room for this object: its batch is larger than the card's capacity "
+                            f"of {room.capacity} bytes less {room.writing} bytes being written", self.where)
+        del fit[keep:], sizes[keep:]
         total = sum(sizes)
-        cut = 0
-        while fit and total > self.capacity - self.writing:
-            total -= sizes.pop()
-            out[fit.pop()] = NoRoom(errno.ENOSPC, "no room for this object: its batch is larger than the card's "
-                                    f"capacity of {self.capacity} bytes less {self.writing} bytes being written",
-                                    self.where)
-            cut += 1
-        limit = self.capacity + self.slack - self.writing - total
+        limit = room.evict_to(total)
         freeing = self._evict_to(limit) if self.index.used > limit else None
-        while fit and self.index.used > self.capacity + self.slack - self.writing - total:  # held objects stay
+        while fit and self.index.used > room.evict_to(total):  # held objects stay
             total -= sizes.pop()
             out[fit.pop()] = NoRoom(errno.ENOSPC, f"no room for this object: {self.index.used} bytes of the card's "
-                                    f"capacity of {self.capacity} are held (lookup-and-lock) or being written",
-                                    self.where)
-            cut += 1
-        if cut:
-            log.debug("card %s: %d objects of a batch cut for room", self.where, cut)
-        self.writing += total
+                                    f"capacity of {room.capacity} are held (lookup-and-lock)", self.where)
+        room.writing += total
         return total, freeing
 
     def _deleted(self, _t: asyncio.Task) -> None:
@@ -516,22 +471,16 @@ class ManagedCard:
             self.tasks.spawn(self._shrink_to_medium())
 
     async def _shrink_to_medium(self) -> None:
-        """After a write found the medium full: capacity at most what we hold plus what is free now (less the
-        reserve, for a card sized by its free space); what no longer fits is evicted.  A card sized by its
-        free space grows back at its next ``resize``; a configured ``card_capacity`` stays lowered."""
+        """After a write found the medium full: capacity at most what the card holds plus what is free now
+        (``CardRoom.shrink_to_medium``); what no longer fits is evicted.  A card sized by its medium grows
+        back at its next ``resize``; a configured ``card_capacity`` stays lowered."""
         try:
             free = await self.io.run(self.card.free_bytes)
         except OSError:
             return
         finally:
             self._shrinking = False
-        sized = self.cfg.card_capacity is None
-        reserve = self._reserve(free) if sized else 0
-        fits = self.used + free - reserve
-        if fits < self.capacity:
-            self._medium_full = not sized
-            log.warning("card %s (%s) is full; capacity lowered to %d bytes", self.where, self.serial, max(0, fits))
-            self._set_capacity(fits, self.card.why_empty(free, self.used, reserve))
+        if self.room.shrink_to_medium(free, self.used):
             self.evict_over_capacity()
 
     async def check(self) -> bool:
@@ -682,7 +631,7 @@ class ManagedCard:
                 for i, r in zip(fit, done):
                     out[i] = r
         finally:
-            self.writing -= taken
+            self.room.writing -= taken
         return out  # type: ignore[return-value]
 
     async def _write_chunk(self, chunk: list) -> list | BaseException:

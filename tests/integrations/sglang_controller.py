@@ -3,7 +3,8 @@
 Run with .venv-sglang/bin/python:  python sglang_controller.py PLAN.json
 
 PLAN: {"socket", "extra": {extra config keys}, "pages", "seed",
-       "phase": "backup" | "restore" | "faults", "workdir" (faults), "out": path}
+       "phase": "backup" | "restore" | "faults" | "shared", "workdir" (faults), "out": path,
+       "conversations", "head_pages" (shared)}
 
 backup:  fills the host pool's first ``pages`` pages with seeded random bytes, backs them up
          through ``HiCacheController.write_storage`` (the controller's backup thread calls
@@ -16,6 +17,11 @@ faults:  the backend alone on a real host pool, its gateway started, frozen, kil
          restarted by this script (``tests.helpers.GatewayProcess``): every v1 call returns
          misses promptly and never raises while the gateway is away, and the backend
          reconnects by itself.  Writes the timings of each step.
+shared:  ``conversations`` prompts that share their first ``head_pages`` pages (a system prompt),
+         each then ``pages`` of its own, backed up as SGLang's radix cache does (the first whole;
+         the others only their own pages, SGLang's ``prefix_keys`` naming the system prompt's);
+         then a new controller and a zeroed host pool prefetch each whole prompt.  Writes per
+         conversation the pages hit and whether the restored pages are byte-identical.
 Writes {"digest", "expected", "hits", "completed_tokens", "counters", "namespace", "seconds"}.
 """
 
@@ -156,10 +162,60 @@ def faults(plan: dict) -> dict:
     return out
 
 
+def prefetch(ctrl, host, rid: str, tokens: list[int]) -> tuple[int, object]:
+    """``HiCacheController.prefetch`` of a whole prompt into a zeroed host pool: (pages hit, host indices)."""
+    ctrl.prefetch(rid, tokens, None, prefix_keys=[])
+    op = ctrl.prefetch_hit_queue.get(timeout=60)
+    idx = host.alloc(op.storage_hit_count)
+    if op.storage_hit_count:
+        op.host_indices = idx
+        ctrl.prefetch_buffer.put(op)
+        while not ctrl.ack_prefetch_queue.get(timeout=60).completed_req:
+            pass
+    return op.storage_hit_count // PAGE, idx
+
+
+def shared(plan: dict) -> dict:
+    """Conversations behind one system prompt, backed up and restored (see the module docstring)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n, head, own = plan["conversations"], plan["head_pages"], plan["pages"]
+    g = torch.Generator().manual_seed(plan["seed"])
+    system = torch.randint(10, 4000, (head * PAGE,), generator=g).tolist()
+    prompts = [system + torch.randint(10, 4000, (own * PAGE,), generator=g).tolist() for _ in range(n)]
+    ctrl, host = build(plan)
+    g = torch.Generator().manual_seed(plan["seed"] + 1)
+    host.kv_buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, host.kv_buffer.shape, generator=g,
+                                                         dtype=torch.int16))
+    head_idx = host.alloc(head * PAGE)  # one copy of the system prompt's KV, as in the radix cache
+    expected = []
+    for i, tokens in enumerate(prompts):
+        own_idx = host.alloc(own * PAGE)
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        if i == 0:
+            op_id = ctrl.write_storage(torch.cat([head_idx, own_idx]), tokens, hash_value=hashes, prefix_keys=[])
+        else:  # the system prompt's node is backed up already: only this conversation's node is new
+            op_id = ctrl.write_storage(own_idx, tokens[head * PAGE:], hash_value=hashes[head:],
+                                       prefix_keys=hashes[:head])
+        assert ctrl.ack_backup_queue.get(timeout=60).id == op_id
+        expected.append(hashlib.sha256(page_bytes_of(host, torch.cat([head_idx, own_idx]))).hexdigest())
+    ctrl.detach_storage_backend()
+    ctrl, host = build(plan)  # a new controller, a new (zeroed) host pool
+    host.kv_buffer.zero_()
+    out: dict = {"namespace": ctrl.storage_backend.namespace, "conversations": []}
+    for i, tokens in enumerate(prompts):
+        pages, idx = prefetch(ctrl, host, f"req-{i}", tokens)
+        out["conversations"].append({"pages": pages, "identical": pages == head + own and hashlib.sha256(
+            page_bytes_of(host, idx)).hexdigest() == expected[i]})
+    out["counters"] = dict(ctrl.storage_backend.counters)
+    ctrl.detach_storage_backend()
+    return out
+
+
 def main() -> None:
     plan = json.load(open(sys.argv[1]))
-    if plan["phase"] == "faults":
-        result = faults(plan)
+    if plan["phase"] in ("faults", "shared"):
+        result = faults(plan) if plan["phase"] == "faults" else shared(plan)
         json.dump(result, open(plan["out"], "w"))
         print(json.dumps(result), flush=True)
         os._exit(0)

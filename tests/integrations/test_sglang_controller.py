@@ -6,6 +6,8 @@ Each case runs ``sglang_controller.py`` under ``.venv-sglang/bin/python`` (see t
 
 - backup, detach, a new controller, prefetch: the pages come back byte-identical, through
   SGLang's storage threads (backup -> batch_set_v1, prefetch -> batch_exists + batch_get_v1);
+- conversations behind one system prompt: the gateway learns the prompt as a shared head, the
+  conversations spread over the cards, and a new controller restores each in full;
 - the never-raise contract with the backend alone: gateway absent at attach, up, frozen
   (SIGSTOP), killed (SIGKILL) and restarted: misses within the timeouts, no exception, it
   reconnects by itself; clear() on shared storage is refused without raising.
@@ -50,6 +52,25 @@ def test_backup_detach_new_controller_prefetch_is_byte_identical(gateway_factory
     # Another seed: other tokens, other page hashes: nothing to restore.
     miss = run(tmp_path, "miss", {**plan, "seed": 8, "phase": "restore"})
     assert miss["hits"] == 0 and miss["digest"] is None
+
+
+def test_conversations_behind_a_shared_system_prompt_spread_over_cards_and_restore_in_full(gateway_factory,
+                                                                                          tmp_path):
+    cards = [str(tmp_path / f"card{i}") for i in range(4)]
+    gw: GatewayProcess = gateway_factory(["--storage-devices", *cards])
+    head, own, n = 8, 4, 8
+    r = run(tmp_path, "shared", {"socket": gw.socket, "phase": "shared", "conversations": n, "head_pages": head,
+                                 "pages": own, "seed": 11})
+    assert [c["pages"] for c in r["conversations"]] == [head + own] * n, r["conversations"]
+    assert all(c["identical"] for c in r["conversations"]), r["conversations"]
+    stats = gw.stats()
+    assert stats["shared_heads"]["blocks"] >= head, stats["shared_heads"]
+    holding = [card["objects"] for card in stats["cards"]]
+    assert sum(holding) == head + n * own, holding
+    # The system prompt on its mark's card, the conversations on theirs: one card holding every
+    # conversation would mean the marks did not tell them apart.
+    assert max(holding) < sum(holding) - head, holding
+    assert r["counters"]["errors"] == 0
 
 
 def test_a_missing_frozen_or_killed_gateway_means_prompt_misses_and_a_reconnect(tmp_path):

@@ -4,7 +4,7 @@ The gateway keeps a dialog's pages together (its placement follows the mark), bu
 a storage backend nothing about requests: only page hashes, and with
 ``hicache_storage_pass_prefix_keys`` every hash before the call's keys.  From those the mark is
 derived here: a digest of the prompt's first pages (``kvgate.affinity_chunks``), or the
-gateway's mark, cached per prompt head because a request's calls (lookup, get, set, and the
+gateway's mark, cached per prompt lead because a request's calls (lookup, get, set, and the
 extra pools of a hybrid model) would otherwise each ask the gateway.
 """
 
@@ -30,7 +30,7 @@ _MARK_CACHE = 4096
 
 
 class DialogMarks:
-    """The dialog mark of each call, from SGLang's prefix keys; the gateway's marks cached per prompt head.
+    """The dialog mark of each call, from SGLang's prefix keys; the gateway's marks cached per prompt lead.
 
     ``affinity_chunks``: ``kvgate.affinity_chunks`` (None: the gateway's mark).  ``counters`` is the
     backend's (``no_prefix_<method>``, ``mark_calls``)."""
@@ -52,8 +52,8 @@ class DialogMarks:
         is on; without it a call's place in its prompt is unknown, and pages
         go without a dialog.  With ``kvgate.affinity_chunks`` the mark is a
         digest of the prompt's first pages, as in the vLLM tier; otherwise the
-        gateway's mark (``Client.dialog_mark``), cached per prompt head so that
-        the calls of one request ask once.
+        gateway's mark (``Client.dialog_mark``), cached per prompt lead (its first
+        ``MARK_KEYS + 1`` pages, named by the last) so that the calls of one request ask once.
         """
         prefix = extra_info.prefix_keys if extra_info is not None else None
         if prefix is None:
@@ -74,16 +74,16 @@ class DialogMarks:
         return self._gateway_mark(link, lead), position
 
     def _gateway_mark(self, link: GatewayLink, lead: list[bytes]) -> DialogMark:
+        # Cached under the lead's last key: page hashes chain, so it names the whole lead, and a
+        # request's calls (lookup, get, set, the extra pools) share it.  Not under the prompt's first
+        # key: every conversation behind one system prompt shares that one, and a mark cached under
+        # it answered them all without asking, so the gateway never saw the conversations branch
+        # and never learned the system prompt as a shared head.
         now = time.monotonic()
         with self._marks_lock:
-            hit = self._marks.get(lead[0])
-        if hit is not None:
-            dm, t = hit
-            # The same prompt head iff the keys at the head's cut points and past it are the same
-            # (chained hashes: one key names its whole prefix).
-            if (now - t < _MARK_TTL_S and dm.mark is not None and dm.shared < len(lead)
-                    and lead[dm.shared] == dm.mark and all(lead[p] == m for p, m in dm.heads)):
-                return dm
+            hit = self._marks.get(lead[-1])
+        if hit is not None and now - hit[1] < _MARK_TTL_S:
+            return hit[0]
         self.counters["mark_calls"] += 1
         try:
             dm = link.budget().dialog_mark(lead)
@@ -95,8 +95,8 @@ class DialogMarks:
             dm = DialogMark(digest_mark(lead[:1]), 0)
         if dm.mark is not None:
             with self._marks_lock:
-                self._marks[lead[0]] = (dm, now)
-                self._marks.move_to_end(lead[0])
+                self._marks[lead[-1]] = (dm, now)
+                self._marks.move_to_end(lead[-1])
                 while len(self._marks) > _MARK_CACHE:
                     self._marks.popitem(last=False)
         return dm

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 import redis
 
 from kvgate.bench.processes import REDIS_SERVER, RedisServer
-from tests.helpers import DEFAULT_FLAGS, GatewayProcess, object_files, wait_until
+from tests.helpers import DEFAULT_FLAGS, GatewayProcess, free_port, object_files, wait_until
 
 MiB = 1 << 20
 
@@ -101,21 +102,28 @@ def test_batches_larger_than_a_small_cards_room_keep_their_head_and_the_next_bat
     nothing of it indexed, and the card was lowered to a capacity of 0.)
     """
     card = tmpfs("64m") / "card"
-    gw = gateway_factory(free_space_flags("--card-reserve", "4M", "--max-bytes", "0", "--shared-memory-size", "128M"),
-                         card=card, defaults=False)
+    mport = free_port()
+    gw = gateway_factory(free_space_flags("--card-reserve", "4M", "--max-bytes", "0", "--shared-memory-size", "128M",
+                                          "--metrics-port", str(mport)), card=card, defaults=False)
     gw.wait_scanned()
+    refused = 0
     for batch in range(3):
         keys = [b"b%d-%02d" % (batch, i) for i in range(48)]
         values = [payload(batch * 100 + i, 2 * MiB) for i in range(48)]
         with gw.client() as c:
             ok = c.put_many(keys, values)
             kept = ok.count(True)
+            refused += 48 - kept
             assert ok == [True] * kept + [False] * (48 - kept), "a batch keeps its head: a restore needs a prefix"
             assert 25 <= kept <= 30, f"60 MiB hold 29 objects of 2 MiB and a header; {kept} kept"
             got = c.get_many(keys[:kept])
             assert all(g is not None and bytes(g) == v for g, v in zip(got, values)), batch
             assert c.lookup(keys) == kept
     assert "capacity lowered" not in gw.log() and "can hold nothing" not in gw.log(), gw.log()
+    row = gw.stats()["cards"][0]
+    assert (row["refused"], row["writing_bytes"], row["errors"]) == (refused, 0, 0), row
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+    assert f'kvgate_storage_group_refused_total{{group="{row["serial"]}"}} {refused}.0' in metrics
     wait_until(lambda: len(object_files(card)) == kept, 10, lambda: f"{len(object_files(card))} objects on the card")
     restart(gw)
     with gw.client() as c:
@@ -314,7 +322,7 @@ def test_one_batch_larger_than_a_redis_card_keeps_its_head_and_never_runs_the_se
         got = c.get_many(keys[:kept])
     assert all(g is not None and bytes(g) == v for g, v in zip(got, values))
     card = gw.stats()["cards"][0]
-    assert card["errors"] == 0, gw.log()
+    assert card["errors"] == 0 and card["refused"] == 300 - kept, (card, gw.log())
     assert int(redis.Redis(unix_socket_path=srv.sock).info("memory")["used_memory"]) < 256 * MiB
 
 

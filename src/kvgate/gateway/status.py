@@ -71,6 +71,9 @@ CARD_FIELDS = (  # the value of each is a number or a bool (1 / 0)
     ("bytes_read", "payload bytes read from the card", True),
     ("bytes_written", "bytes written to the card", True),
     ("evictions", "objects evicted from the card", True),
+    ("refused", "objects of puts refused without I/O: larger than the card's capacity, or past what the card can "
+     "take of their batch beside the writes in flight and the held objects (the batch keeps its leading ones)", True),
+    ("writing_bytes", "bytes the card's writes in flight have taken room for", False),
     ("read_hints", "objects a lookup found on the card and passed on for their reads to be prepared (each file "
      "prepared at most once in 30-60 s)", True),
     ("index_bytes", "memory the card's index takes in the gateway (its columns and tables)", False),

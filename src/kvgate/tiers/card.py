@@ -70,10 +70,11 @@ class NoRoom(OSError):
 
 
 class CardCounters:
-    __slots__ = ("hits", "misses", "reads_bytes", "writes_bytes", "evictions", "read_hints")
+    __slots__ = ("hits", "misses", "reads_bytes", "writes_bytes", "evictions", "read_hints", "refused")
 
     def __init__(self) -> None:
         self.hits = self.misses = self.reads_bytes = self.writes_bytes = self.evictions = self.read_hints = 0
+        self.refused = 0  # objects a write refused without I/O (``TooLarge``, ``NoRoom``)
 
 
 class TierHooks:
@@ -302,6 +303,7 @@ class ManagedCard:
             out[fit.pop()] = NoRoom(errno.ENOSPC, f"no room for this object: {self.index.used} bytes of the card's "
                                     f"capacity of {room.capacity} are held (lookup-and-lock)", self.where)
         room.writing += total
+        self.counters.refused += len(items) - len(fit)  # TooLarge before, NoRoom here
         return total, freeing
 
     def _deleted(self, _t: asyncio.Task) -> None:
@@ -687,7 +689,7 @@ class ManagedCard:
             "capacity_bytes": self.capacity, "used_bytes": self.used, "objects": len(self.index),
             "hits": c.hits, "misses": c.misses, "errors": self.health.errors, "timeouts": self.health.timeouts,
             "bytes_read": c.reads_bytes, "bytes_written": c.writes_bytes, "evictions": c.evictions,
-            "read_hints": c.read_hints,
+            "read_hints": c.read_hints, "refused": c.refused, "writing_bytes": self.room.writing,
             "scanned": self.scanned, "index_bytes": self.index.nbytes(), "snapshot_rows_loaded": self.keeper.loaded, **self.card.read_rates(),
         }
 

@@ -130,3 +130,33 @@ def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: 
         await cs.close()
 
     asyncio.run(main())
+
+
+def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp_path: Path) -> None:
+    """What the README and the operations page promise: a card sized by its free space, lowered after
+    another writer filled the medium, takes its room back by itself once the medium has it again
+    (``resize``, every ``RESIZE_EVERY_CHECKS`` health checks)."""
+    from kvgate.tiers.card import RESIZE_EVERY_CHECKS
+
+    async def main() -> None:
+        (tmp_path / "card").mkdir()
+        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=0)
+        card = make_card(str(tmp_path / "card"), cfg)
+        io = CardIo(1, 5.0, "test-card")
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        for i in range(10):
+            cs.note_written(b"k%d" % i, 1000, 900, ObjectMeta(created_ns=1))
+        card.free_bytes = lambda: 0  # type: ignore[method-assign]
+        cs.note_result(OSError(errno.ENOSPC, "No space left on device"))
+        while cs.tasks._running:
+            await cs.tasks.wait()
+        assert cs.capacity == 10_000
+        card.free_bytes = lambda: 1 << 20  # type: ignore[method-assign]  # the other writer is gone
+        for _ in range(RESIZE_EVERY_CHECKS - 1):
+            assert await cs.check()
+        assert cs.capacity == 10_000, "not before its check"
+        assert await cs.check()
+        assert cs.capacity == 10_000 + (1 << 20)
+        await cs.close()
+
+    asyncio.run(main())

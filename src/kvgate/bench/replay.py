@@ -50,7 +50,7 @@ from kvgate.bench.trace import (
     simulate,
     verify_blocks,
 )
-from kvgate.cards.objectformat import header_size, padded_size
+from kvgate.cards.objectformat import padded_object_size
 from kvgate.client import Client
 from kvgate.config import Config, parse_size
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
@@ -175,7 +175,7 @@ class Run:
 
 def _stored_bytes(ns: bytes, keys: Sequence[bytes], block_size: int) -> int:
     """What one block costs on a directory card (padded header + payload), for the longest of ``keys``."""
-    return padded_size(header_size(full_key(ns, max(keys, key=len)))) + block_size
+    return padded_object_size(full_key(ns, max(keys, key=len)), block_size)
 
 
 def plan_runs(opts: TraceOptions, requests: list[TraceRequest], unique: int) -> list[Run]:

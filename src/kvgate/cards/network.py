@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from kvgate.cards import netwire as w
 from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned, byte_view, holder_doc
 from kvgate.cards.netconn import Conn, copies
-from kvgate.cards.objectformat import Header, ObjectMeta, header_size, padded_size, payload_hash
+from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size, payload_hash
 from kvgate.config import ConfigError, read_token
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon, ReadAbandoned
@@ -262,7 +262,7 @@ class NetworkCard(Card):
         views = [byte_view(p) for _, p, _ in items]
         sendable = []
         for i, ((k, _, _), v) in enumerate(zip(items, views)):
-            size = padded_size(header_size(k)) + len(v)
+            size = padded_object_size(k, len(v))
             if size > self.server_max_object_bytes:  # the server would refuse the whole request
                 out[i] = OSError(errno.EFBIG, f"object of {size} bytes is over the card server's max_object_bytes "
                                  f"({self.server_max_object_bytes}): raise it on the server (kvgate export "

@@ -132,6 +132,12 @@ def header_size(full_key: bytes) -> int:
     return FIXED_SIZE + len(full_key)
 
 
+def padded_object_size(full_key: bytes, payload_len: int) -> int:
+    """An object's size with its header padded (a directory card's file, a card server's object): the most
+    any card kind takes for it."""
+    return padded_size(header_size(full_key)) + payload_len
+
+
 def _header_hash(fixed: bytes | memoryview, full_key: bytes) -> int:
     h = xxhash.xxh3_64(fixed)
     h.update(full_key)

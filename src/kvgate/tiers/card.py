@@ -38,6 +38,7 @@ import numpy as np
 from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
 from kvgate.cards.base import StoredObject
+from kvgate.cards.objectformat import padded_object_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
 from kvgate.memcopy import MemoryFault
@@ -47,7 +48,7 @@ from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
 from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split_calls
 from kvgate.tiers.reads import CardRead, ReadOutcome, RecentlyPrepared
 from kvgate.tiers.restart import IndexKeeper
-from kvgate.tiers.room import CardRoom, stored_size
+from kvgate.tiers.room import CardRoom
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage
@@ -187,14 +188,12 @@ class ManagedCard:
         if self.cfg.card_capacity is not None:
             self.room.set(self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
         else:
-            # Free space plus what the snapshot says the card holds, for now: the check adds
-            # (or takes back) what it finds, and sizes the card again at its end.
             try:
                 free = await self.io.run(self.card.free_bytes)
             except OSError as e:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
-            self.capacity = max(0, free - self.room.reserve_for(free, self.used)) + self.used
+            self.room.size_at_start(free, self.used)
         self.tasks.spawn(self.keeper.check())
         self.tasks.spawn(self.keeper.save_now_and_then())
 
@@ -289,7 +288,7 @@ class ManagedCard:
         the victims' delete.
         """
         room = self.room
-        sizes = [stored_size(items[i][0], len(items[i][1])) for i in fit]
+        sizes = [padded_object_size(items[i][0], len(items[i][1])) for i in fit]
         keep = room.plan(sizes)
         for i in fit[keep:]:
             out[i] = NoRoom(errno.ENOSPC, "no room for this object: its batch is larger than the card's capacity "

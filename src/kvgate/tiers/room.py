@@ -21,19 +21,12 @@ import logging
 from typing import Callable
 
 from kvgate.cards import Card
-from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.config import Config
 
 log = logging.getLogger("kvgate.long")
 
 DEFAULT_RESERVE_MAX = 1 << 30  # the most a card keeps free on its medium when card_reserve is not set
 UNBOUNDED_SLACK = 1 << 62  # the slack of a configured capacity the medium has not refused yet
-
-
-def stored_size(full_key: bytes, payload_len: int) -> int:
-    """What an object takes on a card: its header, padded, and its payload (the directory card's layout;
-    the other kinds take no more)."""
-    return padded_size(header_size(full_key)) + payload_len
 
 
 class CardRoom:
@@ -86,6 +79,12 @@ class CardRoom:
         self.reserve = self._card().reserve_bytes(wanted)
         return self.reserve
 
+    def size_at_start(self, free: int, used: int) -> None:
+        """At start: what the index snapshot says the card holds plus what is free beyond the reserve, never
+        less than it holds (the check against the card adds or takes back what it finds, and sizes the card
+        again at its end: nothing is evicted on the snapshot's word)."""
+        self.capacity = max(0, free - self.reserve_for(free, used)) + used
+
     def size(self, free: int, used: int) -> None:
         """A card sized by its medium: what it holds plus what is free, less the reserve."""
         reserve = self.reserve_for(free, used)
@@ -118,7 +117,7 @@ class CardRoom:
         return 0 if self._medium_full else UNBOUNDED_SLACK
 
     def plan(self, sizes: list[int]) -> int:
-        """How many leading objects of a batch (``sizes``: ``stored_size`` of each) the card can hold beside
+        """How many leading objects of a batch (``sizes``: ``padded_object_size`` of each) the card can hold beside
         the writes in flight.  The batch is cut from its end: a restore needs a prefix, and a batch is a
         request's blocks in order."""
         room = self.capacity - self.writing

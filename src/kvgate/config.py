@@ -258,6 +258,11 @@ class Config:
         _parse_bool, True,
         "local clients of the gateway's own user read gets of plain buffers straight out of its memory "
         "(process_vm_readv: one copy), instead of through their session region (two)")
+    in_place_regions: bool = _key(
+        _parse_bool, True,
+        "read into, hash and write from the shared memory of a local client that could stop the gateway anyway "
+        "(its own user or root, in its PID namespace) in place, one copy; false: through the kernel and a "
+        "scratch buffer (two), as for every other client, whose shrunk region must not crash the gateway")
     prepare_reads: bool = _key(
         _parse_bool, True,
         "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)")

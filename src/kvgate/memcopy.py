@@ -11,8 +11,10 @@ space: a page that is gone makes it return EFAULT (or a short count), which
 and copying within one's own process needs no ptrace permission.
 
 Only client memory needs the kernel: ``gateway.shm`` registers the address
-range of every region it maps (``add_client_memory``) before any request can
-address it, and removes it only once it is unmapped.  A copy with neither
+range of every guarded region it maps (``add_client_memory``) before any
+request can address it, and removes it only once it is unmapped.  (A region
+of a client that could stop the gateway anyway is not guarded: a shrunk page
+there costs no more than the kill that client could send.)  A copy with neither
 side in such a range is between buffers the gateway owns (RAM-tier pages,
 scratch, inline reply and staging buffers), which no client can shrink, and
 runs as ``numpy.copyto``: the same speed for 2 MiB pieces (4.9 GiB/s here),
@@ -278,11 +280,12 @@ class Abandon:
         with self._lock:
             self.abandoned = True
 
-    def read_cached(self, fd: int, dst: memoryview, offset: int) -> int | None:
-        """``preadv`` of ``dst`` at ``offset`` of ``fd`` from the page cache only (``RWF_NOWAIT``), unless
-        abandoned (``ReadAbandoned`` then): the bytes read, or None when they are not all cached (nothing
-        is waited for: the caller reads them its usual way).  Held under the lock like ``copy``: a read
-        that cannot wait for the device is a memory copy, so ``abandon`` still never waits on a card."""
+    def read_cached(self, fd: int, dst: list[memoryview], offset: int) -> int | None:
+        """``preadv`` into the buffers ``dst`` at ``offset`` of ``fd`` from the page cache only
+        (``RWF_NOWAIT``), unless abandoned (``ReadAbandoned`` then): the bytes read, or None when none are
+        cached (nothing is waited for: the caller reads them its usual way).  Held under the lock like
+        ``copy``: a read that cannot wait for the device is a memory copy, so ``abandon`` still never
+        waits on a card."""
         if _NOWAIT is None:
             return None
         with self._lock:
@@ -290,7 +293,7 @@ class Abandon:
                 raise ReadAbandoned(errno.ECANCELED, "read abandoned: its caller stopped waiting")
             try:
                 # 0 is left to the caller's usual read too: that read, not this one, says the file is short
-                return os.preadv(fd, [dst], offset, _NOWAIT) or None
+                return os.preadv(fd, dst, offset, _NOWAIT) or None
             except BlockingIOError:
                 return None
             except OSError as e:

@@ -54,7 +54,7 @@ def headline(snap: dict[str, Any]) -> Text:
     engine = g["engine"]
     return Text.from_markup(
         f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, layout {g['fingerprint']} "
-        f"({g['placement']}), sessions {g['sessions']}, engine "
+        f"({g['placement']}), sessions {g['sessions']} ({g.get('sessions_in_place', 0)} in place), engine "
         f"{engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}, reads at {g['read_priority']} "
         "priority")
 

@@ -966,16 +966,20 @@ def test_the_index_snapshot_is_replaced_whole_or_not_at_all(card: DirectoryCard)
 # ------------------------------------------------------------ reads into the gateway's own memory
 
 
-def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """``Abandon(own=True)``: cached pieces land in the destination in one copy (``read_cached``), a
-    piece the page cache lacks goes through the scratch, and either way a flipped byte is caught."""
+def test_reads_into_memory_the_gateway_may_load_go_straight_there_and_are_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory that is no guarded client memory: cached pieces land in the destination in one copy
+    (``read_cached``: header and the first 2 MiB in one call), a piece the page cache lacks goes through
+    the scratch, and either way a flipped byte is caught.  Guarded memory never sees ``read_cached``."""
+    import ctypes
+
+    from kvgate import memcopy
     from kvgate.memcopy import Abandon, ReadAbandoned
 
     c = DirectoryCard(str(tmp_path / "c"), direct_reads=False)
     c.open()
     k = key("own")
-    data = payload_for(k, (3 << 20) + 123)  # three whole pieces and a short one
+    data = payload_for(k, (3 << 20) + 123)  # the first call's 2 MiB, a whole piece and a short one
     c.write(k, memoryview(data), ObjectMeta())
     calls: list[int | None] = []
     real = Abandon.read_cached
@@ -986,9 +990,15 @@ def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path
         return n
 
     monkeypatch.setattr(Abandon, "read_cached", counted)
-    buf = np.zeros(data.size, np.uint8)
-    c.read_into(k, memoryview(buf))  # warms the cache (and is not own: no read_cached)
+    guarded = mmap.mmap(-1, data.size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(guarded))
+    memcopy.add_client_memory(base, data.size)
+    try:
+        c.read_into(k, memoryview(guarded))  # warms the cache; guarded: no read_cached
+    finally:
+        memcopy.remove_client_memory(base, data.size)
     assert calls == []
+    assert guarded[:] == data.tobytes()
     fd = os.open(c.object_path(k), os.O_RDONLY)
     try:  # a filesystem without cache-only reads: every piece goes the usual way, and that is all
         nowait = os.preadv(fd, [bytearray(16)], 0, os.RWF_NOWAIT) == 16
@@ -996,12 +1006,14 @@ def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path
         nowait = e.errno not in (errno.EOPNOTSUPP, errno.EINVAL)
     finally:
         os.close(fd)
-    buf[:] = 0
-    assert c.read_into(k, memoryview(buf), Abandon(own=True)).payload_len == data.size
-    assert np.array_equal(buf, data)
-    assert len(calls) == 4
-    if nowait:
-        assert None not in calls, "every cached piece read straight into the destination"
+    buf = np.zeros(data.size, np.uint8)
+    for own in (True, False):  # the gateway's memory, or an unguarded client region
+        calls.clear()
+        buf[:] = 0
+        assert c.read_into(k, memoryview(buf), Abandon(own=own)).payload_len == data.size
+        assert np.array_equal(buf, data)
+        if nowait:
+            assert calls == [padded_size(header_size(k)) + (2 << 20), 1 << 20, 123], calls
 
     evict(c.object_path(k))
     calls.clear()
@@ -1017,8 +1029,50 @@ def test_reads_into_own_memory_go_straight_there_and_are_verified(tmp_path: Path
         c.read_into(k, memoryview(buf), gone)
 
     raw = bytearray(Path(c.object_path(k)).read_bytes())
-    raw[padded_size(header_size(k)) + (2 << 20) + 5] ^= 0x40  # in the third piece of the payload
-    Path(c.object_path(k)).write_bytes(bytes(raw))
-    with pytest.raises(ObjectCorrupt):
-        c.read_into(k, memoryview(buf), Abandon(own=True))
-    assert not os.path.exists(c.object_path(k)), "deleted as corrupt"
+    raw[padded_size(header_size(k)) + (2 << 20) + 5] ^= 0x40  # in the second call's piece
+    for own in (False, True):  # not own: the scratch reads it again and decides
+        Path(c.object_path(k)).write_bytes(bytes(raw))
+        with pytest.raises(ObjectCorrupt):
+            c.read_into(k, memoryview(buf), Abandon(own=own))
+        assert not os.path.exists(c.object_path(k)), "deleted as corrupt"
+
+
+def test_a_mismatch_in_client_memory_is_decided_by_a_read_through_the_scratch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that writes its (unguarded) buffer while the gateway hashes it there makes the hash
+    mismatch: the object is read again through the scratch, delivered whole, and not deleted."""
+    import kvgate.cards.directory as directory
+    from kvgate.memcopy import Abandon
+
+    c = DirectoryCard(str(tmp_path / "c"), direct_reads=False)
+    c.open()
+    k = key("raced")
+    data = payload_for(k, 1 << 20)
+    c.write(k, memoryview(data), ObjectMeta())
+    c.read_into(k, memoryview(np.zeros(data.size, np.uint8)))  # cached
+    buf = np.zeros(data.size, np.uint8)
+    real = directory.payload_hasher
+    made = []
+
+    class Raced:
+        """The first hasher sees the destination after the client scribbled on it."""
+
+        def __init__(self) -> None:
+            self.inner = real()
+
+        def update(self, piece) -> None:
+            buf[7] ^= 0xFF  # the client writes its buffer under the hash
+            self.inner.update(piece)
+
+        def intdigest(self) -> int:
+            return self.inner.intdigest()
+
+    def hasher():
+        made.append(1)
+        return Raced() if len(made) == 1 else real()
+
+    monkeypatch.setattr(directory, "payload_hasher", hasher)
+    assert c.read_into(k, memoryview(buf), Abandon(own=False)).payload_len == data.size
+    assert len(made) == 2, "read again through the scratch"
+    assert np.array_equal(buf, data), "the scratch's read delivered every byte"
+    assert os.path.exists(c.object_path(k)), "a good object is not deleted for a client's scribbling"

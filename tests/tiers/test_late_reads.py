@@ -10,6 +10,7 @@ process, with a short deadline.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import glob
 import mmap
 import os
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvgate.bench.processes import REDIS_SERVER
+from kvgate import memcopy
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
 from kvgate.tiers.io import CardIo, IoTimeout
 from kvgate.tiers.card import ManagedCard
@@ -77,8 +79,10 @@ async def _read_late(cs: ManagedCard, key: bytes, dest: memoryview, slowed: Slow
     assert not isinstance(slowed.outcome, Header), "the late read went on to deliver"
 
 
-@pytest.mark.parametrize("way", ["buffered", "direct"])
+@pytest.mark.parametrize("way", ["buffered", "in_place", "direct"])
 def test_a_directory_read_past_its_deadline_writes_nothing(tmp_path, way: str) -> None:
+    """buffered: into guarded client memory, through the scratch; in_place: straight into memory the
+    gateway may load; direct: from the device."""
     loc = str(tmp_path / "card")
     os.mkdir(loc)
     card = DirectoryCard(loc, direct_reads=way == "direct")
@@ -90,8 +94,12 @@ def test_a_directory_read_past_its_deadline_writes_nothing(tmp_path, way: str) -
         evict(path)
         if pages_cached(path):
             pytest.skip("this filesystem keeps the file cached")
-    slowed = Slowed(card, "_read_direct" if way == "direct" else "_read_buffered")
-    dest = memoryview(mmap.mmap(-1, SIZE))  # page aligned, as a direct read into it wants
+    slowed = Slowed(card, f"_read_{way}")
+    mm = mmap.mmap(-1, SIZE)
+    dest = memoryview(mm)  # page aligned, as a direct read into it wants
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    if way == "buffered":
+        memcopy.add_client_memory(base, SIZE)
 
     async def main() -> None:
         cs = serving_card(card, CardIo(1, DEADLINE_S, "late"))
@@ -100,7 +108,10 @@ def test_a_directory_read_past_its_deadline_writes_nothing(tmp_path, way: str) -
         finally:
             cs.io.shutdown(wait=True)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        memcopy.remove_client_memory(base, SIZE)
     # The card itself is fine: an unhurried read gets every byte.
     slowed.undo()
     assert card.read_into(key, dest).payload_len == SIZE

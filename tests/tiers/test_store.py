@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
+import pytest
+
 from kvgate.cards import ObjectMeta
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, encode_namespace, full_key
@@ -139,7 +141,7 @@ def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tm
         async with started_store(tmp_path, io_timeout_ms=int(DEADLINE_S * 1000), thread_pool_size=1) as store:
             assert await store.put([PutItem(b"old", memoryview(old), meta)], Retention.LONG) == [True]
             store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
-            slowed = Slowed(store.long.cards[0].card, "_read_buffered")
+            slowed = Slowed(store.long.cards[0].card, "_read_in_place")  # into our own memory
             assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
             assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
             # The next object of the same size gets the same pages.
@@ -273,8 +275,11 @@ def test_buffer_cache_reuses_by_size_within_its_bound() -> None:
     assert cache.kept == 3 << 20
 
 
-def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstaged(tmp_path: Path) -> None:
-    """RAM tier off: a directory card writes the client's region itself; the bytes and the hash are right."""
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstaged(tmp_path: Path,
+                                                                                   guarded: bool) -> None:
+    """RAM tier off: a directory card writes the client's region itself, guarded (through the kernel, hashed
+    as read back) or not (hashed in place); the bytes and the hash are right."""
     import os
     import uuid
 
@@ -287,7 +292,7 @@ def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstag
         os.ftruncate(fd, size * len(keys))
         for i, k in enumerate(keys):
             os.pwrite(fd, payload(k, size), i * size)
-        region = shm.map_client_region(path, os.getuid())
+        region = shm.map_client_region(path, os.getuid(), guarded)
 
         async def main() -> None:
             async with started_store(tmp_path, max_bytes=0) as store:
@@ -299,7 +304,7 @@ def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstag
                     return await take(sizes)
 
                 store.staging.take = counted_take  # type: ignore[method-assign]
-                items = [PutItem(fk(k), region.slice(i * size, size), ObjectMeta(DIALOG, i, time.time_ns()))
+                items = [PutItem(fk(k), region.slice(i * size, size), ObjectMeta(DIALOG, i, time.time_ns()), True)
                          for i, k in enumerate(keys)]
                 assert await store.put(items, Retention.LONG) == [True] * 3
                 for it in items:
@@ -360,7 +365,7 @@ def test_a_put_whose_staging_faults_still_lets_every_other_card_write_finish_fir
                 src = region.slice(0, big)
                 os.ftruncate(fd, 0)  # the client shrinks its region: the staging copy faults
                 items = [PutItem(fk(b"small"), memoryview(payload(b"small")), ObjectMeta(dx, 0, time.time_ns())),
-                         PutItem(fk(b"big"), src, ObjectMeta(dy, 0, time.time_ns()))]
+                         PutItem(fk(b"big"), src, ObjectMeta(dy, 0, time.time_ns()), True)]
                 putting = asyncio.ensure_future(store.put(items, Retention.LONG))
                 await asyncio.wait_for(entered.wait(), 10)
                 await asyncio.sleep(0.2)  # the staging fault has happened by now

@@ -9,12 +9,17 @@ Contract:
   reply buffer), verifies it there (header key, lengths, hash) and hands the
   payload to the caller's buffer only through ``guard.copy``; it never
   writes, reads or hashes the destination itself.  Why: the destination may
-  be a client's shared memory (shrunk under its mapping, a store there is a
-  SIGBUS; ``guard.copy`` turns that into ``MemoryFault``), and the call runs
+  be a client's guarded shared memory (shrunk under its mapping, a store
+  there is a SIGBUS; ``guard.copy`` turns that into ``MemoryFault``), and the call runs
   in a pool thread that may outlive its deadline: the caller (the event
   loop, in ``CardIo.run``) abandons the guard before it answers the client,
   after which ``guard.copy`` raises ``ReadAbandoned`` and no byte lands in a
-  buffer the client may have reused.  A bad object is deleted and reported
+  buffer the client may have reused.  One exception: a destination that is
+  no guarded client memory (``memcopy.in_client_memory`` False) may be read
+  into straight from a cache and verified there, through
+  ``guard.read_cached``, which is abandoned the same way; a mismatch there,
+  in memory a client may have written meanwhile, is decided by a read
+  through the card's own memory.  A bad object is deleted and reported
   as ``ObjectCorrupt``: the caller must treat the destination bytes as
   garbage.  An object a newer kvgate wrote, in a format this build cannot
   read, is ``ObjectTooNew`` (a miss) and stays; ``scan`` skips it.
@@ -22,9 +27,10 @@ Contract:
   or none (or the previous whole object).  A crash mid-write leaves nothing
   readable.  Its payload is memory the gateway owns, except on a kind with
   ``writes_client_memory``: that one may be given client memory, and then
-  moves it only through the kernel (a ``pwrite`` from it), hashes what
-  landed on the card, never the client's pages, and publishes it only if
-  the guard was not abandoned by the time the last piece was written.
+  publishes it only if the guard was not abandoned by the time the last
+  piece was written; guarded client memory it moves only through the kernel
+  (a ``pwrite`` from it) and hashes what landed on the card, never the
+  client's pages.
 - A card that cannot be reached raises ``CardUnavailable`` (an ``OSError``).
 - ``claim`` takes the card for this process's life, exclusively or shared
   with other ``shared_storage`` gateways; a card another gateway holds in a

@@ -89,19 +89,23 @@ class _ReadBack(threading.local):
 class ObjectFileWriter:
     """Writes one card directory's object files: under a temp name, then renamed over the final one.
 
-    A payload in the gateway's own memory is hashed and written piece by
-    piece, each piece hashed while it is in the CPU cache.  A payload in
-    client memory (a registered region or a session region) is written
-    straight from there with ``pwrite`` (the kernel reads it: a region
-    shrunk under us is ``MemoryFault``, never SIGBUS; the file is published
-    only if the caller had not given up when its last piece was written,
-    and no lock is held, so ``abandon`` on the event loop never waits for
-    a ``pwrite`` the device holds up), then each piece is read back from
-    the page cache and hashed: the hash is of what landed in the file, and the
-    gateway never loads a client's page itself.  That saves the staging
-    copy the store makes for other cards (one thread, 32 x 2 MiB puts from a
-    /dev/shm mapping into the page cache, same run: staged 0.40-0.45 of a
-    raw write + rename, direct 0.64-0.74).
+    A payload the gateway may load itself (its own memory, or an unguarded
+    region of a client that could stop the gateway anyway,
+    ``kvgate.gateway.shm``) is hashed and written piece by piece, each
+    piece hashed while it is in the CPU cache.  A payload in guarded client
+    memory is written straight from there with ``pwrite`` (the kernel reads
+    it: a region shrunk under us is ``MemoryFault``, never SIGBUS), then
+    each piece is read back from the page cache and hashed: the hash is of
+    what landed in the file, and the gateway never loads a guarded page
+    itself.  Either way the file is published only if the caller had not
+    given up when its last piece was written, and no lock is held, so
+    ``abandon`` on the event loop never waits for a ``pwrite`` the device
+    holds up.  A client that rewrites an unguarded buffer during its own
+    put can leave a file whose hash does not match it: that object reads
+    as corrupt and is deleted, never served.  Either way saves the staging
+    copy the store makes for other cards (one thread, 32 x 2 MiB puts from
+    a /dev/shm mapping into the page cache, same run: staged 0.40-0.45 of a
+    raw write + rename, read back 0.64-0.74).
     """
 
     def __init__(self, location: str, errors: CardErrors, sync: bool):
@@ -146,8 +150,9 @@ class ObjectFileWriter:
         return poff + plen
 
     def _write_payload(self, fd: int, view: memoryview, poff: int, guard: Abandon | None, client: bool) -> int:
-        """The payload written at ``poff`` piece by piece; its hash.  Own memory is hashed in place while
-        the piece is in the CPU cache; client memory is never loaded here: each piece is read back."""
+        """The payload written at ``poff`` piece by piece; its hash.  Memory we may load is hashed in place
+        while the piece is in the CPU cache; guarded client memory is never loaded here: each piece is read
+        back."""
         hasher = payload_hasher()
         back = self._read_back.piece
         for off in range(0, len(view), CHECKSUM_PIECE):

@@ -281,7 +281,7 @@ class Operations:
             raise RequestError(ErrorCode.BAD_REQUEST, "regions can only be registered over the Unix socket")
         if "\x00" in req.path:
             raise RequestError(ErrorCode.BAD_REQUEST, "region path contains a NUL byte")
-        region = await self.pool.run(map_client_region, req.path, sess.uid)
+        region = await self.pool.run(map_client_region, req.path, sess.uid, not sess.in_place)
         rid = max(sess.regions, default=0) + 1
         sess.regions[rid] = region
         return RegionReply(region=rid, size=region.size), None
@@ -341,7 +341,8 @@ class Operations:
         now = time.time_ns()
         pos = req.position
         last = len(keys) - 1
-        items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now, i == last))
+        in_region = req.region != INLINE
+        items = [PutItem(k, v, ObjectMeta(dialog, pos + i if pos >= 0 else -1, now, i == last), in_region)
                  for i, (k, v) in enumerate(zip(keys, views))]
         return PutReply(stored=await self.store.put(items, Retention.parse(req.retention))), None
 

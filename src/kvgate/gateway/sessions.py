@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvgate import __version__, crossmem
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
-from kvgate.gateway.shm import Region, RegionError, create_session_region
+from kvgate.gateway.shm import Region, RegionError, could_stop_gateway, create_session_region
 from kvgate.keys import BadKey, encode_namespace
 from kvgate.protocol import (
     KIND_REPLY,
@@ -116,6 +116,8 @@ class Session:
     engine_id: str = ""
     regions: dict[int, Region] = field(default_factory=dict)
     lends: bool = False  # may read lent objects out of our memory (HelloReply.lends)
+    # Its regions are used in place (kvgate.gateway.shm): it could stop the gateway anyway.
+    in_place: bool = False
     loans: dict[int, LentBody] = field(default_factory=dict)  # lent, not given back yet, by loan id
 
     def region(self, rid: int) -> Region:
@@ -187,11 +189,12 @@ class Sessions:
                 log.info("engine %r (pid %s) connected, namespace %r", engine_id, pid or req.pid, req.namespace)
             self.engine.connections += 1
             sess.engine_id = engine_id
+        sess.in_place = local and self.cfg.in_place_regions and could_stop_gateway(pid, uid)
         shm_path, shm_size = None, 0
         if local and req.want_shm and req.role == "engine":
             try:
                 region = await self.pool.run(create_session_region, str(sess.id),
-                                             self.cfg.shared_memory_size)
+                                             self.cfg.shared_memory_size, not sess.in_place)
             except RegionError as e:
                 self._release_engine(sess)
                 await refuse(ErrorCode.INTERNAL, str(e))

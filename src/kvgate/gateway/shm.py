@@ -8,13 +8,20 @@ Two kinds, both files under /dev/shm mapped by the gateway and the client:
   the gateway reads and writes them in place.  Only a regular file under
   /dev/shm owned by the connecting process's uid (SO_PEERCRED) is accepted.
 
-Either file stays the client's to shrink: the gateway never loads or stores
-region memory from user space.  Every copy in or out goes through
-``kvgate.memcopy``, which knows each region's address range (a ``Region``
-registers it for as long as it is mapped) and copies through the kernel
-there, so a region shrunk under its mapping fails the request
-that touched it (``MemoryFault``, a BAD_REQUEST naming the region) instead
-of killing the gateway with SIGBUS.
+Either file stays the client's to shrink, and a load or store in a page
+shrunk away is SIGBUS, which would kill the gateway.  So a region is
+*guarded* unless its client could stop the gateway anyway
+(``could_stop_gateway``: a process of the gateway's own user, or root, in its
+PID namespace, can kill it with a signal): the gateway never loads or stores
+guarded memory from user space.  Every copy in or out goes through
+``kvgate.memcopy``, which knows each guarded region's address range (a
+``Region`` registers it for as long as it is mapped) and copies through the
+kernel there, so a region shrunk under its mapping fails the request that
+touched it (``MemoryFault``, a BAD_REQUEST naming the region) instead of
+killing the gateway.  An unguarded region is read, hashed and written in
+place like the gateway's own memory: one copy where the guard costs two
+(the README's benchmark figures).  ``in_place_regions: false`` guards every
+region.
 """
 
 from __future__ import annotations
@@ -51,17 +58,21 @@ class RegionError(ValueError):
 class Region:
     """A mapped shared-memory file; its address range is client memory to ``memcopy`` while it is mapped."""
 
-    def __init__(self, path: str, size: int, mm: mmap.mmap, owned: bool):
+    def __init__(self, path: str, size: int, mm: mmap.mmap, owned: bool, guarded: bool = True):
         self.path = path
         self.size = size
+        self.guarded = guarded
         self._mm = mm
         holder = ctypes.c_char.from_buffer(mm)
         self._base = ctypes.addressof(holder)
         del holder  # no buffer export left behind: close() must be able to unmap
-        memcopy.add_client_memory(self._base, size)  # before any slice of it exists
-        # Removed when the mapping goes: at close(), or when the last slice a
-        # request held is released (a client that hangs up mid-request).
-        self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
+        if guarded:
+            memcopy.add_client_memory(self._base, size)  # before any slice of it exists
+            # Removed when the mapping goes: at close(), or when the last slice a
+            # request held is released (a client that hangs up mid-request).
+            self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
+        else:
+            self._unmapped = weakref.finalize(mm, lambda: None)
         self.view = memoryview(mm)
         self.owned = owned
         self._populate_lock = threading.Lock()
@@ -139,7 +150,27 @@ def reap_dead_regions() -> int:
     return removed
 
 
-def create_session_region(tag: str, size: int) -> Region:
+def could_stop_gateway(pid: int | None, uid: int | None) -> bool:
+    """Whether the peer process ``pid`` (``uid``, from SO_PEERCRED) could kill this gateway with a signal.
+
+    True for root and for the gateway's own user (real or saved uid: who
+    ``kill`` lets through), when the peer sees our PID namespace: one made
+    in a child namespace (a container) cannot name the gateway's pid, so
+    it could not stop it, and its regions stay guarded.  Anything unknown
+    (no credentials, a peer gone or not ours to inspect) is False.
+    """
+    if pid is None or uid is None or pid <= 0:
+        return False
+    _ruid, _euid, suid = os.getresuid()
+    if uid not in (0, os.getuid(), suid):
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+
+
+def create_session_region(tag: str, size: int, guarded: bool = True) -> Region:
     """A fresh 0600 file under /dev/shm, its pages allocated up front.
 
     ``posix_fallocate`` makes tmpfs allocate the pages now, so neither side
@@ -155,10 +186,10 @@ def create_session_region(tag: str, size: int) -> Region:
         os.unlink(path)
         raise RegionError(f"cannot create a shared-memory region of {size} bytes: {e.strerror}") from None
     os.close(fd)
-    return Region(path, size, mm, owned=True)
+    return Region(path, size, mm, owned=True, guarded=guarded)
 
 
-def map_client_region(path: str, peer_uid: int | None) -> Region:
+def map_client_region(path: str, peer_uid: int | None, guarded: bool = True) -> Region:
     """Map a client's file, after checking it is one the client may lend us."""
     real = os.path.realpath(path)
     if os.path.dirname(real) != SHM_DIR:
@@ -176,7 +207,7 @@ def map_client_region(path: str, peer_uid: int | None) -> Region:
         if st.st_size == 0:
             raise RegionError(f"{path}: empty file")
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        region = Region(real, st.st_size, mm, owned=False)
+        region = Region(real, st.st_size, mm, owned=False, guarded=guarded)
         region.populate_async()
         return region
     finally:

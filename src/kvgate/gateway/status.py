@@ -137,6 +137,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
             "fingerprint": store.long.fingerprint, "placement": cfg.key_placement, "storage_slots": store.long.slots,
             "card_generation": store.long.generation,
             "socket": cfg.socket_path, "port": tcp_port, "sessions": len(sessions),
+            # sessions whose shared memory is used in place (kvgate.gateway.shm): the rest go through the kernel
+            "sessions_in_place": sum(s.in_place for s in sessions.by_id.values()),
             "connections": listeners.open_connections,
             "refused_connections": listeners.refused_connections, "engine": engine,
             "shared_storage": cfg.shared_storage,
@@ -195,6 +197,9 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("kvgate_worker_oldest_io_age_seconds", "age of the oldest I/O in flight",
                                 value=s["oldest_io_age_s"])
         yield GaugeMetricFamily("kvgate_sessions", "connected client sessions", value=s["gateway"]["sessions"])
+        yield GaugeMetricFamily("kvgate_sessions_in_place",
+                                "sessions whose shared memory the gateway reads, hashes and writes in place",
+                                value=s["gateway"]["sessions_in_place"])
         active = GaugeMetricFamily("kvgate_storage_group_active", "1 when the card is in service", labels=["group"])
         for card in s["cards"]:
             active.add_metric([card["serial"] or card["location"]], 1 if card["active"] else 0)

@@ -60,6 +60,8 @@ class PutItem:
     fkey: bytes
     src: memoryview
     meta: ObjectMeta
+    # src lies in a client's shared region (which it may write again once answered), not in a buffer of ours
+    in_region: bool = False
 
 
 @dataclass(slots=True)
@@ -139,9 +141,10 @@ class TieredStore:
         after the client got its (failed) answer.  An item with no RAM copy
         in one piece (tier off or full, object larger than it, pages not
         contiguous) is staged in a buffer of ours first, within the staging
-        budget, unless its card ``writes_client_memory``: such a card reads
-        the client's region only through the kernel, and publishes only
-        what it read before the write's guard was abandoned.  Copies out of
+        budget, unless it lies in a client's region and its card
+        ``writes_client_memory``: such a card reads a guarded region only
+        through the kernel (``kvgate.gateway.shm``), and publishes only what
+        it read before the write's guard was abandoned.  Copies out of
         client memory are ``memcopy`` copies: ``MemoryFault`` when the
         client shrank it, and its card stores nothing of it then.
         """
@@ -177,7 +180,7 @@ class TieredStore:
             views = entry.views() if entry is not None else []
             if len(views) == 1:
                 source[id(it)] = views[0]
-        from_client = {id(it) for it in items if id(it) not in source and memcopy.in_client_memory(it.src)}
+        from_client = {id(it) for it in items if id(it) not in source and it.in_region}
         card_ok = [False] * len(items)
         card_left: list[int] = []
         faults: list[MemoryFault] = []

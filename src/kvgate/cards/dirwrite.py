@@ -29,6 +29,7 @@ from kvgate.cards.objectformat import (
     header_size,
     pack_header,
     padded_size,
+    payload_hash,
     payload_hasher,
 )
 from kvgate.memcopy import Abandon, in_client_memory, region_gone
@@ -43,6 +44,21 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
             raise OSError(errno.EIO, "write made no progress")
         view = view[n:]
         offset += n
+
+
+def pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> None:
+    """``pwritev`` until every buffer is written, in order from ``offset``: a short write is legal."""
+    views = [memoryview(b) for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def unlink_quiet(path: str) -> None:
@@ -130,11 +146,17 @@ class ObjectFileWriter:
             try:
                 fd = self._create_temp(tmp)
                 try:
-                    payload_hash = self._write_payload(fd, view, poff, guard, client)
-                    header = pack_header(full_key, plen, payload_hash, meta, padded=True)
-                    if len(header) != poff:  # pack_header and padded_size must agree
-                        raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
-                    pwrite_all(fd, header, 0)
+                    if client:
+                        digest = self._write_payload(fd, view, poff, guard)
+                        pwrite_all(fd, self._header(full_key, plen, digest, meta, poff), 0)
+                    else:
+                        # Hashed whole, then header and payload in one call, as a raw write is: one thread,
+                        # 32 x 2 MiB into the page cache, 0.96 of a raw pwritev + rename, against 0.74 for
+                        # 256 KiB pieces hashed while in the CPU cache (page-cache writes are slow: 4 GiB/s).
+                        if guard is not None and guard.abandoned:
+                            raise WriteAbandoned(self.location)
+                        header = self._header(full_key, plen, payload_hash(view), meta, poff)
+                        pwritev_all(fd, [header, view], 0)
                     if self.sync:
                         os.fsync(fd)
                 finally:
@@ -149,20 +171,22 @@ class ObjectFileWriter:
             fsync_dir(os.path.dirname(final))
         return poff + plen
 
-    def _write_payload(self, fd: int, view: memoryview, poff: int, guard: Abandon | None, client: bool) -> int:
-        """The payload written at ``poff`` piece by piece; its hash.  Memory we may load is hashed in place
-        while the piece is in the CPU cache; guarded client memory is never loaded here: each piece is read
-        back."""
+    @staticmethod
+    def _header(full_key: bytes, plen: int, payload_hash: int, meta: ObjectMeta, poff: int) -> bytes:
+        header = pack_header(full_key, plen, payload_hash, meta, padded=True)
+        if len(header) != poff:  # pack_header and padded_size must agree
+            raise AssertionError(f"header is {len(header)} bytes, expected {poff}")
+        return header
+
+    def _write_payload(self, fd: int, view: memoryview, poff: int, guard: Abandon | None) -> int:
+        """Guarded client memory written at ``poff`` piece by piece, never loaded here: each piece is read
+        back and hashed; the hash."""
         hasher = payload_hasher()
         back = self._read_back.piece
         for off in range(0, len(view), CHECKSUM_PIECE):
             if guard is not None and guard.abandoned:  # (a piece read after it would land in a deleted file)
                 raise WriteAbandoned(self.location)
             piece = view[off : off + CHECKSUM_PIECE]
-            if not client:
-                hasher.update(piece)
-                pwrite_all(fd, piece, poff + off)
-                continue
             try:
                 pwrite_all(fd, piece, poff + off)  # the kernel reads the client's pages: EFAULT, never SIGBUS
             except OSError as e:

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.tiers.io import CALL_BYTES, CALL_OBJECTS, HINT_BACKLOG, CardIo, IoPool, realtime_permitted, split_calls
+from kvgate.tiers.io import (CALL_BYTES, CALL_OBJECTS, HINT_BACKLOG, CardIo, IoPool, realtime_permitted, split_calls,
+                             worth_calls)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -210,7 +211,7 @@ def test_card_calls_keep_every_item_once_in_order_and_each_call_bounded(sizes: l
     chunks = split_calls(items, parts, sizes)
     assert [i for c in chunks for i in c] == items
     assert all(c for c in chunks)
-    assert len(chunks) >= min(parts, len(items))
+    assert len(chunks) >= min(parts, len(items), worth_calls(len(items), sum(sizes)))
     for c in chunks:
         assert len(c) <= CALL_OBJECTS
         assert len(c) == 1 or sum(sizes[i] for i in c) <= CALL_BYTES
@@ -221,3 +222,11 @@ def test_a_large_batch_is_many_calls_that_queue_on_the_card() -> None:
     chunks = split_calls(list(range(1024)), 2, [100] * 1024)
     assert [len(c) for c in chunks] == [32] * 32
     assert [len(c) for c in split_calls(list(range(8)), 4, [1 << 20] * 8)] == [2, 2, 2, 2]
+
+
+def test_a_small_read_is_one_call_and_a_large_one_uses_every_thread() -> None:
+    """A thread hand-off costs more than a few small objects' work: they stay one call."""
+    assert [len(c) for c in split_calls(list(range(4)), 4, [4096] * 4)] == [4]
+    assert [len(c) for c in split_calls(list(range(20)), 4, [4096] * 20)] == [10, 10]  # 16 objects a call
+    assert [len(c) for c in split_calls(list(range(32)), 4, [2 << 20] * 32)] == [8] * 4
+    assert [len(c) for c in split_calls(list(range(3)), 4, [512 << 10] * 3)] == [2, 1]

@@ -56,7 +56,8 @@ class RegionError(ValueError):
 
 
 class Region:
-    """A mapped shared-memory file; its address range is client memory to ``memcopy`` while it is mapped."""
+    """A mapped shared-memory file; a guarded one's address range is client memory to ``memcopy`` while it is
+    mapped (the module's docstring says which are guarded)."""
 
     def __init__(self, path: str, size: int, mm: mmap.mmap, owned: bool, guarded: bool = True):
         self.path = path
@@ -66,13 +67,12 @@ class Region:
         holder = ctypes.c_char.from_buffer(mm)
         self._base = ctypes.addressof(holder)
         del holder  # no buffer export left behind: close() must be able to unmap
+        self._unmapped: weakref.finalize | None = None
         if guarded:
             memcopy.add_client_memory(self._base, size)  # before any slice of it exists
             # Removed when the mapping goes: at close(), or when the last slice a
             # request held is released (a client that hangs up mid-request).
             self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
-        else:
-            self._unmapped = weakref.finalize(mm, lambda: None)
         self.view = memoryview(mm)
         self.owned = owned
         self._populate_lock = threading.Lock()
@@ -120,7 +120,8 @@ class Region:
         except BufferError:
             pass  # a request still holds a slice; the mapping and its range go when it does
         else:
-            self._unmapped()
+            if self._unmapped is not None:
+                self._unmapped()
         if self.owned:
             try:
                 os.unlink(self.path)

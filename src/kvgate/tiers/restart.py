@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import logging
 import struct
 import time
@@ -89,8 +88,8 @@ CHECK_HEADERS: Final = 128
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        # The process's own symbols (libc among them): find_library would run ldconfig at import.
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim
         return None
 

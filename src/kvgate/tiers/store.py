@@ -299,7 +299,11 @@ class TieredStore:
         groups = group_by_card(zip(where, misses))
         # Every part ends before the answer: one that failed (a shrunk region)
         # must not leave others still writing the destinations.
-        await gather_all(from_ram(), *(from_card(cs, idx) for cs, idx in groups.values()))
+        parts = [*([from_ram()] if ram_plans else []), *(from_card(cs, idx) for cs, idx in groups.values())]
+        if len(parts) == 1:  # no task for the one part of most gets (all from RAM, or all from one card)
+            await parts[0]
+        elif parts:
+            await gather_all(*parts)
         # A miss read again where the key is now, or on the cards its slot had before (one round per card
         # set change the mover has not settled, at most).
         for round_ in range(UNSETTLED_LAYOUTS):

@@ -377,7 +377,7 @@ CALL_BYTES = 32 << 20
 # A call is worth a thread of its own from about this much work: handing a call
 # to a thread and its answer back costs 60-100 us here, and more while other
 # threads hold the GIL.  A get of four 4 KiB objects from a warm card took 1.4-1.6
-# ms split over four threads, as one call 0.5.
+# ms split over four threads, as one call 0.66-0.78.
 SPLIT_BYTES = 1 << 20
 SPLIT_OBJECTS = 16
 

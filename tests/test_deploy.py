@@ -139,6 +139,8 @@ def test_the_manifests_configs_are_ones_a_gateway_takes_and_the_pods_share_what_
             for other in spec["containers"]:  # an engine beside it shares the socket and the shared memory
                 if other is not gw:
                     assert {"/dev/shm", "/run/kvgate"} <= {m["mountPath"] for m in other["volumeMounts"]}, where
+                    # and the PID namespace, so its memory is used in place (kvgate.gateway.shm)
+                    assert spec.get("shareProcessNamespace") is True, where
 
 
 def _engine_up(engine: str) -> bool:

@@ -165,10 +165,24 @@ def could_stop_gateway(pid: int | None, uid: int | None) -> bool:
     _ruid, _euid, suid = os.getresuid()
     if uid not in (0, os.getuid(), suid):
         return False
+    return _in_our_pid_namespace(pid)
+
+
+def _in_our_pid_namespace(pid: int) -> bool:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except PermissionError:
+        pass  # a root peer of a gateway that is not root: its status, readable by all, says
     except OSError:
         return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):  # its pid in our namespace and in each one below it
+                    return len(line.split()) == 2
+    except OSError:
+        pass
+    return False
 
 
 def create_session_region(tag: str, size: int, guarded: bool = True) -> Region:

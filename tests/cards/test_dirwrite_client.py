@@ -185,3 +185,29 @@ def test_own_memory_is_hashed_in_place_and_client_memory_read_back(card: Directo
         out = np.zeros(SIZE, np.uint8)
         card.read_into(full_key(b"ns", name), memoryview(out))
         assert np.array_equal(out, data)
+
+
+def test_memory_we_may_load_is_written_in_one_call_and_short_writes_are_taken_up(card: DirectoryCard,
+                                                                                monkeypatch) -> None:
+    """Header and payload go in one ``pwritev``; a kernel that writes only part of it (legal) gets the
+    rest in further calls, and the object reads back whole."""
+    data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
+    real, calls = os.pwritev, []
+
+    def short(fd_: int, bufs, offset: int, *flags) -> int:
+        calls.append(len(bufs))
+        total = sum(len(b) for b in bufs)
+        if total <= 1000:
+            return real(fd_, bufs, offset, *flags)
+        first = bytes(memoryview(bufs[0])[:1000]) if len(bufs[0]) >= 1000 else None
+        if first is None:  # the first buffer is shorter: write it whole and 1 byte of the next
+            return real(fd_, [bufs[0], memoryview(bufs[1])[:1]], offset, *flags)
+        return os.pwrite(fd_, first, offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    card.write(full_key(b"ns", b"short"), memoryview(data), ObjectMeta(), Abandon())
+    monkeypatch.undo()
+    assert calls[0] == 2 and len(calls) > 2  # header and payload asked at once, finished over several calls
+    out = np.zeros(SIZE, np.uint8)
+    card.read_into(full_key(b"ns", b"short"), memoryview(out))
+    assert np.array_equal(out, data)

@@ -107,8 +107,8 @@ class ObjectFileWriter:
 
     A payload the gateway may load itself (its own memory, or an unguarded
     region of a client that could stop the gateway anyway,
-    ``kvgate.gateway.shm``) is hashed and written piece by piece, each
-    piece hashed while it is in the CPU cache.  A payload in guarded client
+    ``kvgate.gateway.shm``) is hashed whole, then written with its header
+    in one ``pwritev``, as a raw write of the file is.  A payload in guarded client
     memory is written straight from there with ``pwrite`` (the kernel reads
     it: a region shrunk under us is ``MemoryFault``, never SIGBUS), then
     each piece is read back from the page cache and hashed: the hash is of

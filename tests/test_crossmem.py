@@ -193,3 +193,171 @@ def test_loans_a_client_never_gives_back_end_with_its_connection(gateway_factory
         t.sendall(_frame(p.Get(id=2, keys=keys, region=p.LENT, capacities=[2 << 20] * len(keys))))
         reply, _ = _read_reply(t)
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST and "TCP" in reply.message
+
+
+# ---- card objects lent as open files -------------------------------------------------------------
+
+def _holds_files(paths, q, r) -> None:
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    q.put((os.getpid(), fds))
+    r.get()
+
+
+TAKE_AS_NOBODY = """
+import sys
+import numpy as np
+from kvgate import crossmem
+pid, fd = int(sys.argv[1]), int(sys.argv[2])
+try:
+    crossmem.read_files(pid, [crossmem.LentFile(fd, 0, np.zeros(4096, np.uint8).data, 0)])
+    print("read")
+except crossmem.CrossMemoryError as e:
+    print(e.errno)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd and RWF_NOWAIT")
+def test_read_files_takes_another_processes_descriptors_and_reads_only_what_is_cached_and_right(tmp_path) -> None:
+    """Payloads go straight into the destinations, split over two threads past ``SPLIT_BYTES``; a payload
+    that does not hash to what the lender said, or one the page cache does not hold, is given back as
+    not read (the gateway reads those itself).  A process that may not take the descriptors (another
+    user) gets ``CrossMemoryError``, not bytes."""
+    import shutil
+    import subprocess
+    import sys
+
+    from kvgate.keys import payload_hash
+    from tests.helpers import kvgate_env
+
+    sizes = [3 << 20, 5 << 20, 4096, 1 << 20, 2 << 20]
+    datas = [os.urandom(n) for n in sizes]
+    paths = []
+    for i, d in enumerate(datas):
+        p = tmp_path / f"obj{i}"
+        p.write_bytes(b"h" * 100 + d)
+        paths.append(str(p))
+    fd = os.open(paths[4], os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the last one is not in the page cache
+    os.close(fd)
+    ctx = mp.get_context("fork")
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_holds_files, args=(paths, q, r))
+    p.start()
+    try:
+        pid, fds = q.get(timeout=20)
+        dests = [np.zeros(n, np.uint8) for n in sizes]
+        hashes = [payload_hash(d) for d in datas]
+        hashes[2] ^= 1  # a lender's hash that the bytes do not match
+        files = [crossmem.LentFile(f, 100, dst.data, h) for f, dst, h in zip(fds, dests, hashes)]
+        assert crossmem.read_files(pid, files) == [2, 4]
+        for i in (0, 1, 3):
+            assert dests[i].tobytes() == datas[i]
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            run = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                                  TAKE_AS_NOBODY, str(pid), str(fds[0])], env=kvgate_env(), cwd="/",
+                                 capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.strip() == "1", run.stdout  # EPERM
+    finally:
+        r.put(1)
+        p.join(10)
+
+
+def _objects_open(gw, card) -> list[str]:
+    """The object files of ``card`` the gateway holds open (its claim's lock file is not one)."""
+    out = []
+    for f in os.listdir(f"/proc/{gw.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{gw.pid}/fd/{f}")
+        except OSError:
+            continue
+        if target.startswith(str(card)) and not target.endswith(".lock"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd and RWF_NOWAIT")
+def test_card_objects_are_read_by_the_client_out_of_lent_files_and_a_bad_one_never_reaches_it(gateway_factory,
+                                                                                             tmp_path) -> None:
+    """No RAM tier: a get of card objects into plain buffers is read out of the card's files by the client
+    (counted as ``files_lent``), and every file is closed once given back.  An object changed on the
+    card after it was written reaches the client as a miss: its hash fails in the client, the gateway
+    reads it again, finds it corrupt and removes it; its neighbours come back right."""
+    card = tmp_path / "card"
+    gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])
+    datas = [os.urandom(n) for n in (2 << 20, 1 << 20, 300 << 10, 2 << 20)]
+    keys = [f"file-{i}".encode() for i in range(len(datas))]
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, datas, retention="long"))
+        for _ in range(3):
+            bufs = [np.zeros(len(d), np.uint8) for d in datas]
+            got = c.get_many(keys, into=bufs)
+            assert [bytes(g) for g in got] == datas
+        st = gw.stats()
+        assert st["files_lent"]["objects"] == 3 * len(keys) and st["files_lent"]["open"] == 0, st["files_lent"]
+        with open(f"/proc/{gw.pid}/limits") as f:  # the files it may lend: the soft limit raised to the hard
+            soft, hard = next(ln for ln in f if ln.startswith("Max open files")).split()[3:5]
+        assert soft == hard
+        assert _objects_open(gw, card) == [], "a lent file stayed open"
+        # one object's payload rewritten in place on the card (its pages stay cached)
+        files = [f for f in card.rglob("*") if f.is_file() and f.stat().st_size > len(datas[1])
+                 and f.stat().st_size < len(datas[0])]
+        assert len(files) == 1
+        with open(files[0], "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes(100))
+        bufs = [np.zeros(len(d), np.uint8) for d in datas]
+        got = c.get_many(keys, into=bufs)
+        assert got[1] is None
+        assert [bytes(g) for i, g in enumerate(got) if i != 1] == [d for i, d in enumerate(datas) if i != 1]
+        st = gw.stats()
+        assert st["corrupt_objects"] == 1 and not files[0].exists()
+        assert st["files_lent"]["open"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd and RWF_NOWAIT")
+def test_lent_files_and_loans_a_peer_keeps_are_bounded_and_closed_with_its_connection(gateway_factory,
+                                                                                      tmp_path) -> None:
+    """A peer that never gives back: a lent get that finds nothing holds no loan; past ``MAX_LOANS`` held
+    a lent get is refused, naming the fix; the files its loans hold are closed when it goes."""
+    import socket
+    import time
+
+    from kvgate import protocol as p
+    from kvgate.gateway.operations import MAX_LOANS
+    from tests.gateway.test_inline_bytes import _frame, _read_reply
+
+    card = tmp_path / "card"
+    gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])
+    keys = [f"kept-{i}".encode() for i in range(4)]
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, [os.urandom(64 << 10) for _ in keys], retention="long"))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(gw.socket)
+    s.settimeout(20)
+    s.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent", want_shm=False)))
+    hello, _ = _read_reply(s)
+    assert hello.lends
+    for i in range(MAX_LOANS + 10):
+        s.sendall(_frame(p.Get(id=2 + i, keys=[b"absent"], region=p.LENT, capacities=[1 << 20], files=True)))
+        reply, _ = _read_reply(s)
+        assert isinstance(reply, p.GetReply) and reply.loan == 0 and reply.sizes == [p.MISS]
+    for i in range(MAX_LOANS):
+        s.sendall(_frame(p.Get(id=1000 + i, keys=keys, region=p.LENT, capacities=[64 << 10] * 4, files=True)))
+        reply, _ = _read_reply(s)
+        assert isinstance(reply, p.GetReply) and reply.loan, reply
+    assert len(reply.files) == 4 * len(keys)
+    s.sendall(_frame(p.Get(id=5000, keys=keys, region=p.LENT, capacities=[64 << 10] * 4, files=True)))
+    reply, _ = _read_reply(s)
+    assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST and "GiveBack" in reply.message
+    assert gw.stats()["files_lent"]["open"] == len(keys) * MAX_LOANS == len(_objects_open(gw, card))
+    s.close()
+    deadline = time.monotonic() + 10
+    while gw.stats()["files_lent"]["open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.stats()["files_lent"]["open"] == 0
+    assert _objects_open(gw, card) == []

@@ -73,10 +73,12 @@ class SharedMemoryTransport(Transport):
         self._mm: mmap.mmap | None = None
         self.lends = False  # gets of plain buffers read lent objects out of the gateway (kvgate.crossmem)
         self.lend_error: str | None = None  # why they stopped, if they did
+        self.lends_files = False  # ... and read card objects out of the files the gateway lends open
         self.gateway_pid = 0
 
     def open(self, hello: HelloReply) -> None:
         self.lends = hello.lends and crossmem.supported and hello.pid > 0
+        self.lends_files = self.lends and crossmem.files_supported
         self.gateway_pid = hello.pid
         if not hello.shm_path:
             return
@@ -226,18 +228,26 @@ class SharedMemoryTransport(Transport):
 
     def _get_lent(self, keys: list[bytes], views: list[memoryview], index: list[int], dialog: bytes | None,
                   out: list) -> Op:
-        """Get ``index`` (indexes) into their views by reading them out of the gateway's memory
-        (``kvgate.crossmem``); sets ``out[i]``.  False when this process may not read it (nothing was
-        read then, and this session copies through its region from now on)."""
+        """Get ``index`` (indexes) into their views by reading them out of the gateway's memory, or out of
+        card files it lends open (``kvgate.crossmem``); sets ``out[i]``.  False when this process may not
+        read its memory (nothing was read then, and this session copies through its region from now on)."""
         todo = list(index)
         was_stalled = False
+        files_ok = self.lends_files
         while todo:
             reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=LENT,
-                                                     capacities=[views[i].nbytes for i in todo], dialog=dialog))
+                                                     capacities=[views[i].nbytes for i in todo], dialog=dialog,
+                                                     files=files_ok))
             segments = reply.segments or []
             pairs = iter(zip(segments[0::2], segments[1::2]))
+            lent_files = reply.files or []
+            if len(lent_files) % 4 or not all(0 <= j < len(todo) for j in lent_files[0::4]):
+                raise self.wire.out_of_step("a lent get's files do not name its keys")
+            as_file = {todo[j]: (fd, off, h) for j, fd, off, h in zip(*(iter(lent_files),) * 4)}
             local: list[tuple[int, int]] = []
             remote: list[tuple[int, int]] = []
+            files: list[crossmem.LentFile] = []
+            file_of: list[int] = []
             hits: list[tuple[int, int]] = []
             again: list[int] = []
             too_small: tuple[int, int] | None = None
@@ -249,6 +259,12 @@ class SharedMemoryTransport(Transport):
                 elif s >= 0:
                     if s > views[i].nbytes:
                         raise self.wire.out_of_step(f"get reply of {s} bytes for a destination of {views[i].nbytes}")
+                    hits.append((i, s))
+                    if i in as_file:
+                        fd, off, h = as_file[i]
+                        files.append(crossmem.LentFile(fd, off, _u8(views[i])[:s].data, h))
+                        file_of.append(i)
+                        continue
                     addr, _n = _address(views[i])
                     local.append((addr, s))
                     left = s
@@ -258,24 +274,33 @@ class SharedMemoryTransport(Transport):
                             raise self.wire.out_of_step("a lent get's segments do not add up to its sizes")
                         remote.append((a, n))
                         left -= n
-                    hits.append((i, s))
             failed: crossmem.CrossMemoryError | None = None
-            if local:
+            unread: list[int] = []
+            if local or files:
                 pid = self.gateway_pid
 
-                def read(local=local, remote=remote) -> None:
-                    crossmem.read(pid, local, remote)
+                def read(local=local, remote=remote, files=files) -> list[int]:
+                    if local:
+                        crossmem.read(pid, local, remote)
+                    try:
+                        return crossmem.read_files(pid, files)
+                    except crossmem.CrossMemoryError as e:  # may not take its descriptors: all read again
+                        self.lends_files = False
+                        self.lend_error = str(e)
+                        return list(range(len(files)))
 
                 try:
-                    yield Copy(read, sum(n for _, n in local))
+                    unread = yield Copy(read, sum(n for _, n in local) + sum(len(f.dest) for f in files))
                 except crossmem.CrossMemoryError as e:
                     failed = e
                 except BaseException:
                     # A cancelled call (its copy has ended: see AsyncClient) still gives the loan back,
                     # or the pages would stay pinned, and the session's share held, until it closes.
-                    yield from self.wire.call(GiveBack(loan=reply.loan))
+                    if reply.loan:
+                        yield from self.wire.call(GiveBack(loan=reply.loan))
                     raise
-            yield from self.wire.call(GiveBack(loan=reply.loan))
+            if reply.loan:
+                yield from self.wire.call(GiveBack(loan=reply.loan))
             if failed is not None:
                 # Not permitted here (another user, Yama, seccomp) or the gateway's pages were not where it
                 # said: nothing of this call is trusted; the region path does it all again.
@@ -284,8 +309,15 @@ class SharedMemoryTransport(Transport):
                 return False
             if too_small is not None:
                 raise ObjectTooLarge(*too_small)
+            # Lent files not read from the cache, or not hashing right: the gateway reads those itself
+            # (and removes a bad one), in the next round, which lends no files.
+            redo = {file_of[k] for k in unread}
             for i, s in hits:
-                out[i] = views[i][:s]
+                if i not in redo:
+                    out[i] = views[i][:s]
+            if redo:
+                files_ok = False
+                again += sorted(redo)
             was_stalled = stalled(todo, again, was_stalled)
             todo = again
         return True

@@ -19,9 +19,19 @@ can read then, they could already read under the kernel's default rules.
 Anything else (another user, Yama 2 or 3, a seccomp filter) fails with
 ``EPERM`` at the first read and the client goes back to the session region.
 
-Used by the client (``read``, from the thread that runs its copies) and by
-the gateway at start (``allow_readers``).  Linux only; elsewhere
-``supported`` is False and nothing here is called.
+A card object the page cache holds is lent as its file instead: the
+gateway opens it and the client takes the descriptor (``pidfd_getfd``, the
+same permission as ``process_vm_readv``), reads the payload straight into
+its buffer with ``RWF_NOWAIT`` and checks its XXH3 there (``read_files``):
+one copy and a hash, where a card read into a buffer of the gateway's and
+the client's read of that cost two copies and a hash.  A piece the cache
+lost meanwhile, or a payload that does not hash right, is asked of the
+gateway again, which reads it the usual way (and deletes it if bad): no
+unverified byte is handed back.
+
+Used by the client (``read``, ``read_files``, from the thread that runs its
+copies) and by the gateway at start (``allow_readers``).  Linux only;
+elsewhere ``supported`` is False and nothing here is called.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from kvgate.keys import payload_hash
 from kvgate.memcopy import IOV_MAX, Iovec, syscall
 
 
@@ -55,6 +66,10 @@ try:
 except OSError:
     _libc = None
 supported = _readv is not None
+# pidfd_getfd(2): the one number of every architecture's unified syscall table (Linux 5.6)
+_NR_PIDFD_GETFD = 438
+files_supported = supported and _libc is not None and hasattr(os, "pidfd_open") and hasattr(os, "RWF_NOWAIT")
+_pidfds: dict[int, int] = {}  # gateway pid -> our pidfd of it: one per gateway process read from
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -189,3 +204,80 @@ def allow_readers() -> str:
         e = ctypes.get_errno()
         return f"not possible: prctl(PR_SET_PTRACER) failed: {os.strerror(e)}"
     return "allowed: Yama ptrace_scope is 1, so this gateway named its user's processes its tracers"
+
+
+class LentFile:
+    """One object a gateway lent as its open file: ``fd`` (the gateway's) holds the payload at ``offset``;
+    it goes into ``dest`` (exactly the payload's length) and must hash to ``expected``."""
+
+    __slots__ = ("fd", "offset", "dest", "expected")
+
+    def __init__(self, fd: int, offset: int, dest: memoryview, expected: int):
+        self.fd, self.offset, self.dest, self.expected = fd, offset, dest, expected
+
+
+def _pidfd(pid: int) -> int:
+    with _pool_lock:
+        fd = _pidfds.get(pid)
+        if fd is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError as e:
+                raise CrossMemoryError(e.errno, f"pidfd_open of pid {pid}: {e.strerror}") from None
+            _pidfds[pid] = fd
+        return fd
+
+
+def _take_fd(pidfd: int, pid: int, fd: int) -> int:
+    got = _libc.syscall(_NR_PIDFD_GETFD, pidfd, fd, 0)  # type: ignore[union-attr]
+    if got < 0:
+        e = ctypes.get_errno()
+        raise CrossMemoryError(e, f"pidfd_getfd of fd {fd} of pid {pid}: {os.strerror(e)}")
+    return got
+
+
+def _read_file(pidfd: int, pid: int, f: LentFile) -> bool:
+    """Whether ``f``'s payload is now in ``f.dest``, read from the page cache only and hashed right."""
+    fd = _take_fd(pidfd, pid, f.fd)
+    try:
+        dest, done = f.dest, 0
+        while done < len(dest):
+            try:
+                n = os.preadv(fd, [dest[done:]], f.offset + done, os.RWF_NOWAIT)
+            except OSError:  # not cached (EAGAIN), or no RWF_NOWAIT here: the gateway reads it
+                return False
+            if n <= 0:
+                return False
+            done += n
+        return payload_hash(dest) == f.expected
+    finally:
+        os.close(fd)
+
+
+def _read_some(pid: int, files: list[LentFile]) -> list[int]:
+    pidfd = _pidfd(pid)
+    return [i for i, f in enumerate(files) if not _read_file(pidfd, pid, f)]
+
+
+def read_files(pid: int, files: list[LentFile]) -> list[int]:
+    """Read each lent file's payload into its ``dest``; the indexes (into ``files``) of those not read:
+    not in the page cache any more, or a payload that did not hash right (the gateway must read those).
+    Raises ``CrossMemoryError`` where this process may not take the gateway's descriptors (nothing of the
+    call is then to be trusted).  Large calls are split over two threads, as ``read``."""
+    if not files:
+        return []
+    total = sum(len(f.dest) for f in files)
+    if total < SPLIT_BYTES or len(files) < 2:
+        return _read_some(pid, files)
+    half, acc, cut = total // 2, 0, 0
+    for cut, f in enumerate(files):
+        if acc >= half:
+            break
+        acc += len(f.dest)
+    cut = max(cut, 1)
+    other = _helper().submit(_read_some, pid, files[cut:])
+    try:
+        first = _read_some(pid, files[:cut])
+    finally:
+        second = other.result()
+    return first + [cut + i for i in second]

@@ -108,6 +108,8 @@ class Get(_Msg, tag="get"):
     offsets: list[int] | None = None
     capacities: list[int] | None = None
     dialog: bytes | None = None
+    # LENT: the client can read card objects out of files the gateway lends it open (GetReply.files)
+    files: bool = False
 
 
 class Lookup(_Msg, tag="lookup"):
@@ -216,7 +218,11 @@ class GetReply(_Msg, tag="get_reply"):
     # LENT: per hit, in key order, (address, length) pairs of the gateway's memory holding it, flattened;
     # ``loan`` is given back (``GiveBack``) once they are read
     segments: list[int] | None = None
-    loan: int = 0
+    # LENT with Get.files: per hit lent as an open file of the gateway's, (key index, file descriptor in
+    # the gateway, payload offset, XXH3-64 of the payload) flattened; ``sizes`` says the payload's length,
+    # ``segments`` leaves it out.  The client takes the descriptor (pidfd_getfd), reads, checks the hash.
+    files: list[int] | None = None
+    loan: int = 0  # 0: nothing to give back
 
 
 class CountReply(_Msg, tag="count_reply"):

@@ -38,8 +38,8 @@ from kvgate.cards.base import HOST_TAG
 from kvgate.cards.directio import SUPPORTED
 from kvgate.cards.dirlayout import LABEL_NAME
 from kvgate.cards.dirscan import STALE_TEMP_SECONDS
-from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
-from kvgate.keys import dialog_digest, full_key, key_digest
+from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size
+from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 

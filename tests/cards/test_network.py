@@ -32,10 +32,10 @@ from kvgate.cards import (
     make_card,
 )
 from kvgate.cards import netwire as w
-from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, padded_size, payload_hash
+from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, padded_size
 from kvgate.cluster.export import CardExporter
 from kvgate.config import Config
-from kvgate.keys import dialog_digest, key_digest
+from kvgate.keys import dialog_digest, key_digest, payload_hash
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from tests.cards.common import check_snapshot_round_trip
 from tests.cards.test_directory import key, payload_for

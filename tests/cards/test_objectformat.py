@@ -21,14 +21,13 @@ from kvgate.cards.objectformat import (
     ObjectMissing,
     ObjectTooNew,
     ObjectMeta,
-    payload_hash,
-    payload_hasher,
     header_size,
     pack_header,
     padded_size,
     parse_header,
     peek_header,
 )
+from kvgate.keys import payload_hash, payload_hasher
 from kvgate.keys import NO_DIALOG, dialog_digest, full_key
 
 KEY = full_key(b"tenant", b"block-0001")

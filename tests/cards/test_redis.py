@@ -38,12 +38,12 @@ from kvgate.cards import (
 )
 from kvgate.cards import redisobjects
 from kvgate.cards.base import BOOT_ID, HOST
-from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, payload_hash
+from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header
 from kvgate.cards.redis import UNLIMITED_FREE_BYTES
 from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
 from kvgate.cards.redislease import LEASE_TTL_MS
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
-from kvgate.keys import dialog_digest, full_key, key_digest
+from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
 

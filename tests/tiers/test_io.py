@@ -203,6 +203,37 @@ def test_a_call_on_a_card_that_left_the_set_fails_as_io_not_as_a_crash() -> None
     asyncio.run(main())
 
 
+def test_a_result_that_comes_after_its_caller_stopped_waiting_is_handed_to_late() -> None:
+    """``late`` gets what a call returns after its deadline passed or its caller was cancelled (open
+    files to close); a call answered in time, or one that failed, never reaches it."""
+    from kvgate.tiers.io import IoTimeout
+
+    async def main() -> None:
+        io = CardIo(4, 0.05, "late")  # a thread for each call left stuck, one for the call in time
+        late: list = []
+        release = threading.Event()
+        with pytest.raises(IoTimeout):
+            await io.run(lambda: release.wait(5) and "past the deadline", late=late.append)
+        task = asyncio.ensure_future(io.run(lambda: release.wait(5) and "cancelled", late=late.append))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await io.run(lambda: "in time", late=late.append) == "in time"
+        with pytest.raises(IoTimeout):
+            await io.run(lambda: release.wait(5) and 1 / 0, late=late.append)
+        release.set()
+        for _ in range(100):
+            if len(late) == 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        assert sorted(late) == ["cancelled", "past the deadline"]
+        io.shutdown(wait=False)
+
+    asyncio.run(main())
+
+
 @settings(max_examples=300, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3 * CALL_BYTES // 2), max_size=200), parts=st.integers(1, 16))
 def test_card_calls_keep_every_item_once_in_order_and_each_call_bounded(sizes: list[int], parts: int) -> None:

@@ -259,6 +259,52 @@ def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_
     asyncio.run(main())
 
 
+def test_card_objects_are_lent_as_open_files_while_cached_at_their_size_within_the_limit(tmp_path: Path) -> None:
+    """``lend_files``: an object wholly in the page cache is lent as its file, open, with the header that
+    says where its payload is and what it hashes to; the file keeps the object after its name is
+    removed.  Not lent (None, and no file left open): an object the cache dropped, one at another size
+    than asked, and any past ``files_lent_max``.  Lent ones count as hits; ``return_files`` closes them."""
+    import os
+
+    from kvgate.keys import payload_hash
+
+    async def main() -> None:
+        async with started_store(tmp_path, max_bytes=0) as store:
+            size = len(payload(b"x"))
+            keys = [f"file-{i}".encode() for i in range(4)]
+            assert all(await put(store, keys, Retention.LONG))
+            card = store.long.cards[0].card
+            cold = card.object_path(fk(keys[3]))
+            fd = os.open(cold, os.O_RDONLY)
+            os.fsync(fd)  # clean pages only are dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            hits = store.counters.long.hits
+            files = await store.lend_files([fk(k) for k in keys], DIALOG, [size, size + 1, size, size])
+            assert files[1] is None, "a size that changed is not lent"
+            assert files[3] is None, "an object the page cache does not hold is not lent"
+            assert store.files_lent == 2 and store.counters.long.hits == hits + 2
+            for i in (0, 2):
+                f = files[i]
+                os.unlink(card.object_path(fk(keys[i])))  # evicted while lent: the open file still has it
+                body = os.pread(f.fd, f.header.payload_len, f.header.payload_offset)
+                assert body == payload(keys[i]) and payload_hash(body) == f.header.payload_hash
+            store.return_files([f for f in files if f is not None])
+            assert store.files_lent == 0
+            for f in files:
+                if f is not None:
+                    with pytest.raises(OSError):
+                        os.fstat(f.fd)
+            store.files_lent_max = 1
+            assert all(await put(store, keys[:2], Retention.LONG))
+            files = await store.lend_files([fk(k) for k in keys[:2]], DIALOG, [size, size])
+            assert files[0] is not None and files[1] is None and store.files_lent == 1
+            store.return_files([files[0]])
+            assert store.files_lent == 0
+
+    asyncio.run(main())
+
+
 def test_buffer_cache_reuses_by_size_within_its_bound() -> None:
     from kvgate.tiers.staging import BufferCache
 

@@ -40,6 +40,12 @@ Contract:
   ``delete_named`` removes one.  What a name alone says is a hint (another
   gateway may have replaced the object since); the header is checked on
   every read.
+- A kind with ``lends_files`` can also open an object for a client to read
+  itself (``open_cached_many``): the file, open read-only, and its checked
+  header, only while the page cache holds the whole object.  Object files
+  are never written in place once published (a new version is a new file
+  renamed over the name), so the open file stays that object whatever
+  happens to its name; the reader still verifies the payload's hash.
 - A card keeps one snapshot of the gateway's index of it (bytes the gateway
   writes and reads back whole, ``kvgate.tiers.restart``), written so that a
   reader sees the previous snapshot or the new one whole, never a mix.
@@ -58,7 +64,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from collections.abc import Collection
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
 from kvgate.keys import key_digest
@@ -200,6 +206,30 @@ class StoredObject:
     meta: ObjectMeta
 
 
+class NotCached(Exception):
+    """The object is not wholly in the page cache (``Card.open_cached_many``): read it the usual way."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedObjectFile:
+    """An object's file, open read-only, found wholly in the page cache (``Card.open_cached_many``).
+
+    The payload is ``header.payload_len`` bytes at ``header.payload_offset``
+    of ``fd``, hashing to ``header.payload_hash`` (``kvgate.keys.payload_hash``).
+    Whoever holds it closes ``fd`` (``close_files``).
+    """
+
+    fd: int
+    header: Header
+
+
+def close_files(files: Iterable[CachedObjectFile | BaseException | None]) -> None:
+    """Close each ``CachedObjectFile`` among ``files`` (the rest are skipped)."""
+    for f in files:
+        if isinstance(f, CachedObjectFile):
+            os.close(f.fd)
+
+
 class SnapshotWriter(ABC):
     """Bytes of a new index snapshot, in pieces; ``commit`` publishes them whole, ``abort`` leaves the old one."""
 
@@ -228,6 +258,8 @@ class Card(ABC):
     # Whether write may be given client memory (see the module contract): the store then skips
     # the staging copy it makes for every other kind.
     writes_client_memory: ClassVar[bool] = False
+    # Whether open_cached_many opens objects for a client to read (the contract): the rest are read here.
+    lends_files: ClassVar[bool] = False
 
     def __init__(self, location: str, num_dbs: int = 1):
         if num_dbs < 1:
@@ -416,6 +448,14 @@ class Card(ABC):
             except (LookupError, ValueError, OSError) as e:
                 out.append(e)
         return out
+
+    def open_cached_many(self, full_keys: list[bytes], guard: Abandon) -> list[CachedObjectFile | BaseException]:
+        """Each object's file, open, with its checked header, where the page cache holds it whole; else
+        per object ``NotCached``, ``ObjectMissing``, ``ObjectCorrupt`` (not deleted: the usual read that
+        follows decides) or the card's error.  Reads only from the cache, through ``guard.read_cached``.
+        Only kinds with ``lends_files``; the caller closes every file (``close_files``), also those of a
+        call it stopped waiting for."""
+        return [NotCached() for _ in full_keys]
 
     def write_many(self, items: list[tuple[bytes, memoryview, ObjectMeta]],
                    guard: Abandon | None = None) -> list[int | BaseException]:

@@ -30,8 +30,10 @@ from typing import Iterator
 
 from kvgate.cards.base import (
     HOST_TAG,
+    CachedObjectFile,
     Card,
     CardUnavailable,
+    NotCached,
     SnapshotWriter,
     StoredObject,
     byte_view,
@@ -39,11 +41,13 @@ from kvgate.cards.base import (
 )
 from kvgate.cards.directio import (
     IN_PLACE_FIRST,
+    PAGE,
     READ_PIECE,
     SUPPORTED,
     CachedReadChoice,
     Scratch,
     align_up,
+    cached_pages,
     direct_pieces,
     fully_cached,
     set_direct,
@@ -61,12 +65,11 @@ from kvgate.cards.objectformat import (
     ObjectMeta,
     ObjectMissing,
     check_read_header,
-    payload_hasher,
     header_size,
     padded_size,
 )
 from kvgate.heads import decode_ids, encode_ids
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, payload_hasher
 from kvgate.memcopy import Abandon, in_client_memory
 
 log = logging.getLogger("kvgate.cards.directory")
@@ -84,6 +87,7 @@ class DirectoryCard(Card):
     kind = "directory"
     prepares_reads = True
     writes_client_memory = True  # ObjectFileWriter: through the kernel, hashed as read back from the file
+    lends_files = True
 
     def __init__(self, location: str, num_dbs: int = 1, sync_writes: bool = False, direct_reads: bool = True,
                  create_missing: bool = True):
@@ -291,6 +295,44 @@ class DirectoryCard(Card):
                 raise ObjectCorrupt("payload checksum mismatch")
             return self._read_buffered(fd, full_key, view, file_size, guard)
         return header
+
+    def open_cached_many(self, full_keys: list[bytes], guard: Abandon) -> list[CachedObjectFile | BaseException]:
+        out: list[CachedObjectFile | BaseException] = []
+        for k in full_keys:
+            try:
+                out.append(self._open_cached(k, guard))
+            except (LookupError, ValueError, OSError, NotCached) as e:
+                out.append(e)
+        return out
+
+    def _open_cached(self, full_key: bytes, guard: Abandon) -> CachedObjectFile:
+        """The object's file, open, if the page cache holds all of it; its header read from the cache.
+
+        A kernel that cannot say what it caches (no ``cachestat``) lends the
+        file anyway: the client reads it with ``RWF_NOWAIT`` and asks us for
+        whatever it could not read that way.
+        """
+        path = self.object_path(full_key)
+        try:
+            with self._card_errors():
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectMissing(f"no object {key_digest(full_key).hex()}") from None
+        try:
+            with self._card_errors():
+                file_size = os.fstat(fd).st_size
+            pages = cached_pages(fd)
+            if pages is not None and pages < -(-file_size // PAGE):
+                raise NotCached()
+            poff = padded_size(header_size(full_key))
+            head = self._scratch.head(poff)
+            n = guard.read_cached(fd, [head], 0)
+            if n is None:
+                raise NotCached()
+            return CachedObjectFile(fd, check_read_header(head, n, full_key, file_size, file_size))
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _read_direct(self, fd: int, full_key: bytes, view: memoryview, file_size: int, guard: Abandon) -> Header:
         """Header block and payload from the device (``fd`` has ``O_DIRECT`` on), piece by piece.

@@ -23,15 +23,8 @@ import threading
 from kvgate.cards.base import HOST_TAG, WriteAbandoned
 from kvgate.cards.direrrors import CardErrors
 from kvgate.cards.dirlayout import TEMP_MARK
-from kvgate.cards.objectformat import (
-    CHECKSUM_PIECE,
-    ObjectMeta,
-    header_size,
-    pack_header,
-    padded_size,
-    payload_hash,
-    payload_hasher,
-)
+from kvgate.cards.objectformat import CHECKSUM_PIECE, ObjectMeta, header_size, pack_header, padded_size
+from kvgate.keys import payload_hash, payload_hasher
 from kvgate.memcopy import Abandon, in_client_memory, region_gone
 
 

@@ -27,9 +27,8 @@ from kvgate.cards.objectformat import (
     check_read_header,
     header_size,
     padded_size,
-    payload_hasher,
 )
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, payload_hasher
 from kvgate.memcopy import Abandon, ReadAbandoned
 
 # A payload arrives into a scratch piece this large, is hashed and copied out

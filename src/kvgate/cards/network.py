@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 from kvgate.cards import netwire as w
 from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned, byte_view, holder_doc
 from kvgate.cards.netconn import Conn, copies
-from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size, payload_hash
+from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size
 from kvgate.config import ConfigError, read_token
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, payload_hash
 from kvgate.memcopy import Abandon, ReadAbandoned
 
 log = logging.getLogger("kvgate.cards.network")

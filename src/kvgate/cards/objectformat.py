@@ -218,21 +218,3 @@ def peek_header(start: bytes, object_size: int, read_head: Callable[[int], bytes
     if object_size != header.object_size:
         raise ObjectCorrupt(f"{what} is {object_size} bytes, its header says {header.object_size}")
     return header
-
-
-def payload_hasher() -> "xxhash.xxh3_64":
-    """An incremental payload hash: ``h.update(piece)`` per piece, then ``h.intdigest()``."""
-    return xxhash.xxh3_64()
-
-
-def payload_hash(view: memoryview | bytes) -> int:
-    """The payload hash of a whole buffer at once.
-
-    Through ``update``, which releases the GIL on large buffers (more than
-    64 KiB in python-xxhash 4, 100 KB in 3.x), where the one-shot ``xxh3_64_intdigest``
-    holds it: measured here, two threads hashing one-shot ran no faster than
-    one, and the gateway's event loop waited meanwhile.
-    """
-    h = xxhash.xxh3_64()
-    h.update(view)
-    return h.intdigest()

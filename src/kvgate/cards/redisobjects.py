@@ -29,9 +29,8 @@ from kvgate.cards.objectformat import (
     header_size,
     pack_header,
     parse_header,
-    payload_hash,
-    payload_hasher,
 )
+from kvgate.keys import payload_hash, payload_hasher
 from kvgate.cards.redisconn import RedisConnections
 from kvgate.cards.rediskeys import RedisKeys
 from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts

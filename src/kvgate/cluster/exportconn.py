@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from kvgate.cards import netwire as w
 from kvgate.cards.base import WriteAbandoned
 from kvgate.cards.directory import DirectoryCard
-from kvgate.cards.objectformat import ObjectMeta, header_size, padded_size, payload_hash
+from kvgate.cards.objectformat import ObjectMeta, header_size, padded_size
+from kvgate.keys import payload_hash
 
 if TYPE_CHECKING:
     from kvgate.cluster.export import CardExporter

@@ -17,12 +17,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvgate.cards import ObjectMeta
+from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config
 from kvgate.gateway.connection import Connection
 from kvgate.latency import Latencies
@@ -73,6 +74,11 @@ from kvgate.types import Retention
 log = logging.getLogger("kvgate.gateway")
 
 MAX_KEYS_PER_REQUEST = 65536
+# Lent gets a session may hold, not given back: each holds a little of our memory however small its
+# bytes (a get of empty objects), so a client that never gives back would otherwise grow it without end.
+MAX_LOANS = 256
+# Card objects one session may hold lent as open files; past that they are read into buffers of ours.
+FILES_PER_SESSION = 1024
 _EMPTY = memoryview(bytearray(0))
 
 # A handler answers (session, request, body) with its reply and the reply's body (None: no body).
@@ -83,6 +89,7 @@ Handler = Callable[[Session, Any, bytes], Awaitable[tuple[Any, Any]]]
 class _Lent:
     sizes: list[int]  # per object lent, in order: its size, MISS or NOT_DONE
     body: LentBody
+    files: dict[int, CachedObjectFile] = field(default_factory=dict)  # by key index: the objects lent open
 
 
 class _LendRoom:
@@ -183,7 +190,7 @@ class Operations:
                 await reply(conn, answer, reply_body)
         finally:
             if isinstance(reply_body, LentBody):
-                self.store.return_ram(reply_body.loans, reply_body.buffers)
+                reply_body.give_back(self.store)
                 await session.inline.release(reply_body.nbytes)
             elif reply_body is not None:
                 await session.inline.release(len(reply_body))
@@ -416,15 +423,26 @@ class Operations:
         return GetReply(sizes=sizes, offsets=offsets), lent.body
 
     async def _lend(self, sess: Session, keys: list[bytes], dialog: bytes, wanted: list[int], hints: list,
-                    nbytes: int) -> "_Lent":
+                    nbytes: int, files: int = 0) -> "_Lent":
         """The objects ``wanted`` (``hints``: their sizes, ``nbytes`` in all) as a ``LentBody`` in key order:
-        the RAM tier's own pages where it holds them, a buffer of ours filled by the cards for the rest.
-        Holds ``nbytes`` of the session's inline share until the body is given back."""
+        the RAM tier's own pages where it holds them, up to ``files`` card objects as their open files
+        (``TieredStore.lend_files``), a buffer of ours filled by the cards for the rest.  Holds ``nbytes``
+        of the session's inline share until the body is given back."""
         await sess.inline.acquire(nbytes)
         loans: list[RamLoan | None] = []
+        opened: list = []
         try:
             loans = self.store.lend_ram([keys[i] for i in wanted], [hints[i] for i in wanted])
             from_cards = [i for i, loan in zip(wanted, loans) if loan is None]
+            if files and from_cards:
+                asked = from_cards[:files]
+                opened = await self.store.lend_files([keys[i] for i in asked], dialog, [hints[i] for i in asked],
+                                                     sess.local)
+                as_file = {i: f for i, f in zip(asked, opened) if f is not None}
+                opened = list(as_file.values())
+                from_cards = [i for i in from_cards if i not in as_file]
+            else:
+                as_file = {}
             buffers = self.store.reply_buffers.take([hints[i] for i in from_cards])
             dest = dict(zip(from_cards, buffers))
             got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local,
@@ -432,30 +450,37 @@ class Operations:
         except BaseException:
             # Not given back (a cancelled get's copies may still be landing in them): dropped.
             self.store.return_ram(loans)
+            self.store.return_files(opened)
             await sess.inline.release(nbytes)
             raise
         read = dict(zip(from_cards, got))
         sizes: list[int] = []
         segments: list[memoryview] = []
         for i, loan in zip(wanted, loans):
-            if loan is None:
+            if i in as_file:
+                sizes.append(as_file[i].header.payload_len)
+            elif loan is None:
                 s = read[i]
                 sizes.append(NOT_DONE if s == TOO_SMALL else s)  # changed size under us: ask again
                 segments.append(dest[i])
             else:
                 sizes.append(loan.size)
                 segments += loan.views
-        return _Lent(sizes, LentBody(segments, nbytes, loans, buffers))
+        return _Lent(sizes, LentBody(segments, nbytes, loans, buffers, opened), as_file)
 
     async def _get_lent(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
         """A get the client reads out of our memory (``LENT``): one copy, made by the client
-        (``kvgate.crossmem``).  Each hit is lent whole; the reply says where its bytes are."""
+        (``kvgate.crossmem``).  Each hit is lent whole; the reply says where its bytes are: pages of ours,
+        or (``Get.files``) a card object's file, open, which the client reads itself."""
         if not sess.lends:
             raise RequestError(ErrorCode.BAD_REQUEST, "this session may not read the gateway's memory (a TCP "
                                "session, another user's, or cross_memory_gets is off): get into its region")
         n = len(keys)
         if req.capacities is None or len(req.capacities) != n:
             raise RequestError(ErrorCode.BAD_REQUEST, "a lent get needs one capacity per key")
+        if len(sess.loans) >= MAX_LOANS:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{len(sess.loans)} loans not given back: give them back "
+                               "(GiveBack) before the next lent get")
         sizes = [MISS] * n
         needed = [0] * n
         hints = await self._sizes(sess, keys, dialog)
@@ -472,11 +497,17 @@ class Operations:
                 continue
             wanted.append(i)
             total += h
-        lent = await self._lend(sess, keys, dialog, wanted, hints, total)
+        files = max(0, FILES_PER_SESSION - sess.files_lent) if req.files else 0
+        lent = await self._lend(sess, keys, dialog, wanted, hints, total, files)
         segments: list[int] = []
+        lent_files: list[int] = []
         views = iter(lent.body.segments)
         for i, s, loan in zip(wanted, lent.sizes, lent.body.loans):
             sizes[i] = s
+            f = lent.files.get(i)
+            if f is not None:
+                lent_files += (i, f.fd, f.header.payload_offset, f.header.payload_hash)
+                continue
             parts = len(loan.views) if loan is not None else 1
             for _ in range(parts):
                 v = next(views)
@@ -484,16 +515,21 @@ class Operations:
                     addr = np.frombuffer(v, np.uint8).ctypes.data if v.nbytes else 0
                     segments += (addr, min(v.nbytes, s))
                     s -= min(v.nbytes, s)
-        self._loans += 1
-        sess.loans[self._loans] = lent.body
+        loan_id = 0
+        if wanted:  # a get that found nothing holds nothing: no loan to give back
+            self._loans += 1
+            loan_id = self._loans
+            sess.loans[loan_id] = lent.body
+            sess.files_lent += len(lent.body.files)
         return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None, segments=segments,
-                        loan=self._loans), None
+                        files=lent_files or None, loan=loan_id), None
 
     async def _give_back(self, sess: Session, req: GiveBack, body: bytes) -> tuple[CountReply, None]:
         lent = sess.loans.pop(req.loan, None)
         if lent is None:
             return CountReply(count=0), None
-        self.store.return_ram(lent.loans, lent.buffers)
+        lent.give_back(self.store)
+        sess.files_lent -= len(lent.files)
         await sess.inline.release(lent.nbytes)
         return CountReply(count=1), None
 

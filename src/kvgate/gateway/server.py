@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import sys
 import time
 from typing import Any, Callable, Protocol
@@ -273,6 +274,24 @@ class Gateway:
 
 
 
+def raise_open_files_limit() -> int:
+    """Take the hard limit on open files as the soft one, and say what it is.
+
+    systemd and many shells start services at a soft limit of 1,024 (kept
+    low for ``select``, which nothing here uses); a quarter of what the
+    process may open goes to files lent to clients (``TieredStore.lend_files``).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.info("open files stay limited to %d (%s)", soft, e)
+    return soft
+
+
 async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
                       reload: Callable[[], Config] | None = None,
                       card_source: Callable[[CardSet], CardSource] | None = None) -> None:
@@ -283,6 +302,7 @@ async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
     # the interpreter takes it away, 5 ms by default, while the loop waits to answer a lookup.  Measured
     # with one such thread busy: loop work of 0.1 ms took 5.5 ms at p50 (13.7 p99); at 1 ms, 1.4 (5.3).
     sys.setswitchinterval(GIL_SWITCH_S)
+    raise_open_files_limit()
     gw = Gateway(cfg, card_source)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

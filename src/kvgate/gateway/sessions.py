@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvgate import __version__, crossmem
+from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
 from kvgate.gateway.shm import Region, RegionError, could_stop_gateway, create_session_region
@@ -102,6 +103,12 @@ class LentBody:
     nbytes: int
     loans: list[RamLoan | None]
     buffers: list[memoryview] = field(default_factory=list)  # ours, filled by card reads: back with the loans
+    files: list[CachedObjectFile] = field(default_factory=list)  # card objects lent open (LENT only)
+
+    def give_back(self, store: TieredStore) -> None:
+        """What it holds of the store's back to it (not the inline share, which the caller releases)."""
+        store.return_ram(self.loans, self.buffers)
+        store.return_files(self.files)
 
 
 @dataclass
@@ -119,6 +126,7 @@ class Session:
     # Its regions are used in place (kvgate.gateway.shm): it could stop the gateway anyway.
     in_place: bool = False
     loans: dict[int, LentBody] = field(default_factory=dict)  # lent, not given back yet, by loan id
+    files_lent: int = 0  # open files among its loans
 
     def region(self, rid: int) -> Region:
         r = self.regions.get(rid)
@@ -221,7 +229,7 @@ class Sessions:
 
     def close(self, sess: Session) -> None:
         for lent in sess.loans.values():
-            self.store.return_ram(lent.loans, lent.buffers)
+            lent.give_back(self.store)
             # its share goes with the connection, but the listener's budget must be told
             task = asyncio.get_running_loop().create_task(sess.inline.release(lent.nbytes))
             self._releasing.add(task)

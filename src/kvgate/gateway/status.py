@@ -146,6 +146,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         },
         "tiers": {"ram": ram_tier, "long": long_tier},
         "get_paths": dict(c.get_paths),
+        # card objects a client read itself out of files lent open (lent gets), and those open now
+        "files_lent": {"objects": c.files_lent, "open": store.files_lent},
         "namespaces": store.usage.snapshot(),
         "holds": {"objects": len(store.holds), "refused": store.holds.refused},
         "lookups": c.lookups,
@@ -188,6 +190,9 @@ class _SnapshotCollector:
         for path, n in s["get_paths"].items():
             m.add_metric([path], n)
         yield m
+        yield CounterMetricFamily("kvgate_files_lent_objects", "card objects a client read itself out of a file "
+                                  "the gateway lent it open", value=s["files_lent"]["objects"])
+        yield GaugeMetricFamily("kvgate_files_lent_open", "files lent open now", value=s["files_lent"]["open"])
         yield CounterMetricFamily("kvgate_lookups", "lookup requests", value=s["lookups"])
         yield CounterMetricFamily("kvgate_corrupt_objects", "objects that failed their checks (removed, served as misses)",
                                   value=s["corrupt_objects"])

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
-from kvgate.cards.base import StoredObject
+from kvgate.cards.base import CachedObjectFile, StoredObject, close_files
 from kvgate.cards.objectformat import padded_object_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
@@ -59,6 +59,9 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 # Keys remembered as written by a newer kvgate, per card; past this the set
 # starts over (an upgrade in progress should not hold memory without bound).
 UNREADABLE_MAX = 65536
+
+
+OPEN_CALL_OBJECTS = 256  # objects one open_cached call opens at most (ManagedCard.open_cached)
 
 
 class TooLarge(OSError):
@@ -572,6 +575,27 @@ class ManagedCard:
         if fault is not None:
             raise fault
         return [CardRead.of(r) for r in out]
+
+    async def open_cached(self, fkeys: list[bytes], urgent: bool = False) -> list[CachedObjectFile | None]:
+        """Each object's file, open for a client to read itself, where the card lends files and the page
+        cache holds the object whole (``Card.open_cached_many``); None for the rest, which are read the
+        usual way (and counted then).  One call with a deadline, like a read; the caller closes every file.
+        Files a call opens after its caller stopped waiting are closed as it ends."""
+        if not self.card.lends_files:
+            return [None] * len(fkeys)
+        # Opening is a few syscalls and mostly Python: two threads at it fight for the GIL (measured, 32
+        # files of 2 MiB: 0.9 ms in one call, 1.9 ms in each of two); very large gets still take turns.
+        chunks = [fkeys[i : i + OPEN_CALL_OBJECTS] for i in range(0, len(fkeys), OPEN_CALL_OBJECTS)]
+        res = await self._chunked([self._open_chunk(chunk, urgent) for chunk in chunks])
+        return [r if isinstance(r, CachedObjectFile) else None for r in res]
+
+    async def _open_chunk(self, fkeys: list[bytes], urgent: bool) -> list | BaseException:
+        guard = Abandon(own=True)
+        try:
+            return await self.io.run(self.card.open_cached_many, fkeys, guard, abandon=guard, urgent=urgent,
+                                     late=close_files)
+        except OSError as e:
+            return _whole_chunk(e, len(fkeys))
 
     async def _chunked(self, chunk_calls: list) -> list:
         """Run the chunk calls at once and feed the outcomes to the card's health.

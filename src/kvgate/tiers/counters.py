@@ -28,6 +28,8 @@ class StoreCounters:
     long: TierCounters = field(default_factory=TierCounters)
     lookups: int = 0
     corrupt: int = 0
+    # card objects a client read itself out of a file we lent it open (``TieredStore.lend_files``)
+    files_lent: int = 0
     expired: int = 0
     # get requests by the way their bytes travel: read out of our memory by the client (``lent``),
     # through the session region, in place in a registered region, or in the frames (``inline``)

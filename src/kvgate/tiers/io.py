@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from kvgate.latency import Latencies
 from kvgate.memcopy import Abandon
@@ -259,7 +259,10 @@ class CardIo(IoPool):
             except (asyncio.TimeoutError, TimeoutError):
                 continue  # a completion may have moved the deadline: look again
 
-    async def run(self, fn: Callable[..., T], *args, abandon: Abandon | None = None, urgent: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args, abandon: Abandon | None = None, urgent: bool = False,
+                  late: Callable[[T], None] | None = None) -> T:
+        """``late``: given the result of a call that ends after its caller stopped waiting (past the
+        deadline, cancelled), for a result that holds something to let go of (open files)."""
         loop = asyncio.get_running_loop()
         await self._acquire()
         deadline = loop.time() + self.timeout_s
@@ -284,13 +287,14 @@ class CardIo(IoPool):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
         except (asyncio.TimeoutError, TimeoutError):
-            fut.add_done_callback(_swallow)
+            fut.add_done_callback(_swallow if late is None else _hand_late(late))
             raise IoTimeout(f"card I/O ran past io_timeout_ms ({self.timeout_s * 1000:.0f} ms)") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if fut.cancelled() and not (task is not None and task.cancelling()):
                 raise CardGone() from None  # queued when the card left: a failed I/O, not a cancelled request
-            fut.add_done_callback(_swallow)  # the request went away: its buffers may be reused or unmapped
+            # the request went away: its buffers may be reused or unmapped
+            fut.add_done_callback(_swallow if late is None else _hand_late(late))
             raise
         finally:
             if abandon is not None:  # after the call's own end this changes nothing
@@ -356,6 +360,16 @@ def _swallow(fut) -> None:
     """Retrieve a late result or exception so asyncio does not log it as lost."""
     if not fut.cancelled():
         fut.exception()
+
+
+def _hand_late(late: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A done callback that hands a late call's result to ``late`` (errors are swallowed, as ``_swallow``)."""
+
+    def done(fut) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            late(fut.result())
+
+    return done
 
 
 def split(items: list, parts: int, min_chunk: int = 1) -> list[list]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from kvgate import memcopy
 from kvgate.memcopy import MemoryFault
 from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
+from kvgate.cards.base import CachedObjectFile, close_files
 from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.tiers.io import IoPool, gather_all
@@ -53,6 +56,9 @@ log = logging.getLogger("kvgate.store")
 
 LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
 REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
+# Open files lent at once (``TieredStore.lend_files``), at most this share of the process's file limit:
+# the rest is for cards, clients and the files reads open for a moment.
+FILES_LENT_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -106,6 +112,8 @@ class TieredStore:
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
+        self.files_lent = 0  # open now (lend_files, not yet return_files)
+        self.files_lent_max = int(resource.getrlimit(resource.RLIMIT_NOFILE)[0] * FILES_LENT_SHARE)
         memcopy.check()
 
     def _count_expired(self, n: int) -> None:
@@ -393,6 +401,64 @@ class TieredStore:
             if loan is not None:
                 self.ram.unpin(loan.entry)
         self.reply_buffers.give(buffers)
+
+    async def lend_files(self, fkeys: list[bytes], dialog: bytes, sizes: list[int],
+                         urgent: bool = False) -> list[CachedObjectFile | None]:
+        """The card objects of ``fkeys`` as their files, open, for a client to read itself: one copy, made
+        by the client, where a card read into a buffer of ours and the client's read of that cost two.
+        None for each key on a card that lends no files (``Card.lends_files``), not wholly in the page
+        cache, at another size than ``sizes`` says, past its TTL, or past the files this process may hold
+        open (``files_lent_max``): read those with ``get``, which counts them.  Counted as hits now;
+        every file goes back through ``return_files``, on the loop.
+        """
+        out: list[CachedObjectFile | None] = [None] * len(fkeys)
+        room = self.files_lent_max - self.files_lent
+        if room <= 0 or not fkeys:
+            return out
+        take = list(range(min(room, len(fkeys))))
+        card_for = self.long.card_for
+        where, _indexed, _digests = self.finder.find_many([fkeys[i] for i in take],
+                                                        [card_for(fkeys[i], dialog) for i in take])
+        groups = [(cs, idx) for cs, idx in group_by_card(zip(where, take)).values() if cs.card.lends_files]
+        self.files_lent += len(take)  # held while opening: concurrent gets cannot pass the limit together
+
+        async def one_card(cs: ManagedCard, idx: list[int]) -> None:
+            for i, f in zip(idx, await cs.open_cached([fkeys[i] for i in idx], urgent)):
+                out[i] = f
+
+        try:
+            await gather_all(*(one_card(cs, idx) for cs, idx in groups))
+        except BaseException:
+            close_files(out)
+            self.files_lent -= len(take)
+            raise
+        c, ttl = self.counters, self.cfg.ttl
+        for i, f in enumerate(out):
+            if f is None:
+                continue
+            h = f.header
+            if h.payload_len != sizes[i] or (ttl is not None and expired(h.meta.created_ns, ttl)):
+                os.close(f.fd)  # get says what became of it
+                out[i] = None
+                continue
+            c.ram.gets += 1
+            c.ram.misses += 1
+            c.long.gets += 1
+            c.long.hits += 1
+            c.long.bytes_read += h.payload_len
+            c.files_lent += 1
+            where[i].note_hit(fkeys[i], h.payload_len)  # type: ignore[union-attr]
+            row = self.usage.row(fkeys[i])
+            row.gets += 1
+            row.hits += 1
+            row.bytes_read += h.payload_len
+        self.files_lent -= sum(f is None for f in out[: len(take)])
+        return out
+
+    def return_files(self, files: Sequence[CachedObjectFile]) -> None:
+        """Close the files ``lend_files`` lent (each once), their client done with them."""
+        close_files(files)
+        self.files_lent -= len(files)
 
     def size_hint(self, fkey: bytes, dialog: bytes) -> int | None:
         """Payload size if this gateway knows it without touching a card."""

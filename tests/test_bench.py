@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvgate import crossmem
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 THROUGHPUT_FIGURES = ("ram_get", "plain_get", "tcp_get", "card_get_warm", "plain_card_get_warm", "card_get_cold",
@@ -97,6 +99,10 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
     for name in ("plain_get", "plain_card_get_warm"):  # which way the plain gets went, counted by the gateway
         paths = figures[name]["get_paths"]
         assert set(paths) <= {"lent", "session_region"} and sum(paths.values()) >= figures[name]["kvgate"]["passes"]
+    if crossmem.files_supported and figures["plain_card_get_warm"]["get_paths"].get("lent"):
+        # warm card objects into plain buffers: read by the client out of the files the gateway lent it
+        assert figures["plain_card_get_warm"]["files_lent"] >= figures["plain_card_get_warm"]["kvgate"]["passes"]
+    assert figures["plain_get"]["files_lent"] == 0  # RAM-tier objects are lent as pages, not files
     assert set(result["bars"]) == {"ram_get", "plain_get", "tcp_get", "card_get_warm", "plain_card_get_warm",
                                    "card_put", "lookup_p50", "lookup_p99"}
     assert all(isinstance(v, bool) for v in result["bars"].values())

@@ -3,10 +3,10 @@
 A client with a session region and no registered region is what SGLang's and
 LMCache's host pools, and plain Python users, look like to the gateway.  Its
 gets take the one-copy path where the gateway may lend its memory (the
-client reads it with ``process_vm_readv``), else two copies through the
-session region; each figure says which path the gateway counted
-(``stats.get_paths``), so a figure from the slower path cannot pass for the
-faster one.
+client reads it with ``process_vm_readv``, or a warm card object out of the
+file the gateway lends it open), else two copies through the session
+region; each figure says which path the gateway counted (``get_paths``,
+``files_lent``), so a figure from a slower path cannot pass for a faster one.
 
 Called by ``Bench.run`` on the command's thread, after the figure that stored
 the objects (the RAM get, the warm card get); each blocks until measured.
@@ -60,11 +60,13 @@ def _figure(bench: "Bench", client: Client, keys: list[bytes], bufs: list[np.nda
 
     get(0)
     _verify(bufs, bench.ref, what)
-    before = client.stats()["get_paths"]
+    before = client.stats()
     s = measure([Contender("kvgate", get), *baselines], bench.plan.pass_bytes, **bench.timing)
     _verify(bufs, bench.ref, what)
     out = pick(s)
-    out["get_paths"] = _paths_taken(client, before)
+    out["get_paths"] = _paths_taken(client, before["get_paths"])
+    # card objects the client read itself out of files the gateway lent it open
+    out["files_lent"] = client.stats()["files_lent"]["objects"] - before["files_lent"]["objects"]
     return out
 
 

@@ -85,7 +85,9 @@ def print_table(result: dict[str, Any]) -> None:
             t.add_row(label, "[yellow]skipped[/]", "-", "-", "-")
             continue
         b = f["baseline"]
-        paths = f.get("get_paths")
+        paths = list(f.get("get_paths") or ())
+        if f.get("files_lent"):
+            paths.append("files")
         t.add_row(label + (f"\n[dim]{', '.join(paths)}[/]" if paths else ""), gib(f["kvgate"]),
                   gib(b, f"{base_label(b, short[name])} x{b['threads']}, "), f"{f['ratio']:.2f}",
                   bar(bars[name], f">={BAR_RATIOS[name]}") if name in BAR_RATIOS else "-")

@@ -72,6 +72,9 @@ def test_the_footer_says_which_path_gets_took(busy) -> None:
     shown = dict(re.findall(r"([a-z ]+?) (\d+)(?:, |$)", line.removeprefix("gets by path: ").strip()))
     assert {k.replace(" ", "_"): int(v) for k, v in shown.items()} == snap["get_paths"]
     assert sum(snap["get_paths"].values()) >= 2  # one get_many per namespace
+    files = next(x for x in text.splitlines() if x.startswith("card objects read out of lent files: "))
+    assert files == (f"card objects read out of lent files: {snap['files_lent']['objects']} "
+                     f"({snap['files_lent']['open']} open now)")
 
 
 def test_rates_come_from_the_counters_of_two_snapshots() -> None:

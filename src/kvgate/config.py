@@ -257,7 +257,8 @@ class Config:
     cross_memory_gets: bool = _key(
         _parse_bool, True,
         "local clients of the gateway's own user read gets of plain buffers straight out of its memory "
-        "(process_vm_readv: one copy), instead of through their session region (two)")
+        "(process_vm_readv), and warm directory-card objects out of files it lends them open (pidfd_getfd): "
+        "one copy, instead of through their session region (two)")
     in_place_regions: bool = _key(
         _parse_bool, True,
         "read into, hash and write from the shared memory of a local client that could stop the gateway anyway "

@@ -123,9 +123,13 @@ def footer(snap: dict[str, Any]) -> Text:
     # Which way gets reached the clients' buffers: a lent (cross-memory) count of 0 while
     # session-region gets grow means the one-copy path is off or refused for those clients.
     paths = ", ".join(f"{name.replace('_', ' ')} {n}" for name, n in snap.get("get_paths", {}).items())
+    # Card objects the clients read themselves out of files lent open (the one-copy way from a warm card).
+    files = snap.get("files_lent")
     return Text(f"lookups {snap['lookups']}, corrupt objects {snap['corrupt_objects']}, io errors {snap['io_errors']}, "
                 f"io timeouts {snap['io_timeouts']}, oldest io {snap['oldest_io_age_s']:.3f} s"
-                + (f"\ngets by path: {paths}" if paths else ""))
+                + (f"\ngets by path: {paths}" if paths else "")
+                + (f"\ncard objects read out of lent files: {files['objects']} ({files['open']} open now)"
+                   if files else ""))
 
 
 def rates_table(before: dict[str, Any], after: dict[str, Any], seconds: float) -> Table:

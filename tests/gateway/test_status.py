@@ -102,7 +102,8 @@ def test_http_metrics_and_prewarm(gateway_factory) -> None:
     fp = logged_fingerprint(gw.log())
     for needle in (f'kvgate_storage_group_active{{group="{serial}"}} 1.0', "kvgate_storage_groups_active 1.0",
                    f'kvgate_key_layout_info{{fingerprint="{fp}"}} 1.0', 'kvgate_key_placement_info{placement="dialog"}',
-                   "kvgate_worker_oldest_io_age_seconds", 'kvgate_hits_total{tier="ram"}', 'kvgate_sets_total{tier="long"}'):
+                   "kvgate_worker_oldest_io_age_seconds", 'kvgate_hits_total{tier="ram"}', 'kvgate_sets_total{tier="long"}',
+                   "kvgate_files_lent_objects_total 0.0", "kvgate_files_lent_open 0.0"):
         assert needle in text, needle
     assert _metric(text, "kvgate_tier_objects", '{tier="ram"}') == 0.0
 

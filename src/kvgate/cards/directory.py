@@ -256,8 +256,9 @@ class DirectoryCard(Card):
         cache has lost meanwhile goes through the scratch.  Every read is a
         ``guard.read_cached``, so ``abandon`` never waits on the device.
         (kvgate bench, warm card get into a registered region: 0.45-0.48 of
-        ``preadv`` through the scratch, 0.54-0.65 this way, best passes; one
-        thread alone, 0.82 of the raw read, the rest being the hash.)
+        ``preadv`` through the scratch, 0.54-0.65 this way, best passes; alone,
+        ``benchmarks/card_paths.py``: 0.84 of the raw read on one thread, the
+        rest being mostly the hash.)
 
         A checksum mismatch in client memory is not yet corruption: the
         client may have rewritten its buffer under the hash (a get it gave

@@ -144,7 +144,8 @@ class ObjectFileWriter:
                         pwrite_all(fd, self._header(full_key, plen, digest, meta, poff), 0)
                     else:
                         # Hashed whole, then header and payload in one call, as a raw write is: one thread,
-                        # 32 x 2 MiB into the page cache, 0.96 of a raw pwritev + rename, against 0.74 for
+                        # 32 x 2 MiB into the page cache, 0.95 of a raw pwritev + rename (median,
+                        # benchmarks/card_paths.py), against 0.74 for
                         # 256 KiB pieces hashed while in the CPU cache (page-cache writes are slow: 4 GiB/s).
                         if guard is not None and guard.abandoned:
                             raise WriteAbandoned(self.location)

@@ -209,7 +209,7 @@ import numpy as np
 from kvgate import crossmem
 pid, fd = int(sys.argv[1]), int(sys.argv[2])
 try:
-    crossmem.read_files(pid, [crossmem.LentFile(fd, 0, np.zeros(4096, np.uint8).data, 0)])
+    crossmem.read_files(crossmem.open_pidfd(pid), pid, [crossmem.LentFile(fd, 0, np.zeros(4096, np.uint8).data, 0)])
     print("read")
 except crossmem.CrossMemoryError as e:
     print(e.errno)
@@ -251,7 +251,12 @@ def test_read_files_takes_another_processes_descriptors_and_reads_only_what_is_c
         hashes = [payload_hash(d) for d in datas]
         hashes[2] ^= 1  # a lender's hash that the bytes do not match
         files = [crossmem.LentFile(f, 100, dst.data, h) for f, dst, h in zip(fds, dests, hashes)]
-        assert crossmem.read_files(pid, files) == [2, 4]
+        pidfd = crossmem.open_pidfd(pid)
+        assert pidfd is not None
+        try:
+            assert crossmem.read_files(pidfd, pid, files) == [2, 4]
+        finally:
+            os.close(pidfd)
         for i in (0, 1, 3):
             assert dests[i].tobytes() == datas[i]
         if os.geteuid() == 0 and shutil.which("setpriv"):
@@ -290,7 +295,9 @@ def test_card_objects_are_read_by_the_client_out_of_lent_files_and_a_bad_one_nev
     gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])
     datas = [os.urandom(n) for n in (2 << 20, 1 << 20, 300 << 10, 2 << 20)]
     keys = [f"file-{i}".encode() for i in range(len(datas))]
+    pidfds = _own_pidfds()
     with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert _own_pidfds() == pidfds + 1  # the client's, of the gateway: it takes the files with it
         assert all(c.put_many(keys, datas, retention="long"))
         for _ in range(3):
             bufs = [np.zeros(len(d), np.uint8) for d in datas]
@@ -316,6 +323,17 @@ def test_card_objects_are_read_by_the_client_out_of_lent_files_and_a_bad_one_nev
         st = gw.stats()
         assert st["corrupt_objects"] == 1 and not files[0].exists()
         assert st["files_lent"]["open"] == 0
+    assert _own_pidfds() == pidfds, "a closed client keeps its pidfd of the gateway"
+
+
+def _own_pidfds() -> int:
+    n = 0
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{f}") == "anon_inode:[pidfd]"
+        except OSError:
+            pass
+    return n
 
 
 @pytest.mark.slow

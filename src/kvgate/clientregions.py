@@ -74,11 +74,14 @@ class SharedMemoryTransport(Transport):
         self.lends = False  # gets of plain buffers read lent objects out of the gateway (kvgate.crossmem)
         self.lend_error: str | None = None  # why they stopped, if they did
         self.lends_files = False  # ... and read card objects out of the files the gateway lends open
+        self._pidfd: int | None = None  # of the gateway, for taking the files it lends (crossmem.read_files)
         self.gateway_pid = 0
 
     def open(self, hello: HelloReply) -> None:
         self.lends = hello.lends and crossmem.supported and hello.pid > 0
-        self.lends_files = self.lends and crossmem.files_supported
+        self._close_pidfd()
+        self._pidfd = crossmem.open_pidfd(hello.pid) if self.lends else None
+        self.lends_files = self._pidfd is not None
         self.gateway_pid = hello.pid
         if not hello.shm_path:
             return
@@ -96,7 +99,13 @@ class SharedMemoryTransport(Transport):
         base, size = _address(view)
         self.session_region = _Region(SESSION_REGION, base, size, view)
 
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
     def close(self) -> None:
+        self._close_pidfd()
         if self.session_region is not None and self.session_region.view is not None:
             self.session_region.view.release()
             self.session_region = None
@@ -277,13 +286,15 @@ class SharedMemoryTransport(Transport):
             failed: crossmem.CrossMemoryError | None = None
             unread: list[int] = []
             if local or files:
-                pid = self.gateway_pid
+                pid, pidfd = self.gateway_pid, self._pidfd
 
                 def read(local=local, remote=remote, files=files) -> list[int]:
                     if local:
                         crossmem.read(pid, local, remote)
+                    if not files or pidfd is None:  # (no files are asked for without a pidfd)
+                        return list(range(len(files)))
                     try:
-                        return crossmem.read_files(pid, files)
+                        return crossmem.read_files(pidfd, pid, files)
                     except crossmem.CrossMemoryError as e:  # may not take its descriptors: all read again
                         self.lends_files = False
                         self.lend_error = str(e)

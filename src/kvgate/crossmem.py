@@ -69,7 +69,6 @@ supported = _readv is not None
 # pidfd_getfd(2): the one number of every architecture's unified syscall table (Linux 5.6)
 _NR_PIDFD_GETFD = 438
 files_supported = supported and _libc is not None and hasattr(os, "pidfd_open") and hasattr(os, "RWF_NOWAIT")
-_pidfds: dict[int, int] = {}  # gateway pid -> our pidfd of it: one per gateway process read from
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -216,16 +215,15 @@ class LentFile:
         self.fd, self.offset, self.dest, self.expected = fd, offset, dest, expected
 
 
-def _pidfd(pid: int) -> int:
-    with _pool_lock:
-        fd = _pidfds.get(pid)
-        if fd is None:
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError as e:
-                raise CrossMemoryError(e.errno, f"pidfd_open of pid {pid}: {e.strerror}") from None
-            _pidfds[pid] = fd
-        return fd
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (the gateway's), for ``read_files``; None where there is none to have.
+    The caller closes it."""
+    if not files_supported:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 def _take_fd(pidfd: int, pid: int, fd: int) -> int:
@@ -254,13 +252,13 @@ def _read_file(pidfd: int, pid: int, f: LentFile) -> bool:
         os.close(fd)
 
 
-def _read_some(pid: int, files: list[LentFile]) -> list[int]:
-    pidfd = _pidfd(pid)
+def _read_some(pidfd: int, pid: int, files: list[LentFile]) -> list[int]:
     return [i for i, f in enumerate(files) if not _read_file(pidfd, pid, f)]
 
 
-def read_files(pid: int, files: list[LentFile]) -> list[int]:
-    """Read each lent file's payload into its ``dest``; the indexes (into ``files``) of those not read:
+def read_files(pidfd: int, pid: int, files: list[LentFile]) -> list[int]:
+    """Read each lent file's payload into its ``dest`` (``pidfd``: ``open_pidfd(pid)``, the gateway's);
+    the indexes (into ``files``) of those not read:
     not in the page cache any more, or a payload that did not hash right (the gateway must read those).
     Raises ``CrossMemoryError`` where this process may not take the gateway's descriptors (nothing of the
     call is then to be trusted).  Large calls are split over two threads, as ``read``."""
@@ -268,16 +266,16 @@ def read_files(pid: int, files: list[LentFile]) -> list[int]:
         return []
     total = sum(len(f.dest) for f in files)
     if total < SPLIT_BYTES or len(files) < 2:
-        return _read_some(pid, files)
+        return _read_some(pidfd, pid, files)
     half, acc, cut = total // 2, 0, 0
     for cut, f in enumerate(files):
         if acc >= half:
             break
         acc += len(f.dest)
     cut = max(cut, 1)
-    other = _helper().submit(_read_some, pid, files[cut:])
+    other = _helper().submit(_read_some, pidfd, pid, files[cut:])
     try:
-        first = _read_some(pid, files[:cut])
+        first = _read_some(pidfd, pid, files[:cut])
     finally:
         second = other.result()
     return first + [cut + i for i in second]

@@ -305,6 +305,32 @@ def test_card_objects_are_lent_as_open_files_while_cached_at_their_size_within_t
     asyncio.run(main())
 
 
+def test_size_hints_come_from_the_ram_tier_and_the_card_indexes_without_touching_a_card(tmp_path: Path) -> None:
+    """Sizes of a request's keys: a RAM-tier object's, an indexed card object's on either card (whatever
+    its placement for the request's dialog), None for a key nobody knows and for one past its ttl."""
+    async def main() -> None:
+        async with started_store(tmp_path, n_cards=2, ttl=3600) as store:
+            sizes = {b"ram": 100, b"card-a": 3000, b"card-b": 70_000}
+            other = next(d for d in (dialog_digest(b"dialog %d" % i) for i in range(100))
+                         if store.long.card_for(fk(b"card-b"), d) is not store.long.card_for(fk(b"card-a"), DIALOG))
+            items = [PutItem(fk(k), memoryview(payload(k, n)), ObjectMeta(other if k == b"card-b" else DIALOG, 0,
+                                                                          time.time_ns()))
+                     for k, n in sizes.items()]
+            assert all(await store.put(items[:1], Retention.SHORT))
+            assert all(await store.put(items[1:], Retention.LONG))
+            store.ram.delete(fk(b"card-a"))
+            store.ram.delete(fk(b"card-b"))
+            old = PutItem(fk(b"old"), memoryview(payload(b"old")), ObjectMeta(DIALOG, 0, time.time_ns() - 7200 * 10**9))
+            assert all(await store.put([old], Retention.LONG))
+            store.ram.delete(fk(b"old"))
+            keys = [fk(k) for k in (b"card-b", b"absent", b"ram", b"card-a", b"old")]
+            assert fk(b"card-b") not in store.long.card_for(fk(b"card-a"), DIALOG).index  # on the other card
+            for dialog in (DIALOG, other):
+                assert store.size_hints(keys, dialog) == [70_000, None, 100, 3000, None]
+
+    asyncio.run(main())
+
+
 def test_buffer_cache_reuses_by_size_within_its_bound() -> None:
     from kvgate.tiers.staging import BufferCache
 

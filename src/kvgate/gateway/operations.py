@@ -374,7 +374,7 @@ class Operations:
     async def _sizes(self, sess: Session, keys: list[bytes], dialog: bytes) -> list[int]:
         """Each key's payload size, or MISS: known to the tiers, else asked of the cards (a read into an
         empty buffer tells it)."""
-        hints = [self.store.size_hint(k, dialog) for k in keys]
+        hints = self.store.size_hints(keys, dialog)
         unknown = [i for i, h in enumerate(hints) if h is None]
         if unknown:
             probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)

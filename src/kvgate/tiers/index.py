@@ -208,6 +208,15 @@ class CardIndex:
             out[i] = self._big[rows.digest(int(rows_[i]))][0]
         return out
 
+    def payload_of(self, rows_: np.ndarray) -> list[int]:
+        """Payload lengths of many rows."""
+        rows = self.rows
+        out = rows.payload[rows_].tolist()
+        for i, p in enumerate(out):
+            if p == OVERSIZE:
+                out[i] = self._big[rows.digest(int(rows_[i]))][1]
+        return out
+
     def clear(self) -> None:
         """Drop every row (the namespaces' figures with them)."""
         n = self.rows.n

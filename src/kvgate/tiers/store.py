@@ -460,13 +460,22 @@ class TieredStore:
         close_files(files)
         self.files_lent -= len(files)
 
-    def size_hint(self, fkey: bytes, dialog: bytes) -> int | None:
-        """Payload size if this gateway knows it without touching a card."""
-        size = self.ram.size_of(fkey)
-        if size is not None:
-            return size
-        _cs, entry = self.finder.find(fkey, self.long.card_for(fkey, dialog))
-        return entry.payload_len if entry is not None else None
+    def size_hints(self, fkeys: list[bytes], dialog: bytes) -> list[int | None]:
+        """Each key's payload size where this gateway knows it without touching a card, else None: the RAM
+        tier's, then one index call per card for the rest (``KeyFinder.find_many``), not a probe per key."""
+        out = [self.ram.size_of(k) for k in fkeys]
+        rest = [i for i, s in enumerate(out) if s is None]
+        if not rest:
+            return out
+        card_for = self.long.card_for
+        where, indexed, digests = self.finder.find_many([fkeys[i] for i in rest],
+                                                        [card_for(fkeys[i], dialog) for i in rest])
+        for mc, idx in group_by_card((where[j], j) for j in np.flatnonzero(indexed).tolist()).values():
+            rows = mc.index.find(digests[idx])
+            for j, r, p in zip(idx, rows.tolist(), mc.index.payload_of(rows)):
+                if r >= 0:
+                    out[rest[j]] = p
+        return out
 
     def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int, hint: bool = False,
                       ) -> tuple[int, list[ManagedCard], list[FoundOnCard]]:

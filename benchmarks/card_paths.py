@@ -10,7 +10,9 @@ gateway's figures stop short of ``kvgate bench``'s baselines.
   one ``preadv``, verified there), what a get into a region used in place costs;
 - ``raw write``: open + ``pwritev`` + close + rename of each object;
 - ``card write``: ``DirectoryCard.write`` of each (hash, header and payload in one ``pwritev``,
-  rename).
+  rename);
+- ``card open``: ``DirectoryCard.open_cached_many`` of all 32 (what the gateway does to lend them to a
+  client as open files), then closing them: milliseconds a pass, on one thread and split over two.
 
 Each on one thread and on two (half the objects each).  Prints best and median GiB/s and each
 path's ratio to its raw side.
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -32,6 +35,7 @@ import numpy as np
 
 from kvgate.bench.measure import Contender, measure
 from kvgate.cards import ObjectMeta
+from kvgate.cards.base import close_files
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.keys import full_key, payload_hash
@@ -57,6 +61,9 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         return
     for name, f in out.items():
+        if "best_ms" in f:
+            print(f"{name:28} {f['best_ms']:6.2f} ({f['median_ms']:5.2f}) ms for {f['objects']} objects")
+            continue
         print(f"{name:28} {f['best_gib_s']:6.2f} ({f['median_gib_s']:5.2f}) GiB/s"
               + (f"   {f['ratio']:.2f} ({f['ratio_median']:.2f}) of {f['of']}" if "ratio" in f else ""))
 
@@ -123,6 +130,16 @@ def _run(where: str, seconds: float) -> dict:
                              ratio=s.best_gib_s / series[base].best_gib_s,
                              ratio_median=s.median_gib_s / series[base].median_gib_s)
                 out[f"{name}, {threads} thread{'s' if threads > 1 else ''}"] = f
+    def open_all(part: range) -> None:
+        close_files(card.open_cached_many([keys[i] for i in part], Abandon(own=True)))
+
+    halves = [range(0, OBJECTS // 2), range(OBJECTS // 2, OBJECTS)]
+    opens = measure([Contender("card open, 1 thread", lambda _r: open_all(range(OBJECTS))),
+                     Contender("card open, 2 threads", lambda _r: list(pool.map(open_all, halves)) and None)],
+                    OBJECTS * SIZE, **rounds)
+    for name, s in opens.items():
+        out[name] = {"best_ms": min(s.seconds) * 1e3, "median_ms": statistics.median(s.seconds) * 1e3,
+                     "passes": len(s.seconds), "objects": OBJECTS}
     pool.shutdown()
     card.close()
     return out

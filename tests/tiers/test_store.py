@@ -305,6 +305,50 @@ def test_card_objects_are_lent_as_open_files_while_cached_at_their_size_within_t
     asyncio.run(main())
 
 
+def test_files_a_card_opens_after_its_deadline_are_closed_when_the_call_ends(tmp_path: Path) -> None:
+    """A card that opens the files and then stalls past ``io_timeout_ms``: ``lend_files`` answers with
+    nothing lent (the get reads them the usual way), and the files opened late are closed once the call
+    ends, not left open in the gateway."""
+    import os
+    import threading
+
+    from tests.tiers.test_late_reads import SLOW_S
+
+    def objects_open(card_dir: Path) -> int:
+        n = 0
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{f}").startswith(str(card_dir)) and not f.endswith(".lock")
+            except OSError:
+                pass
+        return n
+
+    async def main() -> None:
+        async with started_store(tmp_path, max_bytes=0, io_timeout_ms=int(DEADLINE_S * 1000)) as store:
+            keys = [f"late-{i}".encode() for i in range(4)]
+            assert all(await put(store, keys, Retention.LONG))
+            card = store.long.cards[0].card
+            opened = threading.Event()
+            real = card.open_cached_many
+
+            def open_then_stall(full_keys, guard):
+                out = real(full_keys, guard)
+                opened.set()
+                time.sleep(SLOW_S)
+                return out
+
+            card.open_cached_many = open_then_stall
+            before = objects_open(tmp_path / "card0")
+            size = len(payload(b"x"))
+            assert await store.lend_files([fk(k) for k in keys], DIALOG, [size] * 4) == [None] * 4
+            assert opened.is_set() and objects_open(tmp_path / "card0") >= before + 4  # held by the stalled call
+            assert store.files_lent == 0
+            await wait_until_async(lambda: objects_open(tmp_path / "card0") == before, 10,
+                                   "the late call's files closed")
+
+    asyncio.run(main())
+
+
 def test_size_hints_come_from_the_ram_tier_and_the_card_indexes_without_touching_a_card(tmp_path: Path) -> None:
     """Sizes of a request's keys: a RAM-tier object's, an indexed card object's on either card (whatever
     its placement for the request's dialog), None for a key nobody knows and for one past its ttl."""

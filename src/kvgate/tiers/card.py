@@ -583,8 +583,9 @@ class ManagedCard:
         Files a call opens after its caller stopped waiting are closed as it ends."""
         if not self.card.lends_files:
             return [None] * len(fkeys)
-        # Opening is a few syscalls and mostly Python: two threads at it fight for the GIL (measured, 32
-        # files of 2 MiB: 0.9 ms in one call, 1.9 ms in each of two); very large gets still take turns.
+        # Opening is a few syscalls and mostly Python: two threads at it fight for the GIL (32 files,
+        # benchmarks/card_paths.py "card open": 0.74 ms median on one thread, 1.36 split over two); very
+        # large gets still take turns.
         chunks = [fkeys[i : i + OPEN_CALL_OBJECTS] for i in range(0, len(fkeys), OPEN_CALL_OBJECTS)]
         res = await self._chunked([self._open_chunk(chunk, urgent) for chunk in chunks])
         return [r if isinstance(r, CachedObjectFile) else None for r in res]

@@ -43,7 +43,7 @@ from kvgate.keys import key_digest
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
-from kvgate.tiers.counters import StoreCounters
+from kvgate.tiers.counters import StoreCounters, TierCounters
 from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.ram import RamTier, copy_into, copy_out
@@ -380,13 +380,7 @@ class TieredStore:
             if entry is None:  # (or its ttl ran out between the two)
                 out.append(None)
                 continue
-            c.ram.gets += 1
-            c.ram.hits += 1
-            c.ram.bytes_read += entry.size
-            row = self.usage.row(k)
-            row.gets += 1
-            row.hits += 1
-            row.bytes_read += entry.size
+            self._count_lent(c.ram, k, entry.size)
             out.append(RamLoan(entry.size, entry.views(), entry))
         return out
 
@@ -443,17 +437,21 @@ class TieredStore:
                 continue
             c.ram.gets += 1
             c.ram.misses += 1
-            c.long.gets += 1
-            c.long.hits += 1
-            c.long.bytes_read += h.payload_len
             c.files_lent += 1
+            self._count_lent(c.long, fkeys[i], h.payload_len)
             where[i].note_hit(fkeys[i], h.payload_len)  # type: ignore[union-attr]
-            row = self.usage.row(fkeys[i])
-            row.gets += 1
-            row.hits += 1
-            row.bytes_read += h.payload_len
         self.files_lent -= sum(f is None for f in out[: len(take)])
         return out
+
+    def _count_lent(self, tier: TierCounters, fkey: bytes, size: int) -> None:
+        """A hit of ``tier`` lent to a reply (``lend_ram``, ``lend_files``), counted as ``get`` counts one."""
+        tier.gets += 1
+        tier.hits += 1
+        tier.bytes_read += size
+        row = self.usage.row(fkey)
+        row.gets += 1
+        row.hits += 1
+        row.bytes_read += size
 
     def return_files(self, files: Sequence[CachedObjectFile]) -> None:
         """Close the files ``lend_files`` lent (each once), their client done with them."""
@@ -472,9 +470,9 @@ class TieredStore:
                                                         [card_for(fkeys[i], dialog) for i in rest])
         for mc, idx in group_by_card((where[j], j) for j in np.flatnonzero(indexed).tolist()).values():
             rows = mc.index.find(digests[idx])
-            for j, r, p in zip(idx, rows.tolist(), mc.index.payload_of(rows)):
-                if r >= 0:
-                    out[rest[j]] = p
+            found = rows >= 0  # (all of them: find_many found them just now)
+            for j, p in zip(np.asarray(idx)[found].tolist(), mc.index.payload_of(rows[found])):
+                out[rest[j]] = p
         return out
 
     def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int, hint: bool = False,

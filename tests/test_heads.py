@@ -33,16 +33,80 @@ def test_one_conversation_growing_turn_by_turn_is_never_a_head() -> None:
     assert len(heads) == 0
 
 
-def test_heads_past_depth_are_not_learned_and_the_set_stops_when_full(caplog) -> None:
+def test_heads_past_depth_are_not_learned() -> None:
     heads = SharedHeads()
     for c in range(BRANCHES):
         assert heads.shared_prefix(prompt(DEPTH + 5, c, 2))[0] == 0
     assert len(heads) == 0, "a branch past DEPTH blocks is not looked at"
-    small = SharedHeads(max_heads=10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def learn(heads: SharedHeads, system: str, head: int = 4) -> None:
+    for c in range(BRANCHES):
+        heads.shared_prefix(prompt(head, c, 2, system))
+
+
+def test_a_full_set_makes_room_for_a_new_system_prompt_from_idle_heads() -> None:
+    """System prompts change: a set that only grew would fill in normal use and stop learning for good."""
+    clock = Clock()
+    heads = SharedHeads(max_heads=12, idle_s=600, clock=clock)
+    for version in range(3):  # three versions of a 4-block system prompt fill the set
+        learn(heads, f"v{version}")
+        clock.now += 60
+    assert len(heads) == 12
+    clock.now += 1000  # v0 and v1 go idle; v2 stays in use
+    assert heads.shared_prefix(prompt(4, 99, 2, "v2"))[0] == 4
+    learn(heads, "v3")
+    assert heads.shared_prefix(prompt(4, 99, 2, "v3")) == (4, [0]), "the new version is learned"
+    assert heads.shared_prefix(prompt(4, 99, 2, "v2"))[0] == 4, "the one in use stayed"
+    assert heads.shared_prefix(prompt(4, 99, 2, "v0"))[0] == 0, "the least recently used one gave its place"
+    assert heads.shared_prefix(prompt(4, 99, 2, "v1"))[0] == 4
+    assert len(heads) == 12 and heads.replaced == 4 and heads.refused == 0
+    assert block_id(b"v0-3") not in {i & ((1 << 63) - 1) for i in heads.all()}, "its branch point went with it"
+
+
+def test_made_up_system_prompts_never_push_out_heads_in_use(caplog) -> None:
+    """An engine sending thousands of made-up shared prefixes fills free room only; the real one keeps its mark."""
+    clock = Clock()
+    heads = SharedHeads(max_heads=64, idle_s=600, clock=clock)
+    learn(heads, "real", head=8)
     with caplog.at_level(logging.WARNING, logger="kvgate.heads"):
-        for c in range(BRANCHES + 1):
-            small.shared_prefix(prompt(16, c, 2))
-    assert len(small) == 0 and "shared-head set is full" in caplog.text
+        for n in range(200):  # each round: a made-up prefix of 8 blocks behind three "conversations"
+            learn(heads, f"fake{n}", head=8)
+            clock.now += 5
+            assert heads.shared_prefix(prompt(8, 1000 + n, 2, "real"))[0] == 8, n  # real traffic keeps going
+    assert len(heads) == 64
+    assert heads.refused > 0 and "full of heads in use" in caplog.text
+    assert caplog.text.count("full of heads in use") == 2, "logged once per idle period, not per prompt"
+    # Later, the made-up heads idle, a new real system prompt finds room.
+    clock.now += 601
+    heads.shared_prefix(prompt(8, 1, 2, "real"))
+    learn(heads, "real2", head=8)
+    assert heads.shared_prefix(prompt(8, 5, 2, "real2"))[0] == 8
+    assert heads.shared_prefix(prompt(8, 5, 2, "real"))[0] == 8
+
+
+def test_heads_from_cards_fill_free_room_only_and_come_in_idle() -> None:
+    clock = Clock()
+    other = SharedHeads(clock=clock)
+    for s in range(5):
+        learn(other, f"other{s}")
+    mine = SharedHeads(max_heads=12, idle_s=600, clock=clock)
+    learn(mine, "mine")
+    assert mine.merge(other.all()) == 8, "only the free room is filled"
+    assert len(mine) == 12 and mine.shared_prefix(prompt(4, 9, 2, "mine"))[0] == 4
+    learn(mine, "new")  # the merged heads are idle: the new prompt takes the place of four of them
+    assert mine.shared_prefix(prompt(4, 9, 2, "new"))[0] == 4
+    assert mine.shared_prefix(prompt(4, 9, 2, "mine"))[0] == 4
+    assert mine.merge(other.all()) == 0, "a full set of heads in use takes nothing from a card"
+    assert len(mine) == 12
 
 
 def test_merge_take_new_and_the_card_encoding() -> None:

@@ -16,11 +16,25 @@ three conversations.  Only the first ``DEPTH`` blocks of a prompt count.
 
 Agreement.  Every gateway must compute the same mark for the same prompt, or
 a conversation's blocks would be looked for on one card and stored on
-another.  The set only grows, and gateways share it through their cards
-(``Card.merge_heads``: every card holds the union), so gateways on the same
-cards converge within one sync period and a restarted gateway starts from
-what the cards hold.  While two gateways disagree, a lookup may miss a
-block stored under the other mark: a recompute, never a wrong byte.
+another.  Gateways share what they learn through their cards
+(``Card.merge_heads``: every card holds the union, up to ``CARD_MAX_HEADS``),
+so gateways on the same cards converge within one sync period and a
+restarted gateway starts from what the cards hold.  While two gateways
+disagree, a lookup may miss a block stored under the other mark: a
+recompute, never a wrong byte.
+
+Bounds.  System prompts change (a new version, a new tool list) and every
+version's blocks are heads, so a set that only grew would fill in normal
+use, and a full set that stopped learning would mark every conversation
+behind the next system prompt alike, on every gateway of those cards, for
+good.  So the set is bounded by use: a head is used whenever a prompt's
+shared prefix runs through it, and when a new head needs room it takes
+the place of one unused for ``IDLE_S``.  A head in use is never pushed
+out, so an engine sending thousands of made-up system prompts cannot
+displace the ones real traffic runs on; if every head is in use, the new
+one waits (``refused`` counts it) until some go idle.  Heads read from a
+card only fill free room and come in as idle, so what other gateways
+learned never displaces what this one uses.
 
 Identities are 63-bit hashes of full keys (namespace included): heads of
 one namespace never shape another's marks.  On a card each is a u64; the
@@ -30,9 +44,11 @@ top bit set marks a branch point.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import xxhash
 
 from kvgate.keys import MARK_KEYS
@@ -42,7 +58,10 @@ log = logging.getLogger("kvgate.heads")
 BRANCHES = 3  # distinct next blocks after a block that make it a branch point
 DEPTH = MARK_KEYS  # leading blocks of a prompt looked at
 MAX_PARENTS = 1 << 16  # blocks whose next blocks are being counted (least recently seen dropped)
-MAX_HEADS = 1 << 16  # shared-head identities kept (8 bytes each on a card); full: learning stops
+MAX_HEADS = 1 << 16  # shared-head identities kept; past that a new head takes an idle one's place
+CARD_MAX_HEADS = 2 * MAX_HEADS  # ids a card's list keeps (8 bytes each): past that the oldest go
+IDLE_S = 600.0  # a head no prompt ran through for this long may give its place to a new one
+_TOUCH_S = 1.0  # a head's last use is refreshed at most this often (a mark runs through up to DEPTH heads)
 
 
 _BRANCH = 1 << 63  # on a card, an id with this bit set marks its block as a branch point
@@ -62,19 +81,28 @@ class SharedHeads:
     so eviction cuts it from its tail like any dialog and every gateway
     finds it on one card; the branch points travel with the heads.
 
+    At most ``max_heads`` heads; a new one takes the place of the least
+    recently used head, and only of one unused for ``idle_s`` (see Bounds
+    in the module docstring).
+
     Loop only (no locks): ``shared_prefix`` is called for every ``dialog_mark``
     request, ``merge``/``take_new`` by the card sync.
     """
 
-    def __init__(self, max_heads: int = MAX_HEADS, max_parents: int = MAX_PARENTS) -> None:
+    def __init__(self, max_heads: int = MAX_HEADS, max_parents: int = MAX_PARENTS, idle_s: float = IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_heads = max_heads
         self.max_parents = max_parents
-        self._heads: set[int] = set()
+        self.idle_s = idle_s
+        self._clock = clock
+        self._heads: OrderedDict[int, float] = OrderedDict()  # id -> last use; least recently used first
         self._branches: set[int] = set()
         self._new: set[int] = set()  # learned here, not yet on the cards (branch points flagged)
         self._children: OrderedDict[int, set[int]] = OrderedDict()
-        self._full_logged = False
+        self._refused_logged = float("-inf")
         self.learned = 0  # heads this gateway found itself (a counter for status)
+        self.replaced = 0  # idle heads that gave their place to new ones
+        self.refused = 0  # heads not learned: every place held by a head in use
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -86,8 +114,15 @@ class SharedHeads:
         """(how many leading keys are shared heads, where their segments start), after learning from this prompt."""
         ids = [block_id(k) for k in full_keys[:DEPTH]]
         heads = self._heads
+        now = self._clock()
         shared = 0
-        while shared < len(ids) and ids[shared] in heads:
+        while shared < len(ids):
+            used = heads.get(ids[shared])
+            if used is None:
+                break
+            if now - used >= _TOUCH_S:
+                heads[ids[shared]] = now
+                heads.move_to_end(ids[shared])
             shared += 1
         children = self._children
         for j in range(shared, len(ids) - 1):
@@ -100,7 +135,7 @@ class SharedHeads:
             else:
                 children.move_to_end(parent)
             seen.add(child)
-            if len(seen) >= BRANCHES and self._learn(ids[shared : j + 1]):
+            if len(seen) >= BRANCHES and self._learn(ids[shared : j + 1], now):
                 for i in ids[shared : j + 1]:
                     children.pop(i, None)
                 shared = j + 1
@@ -108,16 +143,20 @@ class SharedHeads:
         starts = [j for j in range(shared) if j == 0 or ids[j - 1] in branches]
         return shared, starts
 
-    def _learn(self, ids: list[int]) -> bool:
+    def _learn(self, ids: list[int], now: float) -> bool:
         """``ids`` become heads; the last of them is a branch point."""
-        fresh = [i for i in ids if i not in self._heads]
-        if len(self._heads) + len(fresh) + 1 > self.max_heads:
-            if not self._full_logged:
-                log.warning("the shared-head set is full (%d blocks): no more heads are learned; dialog marks of "
-                            "prompts with new shared heads start at their first block", self.max_heads)
-                self._full_logged = True
+        heads = self._heads
+        fresh = [i for i in dict.fromkeys(ids) if i not in heads]
+        if not self._make_room(len(heads) + len(fresh) - self.max_heads, now):
+            self.refused += len(fresh)
+            if now - self._refused_logged >= self.idle_s:
+                log.warning("the shared-head set is full of heads in use (%d blocks, each used in the last %.0f s): "
+                            "a new shared head of %d blocks is not learned for now, so the dialog marks behind it "
+                            "start at the prompt's first block", self.max_heads, self.idle_s, len(fresh))
+                self._refused_logged = now
             return False
-        self._heads.update(fresh)
+        for i in fresh:
+            heads[i] = now
         self._new.update(fresh)
         if ids[-1] not in self._branches:
             self._branches.add(ids[-1])
@@ -125,17 +164,39 @@ class SharedHeads:
         self.learned += len(fresh)
         return True
 
-    def merge(self, ids: Iterable[int]) -> int:
-        """Add heads and branch points other gateways found (read from a card); returns how many heads were new."""
-        before = len(self._heads)
-        for i in ids:
-            if len(self._heads) + len(self._branches) >= self.max_heads:
+    def _make_room(self, need: int, now: float) -> bool:
+        """Drop the ``need`` least recently used heads if every one of them is idle; False (nothing dropped) if not."""
+        if need <= 0:
+            return True
+        heads = self._heads
+        idle_before = now - self.idle_s
+        for n, used in enumerate(heads.values()):
+            if n >= need:
                 break
+            if used > idle_before:
+                return False
+        if need > len(heads):
+            return False
+        for _ in range(need):
+            ident, _used = heads.popitem(last=False)
+            self._branches.discard(ident)
+        self.replaced += need
+        return True
+
+    def merge(self, ids: Iterable[int]) -> int:
+        """Add heads and branch points other gateways found (read from a card), into free room only and as
+        idle; returns how many heads were new."""
+        heads = self._heads
+        before = len(heads)
+        fresh = (ids if isinstance(ids, (set, frozenset)) else set(ids)) - heads.keys()
+        for i in fresh:
             if i & _BRANCH:
-                self._branches.add(i & _ID_MASK)
-            else:
-                self._heads.add(i)
-        return len(self._heads) - before
+                if len(self._branches) < self.max_heads:
+                    self._branches.add(i & _ID_MASK)
+            elif len(heads) < self.max_heads:
+                heads[i] = float("-inf")
+                heads.move_to_end(i, last=False)
+        return len(heads) - before
 
     def take_new(self) -> set[int]:
         """What was learned here since the last call, as cards store it (``put_back`` if that fails)."""
@@ -147,16 +208,20 @@ class SharedHeads:
 
     def all(self) -> set[int]:
         """Every head and branch point, as cards store them."""
-        return self._heads | {b | _BRANCH for b in self._branches}
+        return set(self._heads) | {b | _BRANCH for b in self._branches}
 
 
-def encode_ids(ids: Iterable[int]) -> bytes:
-    """A head set as a card stores it: sorted little-endian u64s."""
-    return b"".join(i.to_bytes(8, "little") for i in sorted(ids))
+def encode_ids(ids: Iterable[int], ordered: bool = False) -> bytes:
+    """A head list as a card stores it: little-endian u64s, sorted unless ``ordered`` (kept as given)."""
+    return np.fromiter(ids if ordered else sorted(ids), dtype="<u8").tobytes()
 
 
-def decode_ids(raw: bytes | memoryview) -> set[int]:
-    """The inverse of ``encode_ids``; a torn tail (a crash mid-write) is dropped."""
+def decode_id_list(raw: bytes | bytearray | memoryview) -> list[int]:
+    """The ids of a card's list in the order it holds them; a torn tail (a crash mid-write) is dropped."""
     n = len(raw) // 8
-    mv = memoryview(raw)
-    return {int.from_bytes(mv[i * 8 : i * 8 + 8], "little") for i in range(n)}
+    return np.frombuffer(raw, dtype="<u8", count=n).tolist() if n else []
+
+
+def decode_ids(raw: bytes | bytearray | memoryview) -> set[int]:
+    """The inverse of ``encode_ids``, as a set."""
+    return set(decode_id_list(raw))

@@ -930,6 +930,20 @@ def test_shared_heads_list_from_several_processes_is_their_union(tmp_path) -> No
     assert card.merge_heads(set()) == set(range(4000)) | {5000}, "clean keeps the heads"
 
 
+def test_shared_heads_list_keeps_its_newest_ids_up_to_card_max_heads(card: DirectoryCard, monkeypatch) -> None:
+    """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
+    monkeypatch.setattr("kvgate.cards.directory.CARD_MAX_HEADS", 50)
+    path = os.path.join(card.location, "kvgate-heads")
+    assert card.merge_heads(set(range(30))) == set(range(30))
+    with open(path, "ab") as f:
+        f.write(b"\x07\x07")  # a torn append
+    assert card.merge_heads(set(range(30, 60))) == set(range(10, 60)), "the oldest ids go first"
+    assert os.path.getsize(path) == 50 * 8
+    assert card.merge_heads(set(range(55, 70))) == set(range(20, 70))
+    assert card.merge_heads(set(range(1000, 1100))) == set(range(1050, 1100)), "one append over the bound"
+    assert card.merge_heads(set()) == set(range(1050, 1100)) and os.path.getsize(path) == 50 * 8
+
+
 def _append_heads(location: str, ids) -> None:
     card = DirectoryCard(location)
     card.open()

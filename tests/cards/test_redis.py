@@ -925,6 +925,17 @@ def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: 
     assert one.clean() >= 0 and two.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}, "clean keeps the heads"
 
 
+def test_shared_heads_list_keeps_at_most_card_max_heads(server: RedisServer, cards: list[RedisCard],
+                                                      monkeypatch) -> None:
+    """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
+    monkeypatch.setattr("kvgate.cards.redis.CARD_MAX_HEADS", 50)
+    one = open_card(cards, server.url)
+    for start in range(0, 400, 40):
+        got = one.merge_heads(set(range(start, start + 40)))
+        assert len(got) == min(50, start + 40)
+    assert len(one.merge_heads(set())) == 50 and one.merge_heads(set()) <= set(range(400))
+
+
 def test_names_and_the_index_snapshot(card: RedisCard) -> None:
     keys = [full_key(b"ns", b"k%d" % i) for i in range(30)]
     for k in keys:

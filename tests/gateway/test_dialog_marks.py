@@ -104,3 +104,57 @@ def test_long_prompts_and_bad_keys(gateway) -> None:
         with pytest.raises(TypeError, match="keys"):
             c.dialog_mark(b"one-key")
         assert c.dialog_mark([b"after-errors"]).mark == b"after-errors"
+
+
+def test_an_engine_flooding_made_up_system_prompts_cannot_displace_the_real_one(gateway_factory, tmp_path) -> None:
+    """Made-up shared prefixes fill the shared-head set and the card's list to their bounds, no further; the
+    system prompt real traffic runs on keeps its mark, here and after a restart, and its conversations restore."""
+    from kvgate.heads import CARD_MAX_HEADS, MAX_HEADS
+    from kvgate.keys import MARK_KEYS
+
+    card = tmp_path / "card"
+    gw = gateway_factory(["--storage-devices", str(card), "--card-capacity", "256M"], name="flooded")
+    with gw.client() as c:
+        for conv in range(BRANCHES):
+            c.dialog_mark(conversation(conv))
+        real = {conv: c.dialog_mark(conversation(conv)) for conv in range(50, 60)}
+        assert all(dm.shared == HEAD for dm in real.values())
+        for conv, dm in real.items():
+            store(c, conversation(conv), dm)
+        rounds = MAX_HEADS // (MARK_KEYS - 1) + 20  # enough to fill the set, then some
+        for n in range(rounds):
+            fake = [b"fake-%d-%d" % (n, i) for i in range(MARK_KEYS - 1)]
+            for conv in range(BRANCHES):
+                c.dialog_mark(fake + [b"fake-%d-conv-%d" % (n, conv)])
+        heads = c.stats()["shared_heads"]
+        assert heads["blocks"] <= MAX_HEADS and heads["refused"] > 0, heads
+        for conv, dm in real.items():
+            assert c.dialog_mark(conversation(conv)) == dm
+            assert restore(c, conversation(conv), dm) == HEAD + 2
+        wait_until(lambda: c.stats()["shared_heads"]["sync_rounds"] >= 2, 10, "no head sync rounds", interval=0.2)
+    size = (card / "kvgate-heads").stat().st_size
+    assert 0 < size <= CARD_MAX_HEADS * 8, size
+    gw.stop()
+    gw.start()
+    with gw.client() as c:
+        for conv, dm in real.items():
+            assert c.dialog_mark(conversation(conv)) == dm, "the real system prompt's heads came back from the card"
+            assert restore(c, conversation(conv), dm) == HEAD + 2
+
+
+def test_a_card_full_of_old_heads_does_not_stop_a_new_system_prompt_being_learned(gateway_factory, tmp_path) -> None:
+    """Cards that served many system prompt versions hold more heads than a gateway keeps: a restarted gateway
+    fills its set from them, and still learns the system prompt of today."""
+    from kvgate.heads import CARD_MAX_HEADS, MAX_HEADS, encode_ids
+
+    card = tmp_path / "card"
+    gw = gateway_factory(["--storage-devices", str(card), "--card-capacity", "256M"], name="old-heads")
+    gw.stop()
+    old = np.random.default_rng(7).integers(1, 1 << 62, CARD_MAX_HEADS, dtype=np.uint64).tolist()
+    (card / "kvgate-heads").write_bytes(encode_ids(old))
+    gw.start()
+    with gw.client() as c:
+        assert c.stats()["shared_heads"]["blocks"] == MAX_HEADS, "the set was filled from the card"
+        marks = [c.dialog_mark(conversation(conv)) for conv in range(BRANCHES + 2)]
+        assert [m.shared for m in marks[BRANCHES - 1 :]] == [HEAD] * 3, marks
+        assert c.stats()["shared_heads"]["replaced"] == HEAD

@@ -76,6 +76,8 @@ def test_status_file(gateway_factory, tmp_path) -> None:
             c.dialog_mark([b"sys-0", b"sys-1", b"conv-%d" % conv])
     text = _read_when(status, lambda t: "kvgate_shared_head_blocks 2.0" in t, timeout=5.0)
     assert _metric(text, "kvgate_shared_head_blocks_learned_total") == 2.0
+    assert _metric(text, "kvgate_shared_head_blocks_replaced_total") == 0.0
+    assert _metric(text, "kvgate_shared_head_blocks_refused_total") == 0.0
     assert _metric(text, "kvgate_shared_head_sync_errors_total") == 0.0
     # rewritten atomically: no temp file left next to it
     assert os.listdir(os.path.dirname(status)) == ["kvgate.prom"]

@@ -488,8 +488,10 @@ class Card(ABC):
         """Add ``ids`` to the card's list of shared heads; the whole list (``kvgate.heads``).
 
         Every gateway on the card adds what it learned and reads what the
-        others did, so they all compute the same dialog marks.  The list only
-        grows; with no ``ids`` this only reads (an empty set if there is none).
+        others did, so they all compute the same dialog marks.  The list
+        keeps at most ``kvgate.heads.CARD_MAX_HEADS`` ids: past that, the
+        ones it has held longest (or, where it keeps no order, any) go.  With
+        no ``ids`` this only reads (an empty set if there is none).
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -68,7 +68,7 @@ from kvgate.cards.objectformat import (
     header_size,
     padded_size,
 )
-from kvgate.heads import decode_ids, encode_ids
+from kvgate.heads import CARD_MAX_HEADS, decode_id_list, encode_ids
 from kvgate.keys import key_digest, payload_hasher
 from kvgate.memcopy import Abandon, in_client_memory
 
@@ -465,8 +465,11 @@ class DirectoryCard(Card):
         unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
 
     def merge_heads(self, ids: Collection[int]) -> set[int]:
-        # Append-only under an exclusive flock: gateways on other hosts append
+        # Appended under an exclusive flock: gateways on other hosts append
         # too, and a crash mid-append loses at most the ids of that append.
+        # Past CARD_MAX_HEADS the list is rewritten without its oldest ids (a
+        # crash mid-rewrite leaves a mix of old and new ids, each whole: a
+        # gateway re-learns what is missing).
         path = os.path.join(self.location, HEADS_NAME)
         try:
             fd = os.open(path, (os.O_RDWR | os.O_CREAT if ids else os.O_RDONLY) | os.O_CLOEXEC, 0o644)
@@ -477,15 +480,19 @@ class DirectoryCard(Card):
             size = os.fstat(fd).st_size
             raw = bytearray(size)
             got = os.preadv(fd, [raw], 0) if size else 0
-            have = decode_ids(memoryview(raw)[:got])
-            missing = [i for i in ids if i not in have]
+            held = decode_id_list(memoryview(raw)[:got])
+            have = set(held)
+            missing = sorted(set(ids) - have)
             if missing:
-                whole = got - got % 8  # a torn tail is written over
-                data = encode_ids(missing)
-                pwrite_all(fd, data, whole)
-                if whole + len(data) < size:
-                    os.ftruncate(fd, whole + len(data))
-                have.update(missing)
+                if len(held) + len(missing) > CARD_MAX_HEADS:
+                    held = (held + missing)[-CARD_MAX_HEADS:]
+                    data, at, have = encode_ids(held, ordered=True), 0, set(held)
+                else:
+                    data, at = encode_ids(missing, ordered=True), got - got % 8  # a torn tail is written over
+                    have.update(missing)
+                pwrite_all(fd, data, at)
+                if at + len(data) < size:
+                    os.ftruncate(fd, at + len(data))
             return have
         finally:
             os.close(fd)

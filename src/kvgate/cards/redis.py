@@ -74,6 +74,7 @@ from kvgate.cards.redislabel import RedisLabel
 from kvgate.cards.redislease import RedisLease
 from kvgate.cards.redisobjects import RedisObjects
 from kvgate.cards.redissnapshot import RedisSnapshotWriter
+from kvgate.heads import CARD_MAX_HEADS
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -168,10 +169,11 @@ class RedisCard(Card):
                 with self._r.pipeline(transaction=False) as pipe:
                     for start in range(0, len(members), 4096):
                         pipe.sadd(self._k.heads, *members[start : start + 4096])
-                    pipe.smembers(self._k.heads)
-                    raw = pipe.execute()[-1]
-            else:
-                raw = self._r.smembers(self._k.heads)
+                    pipe.scard(self._k.heads)
+                    over = pipe.execute()[-1] - CARD_MAX_HEADS
+                if over > 0:  # a set has no order: random ids go (a gateway re-learns any it still needs)
+                    self._r.spop(self._k.heads, over)
+            raw = self._r.smembers(self._k.heads)
         return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:

@@ -159,7 +159,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "cards": cards,
         "card_moves": {"objects": store.long.mover.moved, "bytes": store.long.mover.moved_bytes,
                        "failed": store.long.mover.failed},
-        "shared_heads": {"blocks": len(heads), "learned": heads.learned,
+        "shared_heads": {"blocks": len(heads), "learned": heads.learned, "replaced": heads.replaced,
+                         "refused": heads.refused,
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},
         "cluster": cluster,
         "request_seconds": latency.snapshot() if latency is not None else {},
@@ -237,6 +238,10 @@ class _SnapshotCollector:
                                 "on this gateway's cards", value=heads["blocks"])
         yield CounterMetricFamily("kvgate_shared_head_blocks_learned", "shared-head blocks this gateway found itself",
                                   value=heads["learned"])
+        yield CounterMetricFamily("kvgate_shared_head_blocks_replaced", "idle shared heads that gave their place to new ones",
+                                  value=heads["replaced"])
+        yield CounterMetricFamily("kvgate_shared_head_blocks_refused", "shared heads not learned because every place was "
+                                  "held by a head in use", value=heads["refused"])
         yield CounterMetricFamily("kvgate_shared_head_sync_errors", "card exchanges of the shared heads that failed",
                                   value=heads["sync_errors"])
         cluster = s.get("cluster")

@@ -186,17 +186,18 @@ class SharedHeads:
     def merge(self, ids: Iterable[int]) -> int:
         """Add heads and branch points other gateways found (read from a card), into free room only and as
         idle; returns how many heads were new."""
-        heads = self._heads
-        before = len(heads)
-        fresh = (ids if isinstance(ids, (set, frozenset)) else set(ids)) - heads.keys()
-        for i in fresh:
+        heads, branches = self._heads, self._branches
+        room = self.max_heads - len(heads)
+        added = 0
+        for i in ids:
             if i & _BRANCH:
-                if len(self._branches) < self.max_heads:
-                    self._branches.add(i & _ID_MASK)
-            elif len(heads) < self.max_heads:
+                if len(branches) < self.max_heads:
+                    branches.add(i & _ID_MASK)
+            elif added < room and i not in heads:
                 heads[i] = float("-inf")
                 heads.move_to_end(i, last=False)
-        return len(heads) - before
+                added += 1
+        return added
 
     def take_new(self) -> set[int]:
         """What was learned here since the last call, as cards store it (``put_back`` if that fails)."""

@@ -78,3 +78,27 @@ def test_heads_another_gateway_wrote_come_back_from_any_card() -> None:
         assert mine.shared_prefix([b"ns-sys-0", b"ns-sys-1", b"ns-conv-new"]) == (2, [0])
 
     asyncio.run(main())
+
+
+def test_the_loop_merges_only_what_is_new_on_a_card_since_its_last_answer() -> None:
+    """A card answers with its whole list every round; merging all of it each time held the loop for 40 ms."""
+    async def main() -> None:
+        heads = SharedHeads()
+        merged: list[int] = []
+        real_merge = heads.merge
+        heads.merge = lambda ids: merged.append(len(ids)) or real_merge(ids)  # type: ignore[method-assign]
+        a = card_state("a")
+        a.card.ids = set(range(1, 5001))
+        sync = HeadSync(heads, SimpleNamespace(cards=[a]))
+        await sync.sync_once()
+        await sync.sync_once()
+        a.card.ids |= {9001, 9002}
+        a.card.fail = True
+        await sync.sync_once()
+        a.card.fail = False
+        await sync.sync_once()
+        await sync.sync_once()
+        assert merged == [5000, 0, 2, 0], merged
+        assert len(heads) == 5002
+
+    asyncio.run(main())

@@ -7,7 +7,10 @@ once it is back.  Before the gateway listens, one round reads the cards, so
 a restarted gateway answers with the marks it gave before.
 
 Runs on the loop; the card I/O runs on each card's threads with its
-deadline.  A failure here never takes a card out of service: the list is
+deadline.  A card answers with its whole list (up to ``CARD_MAX_HEADS``
+ids) every round; what is new since that card's last answer is worked out
+on the card's thread, so the loop merges only that (merging a whole
+131,072-id list took 40 ms of the loop).  A failure here never takes a card out of service: the list is
 small and a round later is soon enough.
 """
 
@@ -16,7 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 
+import numpy as np
+
+from kvgate.cards.base import Card
 from kvgate.heads import SharedHeads
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.cardset import CardSet
@@ -34,6 +41,7 @@ class HeadSync:
         self.errors = 0
         self._behind: set[str] = set()  # card serials that missed a round
         self._synced: set[str] = set()  # card serials that have had the whole set once
+        self._answers: dict[str, np.ndarray] = {}  # card serial -> its list at its last answer, sorted
 
     async def sync_once(self) -> None:
         new = self.heads.take_new()
@@ -49,6 +57,8 @@ class HeadSync:
                 self._behind.add(cs.serial or "")
                 log.debug("shared heads: card %s missed a round: %s", cs.where, r)
                 continue
+            answer, r = r
+            self._answers[cs.serial or ""] = answer
             if cs.read_only:  # it was only read: it gets the whole set once it takes writes
                 self._behind.add(cs.serial or "")
             else:
@@ -59,13 +69,13 @@ class HeadSync:
             self.heads.put_back(new)
         self.rounds += 1
 
-    async def _one(self, cs: ManagedCard, new: set[int]) -> set[int]:
+    async def _one(self, cs: ManagedCard, new: set[int]) -> tuple[np.ndarray, list[int]]:
         serial = cs.serial or ""
         if serial in self._behind or serial not in self._synced:
             new = self.heads.all()
         if cs.read_only:
             new = set()
-        return await cs.io.run(cs.card.merge_heads, new)
+        return await cs.io.run(_merge_on_card, cs.card, new, self._answers.get(serial))
 
     async def run(self) -> None:
         next_round = time.monotonic()
@@ -78,3 +88,12 @@ class HeadSync:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive any one round
                 log.exception("shared heads: a sync round failed")
+
+
+def _merge_on_card(card: Card, new: Collection[int], last: np.ndarray | None) -> tuple[np.ndarray, list[int]]:
+    """(the card's list, sorted; the ids in it not in ``last``), on the card's thread."""
+    got = card.merge_heads(new)
+    answer = np.fromiter(got, dtype=np.uint64, count=len(got))
+    answer.sort()
+    fresh = answer if last is None else np.setdiff1d(answer, last, assume_unique=True)
+    return answer, fresh.tolist()

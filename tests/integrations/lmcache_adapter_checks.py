@@ -11,6 +11,10 @@ Scenarios (each asserts; exit status 0 when every check held):
   dead       SOCKET has no gateway: every submit returns at once, tasks fail / miss, no exception.
   restart    (after 'roundtrip' wrote to the gateway, which the test restarts) a new adapter
              finds and loads what the first one stored.
+  marks      conversations behind one system prompt, two kv ranks each: lookup, then a store of what
+             missed, as LMCache does; every store is placed by the dialog mark its lookup took, and
+             restores byte-identical.  The summary names each chunk's object (its digest) for the test
+             to find on the cards.
 Writes a JSON summary (timings, report_status) to OUT.json.
 """
 
@@ -219,10 +223,65 @@ def dead(sock: str, out: dict) -> None:
         ad.close()
 
 
+def marks(sock: str, out: dict) -> None:
+    from kvgate.integrations.lmcache.settings import key_bytes, namespace_for
+    from kvgate.keys import encode_namespace, full_key, key_digest
+
+    head, own, convs = 6, 3, 48
+
+    def chunk(name: bytes, rank: int) -> ObjectKey:
+        return ObjectKey(chunk_hash=name.ljust(32, b"."), model_name="org/tiny-model", kv_rank=rank)
+
+    def request(c: int) -> list[ObjectKey]:  # LMCache's lookup: one row per kv rank, each from chunk 0
+        names = [b"sys-%d" % i for i in range(head)] + [b"c%d-%d" % (c, i) for i in range(own)]
+        return [chunk(n, rank) for rank in (0, 1) for n in names]
+
+    def data(k: ObjectKey) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((bytes(k.chunk_hash), k.kv_rank)) & 0xFFFF_FFFF)
+        return torch.randint(0, 256, (CHUNK,), dtype=torch.uint8, generator=g)
+
+    def name(k: ObjectKey) -> str:
+        return key_digest(full_key(encode_namespace(namespace_for(k)), key_bytes(k))).hex()
+
+    ad = adapter(sock)
+    try:
+        heads_found = []
+        for c in range(convs):
+            ks = request(c)
+            bm = wait(ad.get_lookup_and_lock_event_fd(), ad.query_lookup_and_lock_result,
+                      ad.submit_lookup_and_lock_task(ks, {}))
+            hit = bits(bm, len(ks))
+            heads_found.append(sum(hit))
+            ad.submit_unlock([k for k, h in zip(ks, hit) if h])
+            missing = [k for k, h in zip(ks, hit) if not h]
+            res = wait_store(ad, ad.submit_store_task(missing, [mem_obj(data(k)) for k in missing]))
+            assert res.is_successful(), (c, res)
+        assert heads_found[0] == 0 and all(n == 2 * head for n in heads_found[1:]), heads_found
+        for c in (0, convs - 1):  # restored whole, every byte
+            ks = request(c)
+            bm = wait(ad.get_lookup_and_lock_event_fd(), ad.query_lookup_and_lock_result,
+                      ad.submit_lookup_and_lock_task(ks, {}))
+            assert bits(bm, len(ks)) == [1] * len(ks), (c, bits(bm, len(ks)))
+            dst = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in ks]
+            bm = wait(ad.get_load_event_fd(), ad.query_load_result,
+                      ad.submit_load_task(ks, [mem_obj(b) for b in dst]))
+            assert bits(bm, len(ks)) == [1] * len(ks)
+            assert all(torch.equal(b, data(k)) for k, b in zip(ks, dst)), f"conversation {c}: other bytes"
+            ad.submit_unlock(ks)
+        out["head"] = [name(k) for k in request(0) if bytes(k.chunk_hash).startswith(b"sys-")]
+        out["convs"] = {c: [name(k) for k in request(c) if not bytes(k.chunk_hash).startswith(b"sys-")]
+                        for c in range(convs)}
+        out["status"] = st = ad.report_status()
+        assert st["stored_marked"] == st["stored"] == convs * 2 * own + 2 * head, st
+    finally:
+        ad.close()
+
+
 if __name__ == "__main__":
     scenario, sock, path = sys.argv[1:4]
     result: dict = {"scenario": scenario}
-    {"roundtrip": roundtrip, "zerocopy": zerocopy, "dead": dead, "restart": restart}[scenario](sock, result)
+    {"roundtrip": roundtrip, "zerocopy": zerocopy, "dead": dead, "restart": restart,
+     "marks": marks}[scenario](sock, result)
     with open(path, "w") as f:
         json.dump(result, f, default=str)
     print(f"{scenario}: ok {json.dumps(result, default=str)}", flush=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, run_json_script, venv_python
+from tests.helpers import free_port, run_json_script, venv_python, wait_until
 
 VENV_PY = venv_python(".venv-lmcache")
 CHECKS = Path(__file__).resolve().parent / "lmcache_adapter_checks.py"
@@ -53,6 +53,31 @@ def test_registered_l1_region(gateway_factory, tmp_path):
     gw = gateway_factory()
     r = run_checks("zerocopy", gw.socket, tmp_path)
     assert "registered: transfers are one copy by the gateway" in r["log"]
+
+
+def test_conversations_behind_a_system_prompt_each_go_to_one_card(gateway_factory, tmp_path):
+    """Chunks are placed by the dialog mark their lookup took: each conversation's chunks (both kv ranks) on
+    one card, the system prompt's on one card, conversations spread over the four, and each restores."""
+    import collections
+
+    cards = [tmp_path / f"card{i}" for i in range(4)]
+    gw = gateway_factory(["--storage-devices", *map(str, cards), "--card-capacity", "256M"])
+    r = run_checks("marks", gw.socket, tmp_path)
+
+    def where() -> dict[str, int]:
+        return {f.name: i for i, card in enumerate(cards) for f in card.glob("db*/*/*") if len(f.name) == 32}
+
+    wanted = set(r["head"]) | {n for names in r["convs"].values() for n in names}
+    wait_until(lambda: wanted <= set(where()), 20, "the stored chunks never reached the cards", interval=0.2)
+    at = where()
+    assert len({at[n] for n in r["head"]}) == 1, "the system prompt's chunks on one card"
+    per_card = collections.Counter()
+    for c, names in r["convs"].items():
+        homes = {at[n] for n in names}
+        assert len(homes) == 1, f"conversation {c} is spread over cards {homes}"
+        per_card[homes.pop()] += 1
+    fair = len(r["convs"]) / len(cards)
+    assert len(per_card) == len(cards) and max(per_card.values()) <= 1.5 * fair, per_card
 
 
 def test_dead_gateway_fails_tasks_without_raising(tmp_path):

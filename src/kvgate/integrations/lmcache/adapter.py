@@ -6,8 +6,13 @@ returns its id.  Background threads, each with its own gateway sessions
 (``Client`` objects, one per namespace), run the tasks and signal the three
 event fds LMCache polls.
 
-- Store: ``put_many`` per namespace; the task succeeds when every object was
-  stored.
+- Dialog marks: a lookup carries every chunk of one request from its first
+  on, so there the adapter asks the gateway for the request's dialog mark
+  and remembers each chunk's dialog and position for the store that follows
+  (``marks``): a conversation's chunks, every kv rank's, go to its card, and
+  a shared system prompt is learned as a head.
+- Store: ``put_many`` per namespace and run of one dialog; the task succeeds
+  when every object was stored.
 - Lookup and lock: ``hold_many`` per namespace: what is found is held on
   its card by the gateway (not evicted) until unlocked, for at most the
   gateway's hold time (a minute) and within its caps.  Unlock releases a key
@@ -44,8 +49,9 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvgate.client import Client, GatewayError, ObjectTooLarge
+from kvgate.client import MARK_KEYS, Client, DialogMark, GatewayError, ObjectTooLarge
 from kvgate.integrations.lmcache.l1 import map_l1
+from kvgate.integrations.lmcache.marks import ChunkMarks
 from kvgate.integrations.lmcache.sessions import GatewayDown, Sessions
 from kvgate.integrations.lmcache.settings import (
     PARAM_KEYS,
@@ -55,6 +61,7 @@ from kvgate.integrations.lmcache.settings import (
     plugin_logger,
     split_by_namespace,
 )
+from kvgate.integrations.markcache import MarkCache
 from kvgate.integrations.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -104,6 +111,9 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._load_done: dict[L2TaskId, Bitmap] = {}
         self._locked: dict[Any, int] = {}  # ObjectKey -> lookups that locked it and have not unlocked it
         self._holds = True  # the gateway holds what lookups find (False: an older gateway without holds)
+        self._marks = ChunkMarks()  # each looked-up chunk's dialog and position, for its store
+        self._mark_cache = MarkCache()
+        self._gateway_marks = True  # False: an older gateway without dialog_mark (chunks go unmarked)
         # delete's byte accounting: the size of the last object stored (LMCache's chunks of one layout
         # are all one size); a map of every key stored would grow without bound
         self._object_bytes = 0
@@ -111,7 +121,8 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._down = False
         self._down_since = 0.0
         self.counters = {"stores": 0, "stored": 0, "store_failed": 0, "lookups": 0, "lookup_hits": 0,
-                         "loads": 0, "loaded": 0, "load_failed": 0, "bytes_stored": 0, "bytes_loaded": 0}
+                         "loads": 0, "loaded": 0, "load_failed": 0, "bytes_stored": 0, "bytes_loaded": 0,
+                         "mark_calls": 0, "stored_marked": 0}
 
         # LMCache's L1 arena: zero copy when it is a /dev/shm file mapping the gateway can map too
         self._l1_region: tuple[str, int, int] | None = None
@@ -317,27 +328,33 @@ class KvgateL2Adapter(L2AdapterInterface):
         self.counters["stores"] += 1
         ok = True
         nbytes = 0
+        marked = 0
         stored_keys: list = []
         stored_sizes: list[int] = []
         retention = self.settings.tier.retention
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            kb = [key_bytes(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            res = self._call(sessions, ns, "store",
-                             lambda c: c.put_many([key_bytes(keys[i]) for i in idx], bufs, retention=retention))
-            if res is None:
-                ok = False
-                continue
-            for i, b, stored in zip(idx, bufs, res):
-                if stored:
-                    stored_keys.append(keys[i])
-                    stored_sizes.append(len(b))
-                    nbytes += len(b)
-                else:
+            for run, dialog, position in self._marks.runs(kb):
+                res = self._call(sessions, ns, "store", lambda c: c.put_many(
+                    [kb[j] for j in run], [bufs[j] for j in run], retention=retention, dialog=dialog,
+                    position=position))
+                if res is None:
                     ok = False
+                    continue
+                for j, stored in zip(run, res):
+                    if stored:
+                        stored_keys.append(keys[idx[j]])
+                        stored_sizes.append(len(bufs[j]))
+                        nbytes += len(bufs[j])
+                        marked += dialog is not None
+                    else:
+                        ok = False
         if stored_keys:
             self._object_bytes = stored_sizes[-1]
             self._notify_keys_stored(stored_keys, stored_sizes)
         self.counters["stored"] += len(stored_keys)
+        self.counters["stored_marked"] += marked
         self.counters["bytes_stored"] += nbytes
         if not ok:
             self.counters["store_failed"] += 1
@@ -347,6 +364,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         self.counters["lookups"] += 1
         bitmap = Bitmap(len(keys))
         found: list = []
+        dm: list[DialogMark | None] = [None]  # the request's mark, asked on its first row
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
             if ns not in self._seen_ns:
                 # open the bulk sessions now (connect, register L1), not in the first store or restore
@@ -354,7 +372,8 @@ class KvgateL2Adapter(L2AdapterInterface):
                 self._store_q.put((self._run_open, 0, [ns], None))
                 for _ in self._sessions[2:]:
                     self._load_q.put((self._run_open, 0, [ns], None))
-            res = self._call(sessions, ns, "lookup", lambda c: self._hold(c, [key_bytes(keys[i]) for i in idx]))
+            kb = [key_bytes(keys[i]) for i in idx]
+            res = self._call(sessions, ns, "lookup", lambda c: self._lookup_row(c, kb, dm))
             for i, present in zip(idx, res or ()):
                 if present:
                     bitmap.set(i)
@@ -366,10 +385,44 @@ class KvgateL2Adapter(L2AdapterInterface):
         self.counters["lookup_hits"] += len(found)
         self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
 
-    def _hold(self, c: Client, bkeys: list[bytes]) -> list[bool]:
+    def _lookup_row(self, c: Client, row: list[bytes], dm: list[DialogMark | None]) -> list[bool]:
+        """Hold one row of a lookup (one kv rank and object group's chunks, from the first), under the
+        request's dialog mark, asked on the first row and remembered for the stores."""
+        if dm[0] is None:
+            dm[0] = self._mark(c, row)
+        if dm[0] is None:
+            return self._hold(c, row)
+        self._marks.note(row, dm[0])
+        present: list[bool] = []
+        for start, end, dialog in dm[0].spans(0, len(row)):
+            present += self._hold(c, row[start:end], dialog)
+        return present
+
+    def _mark(self, c: Client, row: list[bytes]) -> DialogMark | None:
+        if not self._gateway_marks or not row:
+            return None
+        lead = row[: MARK_KEYS + 1]
+        dm = self._mark_cache.get(lead[-1])
+        if dm is not None:
+            return dm
+        self.counters["mark_calls"] += 1
+        try:
+            dm = c.dialog_mark(lead)
+        except GatewayError as e:
+            if e.code != "UNKNOWN_OP":
+                raise
+            self._gateway_marks = False
+            logger.warning("kvgate L2 adapter: the gateway has no dialog marks (an older version): chunks are "
+                           "placed by their keys, not by conversation; upgrade the gateway")
+            return None
+        if dm.mark is not None:
+            self._mark_cache.put(lead[-1], dm)
+        return dm
+
+    def _hold(self, c: Client, bkeys: list[bytes], dialog: bytes | None = None) -> list[bool]:
         if self._holds:
             try:
-                return c.hold_many(bkeys)
+                return c.hold_many(bkeys, dialog=dialog)
             except GatewayError as e:
                 if e.code != "UNKNOWN_OP":
                     raise
@@ -377,7 +430,7 @@ class KvgateL2Adapter(L2AdapterInterface):
                 logger.warning("kvgate L2 adapter: the gateway cannot hold objects (an older version): lookups "
                                "lock nothing, and an object evicted between a lookup and its load is recomputed; "
                                "upgrade the gateway")
-        return c.exists_many(bkeys)
+        return c.exists_many(bkeys, dialog=dialog)
 
     def _run_unlock(self, sessions: Sessions, _tid: L2TaskId, keys: list, _objects: Any) -> None:
         if not self._holds:
@@ -391,15 +444,17 @@ class KvgateL2Adapter(L2AdapterInterface):
         loaded: list = []
         nbytes = 0
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
+            kb = [key_bytes(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            res = self._call(sessions, ns, "load", lambda c: self._get_fitting(c, [key_bytes(keys[i]) for i in idx],
-                                                                               bufs))
-            for i, b, got in zip(idx, bufs, res or ()):
-                # a miss (evicted since the lookup) or an object of another size fails this key
-                if got is not None and len(got) == len(b):
-                    bitmap.set(i)
-                    loaded.append(keys[i])
-                    nbytes += len(b)
+            for dialog, part in self._marks.by_dialog(kb).items():
+                res = self._call(sessions, ns, "load", lambda c: self._get_fitting(
+                    c, [kb[j] for j in part], [bufs[j] for j in part], dialog))
+                for j, got in zip(part, res or ()):
+                    # a miss (evicted since the lookup) or an object of another size fails this key
+                    if got is not None and len(got) == len(bufs[j]):
+                        bitmap.set(idx[j])
+                        loaded.append(keys[idx[j]])
+                        nbytes += len(bufs[j])
         if loaded:
             self._notify_keys_accessed(loaded)
         self.counters["loaded"] += len(loaded)
@@ -409,13 +464,13 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._finish(self._load_done, self._load_efd, tid, bitmap)
 
     @staticmethod
-    def _get_fitting(client: Client, kbytes: list[bytes], bufs: list) -> list:
+    def _get_fitting(client: Client, kbytes: list[bytes], bufs: list, dialog: bytes | None = None) -> list:
         """get_many into ``bufs``; an object larger than its buffer is a miss for that key alone."""
         out: list = [None] * len(kbytes)
         todo = list(range(len(kbytes)))
         while todo:
             try:
-                got = client.get_many([kbytes[j] for j in todo], into=[bufs[j] for j in todo])
+                got = client.get_many([kbytes[j] for j in todo], into=[bufs[j] for j in todo], dialog=dialog)
             except ObjectTooLarge as e:  # refused before anything was sent: drop that key, ask again
                 todo.pop(e.index)
                 continue
@@ -434,9 +489,12 @@ class KvgateL2Adapter(L2AdapterInterface):
     def _run_delete(self, sessions: Sessions, _tid: int, keys: list, _objects: Any) -> None:
         deleted: list = []
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
-            res = self._call(sessions, ns, "delete", lambda c: c.delete_many([key_bytes(keys[i]) for i in idx]))
-            if res is not None:
-                deleted += [keys[i] for i in idx]
+            kb = [key_bytes(keys[i]) for i in idx]
+            for dialog, part in self._marks.by_dialog(kb).items():
+                res = self._call(sessions, ns, "delete",
+                                 lambda c: c.delete_many([kb[j] for j in part], dialog=dialog))
+                if res is not None:
+                    deleted += [keys[idx[j]] for j in part]
         if deleted:
             self._notify_keys_deleted(deleted, [self._object_bytes] * len(deleted))
 

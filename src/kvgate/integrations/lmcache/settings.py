@@ -36,8 +36,8 @@ PARAM_KEYS: dict[str, str] = {
     "kvgate.load_workers": "threads (each with its own gateway session) running loads (default 1)",
 }
 
-# The shared keys LMCache can honour: its chunk hashes already carry the salt and the request,
-# and no prefix reaches the adapter for a dialog mark.
+# The shared keys LMCache can honour: its chunk hashes already carry the salt and the request, and
+# the adapter takes the gateway's dialog mark at each lookup (``marks``): no digest of first chunks.
 _SHARED = keys_without("kvgate.affinity_chunks", "kvgate.refuse_unsalted", "kvgate.skip_unsalted")
 
 _MAX_READABLE_MODEL = 96

@@ -10,12 +10,10 @@ extra pools of a hybrid model) would otherwise each ask the gateway.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 from kvgate.client import MARK_KEYS, DialogMark, GatewayError
+from kvgate.integrations.markcache import MarkCache
 from kvgate.integrations.settings import dialog_mark as digest_mark
 from kvgate.integrations.sglang.failures import FailureLog, logger
 from kvgate.integrations.sglang.settings import page_keys
@@ -24,9 +22,6 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     from kvgate.integrations.sglang.link import GatewayLink
-
-_MARK_TTL_S = 30.0  # a cached dialog mark is asked again after this: the gateway keeps learning heads
-_MARK_CACHE = 4096
 
 
 class DialogMarks:
@@ -39,8 +34,7 @@ class DialogMarks:
         self.affinity_chunks = affinity_chunks
         self.counters = counters
         self.log = log
-        self._marks: OrderedDict[bytes, tuple[DialogMark, float]] = OrderedDict()
-        self._marks_lock = threading.Lock()
+        self._marks = MarkCache()
         self._warned_no_prefix = False
 
     def of_call(self, link: GatewayLink, bkeys: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo],
@@ -74,16 +68,9 @@ class DialogMarks:
         return self._gateway_mark(link, lead), position
 
     def _gateway_mark(self, link: GatewayLink, lead: list[bytes]) -> DialogMark:
-        # Cached under the lead's last key: page hashes chain, so it names the whole lead, and a
-        # request's calls (lookup, get, set, the extra pools) share it.  Not under the prompt's first
-        # key: every conversation behind one system prompt shares that one, and a mark cached under
-        # it answered them all without asking, so the gateway never saw the conversations branch
-        # and never learned the system prompt as a shared head.
-        now = time.monotonic()
-        with self._marks_lock:
-            hit = self._marks.get(lead[-1])
-        if hit is not None and now - hit[1] < _MARK_TTL_S:
-            return hit[0]
+        hit = self._marks.get(lead[-1])  # see kvgate.integrations.markcache for why the lead's last key
+        if hit is not None:
+            return hit
         self.counters["mark_calls"] += 1
         try:
             dm = link.budget().dialog_mark(lead)
@@ -94,9 +81,5 @@ class DialogMarks:
                                "the first page marks the dialog; upgrade the gateway")
             dm = DialogMark(digest_mark(lead[:1]), 0)
         if dm.mark is not None:
-            with self._marks_lock:
-                self._marks[lead[-1]] = (dm, now)
-                self._marks.move_to_end(lead[-1])
-                while len(self._marks) > _MARK_CACHE:
-                    self._marks.popitem(last=False)
+            self._marks.put(lead[-1], dm)
         return dm

@@ -326,6 +326,36 @@ def test_card_objects_are_read_by_the_client_out_of_lent_files_and_a_bad_one_nev
     assert _own_pidfds() == pidfds, "a closed client keeps its pidfd of the gateway"
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd and RWF_NOWAIT")
+def test_a_client_that_may_not_take_the_gateways_descriptors_gets_every_byte_the_other_way(gateway_factory,
+                                                                                          tmp_path, monkeypatch
+                                                                                          ) -> None:
+    """``pidfd_getfd`` refused (a seccomp filter, a Yama setting that allows reading memory but not taking
+    descriptors): the files of that get are read again by the gateway, the session lends no more files, and
+    the lent files were all closed."""
+    card = tmp_path / "card"
+    gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])
+    datas = [os.urandom(n) for n in (1 << 20, 300 << 10, 2 << 20)]
+    keys = [f"refused-{i}".encode() for i in range(len(datas))]
+    tries = []
+
+    def refused(pidfd, pid, files):
+        tries.append(len(files))
+        raise crossmem.CrossMemoryError(1, "pidfd_getfd: Operation not permitted")
+
+    monkeypatch.setattr(crossmem, "read_files", refused)
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, datas, retention="long"))
+        for _ in range(2):
+            bufs = [np.zeros(len(d), np.uint8) for d in datas]
+            assert [bytes(g) for g in c.get_many(keys, into=bufs)] == datas
+        assert tries == [len(keys)], "tried once; the session then asks for no files"
+        st = gw.stats()
+        assert st["files_lent"]["objects"] == len(keys) and st["files_lent"]["open"] == 0, st["files_lent"]
+        assert _objects_open(gw, card) == []
+
+
 def _own_pidfds() -> int:
     n = 0
     for f in os.listdir("/proc/self/fd"):
@@ -340,20 +370,22 @@ def _own_pidfds() -> int:
 @pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd and RWF_NOWAIT")
 def test_lent_files_and_loans_a_peer_keeps_are_bounded_and_closed_with_its_connection(gateway_factory,
                                                                                       tmp_path) -> None:
-    """A peer that never gives back: a lent get that finds nothing holds no loan; past ``MAX_LOANS`` held
-    a lent get is refused, naming the fix; the files its loans hold are closed when it goes."""
+    """A peer that never gives back: a lent get that finds nothing holds no loan; past ``FILES_PER_SESSION``
+    files held its gets are lent out of the gateway's memory instead; past ``MAX_LOANS`` held a lent get is
+    refused, naming the fix; the files its loans hold are closed when it goes."""
     import socket
     import time
 
     from kvgate import protocol as p
-    from kvgate.gateway.operations import MAX_LOANS
+    from kvgate.gateway.operations import FILES_PER_SESSION, MAX_LOANS
     from tests.gateway.test_inline_bytes import _frame, _read_reply
 
     card = tmp_path / "card"
     gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])
-    keys = [f"kept-{i}".encode() for i in range(4)]
+    keys = [f"kept-{i}".encode() for i in range(5)]
+    size = 64 << 10
     with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
-        assert all(c.put_many(keys, [os.urandom(64 << 10) for _ in keys], retention="long"))
+        assert all(c.put_many(keys, [os.urandom(size) for _ in keys], retention="long"))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(gw.socket)
     s.settimeout(20)
@@ -364,15 +396,20 @@ def test_lent_files_and_loans_a_peer_keeps_are_bounded_and_closed_with_its_conne
         s.sendall(_frame(p.Get(id=2 + i, keys=[b"absent"], region=p.LENT, capacities=[1 << 20], files=True)))
         reply, _ = _read_reply(s)
         assert isinstance(reply, p.GetReply) and reply.loan == 0 and reply.sizes == [p.MISS]
+    files = 0
     for i in range(MAX_LOANS):
-        s.sendall(_frame(p.Get(id=1000 + i, keys=keys, region=p.LENT, capacities=[64 << 10] * 4, files=True)))
+        s.sendall(_frame(p.Get(id=1000 + i, keys=keys, region=p.LENT, capacities=[size] * 5, files=True)))
         reply, _ = _read_reply(s)
-        assert isinstance(reply, p.GetReply) and reply.loan, reply
-    assert len(reply.files) == 4 * len(keys)
-    s.sendall(_frame(p.Get(id=5000, keys=keys, region=p.LENT, capacities=[64 << 10] * 4, files=True)))
+        assert isinstance(reply, p.GetReply) and reply.loan and reply.sizes == [size] * 5, reply
+        lent = len(reply.files or ()) // 4
+        in_memory = sum(reply.segments[1::2])
+        assert lent * size + in_memory == 5 * size, "every hit lent: as a file, or out of the gateway's memory"
+        files += lent
+    assert files == FILES_PER_SESSION and not reply.files, "past FILES_PER_SESSION, lent out of memory"
+    s.sendall(_frame(p.Get(id=5000, keys=keys, region=p.LENT, capacities=[size] * 5, files=True)))
     reply, _ = _read_reply(s)
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST and "GiveBack" in reply.message
-    assert gw.stats()["files_lent"]["open"] == len(keys) * MAX_LOANS == len(_objects_open(gw, card))
+    assert gw.stats()["files_lent"]["open"] == FILES_PER_SESSION == len(_objects_open(gw, card))
     s.close()
     deadline = time.monotonic() + 10
     while gw.stats()["files_lent"]["open"] and time.monotonic() < deadline:

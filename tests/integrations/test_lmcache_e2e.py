@@ -151,7 +151,8 @@ def runs(tmp_path_factory):
         r2["wall_s"] = time.monotonic() - t0
         s2_alive = s2.proc is not None and s2.proc.poll() is None
         s2.stop()
-        yield {"run1": r1, "run2": r2, "lmcache1": s1.log(), "lmcache2": s2.log(), "s2_alive": s2_alive}
+        yield {"run1": r1, "run2": r2, "lmcache1": s1.log(), "lmcache2": s2.log(), "s2_alive": s2_alive,
+               "card": gw.card}
     finally:
         for s in servers:
             s.stop()
@@ -174,6 +175,25 @@ def test_restart_restores_through_lmcache_and_kvgate(runs):
     log = runs["lmcache1"]
     assert "kvgate L2 adapter: gateway" in log and "registered: transfers are one copy by the gateway" in log, \
         log[-4000:]
+
+
+def test_every_chunk_went_to_the_card_with_its_conversations_dialog_and_position(runs):
+    """The adapter took each request's dialog mark at its lookup: every chunk on the card carries a dialog
+    and its place in the prompt, and one dialog holds P's chunks at positions 0..CHUNKS-1."""
+    import collections
+
+    from kvgate.cards.objectformat import peek_header
+    from kvgate.keys import NO_DIALOG
+
+    metas = []
+    for f in Path(runs["card"]).glob("db*/*/*"):
+        raw = f.read_bytes()
+        metas.append(peek_header(raw[:4096], len(raw), lambda n, raw=raw: raw[:n]).meta)
+    assert metas and all(m.dialog != NO_DIALOG and m.position >= 0 for m in metas), metas
+    by_dialog = collections.defaultdict(set)
+    for m in metas:
+        by_dialog[m.dialog].add(m.position)
+    assert set(range(CHUNKS)) in by_dialog.values(), by_dialog
 
 
 def test_gateway_killed_lmcache_keeps_serving(runs):

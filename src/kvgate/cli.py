@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_arguments(p)
 
     p = sub.add_parser("export", help="serve directory cards of this host to gateways on others (kvgate:// cards)",
-                       description="Prints the kvgate:// URL of each card; a gateway lists it in storage_devices.")
+                       description="Prints the kvgate:// (kvgates:// with --tls-cert) URL of each card; a gateway "
+                                   "lists it in storage_devices.")
     p.add_argument("--cards", nargs="+", required=True, metavar="DIR", help="card directories (created beforehand)")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="TCP address to serve on")
     p.add_argument("--num-dbs", type=int, default=1, help="shards of the cards when a gateway names none (1)")
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-writes", action="store_true", help="fsync every object before acknowledging it")
     p.add_argument("--token-file", metavar="FILE",
                    help="a token gateways must present (their card_token_file); needed beyond loopback")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: every connection is TLS (kvgates:// "
+                   "cards; gateways check it against their card_tls_ca_file)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (if not in the same file)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     try:  # optional: a missing bench module must not break serve/stat/clean
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             try:
                 return serve(args.cards, args.listen, args.num_dbs, args.max_object_bytes, args.sync_writes,
-                             args.token_file)
+                             args.token_file, args.tls_cert, args.tls_key)
             except (ValueError, OSError) as e:
                 print(f"kvgate export: {e}", file=sys.stderr)
                 return 2

@@ -233,6 +233,9 @@ class Config:
     card_token_file: str | None = _key(
         _parse_str, None, "file holding the token kvgate:// card servers require (kvgate export --token-file)",
         optional=True)
+    card_tls_ca_file: str | None = _key(
+        _parse_str, None, "PEM file of the CAs that sign the certificates of kvgates:// card servers (kvgate export "
+        "--tls-cert); default: the system's trusted CAs", optional=True)
     max_frame_bytes: int = _key(parse_size, 256 << 20,
                                 "largest message a client may send (inline bytes included)", minimum=1 << 16)
     max_connections: int = _key(

@@ -27,3 +27,19 @@ def test_an_export_beyond_loopback_needs_a_token_and_takes_it_from_its_file(tmp_
     agent = agent_from(_args("--export", "0.0.0.0:7001", "--token-file", str(tmp_path / "token")))
     assert agent.exporter is not None and agent.exporter.token == "t0ken"
     assert agent_from(_args("--export", "127.0.0.1:7001")).exporter.token is None, "loopback: no token needed"
+
+
+def test_an_export_with_a_certificate_serves_tls_and_registers_kvgates_addresses(tmp_path: Path) -> None:
+    import trustme
+
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    pem = tmp_path / "server.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(pem))
+    agent = agent_from(_args("--export", "127.0.0.1:7001", "--tls-cert", str(pem)))
+    assert agent.exporter is not None and agent.exporter.tls is not None
+    agent.exporter.by_serial["serial"] = None  # type: ignore[assignment]  (a card it serves, by serial)
+    assert agent.exporter.urls() == {"serial": "kvgates://127.0.0.1:7001/serial"}
+    with pytest.raises(ValueError, match="--tls-cert .* go with --export"):
+        agent_from(_args("--tls-cert", str(pem)))
+    with pytest.raises(ValueError, match="cannot load a certificate"):
+        agent_from(_args("--export", "127.0.0.1:7001", "--tls-cert", str(tmp_path / "missing.pem")))

@@ -32,7 +32,8 @@ def kind_of(location: str) -> str:
 def make_card(location: str, cfg: Config) -> Card:
     if is_network(location):  # a card server's: no object on the wire is larger than a client's largest frame
         return NetworkCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms,
-                           max_object_bytes=cfg.max_frame_bytes, token_file=cfg.card_token_file)
+                           max_object_bytes=cfg.max_frame_bytes, token_file=cfg.card_token_file,
+                           tls_ca_file=cfg.card_tls_ca_file)
     if is_redis(location):
         return RedisCard(location, num_dbs=cfg.num_dbs, io_timeout_ms=cfg.io_timeout_ms, ttl_s=cfg.ttl)
     return DirectoryCard(location, num_dbs=cfg.num_dbs, sync_writes=cfg.sync_writes, direct_reads=cfg.direct_reads,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 import struct
 import time
 from typing import Any, Union
@@ -260,8 +261,13 @@ def recv_body(sock: socket.socket, n: int, deadline: float | None = None) -> byt
 
 
 def send_all(sock: socket.socket, bufs: list[Any]) -> None:
-    """``sendmsg`` of every buffer, whole (no joining: payloads go to the kernel from where they are)."""
+    """``sendmsg`` of every buffer, whole (no joining: payloads go to the kernel from where they are).
+    Over TLS, which has no ``sendmsg``, each buffer is encrypted and sent in turn."""
     views = [memoryview(b) for b in bufs if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        for v in views:
+            sock.sendall(v)
+        return
     i = 0
     while i < len(views):
         sent = sock.sendmsg(views[i : i + 1024])

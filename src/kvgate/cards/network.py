@@ -1,4 +1,4 @@
-"""A card that a card server serves over TCP: ``kvgate://host:port/<serial>``.
+"""A card that a card server serves over TCP: ``kvgate://host:port/<serial>``, or over TLS: ``kvgates://``.
 
 The server (``kvgate.cluster.export``, ``kvgate export``) holds the card's
 directory on its host; objects, labels, claims, snapshots and the heads list
@@ -17,6 +17,14 @@ their own for their life, since the gateway advances them from whichever
 pool thread is free; the claim gets one too, held for as long as the claim
 is (see ``claim``).
 
+TLS (``kvgates://``): the connection is encrypted and the server's
+certificate checked against ``tls_ca_file`` (the config's
+``card_tls_ca_file``; the system's trusted CAs if unset) and the URL's host,
+so neither the token nor an object can be read or changed on the way.
+Without it the token travels in the clear: anyone who can listen on the
+network can take it and write objects of their own under any key (each
+hashes right: the hash guards against damage, not against a writer).
+
 Deadlines: every connect, send and receive is bounded by ``io_timeout_ms``.
 A connection that timed out, broke or met a reply it cannot parse is closed
 at once, never reused half-read, and the call fails with ``CardUnavailable``
@@ -30,6 +38,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Collection
@@ -47,12 +56,13 @@ from kvgate.memcopy import Abandon, ReadAbandoned
 log = logging.getLogger("kvgate.cards.network")
 
 PREFIX = "kvgate://"
+TLS_PREFIX = "kvgates://"
 # Keys per request of a batch; a bigger batch takes one round trip per this many.
 BATCH = w.MAX_BATCH
 
 
 def is_network(location: str) -> bool:
-    return location.startswith(PREFIX)
+    return location.startswith((PREFIX, TLS_PREFIX))
 
 
 class NetworkCard(Card):
@@ -68,7 +78,7 @@ class NetworkCard(Card):
     kind = "kvgate"
 
     def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_object_bytes: int = 256 << 20,
-                 token_file: str | None = None):
+                 token_file: str | None = None, tls_ca_file: str | None = None):
         super().__init__(location, num_dbs)
         self.token_file = token_file  # read at each connect (on the calling I/O thread): a rotated token is used
         if io_timeout_ms < 1:
@@ -79,10 +89,21 @@ class NetworkCard(Card):
             port = parts.port
         except ValueError:
             port = None
-        if parts.scheme != "kvgate" or not parts.hostname or port is None or not serial or "/" in serial:
-            raise ValueError(f"not a kvgate card location: {location!r}; write kvgate://HOST:PORT/SERIAL "
-                             "(kvgate export prints the URL of each card it serves)")
+        if parts.scheme not in ("kvgate", "kvgates") or not parts.hostname or port is None or not serial \
+                or "/" in serial:
+            raise ValueError(f"not a kvgate card location: {location!r}; write kvgate://HOST:PORT/SERIAL, or "
+                             "kvgates:// for a server with a TLS certificate (kvgate export prints the URL of each "
+                             "card it serves)")
         self.host, self.port, self.url_serial = parts.hostname, port, serial
+        self.tls: ssl.SSLContext | None = None
+        if parts.scheme == "kvgates":
+            try:
+                self.tls = ssl.create_default_context(cafile=tls_ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"card_tls_ca_file {tls_ca_file}: cannot load it as PEM certificates "
+                                 f"({getattr(e, 'strerror', None) or e})") from None
+            self.tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.tls_ca_file = tls_ca_file
         self.timeout = io_timeout_ms / 1000
         self.max_object_bytes = max_object_bytes
         self._local = threading.local()
@@ -97,7 +118,14 @@ class NetworkCard(Card):
 
     def lost(self, exc: BaseException) -> CardUnavailable:
         """The ``CardUnavailable`` for a connection that failed with ``exc``."""
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            trusted = f"the CAs in card_tls_ca_file ({self.tls_ca_file})" if self.tls_ca_file else \
+                "the system's trusted CAs (set card_tls_ca_file to the CA that signed it)"
+            why = f"the card server's TLS certificate is not trusted by {trusted}: {exc.verify_message}"
+            code = errno.EACCES
+        elif isinstance(exc, ssl.SSLError):
+            why, code = f"TLS with the card server failed ({exc.reason or exc})", errno.EPROTO
+        elif isinstance(exc, TimeoutError):
             why = f"card server did not answer within io_timeout_ms ({self.timeout * 1000:.0f} ms)"
             code = errno.ETIMEDOUT
         elif isinstance(exc, w.WireError):
@@ -117,6 +145,16 @@ class NetworkCard(Card):
         except OSError as e:
             raise self.lost(e) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)  # the handshake, within the timeout
+            except OSError as e:
+                sock.close()
+                if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLCertVerificationError):
+                    raise CardUnavailable(errno.EPROTO, f"TLS handshake with the card server failed ({e.reason or e})"
+                                          ": does it serve TLS (kvgate export --tls-cert)? A plain server's cards "
+                                          "are kvgate://, not kvgates://", self.location) from e
+                raise self.lost(e) from e
         conn = Conn(self, sock)
         try:
             try:

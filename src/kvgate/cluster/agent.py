@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -55,13 +56,15 @@ INTERVAL_S: Final = 1.0
 LIVENESS_TTL_S: Final = 5
 
 
-def label_card(location: str, address: str | None = None, token_file: str | None = None) -> CardRecord:
+def label_card(location: str, address: str | None = None, token_file: str | None = None,
+               tls_ca_file: str | None = None) -> CardRecord:
     """The card at ``location`` as the registry records it, labelling it if it has no label yet (blocking
     I/O: run it on a thread).  A gateway opening the same location finds the same serial; ``address``:
     where gateways reach it instead (a glob on a shared filesystem, under which they find it by serial);
-    ``token_file``: what a ``kvgate://`` card's server requires."""
+    ``token_file``: what a ``kvgate://`` card's server requires; ``tls_ca_file``: what a ``kvgates://``
+    card's certificate is checked against."""
     card = make_card(location, Config(storage_devices=[location], create_card_dirs=False,
-                                      card_token_file=token_file))
+                                      card_token_file=token_file, card_tls_ca_file=tls_ca_file))
     try:
         serial = card.open()
     finally:
@@ -109,6 +112,7 @@ class AgentSettings:
     member: EtcdMember | None = None
     export: tuple[str, int] | None = None  # serve the directory cards over TCP here (kvgate://host:port/serial)
     token: str | None = None  # what gateways must present to that server (their card_token_file)
+    tls: ssl.SSLContext | None = None  # that server's TLS (export.tls_server_context): kvgates:// addresses
 
 
 class ClusterAgent:
@@ -147,7 +151,7 @@ class ClusterAgent:
         self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
         self._doc_cards = -1  # how many cards the agents/<name> put last listed
         # Directory cards served to gateways on other hosts (``--export``): registered as kvgate:// addresses.
-        self.exporter = (CardExporter([], *settings.export, token=settings.token) if settings.export is not None
+        self.exporter = (CardExporter([], *settings.export, token=settings.token, tls=settings.tls) if settings.export is not None
                          else None)
         self.export: str | None = None  # the exporter's HOST:PORT once it listens
         self.lease: int | None = None

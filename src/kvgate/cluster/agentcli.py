@@ -14,6 +14,7 @@ import sys
 
 from kvgate.cluster.agent import INTERVAL_S, LIVENESS_TTL_S, AgentSettings, ClusterAgent, serve
 from kvgate.cluster.member import EtcdMember
+from kvgate.cluster.export import tls_server_context
 from kvgate.config import read_token
 
 MEMBER_FLAGS = ("etcd_peer_url", "etcd_client_url", "etcd_initial_cluster")
@@ -35,6 +36,10 @@ def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--export", metavar="HOST:PORT",
                    help="serve this host's directory cards to gateways on other hosts on this address (a fixed "
                         "port: it is part of each card's registered kvgate://HOST:PORT/SERIAL address)")
+    g.add_argument("--tls-cert", metavar="FILE",
+                   help="serve: a PEM certificate chain for --export; every connection is TLS and the cards are "
+                        "registered as kvgates:// (gateways check it against their card_tls_ca_file)")
+    g.add_argument("--tls-key", metavar="FILE", help="serve: the PEM private key of --tls-cert (if not in it)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--token-file", metavar="FILE",
                    help="serve: the token gateways must present to --export (their card_token_file; needed beyond "
@@ -61,9 +66,15 @@ def agent_from(args: argparse.Namespace) -> ClusterAgent:
             raise ValueError(f"--export wants HOST:PORT with a fixed port (the cards' addresses name it), "
                              f"got {args.export!r}")
         export = (host.strip("[]"), int(port))
+    tls = None
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        if not args.export or not args.tls_cert:
+            raise ValueError("--tls-cert (and --tls-key) go with --export: they are the card server's certificate")
+        tls = tls_server_context(args.tls_cert, args.tls_key)
     return ClusterAgent(AgentSettings(name=args.name, cards=args.cards, endpoints=endpoints, cluster=args.cluster_name,
                                       slots=args.slots, liveness_ttl_s=args.liveness_ttl, interval_s=args.interval,
-                                      call_timeout_s=args.timeout, member=member, export=export, token=token))
+                                      call_timeout_s=args.timeout, member=member, export=export, token=token,
+                                      tls=tls))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")
     p.add_argument("--slots", type=int, default=Config().storage_slots,
                    help="publish, serve: storage_slots of the gateways (default %(default)s)")
+    p.add_argument("--tls-ca-file", metavar="FILE",
+                   help="register: the PEM CA file a kvgates:// card's certificate is checked against (the "
+                        "gateways' card_tls_ca_file; default: the system's trusted CAs)")
     p.add_argument("--address", metavar="PATH|GLOB|URL",
                    help="register: where gateways reach a directory card when that is not where this host has "
                         "it (a shared filesystem mounted elsewhere: a glob under which each gateway finds it by "
@@ -118,7 +121,7 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
             print(name)
         return 0 if name is not None else 1
     elif args.action == "register":
-        return await _register(reg, args.card, args.address, args.token_file)
+        return await _register(reg, args.card, args.address, args.token_file, args.tls_ca_file)
     elif args.action in ("drain", "undrain", "retire"):
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
         record = await reg.set_state(args.card, state)
@@ -183,7 +186,8 @@ async def _publish(reg: Registry, slots: int, as_json: bool) -> int:
     return 0
 
 
-async def _register(reg: Registry, card: str, address: str | None, token_file: str | None) -> int:
+async def _register(reg: Registry, card: str, address: str | None, token_file: str | None,
+                    tls_ca_file: str | None = None) -> int:
     """Label and register the card at ``card``; a Redis Cluster seed registers one card per primary."""
     from kvgate.cluster.agent import label_card
 
@@ -195,7 +199,7 @@ async def _register(reg: Registry, card: str, address: str | None, token_file: s
         locations = [card]
     taken = 0
     for location in locations:
-        record = await asyncio.to_thread(label_card, location, address, token_file)
+        record = await asyncio.to_thread(label_card, location, address, token_file, tls_ca_file)
         if await reg.register(record):
             taken += 1
             print(f"card {record.serial} at {record.address} registered (joining; the leader or `kvgate cluster "

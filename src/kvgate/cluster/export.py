@@ -45,8 +45,13 @@ Access: a server bound beyond loopback needs a token (``token``, from
 ``--token-file``); every connection's hello must present it (compared in
 constant time) before any card is named, and one that does not is answered
 an error naming ``card_token_file`` and closed.  The token keeps strangers
-from reading, writing or deleting objects; it travels in the clear (no
-encryption yet), so it is for a network no stranger can listen on.
+from reading, writing or deleting objects.  With a certificate (``tls``,
+``--tls-cert``/``--tls-key``) every connection is TLS (its cards are
+``kvgates://``): the token and the objects cannot be read or changed on the
+way.  Without, the token travels in the clear, which is only for a network
+no stranger can listen on: whoever takes it can store objects of their own
+under any key, and each would hash right.  An object goes out over TLS in
+256 KiB reads (no ``sendfile`` through TLS).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -79,13 +85,18 @@ class CardExporter:
 
     def __init__(self, cards: list[DirectoryCard], host: str = "127.0.0.1", port: int = 0,
                  max_object_bytes: int = 256 << 20, max_connections: int = 256, frame_timeout: float = 10.0,
-                 token: str | None = None):
+                 token: str | None = None, tls: ssl.SSLContext | None = None):
         if max_object_bytes < (1 << 20):
             raise ValueError(f"max_object_bytes must be at least 1 MiB, got {max_object_bytes}")
         if token is None and not is_loopback(host):
             raise ValueError(f"{host or 'every address'} is not loopback: give a token file (--token-file) so "
                              "that only gateways that present it (card_token_file) read and write these cards")
         self.token = token  # what every connection's hello must present; None: loopback only, no token
+        self.tls = tls  # every connection is TLS with this server context (tls_server_context); None: plain
+        if tls is None and not is_loopback(host):
+            log.warning("card server on %s without a TLS certificate: the token and every object travel in the "
+                        "clear; give --tls-cert and --tls-key unless no stranger can listen on this network",
+                        host or "every address")
         self.refusal_logged = 0.0  # when a refused token was last logged
         self.cards = list(cards)
         self.host, self.port = host, port
@@ -139,7 +150,8 @@ class CardExporter:
         return self.urls()[serial]
 
     def urls(self) -> dict[str, str]:
-        return {s: f"kvgate://{url_host(self.host)}:{self.port}/{s}" for s in self.by_serial}
+        scheme = "kvgates" if self.tls is not None else "kvgate"
+        return {s: f"{scheme}://{url_host(self.host)}:{self.port}/{s}" for s in self.by_serial}
 
     def stop(self) -> None:
         with self._lock:
@@ -205,8 +217,23 @@ class CardExporter:
             self._conns.discard(conn)
 
 
+def tls_server_context(cert_file: str, key_file: str | None = None) -> ssl.SSLContext:
+    """A card server's TLS context from its certificate chain and key (PEM); ``ValueError`` naming the file."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.num_tickets = 0  # no session tickets: nothing unasked arrives on an idle connection (see Conn.stale)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--tls-cert {cert_file}" + (f" --tls-key {key_file}" if key_file else "") +
+                         f": cannot load a certificate and its key from them ({getattr(e, 'strerror', None) or e})"
+                         ) from None
+    return ctx
+
+
 def serve(dirs: list[str], listen: str, num_dbs: int = 1, max_object_bytes: int = 256 << 20,
-          sync_writes: bool = False, token_file: str | None = None) -> int:
+          sync_writes: bool = False, token_file: str | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None) -> int:
     """``kvgate export``: serve ``dirs`` on ``listen`` (HOST:PORT) until SIGINT or SIGTERM."""
     import signal
 
@@ -214,10 +241,13 @@ def serve(dirs: list[str], listen: str, num_dbs: int = 1, max_object_bytes: int 
     if not host or not port.isdigit():
         raise ValueError(f"--listen wants HOST:PORT, got {listen!r}")
     token = read_token(token_file, "--token-file") if token_file else None
+    if tls_key and not tls_cert:
+        raise ValueError("--tls-key needs --tls-cert")
+    tls = tls_server_context(tls_cert, tls_key) if tls_cert else None
     cards = [DirectoryCard(d, num_dbs=num_dbs, sync_writes=sync_writes, create_missing=False) for d in dirs]
     try:
         ex = CardExporter(cards, host.strip("[]"), int(port), max_object_bytes=max_object_bytes,
-                          token=token).start()
+                          token=token, tls=tls).start()
     except CardUnavailable as e:
         why = e.strerror.replace(", or set create_card_dirs: true", "")  # a gateway's key; export has none
         raise ValueError(f"cannot export card {e.filename}: {why}") from None

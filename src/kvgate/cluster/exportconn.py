@@ -14,6 +14,7 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator
@@ -33,6 +34,8 @@ log = logging.getLogger("kvgate.cluster.export")
 # a gateway below 4 MiB/s cannot feed an engine anyway (as the gateway's own frame_timeout).
 _MIN_RATE = 4 << 20
 _ZEROS = bytes(1 << 16)
+_TLS_PIECE = 256 << 10  # an object file goes out over TLS in reads this large (no sendfile through TLS)
+_TLS_HANDSHAKE = 0x16  # the first byte of every TLS connection (a handshake record)
 # A claim held for a remote gateway is dropped this soon after its host goes silent.
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 4}
 
@@ -70,13 +73,18 @@ class Connection:
 
     def shutdown(self) -> None:
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            # The socket's own shutdown, also under TLS: SSLSocket.shutdown drops its TLS state, which this
+            # connection's thread may be using right now.
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         except OSError:
             pass
 
     def run(self) -> None:
         try:
-            self._serve()
+            if self.ex.tls is None or self._start_tls():
+                self._serve()
+        except ssl.SSLError as e:
+            log.warning("card server: TLS with client %s failed (%s); disconnected", self.peer, e.reason or e)
         except w.WireError as e:
             log.warning("card server: client %s broke the protocol (%s); disconnected", self.peer, e)
             self._send_quietly(w.to_err(e))
@@ -87,6 +95,22 @@ class Connection:
         finally:
             self._cleanup()
             self.ex.ended(self)
+
+    def _start_tls(self) -> bool:
+        """The TLS handshake, within ``frame_timeout``; a client speaking plain kvgate is told, in a plain
+        frame, to use kvgates://.  False: the connection ends."""
+        assert self.ex.tls is not None
+        self.sock.settimeout(self.ex.frame_timeout)
+        first = self.sock.recv(1, socket.MSG_PEEK)
+        if not first:
+            return False
+        if first[0] != _TLS_HANDSHAKE:
+            self._send_quietly(w.Err("unavailable", "this card server speaks TLS: reach its cards as kvgates://"
+                                     "HOST:PORT/SERIAL (and set card_tls_ca_file to the CA of its certificate)",
+                                     errno.EPROTO))
+            return False
+        self.sock = self.ex.tls.wrap_socket(self.sock, server_side=True)
+        return True
 
     def _send_quietly(self, msg: w.Msg) -> None:
         try:
@@ -209,8 +233,11 @@ class Connection:
                 return
             self.sock.settimeout(self.ex.send_timeout)
             self.sock.sendall(w.frame(w.Item(), size))
-            with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-                sent = self.sock.sendfile(f, 0, size) if size else 0
+            if isinstance(self.sock, ssl.SSLSocket):
+                sent = self._send_file_tls(fd, size)
+            else:
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+                    sent = self.sock.sendfile(f, 0, size) if size else 0
             # The file shrank since fstat (it never does for our writes; a damaged disk, a hand): the
             # announced length is kept with zeros and the client's check finds the object corrupt.
             while sent < size:
@@ -219,6 +246,19 @@ class Connection:
                 sent += k
         finally:
             os.close(fd)
+
+    def _send_file_tls(self, fd: int, size: int) -> int:
+        """The file's bytes through TLS (which has no sendfile), read in large pieces into one buffer."""
+        buf = self._tls_buf = getattr(self, "_tls_buf", None) or bytearray(_TLS_PIECE)
+        view = memoryview(buf)
+        sent = 0
+        while sent < size:
+            k = os.preadv(fd, [view[: min(_TLS_PIECE, size - sent)]], sent)
+            if k <= 0:
+                break
+            self.sock.sendall(view[:k])
+            sent += k
+        return sent
 
     def _missing(self, path: str) -> w.Err:
         card = self.card

@@ -1,0 +1,174 @@
+"""What TLS costs a ``kvgates://`` card: warm batch reads and writes of one card served twice by a card
+server in a process of its own, once plain (``kvgate://``) and once with a certificate (``kvgates://``),
+in alternating rounds, beside the raw limit the README's other figures use: a memory copy of the same bytes
+(``np.copyto``) and AES-256-GCM over them in this process (what TLS must do on each side).
+
+32 objects of 2 MiB (page cache warm); certificates from ``trustme`` (the test extra).  Prints best and
+median GiB/s of each figure and TLS's ratio to plain.
+
+    .venv/bin/python benchmarks/card_tls.py --dir var/card-tls
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from kvgate.bench.measure import Contender, measure
+from kvgate.bench.processes import kvgate_env
+from kvgate.cards import NetworkCard, ObjectMeta
+from kvgate.cards.directory import DirectoryCard
+from kvgate.keys import full_key
+
+OBJECTS = 32
+SIZE = 2 << 20
+
+_SERVER = """
+import sys, threading
+from kvgate.cards.directory import DirectoryCard
+from kvgate.cluster.export import CardExporter, tls_server_context
+card = DirectoryCard(sys.argv[1]); card.open()
+plain = CardExporter([card], "127.0.0.1", 0).start()
+tls = CardExporter([card], "127.0.0.1", 0, tls=tls_server_context(sys.argv[2])).start()
+print(plain.urls()[card.serial], tls.urls()[card.serial], flush=True)
+sys.stdin.read()
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="var/card-tls", help="where the card and certificates go (removed at the end)")
+    p.add_argument("--seconds", type=float, default=6.0, help="measured time per figure")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = p.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    try:
+        out = _run(args.dir, args.seconds)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    for name, f in out.items():
+        print(f"{name:34} {f['best_gib_s']:6.2f} ({f['median_gib_s']:5.2f}) GiB/s"
+              + (f"   {f['ratio']:.2f} ({f['ratio_median']:.2f}) of {f['of']}" if "ratio" in f else ""))
+
+
+def _aes_gcm_pass(data: np.ndarray) -> None:
+    """AES-256-GCM of ``data`` in 16 KiB records, as TLS does, through OpenSSL (an in-memory TLS pair)."""
+    _pair.send(data)
+
+
+class _TlsPair:
+    """A client and server TLS object over memory BIOs, for the encryption limit of this machine."""
+
+    def __init__(self, cert: str, ca: str) -> None:
+        sctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        sctx.load_cert_chain(cert)
+        cctx = ssl.create_default_context(cafile=ca)
+        self.bios = [ssl.MemoryBIO() for _ in range(4)]
+        self.c = cctx.wrap_bio(self.bios[0], self.bios[1], server_hostname="127.0.0.1")
+        self.s = sctx.wrap_bio(self.bios[2], self.bios[3], server_side=True)
+        for _ in range(10):
+            for side in (self.c, self.s):
+                try:
+                    side.do_handshake()
+                except ssl.SSLWantReadError:
+                    pass
+            self.bios[2].write(self.bios[1].read())
+            self.bios[0].write(self.bios[3].read())
+        self.sink = bytearray(1 << 20)
+
+    def send(self, data: np.ndarray) -> None:
+        view = memoryview(data).cast("B")
+        for off in range(0, len(view), 1 << 18):
+            self.c.write(view[off : off + (1 << 18)])
+            self.bios[2].write(self.bios[1].read())  # encrypted, then decrypted by the other side
+            while True:
+                try:
+                    if not self.s.read(len(self.sink), self.sink):
+                        break
+                except ssl.SSLWantReadError:
+                    break
+
+
+_pair: _TlsPair
+
+
+def _check(results: list) -> None:
+    bad = [r for r in results if isinstance(r, BaseException)]
+    if bad:
+        raise bad[0]
+
+
+def _run(where: str, seconds: float) -> dict:
+    import trustme
+
+    global _pair
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    pem, ca_pem = os.path.join(where, "server.pem"), os.path.join(where, "ca.pem")
+    cert.private_key_and_cert_chain_pem.write_to_path(pem)
+    ca.cert_pem.write_to_path(ca_pem)
+    _pair = _TlsPair(pem, ca_pem)
+    card_dir = os.path.join(where, "card")
+    DirectoryCard(card_dir, create_missing=True).open()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, card_dir, pem], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=kvgate_env())
+    try:
+        assert server.stdout is not None
+        plain_url, tls_url = server.stdout.readline().split()
+        cards = {"plain": NetworkCard(plain_url, io_timeout_ms=20000),
+                 "tls": NetworkCard(tls_url, io_timeout_ms=20000, tls_ca_file=ca_pem)}
+        for c in cards.values():
+            c.open()
+        keys = [full_key(b"card-tls", b"%d" % i) for i in range(OBJECTS)]
+        data = np.random.default_rng(0).integers(0, 256, SIZE, np.uint8)
+        meta = ObjectMeta(b"\0" * 16, 0, time.time_ns(), False)
+        items = [(k, memoryview(data), meta) for k in keys]
+        assert all(isinstance(r, int) for r in cards["plain"].write_many(items))
+        bufs = [np.zeros(SIZE, np.uint8) for _ in keys]
+        big = np.zeros(OBJECTS * SIZE, np.uint8)
+        src = np.resize(data, OBJECTS * SIZE)
+
+        def read(name: str):
+            return lambda _r: _check(cards[name].read_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)]))
+
+        def write(name: str):
+            return lambda _r: _check(cards[name].write_many(items))
+
+        rounds = {"budget_s": seconds, "min_rounds": 5, "max_rounds": 10_000}
+        out: dict = {}
+        for what, make in (("read", read), ("write", write)):
+            series = measure([Contender(f"{what}, kvgate://", make("plain")),
+                              Contender(f"{what}, kvgates://", make("tls"))], OBJECTS * SIZE, **rounds)
+            for name, s in series.items():
+                out[name] = s.to_json()
+            plain, tls = series[f"{what}, kvgate://"], series[f"{what}, kvgates://"]
+            out[f"{what}, kvgates://"].update(of=f"{what}, kvgate://", ratio=tls.best_gib_s / plain.best_gib_s,
+                                             ratio_median=tls.median_gib_s / plain.median_gib_s)
+        limits = measure([Contender("memory copy (np.copyto)", lambda _r: np.copyto(big, src)),
+                          Contender("TLS encrypt + decrypt, in memory", lambda _r: _aes_gcm_pass(src))],
+                         OBJECTS * SIZE, **rounds)
+        for name, s in limits.items():
+            out[name] = s.to_json()
+        for c in cards.values():
+            c.close()
+        return out
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        server.wait(10)
+
+
+if __name__ == "__main__":
+    main()

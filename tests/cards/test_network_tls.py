@@ -204,3 +204,19 @@ def test_a_server_stopped_with_tls_connections_open_ends_them_quietly(pems, loca
     assert "failed" not in caplog.text and "Traceback" not in caplog.text, caplog.text
     with pytest.raises(CardUnavailable):
         cards[0].check()
+
+
+@pytest.mark.slow  # starts a card server process
+def test_the_tls_benchmark_runs_and_reports_every_figure(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "card_tls.py"
+    r = subprocess.run([sys.executable, str(script), "--dir", str(tmp_path / "b"), "--seconds", "0.2", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert {"read, kvgates://", "write, kvgates://", "TLS encrypt + decrypt, in memory"} <= set(out)
+    assert all(f["best_gib_s"] > 0 for f in out.values()) and 0 < out["read, kvgates://"]["ratio"]
+    assert not (tmp_path / "b").exists()

@@ -22,10 +22,7 @@ path's ratio to its raw side.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvgate.bench.measure import Contender, measure
+from kvgate.bench.measure import Contender, measure, script_main
 from kvgate.cards import ObjectMeta
 from kvgate.cards.base import close_files
 from kvgate.cards.directory import DirectoryCard
@@ -46,26 +43,7 @@ SIZE = 2 << 20
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default="var/card-paths", help="where the card goes (removed at the end)")
-    p.add_argument("--seconds", type=float, default=4.0, help="measured time per figure")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = p.parse_args()
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
-    try:
-        out = _run(args.dir, args.seconds)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return
-    for name, f in out.items():
-        if "best_ms" in f:
-            print(f"{name:28} {f['best_ms']:6.2f} ({f['median_ms']:5.2f}) ms for {f['objects']} objects")
-            continue
-        print(f"{name:28} {f['best_gib_s']:6.2f} ({f['median_gib_s']:5.2f}) GiB/s"
-              + (f"   {f['ratio']:.2f} ({f['ratio_median']:.2f}) of {f['of']}" if "ratio" in f else ""))
+    script_main(__doc__, "var/card-paths", 4.0, _run, width=28)
 
 
 def _run(where: str, seconds: float) -> dict:

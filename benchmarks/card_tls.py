@@ -11,10 +11,7 @@ median GiB/s of each figure and TLS's ratio to plain.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import ssl
 import subprocess
 import sys
@@ -22,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvgate.bench.measure import Contender, measure
+from kvgate.bench.measure import Contender, measure, script_main
 from kvgate.bench.processes import kvgate_env
 from kvgate.cards import NetworkCard, ObjectMeta
 from kvgate.cards.directory import DirectoryCard
@@ -44,23 +41,7 @@ sys.stdin.read()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default="var/card-tls", help="where the card and certificates go (removed at the end)")
-    p.add_argument("--seconds", type=float, default=6.0, help="measured time per figure")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = p.parse_args()
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
-    try:
-        out = _run(args.dir, args.seconds)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return
-    for name, f in out.items():
-        print(f"{name:34} {f['best_gib_s']:6.2f} ({f['median_gib_s']:5.2f}) GiB/s"
-              + (f"   {f['ratio']:.2f} ({f['ratio_median']:.2f}) of {f['of']}" if "ratio" in f else ""))
+    script_main(__doc__, "var/card-tls", 6.0, _run, width=34)
 
 
 def _aes_gcm_pass(data: np.ndarray) -> None:

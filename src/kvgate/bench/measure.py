@@ -132,3 +132,33 @@ def figure(series: dict[str, Series], name: str, thread_counts: Sequence[int], w
     if direct:
         base["direct_by_threads"] = direct
     return ratio(series[name], base)
+
+
+def script_main(doc: str, default_dir: str, seconds: float, run: Callable[[str, float], dict[str, dict]],
+                width: int = 34) -> None:
+    """The command line of a ``benchmarks/`` script: ``--dir`` (made fresh, removed at the end), ``--seconds``
+    per figure, ``--json``; ``run(dir, seconds)`` returns the figures by name, printed as best (median)."""
+    import json
+    import os
+    import shutil
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--dir", default=default_dir, help="where its files go (removed at the end)")
+    p.add_argument("--seconds", type=float, default=seconds, help="measured time per figure")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = p.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    try:
+        out = run(args.dir, args.seconds)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    for name, f in out.items():
+        if "best_ms" in f:
+            print(f"{name:{width}} {f['best_ms']:6.2f} ({f['median_ms']:5.2f}) ms for {f['objects']} objects")
+            continue
+        print(f"{name:{width}} {f['best_gib_s']:6.2f} ({f['median_gib_s']:5.2f}) GiB/s"
+              + (f"   {f['ratio']:.2f} ({f['ratio_median']:.2f}) of {f['of']}" if "ratio" in f else ""))

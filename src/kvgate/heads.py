@@ -212,9 +212,10 @@ class SharedHeads:
         return set(self._heads) | {b | _BRANCH for b in self._branches}
 
 
-def encode_ids(ids: Iterable[int], ordered: bool = False) -> bytes:
-    """A head list as a card stores it: little-endian u64s, sorted unless ``ordered`` (kept as given)."""
-    return np.fromiter(ids if ordered else sorted(ids), dtype="<u8").tobytes()
+def encode_ids(ids: Iterable[int]) -> bytes:
+    """A head list as a card stores it: little-endian u64s, in the order given (a directory card's list is
+    oldest first)."""
+    return np.fromiter(ids, dtype="<u8").tobytes()
 
 
 def decode_id_list(raw: bytes | bytearray | memoryview) -> list[int]:

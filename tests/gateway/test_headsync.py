@@ -102,3 +102,22 @@ def test_the_loop_merges_only_what_is_new_on_a_card_since_its_last_answer() -> N
         assert len(heads) == 5002
 
     asyncio.run(main())
+
+
+def test_the_list_of_a_card_that_left_the_set_is_forgotten() -> None:
+    async def main() -> None:
+        heads = SharedHeads()
+        a, b = card_state("a"), card_state("b")
+        a.card.ids, b.card.ids = {1, 2}, {3}
+        cards = SimpleNamespace(cards=[a, b])
+        sync = HeadSync(heads, cards)
+        await sync.sync_once()
+        assert set(sync._answers) == {"a", "b"}
+        b.active = False
+        await sync.sync_once()
+        assert set(sync._answers) == {"a", "b"}, "an inactive card keeps its list: it comes back"
+        cards.cards = [a]
+        await sync.sync_once()
+        assert set(sync._answers) == {"a"}
+
+    asyncio.run(main())

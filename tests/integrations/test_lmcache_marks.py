@@ -76,3 +76,28 @@ def test_mark_cache_by_the_leads_last_key_for_its_ttl(monkeypatch) -> None:
     for k in (b"a", b"b", b"c"):
         cache.put(k, dm)
     assert cache.get(b"a") is None and cache.get(b"c") == dm, "at most size marks"
+
+
+def test_mark_cache_is_shared_by_threads() -> None:
+    """SGLang's storage threads and LMCache's lookup thread share one cache."""
+    cache = MarkCache(size=500)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(3000):
+                k = b"lead-%d" % (i % 700)
+                dm = DialogMark(k, 0)
+                cache.put(k, dm)
+                got = cache.get(b"lead-%d" % ((i * 7 + t) % 700))
+                assert got is None or got.mark == b"lead-%d" % ((i * 7 + t) % 700)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(cache._marks) <= 500

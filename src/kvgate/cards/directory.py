@@ -486,9 +486,9 @@ class DirectoryCard(Card):
             if missing:
                 if len(held) + len(missing) > CARD_MAX_HEADS:
                     held = (held + missing)[-CARD_MAX_HEADS:]
-                    data, at, have = encode_ids(held, ordered=True), 0, set(held)
+                    data, at, have = encode_ids(held), 0, set(held)
                 else:
-                    data, at = encode_ids(missing, ordered=True), got - got % 8  # a torn tail is written over
+                    data, at = encode_ids(missing), got - got % 8  # a torn tail is written over
                     have.update(missing)
                 pwrite_all(fd, data, at)
                 if at + len(data) < size:

@@ -68,6 +68,7 @@ class Connection:
         self.snapshot = None
         self.snapshot_error: BaseException | None = None
         self.buf = bytearray()
+        self.tls_buf: bytearray | None = None  # what object files are read into to go out over TLS
         self.thread = threading.Thread(target=self.run, name=f"kvgate-export-{peer}", daemon=True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -249,8 +250,9 @@ class Connection:
 
     def _send_file_tls(self, fd: int, size: int) -> int:
         """The file's bytes through TLS (which has no sendfile), read in large pieces into one buffer."""
-        buf = self._tls_buf = getattr(self, "_tls_buf", None) or bytearray(_TLS_PIECE)
-        view = memoryview(buf)
+        if self.tls_buf is None:
+            self.tls_buf = bytearray(_TLS_PIECE)
+        view = memoryview(self.tls_buf)
         sent = 0
         while sent < size:
             k = os.preadv(fd, [view[: min(_TLS_PIECE, size - sent)]], sent)

@@ -10,8 +10,8 @@ Runs on the loop; the card I/O runs on each card's threads with its
 deadline.  A card answers with its whole list (up to ``CARD_MAX_HEADS``
 ids) every round; what is new since that card's last answer is worked out
 on the card's thread, so the loop merges only that (merging a whole
-131,072-id list took 40 ms of the loop).  A failure here never takes a card out of service: the list is
-small and a round later is soon enough.
+131,072-id list took 40 ms of the loop here).  A failure here never takes a
+card out of service: the list is small and a round later is soon enough.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ class HeadSync:
         new = self.heads.take_new()
         cards = [cs for cs in self.long.cards if cs.active and cs.serial]
         results = await asyncio.gather(*(self._one(cs, new) for cs in cards), return_exceptions=True)
+        serials = {cs.serial for cs in self.long.cards}
+        for gone in [s for s in self._answers if s not in serials]:  # a card that left the set: its list goes
+            del self._answers[gone]
         missed = False
         for cs, r in zip(cards, results):
             if isinstance(r, BaseException):

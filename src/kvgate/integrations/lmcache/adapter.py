@@ -365,6 +365,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         found: list = []
         dm: list[DialogMark | None] = [None]  # the request's mark, asked on its first row
+        noted: list[list[bytes] | None] = [None]  # the last row remembered in ChunkMarks
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
             if ns not in self._seen_ns:
                 # open the bulk sessions now (connect, register L1), not in the first store or restore
@@ -373,7 +374,7 @@ class KvgateL2Adapter(L2AdapterInterface):
                 for _ in self._sessions[2:]:
                     self._load_q.put((self._run_open, 0, [ns], None))
             kb = [key_bytes(keys[i]) for i in idx]
-            res = self._call(sessions, ns, "lookup", lambda c: self._lookup_row(c, kb, dm))
+            res = self._call(sessions, ns, "lookup", lambda c: self._lookup_row(c, kb, dm, noted))
             for i, present in zip(idx, res or ()):
                 if present:
                     bitmap.set(i)
@@ -385,14 +386,17 @@ class KvgateL2Adapter(L2AdapterInterface):
         self.counters["lookup_hits"] += len(found)
         self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
 
-    def _lookup_row(self, c: Client, row: list[bytes], dm: list[DialogMark | None]) -> list[bool]:
+    def _lookup_row(self, c: Client, row: list[bytes], dm: list[DialogMark | None],
+                    noted: list[list[bytes] | None]) -> list[bool]:
         """Hold one row of a lookup (one kv rank and object group's chunks, from the first), under the
         request's dialog mark, asked on the first row and remembered for the stores."""
         if dm[0] is None:
             dm[0] = self._mark(c, row)
         if dm[0] is None:
             return self._hold(c, row)
-        self._marks.note(row, dm[0])
+        if row != noted[0]:  # rows of one request (kv ranks, object groups) share their chunk keys
+            self._marks.note(row, dm[0])
+            noted[0] = row
         present: list[bool] = []
         for start, end, dialog in dm[0].spans(0, len(row)):
             present += self._hold(c, row[start:end], dialog)

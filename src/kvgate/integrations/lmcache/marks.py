@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 from kvgate.client import DialogMark
 
-SIZE = 1 << 16  # chunks remembered between a lookup and its store (about 100 bytes each)
+SIZE = 1 << 16  # chunks remembered between a lookup and its store (about 210 bytes each: 13 MiB in all)
 
 #: (indices into the batch, dialog, position of the first): keys one put can carry
 Run = tuple[list[int], "bytes | None", int]

@@ -326,3 +326,25 @@ def as_newer_format(obj: bytes, full_key: bytes) -> bytes:
     struct.pack_into("<H", out, 4, VERSION + 1)
     struct.pack_into("<Q", out, FIXED_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(out[: FIXED_SIZE - 8]) + full_key))
     return bytes(out)
+
+
+def run_threads(work: Callable[[int], None], n: int) -> None:
+    """``work(t)`` for t in 0..n-1, each on a thread of its own, all at once; the first exception any raised
+    is raised here, once they all ended."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def one(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]

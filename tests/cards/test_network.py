@@ -39,7 +39,7 @@ from kvgate.keys import dialog_digest, key_digest, payload_hash
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from tests.cards.common import check_snapshot_round_trip
 from tests.cards.test_directory import key, payload_for
-from tests.helpers import freeze, wait_until
+from tests.helpers import freeze, run_threads, wait_until
 
 P = CHECKSUM_PIECE
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -508,26 +508,17 @@ def test_an_object_over_the_server_s_limit_is_refused_alone(served, card: Networ
 
 
 def test_threads_share_a_card_each_on_a_connection_of_its_own(card: NetworkCard) -> None:
-    errors: list[BaseException] = []
     used = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(20):
-                k = key(f"t{t}-{i}")
-                data = payload_for(k, 1000 * i + t)
-                card.write(k, memoryview(data), ObjectMeta())
-                assert np.array_equal(read_back(card, k, len(data)), data)
-            used.append(card._local.conn)
-        except BaseException as e:
-            errors.append(e)
+        for i in range(20):
+            k = key(f"t{t}-{i}")
+            data = payload_for(k, 1000 * i + t)
+            card.write(k, memoryview(data), ObjectMeta())
+            assert np.array_equal(read_back(card, k, len(data)), data)
+        used.append(card._local.conn)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(work, 6)
     assert len({id(c) for c in used}) == 6
     used.clear()
     gc.collect()

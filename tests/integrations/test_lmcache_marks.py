@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 from kvgate.integrations.lmcache.marks import ChunkMarks
 from kvgate.integrations.markcache import MarkCache
 from kvgate.keys import DialogMark
+from tests.helpers import run_threads
 
 
 def row(conv: int, n: int, head: int = 2) -> list[bytes]:
@@ -38,29 +37,16 @@ def test_it_remembers_at_most_size_chunks_the_latest_looked_up() -> None:
 
 def test_lookup_and_store_threads_share_it() -> None:
     marks = ChunkMarks(size=1000)
-    errors: list[BaseException] = []
 
-    def lookups() -> None:
-        try:
-            for conv in range(2000):
+    def work(t: int) -> None:
+        for conv in range(2000):
+            if t == 0:  # the lookup thread
                 marks.note(row(conv, 8), DialogMark(b"c%d-0" % conv, 2, [(0, b"sys-0")]))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+                continue
+            for _run, dialog, position in marks.runs(row(conv, 8)[2:]):  # store threads
+                assert dialog in (None, b"c%d-0" % conv) and (dialog is None) == (position == -1)
 
-    def stores() -> None:
-        try:
-            for conv in range(2000):
-                for run, dialog, position in marks.runs(row(conv, 8)[2:]):
-                    assert dialog in (None, b"c%d-0" % conv) and (dialog is None) == (position == -1)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=lookups), threading.Thread(target=stores), threading.Thread(target=stores)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(work, 3)
     assert len(marks) == 1000
 
 
@@ -81,23 +67,14 @@ def test_mark_cache_by_the_leads_last_key_for_its_ttl(monkeypatch) -> None:
 def test_mark_cache_is_shared_by_threads() -> None:
     """SGLang's storage threads and LMCache's lookup thread share one cache."""
     cache = MarkCache(size=500)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(3000):
-                k = b"lead-%d" % (i % 700)
-                dm = DialogMark(k, 0)
-                cache.put(k, dm)
-                got = cache.get(b"lead-%d" % ((i * 7 + t) % 700))
-                assert got is None or got.mark == b"lead-%d" % ((i * 7 + t) % 700)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(3000):
+            k = b"lead-%d" % (i % 700)
+            cache.put(k, DialogMark(k, 0))
+            asked = b"lead-%d" % ((i * 7 + t) % 700)
+            got = cache.get(asked)
+            assert got is None or got.mark == asked
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(work, 4)
     assert len(cache._marks) <= 500

@@ -222,10 +222,10 @@ class AsyncClient(core.ClientCore):
         """As ``Client.clean``."""
         return await self._run(core.clean_op(), timeout)
 
-    async def cards(self, action: str = "list", target: str = "", now: bool = False, *,
+    async def cards(self, action: str = "list", target: str = "", now: bool = False, force: bool = False, *,
                     timeout: Any = DEFAULT) -> Any:
         """As ``Client.cards``."""
-        return await self._run(core.cards_op(action, target, now), timeout)
+        return await self._run(core.cards_op(action, target, now, force), timeout)
 
 
 class _Connecting:

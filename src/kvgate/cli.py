@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("card", nargs="?", default="",
                    help="add: a directory, Redis URL or kvgate:// URL; otherwise a card's serial")
     p.add_argument("--now", action="store_true", help="drain: the card leaves at once, what it holds unread")
+    p.add_argument("--force", action="store_true",
+                   help="drain --now, remove: even if that leaves no card in service, or loses objects a running "
+                        "drain is moving or has moved onto the card (refused otherwise, saying what would be lost)")
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     p = sub.add_parser("cluster", help="the card registry of a cluster in etcd: cards, view, register, drain, "
@@ -205,7 +208,7 @@ def cmd_cards(args) -> int:
         return 2
     with _admin_client(args) as c:
         try:
-            reply = c.cards(args.action, args.card, now=args.now)
+            reply = c.cards(args.action, args.card, now=args.now, force=args.force)
         except GatewayError as e:
             print(f"kvgate cards {args.action}: {e.message}", file=sys.stderr)
             return 1

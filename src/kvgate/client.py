@@ -224,15 +224,17 @@ class Client(core.ClientCore):
         """Delete every object (refused with CLEAN_REFUSED when the cards are shared)."""
         return self._run(core.clean_op())
 
-    def cards(self, action: str = "list", target: str = "", now: bool = False) -> Any:
+    def cards(self, action: str = "list", target: str = "", now: bool = False, force: bool = False) -> Any:
         """List or change the gateway's cards: ``"list"``, ``"add"`` (``target``: a directory or Redis URL),
         ``"drain"`` (``now``: leave at once), ``"undrain"``, ``"remove"`` (``target``: a serial).
+        A removal (``drain`` with ``now``, ``remove``) that would leave no card in service, or drop objects a
+        running drain is moving or has moved onto the card, is refused unless ``force``.
 
         Returns the ``CardsReply`` (``generation``, ``fingerprint``, ``cards``, ``message``).  Needs an
         ``admin`` session on the gateway's local socket; a change that cannot be made is a
         ``GatewayError`` saying why.
         """
-        return self._run(core.cards_op(action, target, now))
+        return self._run(core.cards_op(action, target, now, force))
 
 
 def _drive(sock: socket.socket, op: Op) -> Any:

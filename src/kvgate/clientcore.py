@@ -242,12 +242,12 @@ def stats_op() -> Operation:
     return _asking(Stats(), lambda r: r.stats)
 
 
-def cards_op(action: str, target: str, now: bool) -> Operation:
+def cards_op(action: str, target: str, now: bool, force: bool = False) -> Operation:
     if action not in CARD_ACTIONS:
         raise ValueError(f"card action must be one of {', '.join(map(repr, CARD_ACTIONS))}, not {action!r}")
     if action != "list" and not target:
         raise ValueError(f"card action {action!r} needs a target: a directory or Redis URL to add, else a serial")
-    return _asking(Cards(action=action, target=target, now=now), lambda r: r)
+    return _asking(Cards(action=action, target=target, now=now, force=force), lambda r: r)
 
 
 def clean_op() -> Operation:

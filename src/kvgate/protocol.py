@@ -173,6 +173,9 @@ class Cards(_Msg, tag="cards"):
     action: Literal["list", "add", "drain", "undrain", "remove"] = "list"
     target: str = ""  # add: a directory or Redis URL; otherwise a card's serial
     now: bool = False  # drain: leave at once, without copying what it holds
+    # drain --now, remove: even when that leaves no card in service, or drops objects a running drain is
+    # moving or has moved onto the card (refused with CARDS_REFUSED otherwise, saying what would be lost)
+    force: bool = False
 
 
 Request = Union[Hello, RegisterRegion, Put, Get, Lookup, Exists, Delete, Prewarm, Hold, Release, Mark, Clean, Stats,

@@ -262,14 +262,14 @@ class Operations:
                 mc = await cards.add(req.target)
                 message = f"card {mc.where} ({mc.serial}) added"
             elif req.action == "drain":
-                mc = cards.drain(req.target, now=req.now)
+                mc = cards.drain(req.target, now=req.now, force=req.force)
                 message = (f"card {mc.where} ({mc.serial}) " +
                            ("removed without copying" if req.now else f"draining: {len(mc.index)} objects to copy"))
             elif req.action == "undrain":
                 mc = cards.undrain(req.target)
                 message = f"card {mc.where} ({mc.serial}) takes writes again"
             elif req.action == "remove":
-                await cards.remove(req.target)
+                await cards.remove(req.target, force=req.force)
                 message = f"card {req.target} removed"
         except CardChangeError as e:
             raise RequestError(ErrorCode.CARDS_REFUSED, str(e)) from None

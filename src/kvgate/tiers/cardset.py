@@ -51,6 +51,10 @@ CHECK_INTERVAL_S = 1.0
 # a miss may ask, and several changes within one move are rare.
 UNSETTLED_LAYOUTS = 4
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 class LayoutMismatch(RuntimeError):
     """The configured key_layout_fingerprint differs from the cards found."""
 
@@ -92,6 +96,10 @@ class CardSet:
         self.generation = 0  # changes of the card set since start
         self._by_serial: dict[str, ManagedCard] = {}
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
+        # What running drains have moved so far, by destination serial, then draining serial: [objects, bytes].
+        # Their copies on the draining card are gone (``note_written``), so these are only on the destination
+        # until the drain ends: a removal of the destination would lose them (``_loss``).
+        self._moved_in: dict[str, dict[str, list[int]]] = {}
         self.mover = CardMover(self, cfg.card_move_rate, self._after_move_round)
         self._tasks = Tasks()
         # The slot maps before each change the mover has not settled yet (newest last): a key not in any
@@ -389,11 +397,13 @@ class CardSet:
         self._by_serial[serial] = mc
         return mc
 
-    def drain(self, serial: str, now: bool = False) -> ManagedCard:
+    def drain(self, serial: str, now: bool = False, force: bool = False) -> ManagedCard:
         """No new writes to the card; it leaves once the mover has copied what it holds elsewhere (``now``:
-        leaves at once, what it holds is no longer read)."""
+        leaves at once, what it holds is no longer read; refused as ``remove`` is, unless ``force``)."""
         mc = self._card(serial)
         if now:
+            if not force:
+                self._refuse_loss(serial, "drained --now")
             self._spawn(self._drop(serial).close())
             return mc
         if serial not in self._draining:
@@ -408,18 +418,69 @@ class CardSet:
         if serial not in self._draining:
             raise CardChangeError(f"card {serial} is not draining")
         del self._draining[serial]
+        self._forget_moves(serial)  # what it moved is where placement puts it: that card's, like any object
         self._changed(f"card {mc.where} ({serial}) takes writes again")
         return mc
 
-    async def remove(self, serial: str) -> None:
-        """The card leaves now: what it holds is no longer read (it stays on the medium)."""
+    async def remove(self, serial: str, force: bool = False) -> None:
+        """The card leaves now: what it holds is no longer read (it stays on the medium).
+
+        Refused (``CardChangeError``, saying what would be lost and how to go on) when it would leave no
+        card in service, or drop objects a running drain is moving (the card drains and still holds some)
+        or has moved onto it; ``force`` removes it anyway."""
+        if not force:
+            self._refuse_loss(serial, "removed")
         await self._drop(serial).close()
+
+    def note_moved(self, src: ManagedCard, dst: ManagedCard, nbytes: int) -> None:
+        """The mover landed one object of ``src`` on ``dst`` (and deleted ``src``'s copy): counted while ``src``
+        drains, so that removing ``dst`` before the drain ends is refused (``_loss``)."""
+        if src.serial in self._draining:
+            row = self._moved_in.setdefault(dst.serial, {}).setdefault(src.serial, [0, 0])  # type: ignore[arg-type]
+            row[0] += 1
+            row[1] += nbytes
+
+    def _forget_moves(self, serial: str) -> None:
+        """``serial`` stopped draining or left: what it moved is no longer a running drain's."""
+        self._moved_in.pop(serial, None)
+        for moved in self._moved_in.values():
+            moved.pop(serial, None)
+
+    def _loss(self, serial: str) -> tuple[list[str], list[str]]:
+        """Why taking card ``serial`` out now, without copying, would cost data or service, one clause each,
+        and what to do instead (both empty when only what the card alone holds by choice would go)."""
+        mc = self._card(serial)
+        why, instead = [], []
+        if not any(s != serial and s not in self._draining for s in self._by_serial):
+            why.append("it is the last card in service: without it every put is refused (answers False)")
+            instead.append("add another card first (`kvgate cards add`)")
+        if serial in self._draining and mc.index:
+            why.append(f"it is draining and still holds {len(mc.index)} objects ({_mib(mc.used)}) its drain has "
+                       "not copied elsewhere yet")
+            instead.append("wait for its drain to end (it then leaves by itself; `kvgate cards list` shows it)")
+        moved = {src: n for src, n in self._moved_in.get(serial, {}).items() if src in self._draining}
+        if moved and mc.index:
+            objects = min(sum(n[0] for n in moved.values()), len(mc.index))  # some may have gone since
+            nbytes = min(sum(n[1] for n in moved.values()), mc.used)
+            sources = ", ".join(sorted(moved))
+            why.append(f"{objects} objects ({_mib(nbytes)}) the running drain of card {sources} moved onto it are "
+                       "on no other card")
+            instead.append(f"drain it without --now (its objects are copied on), or wait for the drain of "
+                           f"{sources} to end, or undrain {sources}")
+        return why, instead
+
+    def _refuse_loss(self, serial: str, what: str) -> None:
+        why, instead = self._loss(serial)
+        if why:
+            raise CardChangeError(f"card {serial} not {what}: {'; '.join(why)}. Instead: {'; or '.join(instead)}; "
+                                  "or --force to take it out anyway")
 
     def _drop(self, serial: str, why: str = "removed") -> ManagedCard:
         mc = self._card(serial)
         self.cards.remove(mc)
         del self._by_serial[serial]
         self._draining.pop(serial, None)
+        self._forget_moves(serial)
         mc.index.clear()  # its namespaces' figures no longer count it
         self._changed(f"card {mc.where} ({serial}) {why}")
         return mc

@@ -222,6 +222,7 @@ class CardMover:
         for dst, items in by_dst.values():
             for (fkey, buf, meta), stored in zip(items, await dst.write(items)):
                 if isinstance(stored, int) and self.cards.note_written(dst, fkey, stored, len(buf), meta):
+                    self.cards.note_moved(src, dst, len(buf))
                     self.moved += 1
                     self.moved_bytes += len(buf)
                     self._budget_bytes += len(buf)

@@ -178,7 +178,8 @@ class GatewayProcess(processes.GatewayProcess):
     stdout logs and (when the path is short enough) the socket live, and its
     cwd.  ``args``: extra ``serve`` flags; a flag given here replaces the
     default of the same name.  ``create_cards``: off, a test sees what a
-    missing card directory does.  A killed or stopped one's session regions
+    missing card directory does.  ``python``: the interpreter it runs under (an engine's
+    venv; default this one).  A killed or stopped one's session regions
     left in /dev/shm are removed.
     """
 
@@ -186,7 +187,8 @@ class GatewayProcess(processes.GatewayProcess):
 
     def __init__(self, workdir: str | os.PathLike, args: Sequence[str] = (), *, card: str | os.PathLike | None = None,
                  socket_path: str | os.PathLike | None = None, defaults: bool = True, name: str | None = None,
-                 create_cards: bool = True, env: dict[str, str] | None = None):
+                 create_cards: bool = True, env: dict[str, str] | None = None,
+                 python: str | os.PathLike | None = None):
         GatewayProcess._count += 1
         workdir = Path(workdir)
         name = name or f"gw{GatewayProcess._count}"
@@ -200,7 +202,7 @@ class GatewayProcess(processes.GatewayProcess):
             del flags["--storage-devices"]
         super().__init__(workdir, [x for f, v in flags.items() for x in (f, *v)], name=name, cwd=workdir,
                          log_path=workdir / f"{name}.stderr.log", out_path=workdir / f"{name}.stdout.log",
-                         create_cards=create_cards, env=env)
+                         create_cards=create_cards, env=env, python=str(python) if python is not None else None)
         self._shm_files: set[str] = set()
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cluster", help="the card registry of a cluster in etcd: cards, view, register, drain, "
                                        "undrain, retire, publish, leader; serve: the agent of a host")
-    from kvgate.cluster.command import add_arguments as add_cluster_arguments
+    from kvgate.cluster.flags import add_arguments as add_cluster_arguments  # no etcd3aio: see kvgate.cluster.flags
 
     add_cluster_arguments(p)
 
@@ -110,8 +110,13 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     card_source = None
     if cfg.cluster_mode:  # the cards come from the cluster's registry
-        from kvgate.cluster.follower import ClusterCards
+        try:
+            from kvgate.cluster.follower import ClusterCards
+        except (ImportError, RuntimeError) as e:  # RuntimeError: etcd3aio's gRPC code under an older grpcio
+            from kvgate.cluster.flags import etcd_missing
 
+            logging.getLogger("kvgate").error("cannot start: %s", etcd_missing("cluster_mode", e))
+            return 2
         card_source = functools.partial(ClusterCards, cfg)
     try:
         asyncio.run(run_gateway(cfg, reload=lambda: _config_from(args), card_source=card_source))
@@ -266,8 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kvgate export: {e}", file=sys.stderr)
                 return 2
         if args.command == "cluster":
-            from kvgate.cluster.command import run as run_cluster
+            try:
+                from kvgate.cluster.command import run as run_cluster
+            except (ImportError, RuntimeError) as e:  # RuntimeError: etcd3aio's gRPC code under an older grpcio
+                from kvgate.cluster.flags import etcd_missing
 
+                print(f"kvgate: {etcd_missing('kvgate cluster ' + args.action, e)}", file=sys.stderr)
+                return 2
             return run_cluster(args)
         if args.command == "bench":
             from kvgate.bench.command import run_bench

@@ -40,20 +40,18 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 
 from kvgate.cards import expand, is_redis, kind_of, make_card
 from kvgate.cluster.member import EtcdMember
 from kvgate.cluster.export import CardExporter
+from kvgate.cluster.flags import INTERVAL_S, LIVENESS_TTL_S
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
 from kvgate.config import Config
 
 log = logging.getLogger("kvgate.cluster.agent")
-
-INTERVAL_S: Final = 1.0
-LIVENESS_TTL_S: Final = 5
 
 
 def label_card(location: str, address: str | None = None, token_file: str | None = None,

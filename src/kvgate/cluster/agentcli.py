@@ -1,4 +1,4 @@
-"""The flags of ``kvgate cluster serve`` and the agent they make (``kvgate.cluster.agent``).
+"""The agent ``kvgate cluster serve``'s flags make (``kvgate.cluster.agent``; the flags: ``kvgate.cluster.flags``).
 
     kvgate cluster serve --cards /mnt/card* --etcd-endpoints 10.0.0.5:2379 10.0.0.6:2379
     kvgate cluster serve --etcd-member w1 --etcd-peer-url http://10.0.0.9:2380 \\
@@ -9,41 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 
-from kvgate.cluster.agent import INTERVAL_S, LIVENESS_TTL_S, AgentSettings, ClusterAgent, serve
+from kvgate.cluster.agent import AgentSettings, ClusterAgent, serve
 from kvgate.cluster.member import EtcdMember
 from kvgate.cluster.export import tls_server_context
 from kvgate.config import read_token
 
 MEMBER_FLAGS = ("etcd_peer_url", "etcd_client_url", "etcd_initial_cluster")
-
-
-def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--name", default=socket.gethostname(), help="this agent's name (default: the host name)")
-    g.add_argument("--cards", nargs="+", default=[], metavar="PATH|GLOB|URL",
-                   help="the cards this host serves (none on a witness host); a glob is looked at again each round")
-    g.add_argument("--liveness-ttl", type=int, default=LIVENESS_TTL_S, metavar="SECONDS",
-                   help="TTL of the lease its alive/ keys are under, renewed every third (default %(default)s)")
-    g.add_argument("--interval", type=float, default=INTERVAL_S, metavar="SECONDS",
-                   help="how often it looks at its cards and, leading, at the registry (default %(default)s)")
-    g.add_argument("--etcd-member", metavar="NAME", help="run an etcd member of this name as a child")
-    g.add_argument("--etcd-peer-url", metavar="URL", help="the member's peer URL (http://host:2380)")
-    g.add_argument("--etcd-client-url", metavar="URL", help="the member's client URL (http://host:2379)")
-    g.add_argument("--etcd-initial-cluster", metavar="NAME=URL,...", help="every member's peer URL")
-    g.add_argument("--etcd-data-dir", metavar="DIR", help="the member's data (default ./var/kvgate/etcd-NAME)")
-    g.add_argument("--export", metavar="HOST:PORT",
-                   help="serve this host's directory cards to gateways on other hosts on this address (a fixed "
-                        "port: it is part of each card's registered kvgate://HOST:PORT/SERIAL address)")
-    g.add_argument("--tls-cert", metavar="FILE",
-                   help="serve: a PEM certificate chain for --export; every connection is TLS and the cards are "
-                        "registered as kvgates:// (gateways check it against their card_tls_ca_file)")
-    g.add_argument("--tls-key", metavar="FILE", help="serve: the PEM private key of --tls-cert (if not in it)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--token-file", metavar="FILE",
-                   help="serve: the token gateways must present to --export (their card_token_file; needed beyond "
-                        "loopback); register: the token a kvgate:// card's server requires")
 
 
 def agent_from(args: argparse.Namespace) -> ClusterAgent:

@@ -37,35 +37,10 @@ from kvgate.cards import is_redis
 from kvgate.cards.rediskeys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
-from kvgate.config import Config
+from kvgate.cluster.flags import ACTIONS, add_arguments  # noqa: F401  (kvgate's parser takes them from flags)
 
-ACTIONS = ("status", "cards", "view", "register", "drain", "undrain", "retire", "relocate", "publish", "leader",
-           "serve")
 DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]
 CONNECT_S = 5.0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=ACTIONS, nargs="?", default="cards")
-    p.add_argument("card", nargs="?", default="",
-                   help="register: a directory, Redis URL or kvgate:// URL; otherwise a serial")
-    p.add_argument("--etcd-endpoints", nargs="+", metavar="HOST:PORT",
-                   help="etcd client endpoints (default 127.0.0.1:2379; serve with --etcd-member: its own)")
-    p.add_argument("--cluster-name", default="default")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds each etcd call may take (default 2)")
-    p.add_argument("--slots", type=int, default=Config().storage_slots,
-                   help="publish, serve: storage_slots of the gateways (default %(default)s)")
-    p.add_argument("--tls-ca-file", metavar="FILE",
-                   help="register: the PEM CA file a kvgates:// card's certificate is checked against (the "
-                        "gateways' card_tls_ca_file; default: the system's trusted CAs)")
-    p.add_argument("--address", metavar="PATH|GLOB|URL",
-                   help="register: where gateways reach a directory card when that is not where this host has "
-                        "it (a shared filesystem mounted elsewhere: a glob under which each gateway finds it by "
-                        "serial); relocate: where gateways reach the card from now on")
-    p.add_argument("--json", action="store_true")
-    from kvgate.cluster.agentcli import add_serve_arguments
-
-    add_serve_arguments(p.add_argument_group("serve (the agent)"))
 
 
 def run(args: argparse.Namespace) -> int:

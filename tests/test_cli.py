@@ -30,7 +30,7 @@ def test_kvgate_stat(gateway) -> None:
     out = r.stdout
     assert "tiers" in out and "cards" in out
     assert re.search(r"\bram\b", out) and re.search(r"\blong\b", out)
-    assert serial in out and "active" in out
+    assert serial in out and "serving" in out  # the word `kvgate cards` says
     assert logged_fingerprint(gw.log()) in out
     assert re.search(r"reads at (realtime|normal) priority", out)
 
@@ -54,6 +54,42 @@ def test_stat_names_the_default_socket_it_tried(tmp_path):
     assert res.returncode == 2
     assert f"{tmp_path}/kvgate-5557.sock" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow  # runs a gateway
+def test_a_bare_serve_stat_and_an_engines_default_meet_with_tcp_off_too(tmp_path):
+    # One rule (kvgate.config.default_socket_path) for the gateway, every command and every integration:
+    # with XDG_RUNTIME_DIR set (any systemd login) and the TCP listener off, `kvgate serve` without
+    # --socket, `kvgate stat` without --socket and an engine's tier without kvgate.socket all meet.
+    # (--port 0 used to name the socket kvgate-0.sock, and the integrations required kvgate.socket.)
+    import subprocess
+    import sys
+
+    from tests.helpers import kvgate_env, wait_until
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "card").mkdir()
+    env = kvgate_env({"XDG_RUNTIME_DIR": str(run)})
+    gw = subprocess.Popen([sys.executable, "-m", "kvgate", "serve", "--port", "0", "--metrics-port", "0",
+                           "--max-bytes", "64M", "--card-capacity", "1G", "--shared-memory-size", "8M",
+                           "--storage-devices", str(tmp_path / "card")],
+                          cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: (run / "kvgate-5557.sock").exists() or gw.poll() is not None, 30, "the socket")
+        assert gw.poll() is None, gw.stderr.read().decode()
+        r = run_kvgate("stat", "--json", env={"XDG_RUNTIME_DIR": str(run)})
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["gateway"]["pid"] == gw.pid
+        code = ("from kvgate.integrations.settings import TierSettings; from kvgate.client import Client\n"
+                "s = TierSettings.build()\n"
+                "with Client.connect(s.target, namespace='ns', want_shm=False) as c: print(s.target)")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(run / "kvgate-5557.sock")
+    finally:
+        gw.terminate()
+        gw.wait(15)
 
 
 # ---- clean -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 
 from kvgate import config
 from kvgate.cli import build_parser
-from kvgate.config import ConfigError, from_mapping, load, parse_duration, parse_size
+from kvgate.config import ConfigError, default_socket_path, from_mapping, load, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -35,6 +35,15 @@ def test_defaults_are_valid_and_derived_values():
     assert cfg.socket_path.endswith("kvgate-5557.sock")
     cfg = from_mapping({"storage_devices": ["/a", "/b", "/c"], "port": 6000})
     assert cfg.socket_path.endswith("kvgate-6000.sock")
+
+
+def test_the_default_socket_follows_xdg_runtime_dir_and_not_a_tcp_listener_turned_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert from_mapping({}).socket_path == f"{tmp_path}/kvgate-5557.sock"
+    assert from_mapping({"port": 0}).socket_path == f"{tmp_path}/kvgate-5557.sock"  # was kvgate-0.sock
+    assert default_socket_path() == default_socket_path(0) == f"{tmp_path}/kvgate-5557.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "")
+    assert default_socket_path(6000) == "/tmp/kvgate-6000.sock"
 
 
 def test_unknown_key_names_it_and_suggests():

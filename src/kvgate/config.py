@@ -207,7 +207,9 @@ class Config:
                      maximum=_PORT_MAX)
     bind_address: str = _key(_parse_str, "127.0.0.1",
                              "TCP bind address; anything but loopback needs auth_token_file")
-    socket: str | None = _key(_parse_str, None, "Unix socket path (default: derived from the port)", optional=True)
+    socket: str | None = _key(
+        _parse_str, None, "Unix socket path (default: kvgate-<port>.sock in $XDG_RUNTIME_DIR, else in /tmp; "
+        "port 0 is named as 5557)", optional=True)
     metrics_port: int = _key(_parse_int, 9557, "HTTP port of /metrics and /v1/cache/prewarm (0 disables)",
                              minimum=0, maximum=_PORT_MAX)
     metrics_bind_address: str = _key(_parse_str, "127.0.0.1", "HTTP bind address of /metrics")
@@ -314,8 +316,19 @@ FIELDS: tuple[Field, ...] = tuple(Field(f.name, **f.metadata["key"]) for f in da
 FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 
 
-def default_socket_path(port: int) -> str:
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"kvgate-{port}.sock")
+def default_socket_path(port: int | None = None) -> str:
+    """The gateway's Unix socket when the ``socket`` key is not set: ``$XDG_RUNTIME_DIR/kvgate-<port>.sock``
+    (``/tmp`` when XDG_RUNTIME_DIR is unset or empty), where port is the TCP ``port``, or its default
+    (5557) when the TCP listener is off (0) or no port is given.
+
+    The one rule for the default: the gateway listens here, every CLI command looks here, and every
+    engine integration connects here when its config names no socket and no address, so a bare
+    ``kvgate serve`` and an engine without a socket setting meet when both see the same
+    XDG_RUNTIME_DIR.  Turning the TCP listener off (``--port 0``) must not move the socket
+    (it was ``kvgate-0.sock``, where ``kvgate stat`` did not look).
+    """
+    default = FIELDS_BY_NAME["port"].default
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"kvgate-{port or default}.sock")
 
 
 def _check(f: Field, raw: Any) -> Any:

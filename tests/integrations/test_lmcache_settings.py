@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvgate.config import default_socket_path
 from kvgate.integrations.lmcache.settings import (
     CONNECTOR_KEYS,
     ConfigError,
@@ -95,7 +96,6 @@ def test_params():
 
 
 @pytest.mark.parametrize("params, word", [
-    ({}, "kvgate.socket"),
     ({"kvgate.socket": "/s", "kvgate.address": "h:1"}, "exactly one"),
     ({"kvgate.socket": "/s", "kvgate.sockets": "/t"}, "kvgate.sockets"),
     ({"kvgate.socket": "/s", "kvgate.io_timeout": 0}, "kvgate.io_timeout"),
@@ -158,6 +158,5 @@ def test_connector_extra_config():
         parse_connector_config({**extra, "remote_storage_plugin.kv.kvgate.load_workers": 2}, "kv")
     with pytest.raises(ConfigError, match="kvgate.io_timeout"):
         parse_connector_config({**extra, "remote_storage_plugin.kv.kvgate.io_timeout": -1}, "kv")
-    with pytest.raises(ConfigError, match="exactly one of kvgate.socket"):
-        parse_connector_config({}, "kv")
+    assert parse_connector_config({}, "kv").target == default_socket_path()  # the gateway's default socket
     assert "kvgate.affinity_chunks" not in CONNECTOR_KEYS and "kvgate.register_l1" not in CONNECTOR_KEYS

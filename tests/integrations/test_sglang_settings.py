@@ -45,9 +45,15 @@ def test_extra_config_is_parsed_like_the_vllm_tier():
     assert settings_from_extra({"kvgate.socket": "/s", "kvgate.affinity_chunks": "auto"}).affinity_chunks is None
 
 
+def test_without_a_socket_or_address_the_backend_uses_the_gateways_default_socket(monkeypatch, tmp_path):
+    from kvgate.config import default_socket_path
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for extra in ({}, {"backend_name": "kvgate"}):
+        assert settings_from_extra(extra).target == default_socket_path() == f"{tmp_path}/kvgate-5557.sock"
+
+
 @pytest.mark.parametrize("extra, names", [
-    ({}, "kvgate.socket"),
-    ({"backend_name": "kvgate"}, "kvgate.socket"),
     ({"kvgate.socket": "/s", "kvgate.address": "h:1"}, "kvgate.socket"),
     ({"kvgate.sokcet": "/s"}, "kvgate.sokcet"),
     ({"kvgate.socket": "/s", "kvgate.io_timeout_ms": 500}, "kvgate.io_timeout (seconds"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvgate.config import default_socket_path
 from kvgate.integrations.vllm.settings import (
     ConfigError,
     NamespaceInputs,
@@ -44,8 +45,7 @@ def test_settings_validation():
     s = TierSettings.build(socket="/run/k.sock")
     assert s.target == "/run/k.sock" and s.affinity_chunks is None and s.retention == "long" and not s.salted_only
     assert TierSettings.build(address="10.0.0.1:5557", skip_unsalted="true").salted_only
-    with pytest.raises(ConfigError, match="exactly one"):
-        TierSettings.build()
+    assert TierSettings.build().target == default_socket_path()  # neither: the gateway's default socket
     with pytest.raises(ConfigError, match="exactly one"):
         TierSettings.build(socket="/a", address="b:1")
     with pytest.raises(ConfigError, match="kvgate.address"):

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvgate.config import read_token
+from kvgate.config import default_socket_path, read_token
 from kvgate.types import RETENTION_NAMES, Retention
 
 
@@ -90,9 +90,14 @@ class TierSettings:
               namespace: str | None = None, affinity_chunks: Any = None, refuse_unsalted: Any = False,
               skip_unsalted: Any = False, retention: Any = "long", connect_timeout: Any = 2.0,
               io_timeout: Any = 10.0, lookup_timeout: Any = 2.0) -> "TierSettings":
-        if bool(socket) == bool(address):
-            raise ConfigError("kvgate tier: set exactly one of kvgate.socket (a Unix socket path) "
-                              "or kvgate.address (host:port)")
+        if socket and address:
+            raise ConfigError("kvgate tier: kvgate.socket and kvgate.address are both set: set exactly one of "
+                              "kvgate.socket (a Unix socket path) or kvgate.address (host:port), or neither for "
+                              "the gateway's default socket")
+        if not socket and not address:
+            # The gateway's own default (kvgate.config.default_socket_path): a bare `kvgate serve`
+            # run with the same XDG_RUNTIME_DIR listens there.
+            socket = default_socket_path()
         if socket is not None and not isinstance(socket, str):
             raise ConfigError(f"kvgate.socket: expected a path, got {socket!r}")
         if address is not None:

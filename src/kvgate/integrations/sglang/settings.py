@@ -66,7 +66,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> TierSettings:
 
     Raises ``ConfigError`` naming the key and the fix: an unknown ``kvgate.*``
     key (a typo must not silently disable a setting), a salt switch SGLang
-    cannot support, a missing or doubled target, a malformed value.
+    cannot support, a doubled target, a malformed value.
     """
     extra = dict(extra or {})
     for key, why in UNSUPPORTED_KEYS.items():
@@ -78,10 +78,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> TierSettings:
         raise ConfigError(f"unknown hicache_storage_backend_extra_config key(s) {unknown}"
                           f"{'; ' + hints if hints else ''}; known: {sorted(EXTRA_CONFIG_KEYS)}")
     kwargs = {arg: extra[key] for key, arg in EXTRA_CONFIG_KEYS.items() if key in extra}
-    if "socket" not in kwargs and "address" not in kwargs:
-        raise ConfigError("kvgate backend: set kvgate.socket (the gateway's Unix socket path) or kvgate.address "
-                          "(host:port) in --hicache-storage-backend-extra-config")
-    return TierSettings.build(**kwargs)
+    return TierSettings.build(**kwargs)  # neither kvgate.socket nor kvgate.address: the default socket
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
         "kvgate.socket": "/run/kvgate.sock"}}'
 
 The ``kvgate.*`` keys add one ``KvgateTier`` after any configured
-``secondary_tiers``.  On CUDA/XPU the stock worker moves pages between the
+``secondary_tiers``; without them, and without a ``KvgateTier`` entry there,
+one on the gateway's default socket (``kvgate.config.default_socket_path``,
+where a bare ``kvgate serve`` listens) is added.  On CUDA/XPU the stock worker moves pages between the
 GPU and the CPU tier; on the CPU platform (where the stock worker refuses to
 start) a host-copy worker does, so one config works on both.
 """
@@ -24,14 +26,14 @@ from kvgate.integrations.vllm.compat import (
     TieringOffloadingSpec,
 )
 from kvgate.integrations.vllm.engine import install_salt_probe
-from kvgate.integrations.vllm.settings import TIER_TYPE, key_stability, tier_config_from_extra
+from kvgate.integrations.vllm.settings import TIER_MODULE, TIER_TYPE, key_stability, tier_config_from_extra
 
 # under "vllm." so that vLLM's logging configuration (handler, level, format) applies
 logger = logging.getLogger("vllm.kvgate")
 
 
 class KvgateOffloadingSpec(TieringOffloadingSpec):
-    """TieringOffloadingSpec + a kvgate tier from ``kvgate.*`` keys + a CPU-platform worker.
+    """TieringOffloadingSpec + a kvgate tier (``kvgate.*`` keys, or the default socket) + a CPU-platform worker.
 
     vLLM's OffloadingConnector builds one in the scheduler process and one in
     each worker process, at engine start; ``get_manager`` (scheduler, which
@@ -44,23 +46,19 @@ class KvgateOffloadingSpec(TieringOffloadingSpec):
         self._kvgate_vllm_config = compat.current_vllm_config()
         tier_cfg = tier_config_from_extra(self.extra_config)
         configured = [t for t in self.secondary_tier_configs if t.get("type") == TIER_TYPE]
+        if tier_cfg is None and not configured:
+            # No kvgate.* key and no KvgateTier entry: the gateway's default socket (a bare `kvgate serve`).
+            tier_cfg = {"type": TIER_TYPE, "module_path": TIER_MODULE}
         if tier_cfg is not None:
             bp = self.extra_config.get("backpressure")
             if bp:
                 tier_cfg["backpressure"] = dict(bp)
             # a new list: never modify the user's config object
             self.secondary_tier_configs = [*self.secondary_tier_configs, tier_cfg]
-        elif not configured:
-            others = [str(t.get("type")) for t in self.secondary_tier_configs]
-            logger.warning("KvgateOffloadingSpec: no kvgate.socket / kvgate.address in kv_connector_extra_config "
-                           "and no KvgateTier in secondary_tiers: offloading to the CPU tier%s only",
-                           f" and secondary tiers {others}" if others else "")
-        self._uses_kvgate = tier_cfg is not None or bool(configured)
-        if self._uses_kvgate:
-            install_salt_probe()
+        install_salt_probe()
 
     def get_manager(self) -> OffloadingManager:
-        if not compat.manager_built(self) and self._uses_kvgate:
+        if not compat.manager_built(self):
             ks = key_stability(compat.block_hash_algo(self._kvgate_vllm_config))
             if ks.stable:
                 logger.info("kvgate: block hash settings: %s", ks.message)

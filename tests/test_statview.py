@@ -114,3 +114,58 @@ def test_names_a_client_chose_are_shown_as_they_are_never_as_markup() -> None:
     assert "[bold]x[/bold]" in text and "odd[/]" in text
     card = {"serial": "s", "location": "/mnt/[a]/card", "state": "serving", "slots": 1}
     assert "/mnt/[a]/card" in _rendered(statview.card_list_table([card], 0, "f"), width=120)
+
+
+# ---- strings others chose ---------------------------------------------------------------------------------
+
+# A terminal title (OSC), a colour and a screen clear (CSI, and its one-byte form), a right-to-left override,
+# and a newline that starts a row of its own.
+HOSTILE = "ns\x1b]0;owned\x07\x1b[31m\x9b2J\u202e\nforged-row"
+HOSTILE_SHOWN = r"ns\x1b]0;owned\x07\x1b[31m\x9b2J\u202e\x0aforged-row"
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b", "\u202e")
+
+
+def test_shown_writes_every_control_character_as_its_escape() -> None:
+    assert statview.shown(HOSTILE) == HOSTILE_SHOWN
+    assert statview.shown("vllm|meta-llama/Llama-3.1-8B|tp0of1|bf16 é 模型") == \
+        "vllm|meta-llama/Llama-3.1-8B|tp0of1|bf16 é 模型", "printable text (any script) is left alone"
+    assert statview.shown("a\tb\rc\x00d\x7fe\u2028f\u2066g") == r"a\x09b\x0dc\x00d\x7fe\u2028f\u2066g"
+    assert statview.cell("[bold]x\n") == r"\[bold]x\x0a"
+
+
+def test_the_card_list_keeps_serials_whole_at_80_columns_and_folds_paths() -> None:
+    serial = "0123456789abcdef0123456789abcdef"
+    path = "/srv/a-rather-long-directory-name-for-the-cards/nvme0-card-directory-" + "x" * 30
+    cards = [{"serial": serial, "location": path, "state": state, "slots": 1024, "objects": 123456,
+              "used_bytes": 123 << 30, "capacity_bytes": 1023 << 30} for state in ("serving", "inactive")]
+    text = _rendered(statview.card_list_table(cards, 7, "0123456789abcdef"))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    assert sum(1 for line in lines if re.match(rf"\s*{serial}\s", line)) == 2, f"a serial on one line: {text}"
+    names = _first_column(text, [str(c.header) for c in statview.card_list_table(cards, 7, "f").columns])
+    assert names == (serial + path) * 2, "the locations fold, whole"
+    for word in ("capacity", "inactive", "1024"):
+        assert word in text, (word, text)
+
+
+@pytest.mark.slow
+def test_stat_and_cards_show_what_clients_and_cards_named_escaped_and_json_as_it_is(gateway_factory,
+                                                                                   tmp_path) -> None:
+    card = tmp_path / "card\x1b]0;owned\x07\nforged-row"
+    card.mkdir()
+    gw = gateway_factory(["--storage-devices", str(card)], create_cards=False)
+    with gw.client(HOSTILE, engine_id="engine\x1b[2J\nforged-row") as c:
+        assert c.put_many([b"k"], [b"v" * 1000]) == [True]
+        for args in (["stat"], ["stat", "--namespaces"], ["cards"]):
+            r = run_kvgate(*args, "--socket", gw.socket, env={"COLUMNS": "200"})
+            assert r.returncode == 0, r.stderr
+            for raw in RAW_CONTROLS:
+                assert raw not in r.stdout, (args, raw, r.stdout)
+            assert not any(line.lstrip().startswith("forged-row") for line in r.stdout.splitlines()), r.stdout
+            assert r"\x0aforged-row" in r.stdout, (args, r.stdout)
+        r = run_kvgate("stat", "--socket", gw.socket, env={"COLUMNS": "200"})
+        assert r"engine\x1b[2J\x0aforged-row" in r.stdout and HOSTILE_SHOWN in r.stdout, r.stdout
+        assert "serving" in r.stdout and "active" not in r.stdout, "stat and cards say the same word"
+        assert "serving" in run_kvgate("cards", "--socket", gw.socket).stdout
+        snap = json.loads(run_kvgate("stat", "--socket", gw.socket, "--json").stdout)
+        assert HOSTILE in snap["namespaces"] and snap["cards"][0]["location"] == str(card), "JSON stays JSON"

@@ -193,11 +193,12 @@ def cmd_stat(args) -> int:
 def cmd_clean(args) -> int:
     from kvgate.client import GatewayError
 
+    from kvgate.statview import shown
     with _admin_client(args) as c:
         try:
             n = c.clean()
         except GatewayError as e:
-            print(f"kvgate clean: {e.code}: {e.message}", file=sys.stderr)
+            print(f"kvgate clean: {e.code}: {shown(e.message)}", file=sys.stderr)
             return 1
     print(f"deleted {n} objects")
     return 0
@@ -206,6 +207,7 @@ def cmd_clean(args) -> int:
 def cmd_cards(args) -> int:
     from kvgate.client import GatewayError
 
+    from kvgate.statview import shown
     if args.action != "list" and not args.card:
         what = ("a directory, Redis URL or kvgate:// URL" if args.action == "add"
                 else "its serial, from `kvgate cards list`")
@@ -215,14 +217,14 @@ def cmd_cards(args) -> int:
         try:
             reply = c.cards(args.action, args.card, now=args.now, force=args.force)
         except GatewayError as e:
-            print(f"kvgate cards {args.action}: {e.message}", file=sys.stderr)
+            print(f"kvgate cards {args.action}: {shown(e.message)}", file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps({"generation": reply.generation, "fingerprint": reply.fingerprint, "cards": reply.cards,
                           "message": reply.message}, indent=2, sort_keys=True))
         return 0
     if reply.message:
-        print(reply.message)
+        print(shown(reply.message))
     print_cards(reply.cards, reply.generation, reply.fingerprint)
     return 0
 
@@ -300,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a refusal (NOT_AUTHORIZED, ...): one line, not a traceback
         from kvgate.client import GatewayError
 
+        from kvgate.statview import shown  # a refusal may quote what a client chose (an engine id)
         if not isinstance(e, GatewayError):
             raise
-        print(f"kvgate: {e.code}: {e.message}", file=sys.stderr)
+        print(f"kvgate: {e.code}: {shown(e.message)}", file=sys.stderr)
         return 2
     return 0
 

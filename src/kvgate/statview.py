@@ -9,10 +9,19 @@ out from the counters of the snapshot before.
 
 Runs in the ``kvgate`` command's process; it only formats what
 ``Client.stats()`` returned (``kvgate.gateway.status.snapshot``'s shape).
+
+Every string a client chose (a namespace, an engine id) or a card or the
+registry supplied (a serial, a path, an address) goes through ``shown``
+before it reaches a table or a line: a control character in it would
+otherwise reach the operator's terminal (an ESC sequence retitles or
+rewrites it) or forge a table row (a newline).  The ``kvgate`` command's
+other human-readable lines (``cards``, ``cluster``) use it too; JSON
+output stays JSON.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,9 +32,34 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+# A card label's serial (a uuid4's hex): the narrowest the card column of `kvgate cards` gets.
+SERIAL_WIDTH = 32
 # Counters of each tier that --watch turns into rates.
 TIER_RATES = (("hits", "hits/s", False), ("misses", "misses/s", False), ("bytes_read", "read/s", True),
               ("bytes_written", "written/s", True))
+
+
+# C0 controls, DEL, C1 controls (0x9b is a one-byte CSI), the Unicode line and paragraph separators (line
+# breaks to str.splitlines) and the bidirectional overrides and isolates (they reorder what follows them).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(text: Any) -> str:
+    """``text`` safe to print to a terminal: each control character written as its escape (``\\x1b``,
+    ``\\x0a``, ``\\u202e``), so it can neither send the terminal a sequence nor start a line of its own.
+
+    In rich markup (a table cell) use ``cell``: ``[`` starts a tag there."""
+    return _CONTROL.sub(_escaped, str(text))
+
+
+def cell(text: Any) -> str:
+    """``shown``, escaped for rich markup: a table cell (or markup line) holding someone else's string."""
+    return escape(shown(text))
 
 
 def fmt_bytes(n: float) -> str:
@@ -53,33 +87,43 @@ def headline(snap: dict[str, Any]) -> Text:
     g = snap["gateway"]
     engine = g["engine"]
     return Text.from_markup(
-        f"[bold]kvgate {g['version']}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, layout {g['fingerprint']} "
-        f"({g['placement']}), sessions {g['sessions']} ({g.get('sessions_in_place', 0)} in place), engine "
-        f"{engine['engine_id'] + ' pid ' + str(engine['pid']) if engine else '-'}, reads at {g['read_priority']} "
-        "priority")
+        f"[bold]kvgate {cell(g['version'])}[/] pid {g['pid']}, up {g['uptime_s']:.0f} s, layout "
+        f"{cell(g['fingerprint'])} ({cell(g['placement'])}), sessions {g['sessions']} "
+        f"({g.get('sessions_in_place', 0)} in place), engine "
+        f"{cell(engine['engine_id']) + ' pid ' + str(engine['pid']) if engine else '-'}, reads at "
+        f"{cell(g['read_priority'])} priority")
 
 
 def tiers_table(snap: dict[str, Any]) -> Table:
     """What each tier holds and what it served: the RAM tier, and the cards together (``long``)."""
     t = _table("tiers", ["tier", "objects", "used", "capacity", "evicted", "hits", "misses", "read", "written"])
     for name, v in snap["tiers"].items():
-        t.add_row(escape(name), str(v["objects"]), fmt_bytes(v["used_bytes"]), fmt_bytes(v["capacity_bytes"]),
+        t.add_row(cell(name), str(v["objects"]), fmt_bytes(v["used_bytes"]), fmt_bytes(v["capacity_bytes"]),
                   str(v["evictions"]), str(v["hits"]), str(v["misses"]), fmt_bytes(v["bytes_read"]),
                   fmt_bytes(v["bytes_written"]))
     return t
 
 
-def _card_name(c: dict[str, Any]) -> str:
-    """A card's serial over its location (dimmed); both escaped, as a path may hold ``[``."""
-    return f"{escape(c['serial'] or '-')}\n[dim]{escape(c['location'])}[/]"
+def _card_name(c: dict[str, Any], fold: int = 0) -> str:
+    """A card's serial over its location (dimmed); both through ``cell``, as a path may hold ``[``.  ``fold``:
+    the location cut into lines that long here (the table then never folds the serial, see
+    ``card_list_table``)."""
+    location = shown(c["location"])
+    if fold:
+        location = "\n".join(location[i : i + fold] for i in range(0, len(location), fold))
+    return f"{cell(c['serial'] or '-')}\n[dim]{escape(location)}[/]"
 
 
 def _card_state(c: dict[str, Any]) -> str:
+    """The state word of ``kvgate cards`` and of the gateway's metrics (``kvgate.gateway.status.card_state``):
+    serving, read_only, draining, inactive, held_out."""
+    if c.get("held_out"):
+        return "[red]held_out[/]"
     if not c["active"]:
         return "[red]inactive[/]"
-    if c["read_only"]:
-        return "[yellow]read-only[/]"
-    return "[yellow]draining[/]" if c.get("state") == "draining" else "active"
+    if c.get("state") == "draining":
+        return "[yellow]draining[/]"
+    return "[yellow]read_only[/]" if c["read_only"] else "serving"
 
 
 def cards_tables(snap: dict[str, Any]) -> list[Table]:
@@ -98,10 +142,16 @@ def cards_tables(snap: dict[str, Any]) -> list[Table]:
 
 def card_list_table(cards: list[dict[str, Any]], generation: int, fingerprint: str) -> Table:
     """``kvgate cards``: the card set, pending cards too, with each card's slots."""
-    t = _table(f"cards (generation {generation}, layout {fingerprint})",
+    t = _table(f"cards (generation {generation}, layout {cell(fingerprint)})",
                ["card", "state", "slots", "objects", "used", "capacity"], left=2)
+    # A serial is what an operator copies into `kvgate cards drain`: the card column is as wide as the longest
+    # and never folds (the locations are cut to that width beforehand), the sizes wrap at their spaces instead.
+    # (rich widens a min_width column after fitting the table, past the terminal's edge; stat's tables have
+    # too many columns for a whole serial at 80: theirs fold with the location.)
+    width = max([len(shown(c["serial"] or "-")) for c in cards] + [SERIAL_WIDTH])
+    t.columns[0].no_wrap = True
     for c in cards:
-        t.add_row(_card_name(c), escape(c["state"]), str(c["slots"]),
+        t.add_row(_card_name(c, width), cell(c["state"]), str(c["slots"]),
                   str(c.get("objects", "-")), fmt_bytes(c["used_bytes"]) if "used_bytes" in c else "-",
                   fmt_bytes(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
     return t
@@ -112,9 +162,9 @@ def namespaces_tables(snap: dict[str, Any]) -> list[Table]:
     held = _table("namespaces", ["namespace", "RAM objects", "RAM bytes", "card objects", "card bytes"])
     traffic = _table("namespace traffic", ["namespace", "sets", "written", "gets", "hits", "read"])
     for ns, v in sorted((snap.get("namespaces") or {}).items()):
-        held.add_row(escape(ns), str(v["ram_objects"]), fmt_bytes(v["ram_bytes"]), str(v["card_objects"]),
+        held.add_row(cell(ns), str(v["ram_objects"]), fmt_bytes(v["ram_bytes"]), str(v["card_objects"]),
                      fmt_bytes(v["card_bytes"]))
-        traffic.add_row(escape(ns), str(v["sets"]), fmt_bytes(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
+        traffic.add_row(cell(ns), str(v["sets"]), fmt_bytes(v["bytes_written"]), str(v["gets"]), str(v["hits"]),
                         fmt_bytes(v["bytes_read"]))
     return [held, traffic]
 
@@ -143,7 +193,7 @@ def rates_table(before: dict[str, Any], after: dict[str, Any], seconds: float) -
                ["tier", *(label for _, label, _ in TIER_RATES)])
     for name, v in after["tiers"].items():
         was = before["tiers"].get(name, v)
-        t.add_row(name, *(fmt_bytes(rate(v[k], was[k])) if is_bytes else f"{rate(v[k], was[k]):.0f}"
+        t.add_row(cell(name), *(fmt_bytes(rate(v[k], was[k])) if is_bytes else f"{rate(v[k], was[k]):.0f}"
                           for k, _label, is_bytes in TIER_RATES))
     return t
 

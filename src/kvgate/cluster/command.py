@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from etcd3aio import EtcdError
 
-from kvgate.cards import is_redis
+from kvgate.cards import CardUnavailable, is_redis
 from kvgate.cards.rediskeys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
@@ -77,6 +77,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _act(args: argparse.Namespace, reg: Registry) -> int:
     if args.action == "status":
+        if await _no_such_cluster(reg, args):
+            return 1
         return await _status(reg, args.json)
     if args.action == "cards":
         _show_cards(await reg.cards(), args.json)
@@ -99,7 +101,12 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
         return await _register(reg, args.card, args.address, args.token_file, args.tls_ca_file)
     elif args.action in ("drain", "undrain", "retire"):
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
-        record = await reg.set_state(args.card, state)
+        try:
+            record = await reg.set_state(args.card, state)
+        except RegistryConflict as e:
+            if state is CardState.RETIRED:
+                raise RegistryConflict(f"{e}{await _retire_hint(reg, args)}") from None
+            raise
         print(f"card {record.serial}: {record.state.value}")
     elif args.action == "relocate":
         record = await reg.set_address(args.card, args.address)
@@ -108,6 +115,46 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
     elif args.action == "publish":
         return await _publish(reg, args.slots, args.json)
     return 0
+
+
+def _command(args: argparse.Namespace, action: str, card: str) -> str:
+    """The ``kvgate cluster`` command line of ``action`` on ``card`` with this one's etcd and cluster flags."""
+    flags = ""
+    if args.etcd_endpoints != DEFAULT_ENDPOINTS:
+        flags += " --etcd-endpoints " + " ".join(args.etcd_endpoints)
+    if args.cluster_name != "default":
+        flags += f" --cluster-name {args.cluster_name}"
+    return f"kvgate cluster {action}{' ' + card if card else ''}{flags}"
+
+
+async def _retire_hint(reg: Registry, args: argparse.Namespace) -> str:
+    """What to do first when a card cannot be retired yet: a card in the view is drained (its objects copied
+    onto the others by the gateways) before it leaves."""
+    record = await reg.card(args.card)
+    if record is None:
+        return ""
+    if record.state is CardState.ACTIVE:
+        return (f"; drain it first ({_command(args, 'drain', record.serial)}): the gateways copy its objects onto "
+                "the other cards, the leader marks it drained, and then it can be retired")
+    if record.state is CardState.DRAINING:
+        return ("; it is draining: it can be retired once the leader marks it drained, when every gateway has "
+                f"copied its objects away (`{_command(args, 'cards', '')}` shows its state)")
+    return ""
+
+
+async def _no_such_cluster(reg: Registry, args: argparse.Namespace) -> bool:
+    """Say so and return True when etcd holds nothing of ``--cluster-name`` (a typo shows an empty cluster
+    otherwise), naming the clusters it holds."""
+    if await reg.exists():
+        return False
+    from kvgate.statview import shown
+
+    names = await reg.clusters()
+    there = (f"clusters there: {', '.join(shown(n) for n in names)}" if names else
+             "it holds none yet (kvgate cluster register makes one)")
+    print(f"kvgate cluster {args.action}: no cluster named {shown(args.cluster_name)!r} in etcd at "
+          f"{', '.join(args.etcd_endpoints)}; {there} (--cluster-name)", file=sys.stderr)
+    return True
 
 
 async def _status(reg: Registry, as_json: bool) -> int:
@@ -130,20 +177,22 @@ async def _status(reg: Registry, as_json: bool) -> int:
     if as_json:
         print(json.dumps(doc, indent=2))
         return 0
+    from kvgate.statview import shown  # agents and gateways name themselves: what they wrote is shown escaped
+
     by_state = ", ".join(f"{n} {s}" for s, n in sorted(doc["cards_by_state"].items())) or "none"
-    print(f"leader: {leader or 'none (is a `kvgate cluster serve` agent running?)'}")
+    print(f"leader: {shown(leader) if leader else 'none (is a `kvgate cluster serve` agent running?)'}")
     print(f"view: epoch {epoch}, {doc['view_cards']} cards; registered: {by_state}")
-    print(f"liveness: {len(alive)} cards reported alive; not reported: {len(doc['cards_not_alive'])}"
-          + (f" ({', '.join(doc['cards_not_alive'][:8])}{', ...' if len(doc['cards_not_alive']) > 8 else ''})"
-             if doc["cards_not_alive"] else ""))
+    not_alive = [shown(s) for s in doc["cards_not_alive"]]
+    print(f"liveness: {len(alive)} cards reported alive; not reported: {len(not_alive)}"
+          + (f" ({', '.join(not_alive[:8])}{', ...' if len(not_alive) > 8 else ''})" if not_alive else ""))
     for name, a in sorted(agents.items()):
         a = a if isinstance(a, dict) else {}
-        print(f"agent {name}: host {a.get('host')}, {len(a.get('cards') or [])} cards"
-              + (f", exports {a['export']}" if a.get("export") else "")
-              + (f", etcd member {a['etcd_member']}" if a.get("etcd_member") else ""))
+        print(f"agent {shown(name)}: host {shown(a.get('host'))}, {len(a.get('cards') or [])} cards"
+              + (f", exports {shown(a['export'])}" if a.get("export") else "")
+              + (f", etcd member {shown(a['etcd_member'])}" if a.get("etcd_member") else ""))
     for gid, g in sorted(gateways.items()):
         g = g if isinstance(g, dict) else {}
-        print(f"gateway {gid}: view {g.get('epoch')}, layout {g.get('fingerprint') or '?'}")
+        print(f"gateway {shown(gid)}: view {shown(g.get('epoch'))}, layout {shown(g.get('fingerprint') or '?')}")
     if not doc["layouts_agree"]:
         print("LAYOUTS DIFFER: gateways on the same view put keys on different cards (storage_slots, num_dbs, "
               "key_placement)")
@@ -174,7 +223,10 @@ async def _register(reg: Registry, card: str, address: str | None, token_file: s
         locations = [card]
     taken = 0
     for location in locations:
-        record = await asyncio.to_thread(label_card, location, address, token_file, tls_ca_file)
+        try:
+            record = await asyncio.to_thread(label_card, location, address, token_file, tls_ca_file)
+        except CardUnavailable as e:
+            raise CardUnavailable(e.errno, _as_register_says(e.strerror), e.filename) from None
         if await reg.register(record):
             taken += 1
             print(f"card {record.serial} at {record.address} registered (joining; the leader or `kvgate cluster "
@@ -184,19 +236,55 @@ async def _register(reg: Registry, card: str, address: str | None, token_file: s
     return 0 if taken else 1
 
 
+# What a card's error suggests to a gateway's operator (a config key) and what register takes instead.
+_REGISTER_SAYS = ((", or set create_card_dirs: true", " (register creates no card directory)"),
+                  ("set card_token_file on the gateway to the file of kvgate export --token-file",
+                   "pass --token-file FILE, the file of its server's kvgate export --token-file (and set "
+                   "card_token_file on the gateways)"),
+                  ("set card_tls_ca_file to the CA that signed it",
+                   "pass --tls-ca-file FILE, the CA that signed it (and set card_tls_ca_file on the gateways)"),
+                  ("set card_tls_ca_file to the CA of its certificate",
+                   "pass --tls-ca-file FILE, the CA of its certificate (and set card_tls_ca_file on the gateways)"))
+
+
+def _as_register_says(why: str) -> str:
+    for gateway_says, register_says in _REGISTER_SAYS:
+        why = why.replace(gateway_says, register_says)
+    return why
+
+
 def _show_cards(records: list[CardRecord], as_json: bool) -> None:
     if as_json:
         print(json.dumps(msgspec.to_builtins(records), indent=2))
         return
     from rich.console import Console
+
+    from kvgate.statview import cell, fmt_bytes
+
+    # The address under the serial (dimmed), as `kvgate cards` shows a card: beside it, at 80 columns, a
+    # long path got 7 columns.
+    t = _table(f"registered cards ({len(records)})", ("serial / address", "kind", "state", "capacity", "weight"))
+    for r in records:
+        t.add_row(f"{cell(r.serial)}\n[dim]{cell(r.address)}[/]", cell(r.kind), cell(r.state.value),
+                  fmt_bytes(r.capacity) if r.capacity else "-", f"{r.weight:g}")
+    Console().print(t)
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Any:
+    """A table of cards whose serials stay whole (they are what the other commands take): a column that holds
+    an address (``address``, or the first: a serial over its address) folds anywhere and takes the width the
+    others leave; the others (serial alone, kind, state, counts: short) stay whole, a size wraps at its
+    space.  Cells go through ``kvgate.statview.cell``."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"registered cards ({len(records)})")
-    for col in ("serial", "kind", "address", "state", "capacity", "weight"):
-        t.add_column(col)
-    for r in records:
-        t.add_row(r.serial, r.kind, r.address, r.state.value, str(r.capacity or "-"), f"{r.weight:g}")
-    Console().print(t)
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left")
+    for i, col in enumerate(columns):
+        folds = col == "address" or "/" in col
+        # A ratio, not a min_width: rich widens a min_width column after fitting the table, past the terminal.
+        t.add_column(col, no_wrap=not folds and col != "capacity", overflow="fold" if folds else "ellipsis",
+                     ratio=1 if folds else None, min_width=len(col))
+    return t
 
 
 def _show_view(view: View, as_json: bool) -> None:
@@ -204,12 +292,11 @@ def _show_view(view: View, as_json: bool) -> None:
         print(json.dumps(msgspec.to_builtins(view), indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
+
+    from kvgate.statview import cell
 
     shares: Counter[Any] = Counter(view.owners)
-    t = Table(title=f"view {view.epoch} ({view.slots} slots)")
-    for col in ("serial", "address", "state", "slots"):
-        t.add_column(col)
+    t = _table(f"view {view.epoch} ({view.slots} slots)", ("serial", "address", "state", "slots"))
     for r in view.cards:
-        t.add_row(r.serial, r.address, r.state.value, str(shares.get(r.serial, 0)))
+        t.add_row(cell(r.serial), cell(r.address), cell(r.state.value), str(shares.get(r.serial, 0)))
     Console().print(t)

@@ -152,6 +152,9 @@ _view_decoder = msgspec.json.Decoder(View)
 _report_decoder = msgspec.json.Decoder(GatewayReport)
 
 
+ROOT: Final = b"/kvgate/"  # every cluster's keys are under ROOT + its name + "/"
+
+
 def etcd_client(endpoints: Sequence[str]) -> Etcd3Client:
     """A client of ``endpoints`` (not connected yet) that makes each call once and reconnects quickly.
 
@@ -175,7 +178,7 @@ class Registry:
         if not cluster or "/" in cluster:
             raise ValueError(f"cluster name {cluster!r}: a non-empty name without '/'")
         self.client = client
-        self.prefix = f"/kvgate/{cluster}/".encode()
+        self.prefix = ROOT + cluster.encode() + b"/"
         self.call_timeout_s = call_timeout_s
         # every call made, its time, and the ones that failed (status and metrics)
         self.calls = 0
@@ -214,6 +217,19 @@ class Registry:
         finally:
             self.calls += 1
             self.call_seconds += time.perf_counter() - t0
+
+    async def exists(self) -> bool:
+        """Whether etcd holds anything of this cluster: a card, a view, a report of an agent or a gateway."""
+        resp = await self._call("look for the cluster", self._kv.get(
+            self.prefix, prefix_range_end(self.prefix), count_only=True, max_attempts=1))
+        return resp.count > 0
+
+    async def clusters(self) -> list[str]:
+        """The names of the clusters etcd holds anything of: one keys-only read of every cluster's keys (a
+        command's question, never a gateway's poll)."""
+        resp = await self._call("list the clusters", self._kv.get(
+            ROOT, prefix_range_end(ROOT), keys_only=True, max_attempts=1))
+        return sorted({kv.key[len(ROOT):].split(b"/", 1)[0].decode(errors="replace") for kv in resp.kvs})
 
     # ---- cards -----------------------------------------------------------------
 

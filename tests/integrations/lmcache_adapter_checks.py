@@ -8,7 +8,8 @@ Scenarios (each asserts; exit status 0 when every check held):
              a load of an object of another size fails that key.
   zerocopy   the same with L1 buffers inside a /dev/shm SharedMemory given as l1_memory_desc: the
              adapter registers it (report_status says so) and bytes still round-trip.
-  dead       SOCKET has no gateway: every submit returns at once, tasks fail / miss, no exception.
+  dead       SOCKET has no gateway (and L1 is a /dev/shm file): every submit returns at once, tasks
+             fail / miss, no exception.
   restart    (after 'roundtrip' wrote to the gateway, which the test restarts) a new adapter
              finds and loads what the first one stored.
   marks      conversations behind one system prompt, two kv ranks each: lookup, then a store of what
@@ -194,7 +195,11 @@ def restart(sock: str, out: dict) -> None:
 
 
 def dead(sock: str, out: dict) -> None:
-    ad = adapter(sock)
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=4 * CHUNK)  # an L1 no gateway ever registers
+    base = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    ad = adapter(sock, l1=L1MemoryDesc(ptr=base.data_ptr(), size=4 * CHUNK, align_bytes=4096))
     try:
         ks = keys(4)
         objs = [mem_obj(payload(i)) for i in range(4)]
@@ -221,6 +226,9 @@ def dead(sock: str, out: dict) -> None:
         assert st["is_healthy"] is False, st
     finally:
         ad.close()
+        del base
+        shm.close()
+        shm.unlink()
 
 
 def marks(sock: str, out: dict) -> None:

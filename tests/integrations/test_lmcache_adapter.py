@@ -52,7 +52,7 @@ def test_registered_l1_region(gateway_factory, tmp_path):
     """L1 buffers inside a /dev/shm mapping: registered with the gateway, bytes round-trip in place."""
     gw = gateway_factory()
     r = run_checks("zerocopy", gw.socket, tmp_path)
-    assert "registered: transfers are one copy by the gateway" in r["log"]
+    assert "registered with the gateway" in r["log"] and "transfers are one copy by the gateway" in r["log"]
 
 
 def test_conversations_behind_a_system_prompt_each_go_to_one_card(gateway_factory, tmp_path):
@@ -86,3 +86,6 @@ def test_dead_gateway_fails_tasks_without_raising(tmp_path):
     assert log.count("kvgate: gateway") == 1, log  # one warning line, not one per task
     assert "Traceback" not in log
     assert r["five_lookups_down_s"] < 2.0, r
+    # L1 was found but no gateway ever took it: the log must not say it was registered
+    assert "to register with the gateway at the first store or load" in log, log
+    assert "registered with the gateway" not in log and "one copy by the gateway" not in log, log

@@ -127,6 +127,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         # LMCache's L1 arena: zero copy when it is a /dev/shm file mapping the gateway can map too
         self._l1_region: tuple[str, int, int] | None = None
         self._l1_view: memoryview | None = None
+        self._l1_said = False  # logged that a gateway took L1 (when a session registered it, not before)
         if l1_memory_desc is not None and self.settings.register_l1 and not self._tcp:
             mapped = map_l1(int(l1_memory_desc.ptr))
             if mapped is not None:
@@ -157,7 +158,7 @@ class KvgateL2Adapter(L2AdapterInterface):
             th.start()
         logger.info("kvgate L2 adapter: gateway %s, namespace %s|r<rank>|g<group>[|s<salt digest>], "
                     "retention %s, %s", t.target, self._base_ns or "lmcache|<model>", t.retention,
-                    f"L1 {self._l1_region[0]} registered: transfers are one copy by the gateway"
+                    f"L1 {self._l1_region[0]} to register with the gateway at the first store or load"
                     if self._l1_region else ("over TCP: bytes travel inline" if self._tcp else
                                              "objects staged through a session region"))
 
@@ -289,6 +290,13 @@ class KvgateL2Adapter(L2AdapterInterface):
                           "failures, lookup misses) and the adapter reconnects", self.settings.target, why)
 
     def _gateway_ok(self) -> None:
+        """After a session opened (a worker thread): says once when L1 is first registered with a gateway."""
+        if self._l1_region is not None and not self._l1_said and any(s.zero_copy for s in self._sessions):
+            with self._lock:
+                said, self._l1_said = self._l1_said, True
+            if not said:
+                logger.info("kvgate: LMCache's L1 %s registered with the gateway %s: transfers are one copy by "
+                            "the gateway", self._l1_region[0], self.settings.target)
         if self._down:
             self._down = False
             logger.info("kvgate: gateway %s reachable again after %.1f s", self.settings.target,

@@ -143,3 +143,31 @@ def test_cluster_mode_takes_no_storage_devices_and_drops_the_default_card() -> N
     with pytest.raises(ConfigError, match="cluster_name': a non-empty name without '/'"):
         from_mapping({"cluster_etcd_endpoints": ["127.0.0.1:2379"], "cluster_name": "a/b"})
     assert not from_mapping({}).cluster_mode
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("shared_memory_size", "1000", "'shared_memory_size': must be at least 1 MiB, got '1000'"),
+    ("ram_page_size", "1K", "'ram_page_size': must be at least 4 KiB, got '1K'"),
+    ("max_frame_bytes", 100, "'max_frame_bytes': must be at least 64 KiB, got 100"),
+    ("max_bytes", "100K", "'max_bytes': must be 0 or at least ram_page_size (256 KiB), got 100 KiB"),
+    ("card_capacity", "1", "'card_capacity': must be at least 4 KiB, got '1'"),
+    ("max_bytes", "-1G", "'max_bytes': a size cannot be negative, got '-1G'"),
+])
+def test_sizes_in_messages_are_in_units(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        from_mapping({key: value})
+    assert str(e.value) == f"config key {message}"
+
+
+def test_the_smallest_card_capacity_holds_an_object_and_none_is_still_the_default():
+    assert from_mapping({"card_capacity": "4K"}).card_capacity == 4096
+    assert from_mapping({}).card_capacity is None
+
+
+@pytest.mark.parametrize("flags", [["--max-bytes", "-1G"], ["--max-bytes=-1G"], ["--card-capacity", "-.5G"]])
+def test_a_negative_size_given_as_its_own_word_reaches_the_keys_check(flags, capsys):
+    from kvgate.cli import main
+
+    assert main(["fingerprint", "--storage-devices", "/nowhere", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "a size cannot be negative" in err and "usage:" not in err, err

@@ -79,10 +79,20 @@ def parse_size(value: Any) -> int:
         return value
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
+    if str(value).strip().startswith("-"):
+        raise ValueError(f"a size cannot be negative, got {value!r}")
     m = _SIZE_RE.match(str(value))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"expected a size such as 16G or 512MiB, got {value!r}")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def size_text(n: float) -> str:
+    """A byte count as a person reads it in a message: ``1 MiB``, ``256 KiB``, ``1.5 GiB``, ``1000 bytes``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n:g} bytes"
 
 
 def parse_duration(value: Any) -> float:
@@ -218,10 +228,11 @@ class Config:
     thread_pool_size: int = _key(_parse_int, 4, "threads doing card I/O and bulk copies", minimum=1)
     max_bytes: int = _key(parse_size, 1 << 30, "size of the RAM tier (preallocated at start)", minimum=0)
     ram_page_size: int = _key(parse_size, 256 << 10, "allocation unit of the RAM tier", minimum=4096)
+    # A card smaller than one filesystem block holds no object at all (a directory card's smallest file is one).
     card_capacity: int | None = _key(
         parse_size, None,
         "bytes each card may hold (default: what it holds plus its free space, less card_reserve on a "
-        "filesystem; a Redis card: what fits under its maxmemory)", optional=True)
+        "filesystem; a Redis card: what fits under its maxmemory)", optional=True, minimum=4096)
     card_reserve: int | None = _key(
         parse_size, None,
         "free space left on a directory card's filesystem when card_capacity is not set (default: a tenth of what "
@@ -342,10 +353,11 @@ def _check(f: Field, raw: Any) -> Any:
         raise ConfigError(f"config key '{f.name}': {e}") from None
     if f.choices and value not in f.choices:
         raise ConfigError(f"config key '{f.name}': expected one of {', '.join(f.choices)}, got {value!r}")
+    shown = size_text if f.parse is parse_size else "{:g}".format
     if f.minimum is not None and value < f.minimum:
-        raise ConfigError(f"config key '{f.name}': must be at least {f.minimum:g}, got {raw!r}")
+        raise ConfigError(f"config key '{f.name}': must be at least {shown(f.minimum)}, got {raw!r}")
     if f.maximum is not None and value > f.maximum:
-        raise ConfigError(f"config key '{f.name}': must be at most {f.maximum:g}, got {raw!r}")
+        raise ConfigError(f"config key '{f.name}': must be at most {shown(f.maximum)}, got {raw!r}")
     return value
 
 
@@ -387,7 +399,8 @@ def _check_combination(cfg: Config) -> None:
     if cfg.key_layout_fingerprint is not None and not re.fullmatch(r"[0-9a-f]{16}", cfg.key_layout_fingerprint):
         raise ConfigError("config key 'key_layout_fingerprint': expected 16 lowercase hex digits")
     if cfg.max_bytes and cfg.max_bytes < cfg.ram_page_size:
-        raise ConfigError("config key 'max_bytes': must be 0 or at least ram_page_size")
+        raise ConfigError(f"config key 'max_bytes': must be 0 or at least ram_page_size "
+                          f"({size_text(cfg.ram_page_size)}), got {size_text(cfg.max_bytes)}")
     socket_bytes = len(os.fsencode(cfg.socket_path))
     if socket_bytes > SOCKET_PATH_MAX:
         raise ConfigError(f"config key 'socket': {cfg.socket_path} is {socket_bytes} bytes long; a Unix socket path "
@@ -435,8 +448,16 @@ def default_text(f: Field) -> str | None:
     return str(value)
 
 
+# A flag's value that starts with a minus and a digit (`--max-bytes -1G`): argparse takes it for an unknown
+# option unless it is a plain number, and prints its usage instead of the key's own message.
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config key; flags left out are None and do not override YAML."""
+    """One flag per config key; flags left out are None and do not override YAML.  A value such as ``-1G``
+    given as its own word is the flag's value, for the key's check to refuse by name (no flag of ``parser``
+    may look like a negative number)."""
+    parser._negative_number_matcher = _NEGATIVE_VALUE  # argparse's own test for "a negative number, not a flag"
     for f in FIELDS:
         shown = default_text(f)
         kwargs: dict[str, Any] = {"dest": f.name, "default": None,

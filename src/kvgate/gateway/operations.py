@@ -288,7 +288,7 @@ class Operations:
             raise RequestError(ErrorCode.BAD_REQUEST, "regions can only be registered over the Unix socket")
         if "\x00" in req.path:
             raise RequestError(ErrorCode.BAD_REQUEST, "region path contains a NUL byte")
-        region = await self.pool.run(map_client_region, req.path, sess.uid, not sess.in_place)
+        region = await self.pool.run(map_client_region, req.path, sess.uid, not sess.in_place, sess.id, sess.pid)
         rid = max(sess.regions, default=0) + 1
         sess.regions[rid] = region
         return RegionReply(region=rid, size=region.size), None

@@ -129,9 +129,12 @@ class Session:
     files_lent: int = 0  # open files among its loans
 
     def region(self, rid: int) -> Region:
+        """Region ``rid`` for a request about to use it; an in-place one's file checked first
+        (``Region.check_size``: ``RegionError`` when its client shrank it)."""
         r = self.regions.get(rid)
         if r is None:
             raise RequestError(ErrorCode.BAD_REQUEST, f"no region {rid} in this session")
+        r.check_size()
         return r
 
 
@@ -202,7 +205,7 @@ class Sessions:
         if local and req.want_shm and req.role == "engine":
             try:
                 region = await self.pool.run(create_session_region, str(sess.id),
-                                             self.cfg.shared_memory_size, not sess.in_place)
+                                             self.cfg.shared_memory_size, not sess.in_place, sess.id, pid)
             except RegionError as e:
                 self._release_engine(sess)
                 await refuse(ErrorCode.INTERNAL, str(e))

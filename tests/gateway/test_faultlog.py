@@ -1,0 +1,158 @@
+"""In-place regions (the default for a client of the gateway's own user): a shrunk file is refused before a
+request touches it, and a fault during a request kills the gateway only after its log names the region.
+
+Real processes and real signals: a Python process that maps a region and faults in it (with the compiled
+helper and without), and a real gateway (in-place regions on) whose client truncates its session region or
+a registered region before a put or get, or while the gateway copies a get into it.  The guarded case
+(``in_place_regions: false``) is ``test_shrunk_regions``.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from kvgate.client import GatewayError
+from kvgate.gateway import faultlog
+from kvgate.protocol import SESSION_REGION, Get, Put
+from tests.gateway.test_shrunk_regions import BIG, SMALL, _payload, _raw, _refused, _still_serves
+from tests.helpers import kvgate_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAULT = r"""
+import logging, os, sys, uuid
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from kvgate.gateway import faultlog, shm
+if sys.argv[1] == "fallback":
+    faultlog._lib = None  # as where no C compiler built the helper
+path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 1 << 20)
+region = shm.map_client_region(path, os.getuid(), guarded=False, session=7, pid=4242)
+print(path, flush=True)
+os.ftruncate(fd, 0)
+os.unlink(path)
+region.view[65536]  # a load where the file no longer is: SIGBUS
+"""
+
+
+def _fault(mode: str) -> tuple[subprocess.CompletedProcess, str]:
+    run = subprocess.run([sys.executable, "-c", FAULT, mode], env=kvgate_env(), capture_output=True, text=True,
+                         timeout=60)
+    return run, run.stdout.strip()
+
+
+@pytest.mark.skipif(faultlog._lib is None, reason="the C helper is not built here (make install builds it)")
+def test_a_fault_in_an_in_place_region_is_named_before_the_process_dies_of_it() -> None:
+    run, path = _fault("helper")
+    assert run.returncode == -signal.SIGBUS, (run.returncode, run.stderr)
+    line = re.search(r"kvgate: SIGBUS at (0x[0-9a-f]+) in the in-place region of session 7 \(pid 4242, (\S+)\): "
+                     r"its client shrank the file under the mapping; the gateway dies \(in_place_regions: false "
+                     r"guards against this\)", run.stderr)
+    assert line and line.group(2) == path, run.stderr
+    assert "Fatal Python error: Bus error" in run.stderr, run.stderr  # handed on to faulthandler: the stacks
+
+
+def test_without_the_helper_the_region_s_range_is_logged_and_faulthandler_says_bus_error() -> None:
+    run, path = _fault("fallback")
+    assert run.returncode == -signal.SIGBUS, (run.returncode, run.stderr)
+    m = re.search(rf"in-place region of session 7 \(pid 4242, {re.escape(path)}\) mapped at (0x[0-9a-f]+)-"
+                  r"(0x[0-9a-f]+)", run.stderr)
+    assert m, run.stderr
+    assert "Fatal Python error: Bus error" in run.stderr and "kvgate: SIGBUS" not in run.stderr, run.stderr
+
+
+def test_an_in_place_session_region_shrunk_before_a_request_is_refused_by_name(gateway_factory) -> None:
+    gw = gateway_factory()  # in-place regions on: this process is the gateway's own user
+    stored = {b"small": _payload(1, SMALL), b"big": _payload(2, BIG)}
+    with gw.client() as c:
+        assert c.stats()["gateway"]["sessions_in_place"] == 1
+        assert c.put_many(list(stored), list(stored.values())) == [True, True]
+    with gw.client() as c:
+        (path,) = glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")
+        os.truncate(path, 0)
+        for req in (Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]),
+                    Get(keys=[b"small"], region=SESSION_REGION, offsets=[0], capacities=[SMALL]),
+                    Get(keys=[b"small", b"big"], region=SESSION_REGION)):
+            with pytest.raises(GatewayError) as e:
+                _raw(c, req)
+            _refused(e, path)
+            assert "shorter than its mapping" in str(e.value), e.value
+    _still_serves(gw, stored)
+
+
+def test_an_in_place_registered_region_shrunk_before_a_request_is_refused_by_name(gateway_factory) -> None:
+    gw = gateway_factory()
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4 << 20)
+        mm = mmap.mmap(fd, 4 << 20)
+        small = memoryview(mm)[:SMALL]
+        small[:] = _payload(3, SMALL)
+        with gw.client() as c:
+            c.register_region(path, mm)
+            assert c.put_many([b"small"], [small]) == [True]
+            os.ftruncate(fd, 1 << 20)  # shorter than the gateway's mapping, though these pages are still there
+            with pytest.raises(GatewayError) as e:
+                c.put_many([b"new"], [small])
+            _refused(e, path)
+            with pytest.raises(GatewayError) as e:
+                c.get_many([b"small"], into=[small])
+            _refused(e, path)
+        assert gw.alive(), gw.log()
+        assert "kvgate: SIGBUS" not in gw.log()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.mark.skipif(faultlog._lib is None, reason="the C helper is not built here (make install builds it)")
+def test_a_region_shrunk_while_the_gateway_copies_into_it_is_named_in_its_log(gateway_factory) -> None:
+    """The race the size check cannot close: the file shrinks after the check, during the copy."""
+    size = 48 << 20
+    gw = gateway_factory(["--max-bytes", "128M"])
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        with gw.client(timeout=20) as c:
+            rid = c.register_region(path, mm)
+            assert c.put_many([b"big"], [_payload(4, size)]) == [True]
+            died = False
+            for attempt in range(40):
+                os.ftruncate(fd, size)
+                delay = (attempt % 8) * 0.001
+                cut = threading.Timer(delay, os.ftruncate, (fd, 0))
+                cut.start()
+                try:
+                    _raw(c, Get(keys=[b"big"], region=rid, offsets=[0], capacities=[size]))
+                except GatewayError:
+                    pass  # shrunk before the check: refused, try again
+                except (OSError, EOFError, ConnectionError):
+                    died = True
+                cut.join()
+                if died or not gw.alive():
+                    break
+        deadline = time.monotonic() + 10
+        while gw.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not gw.alive(), "the gateway survived 40 shrinks mid-copy (the race was never hit)"
+        log = gw.log()
+        assert re.search(rf"kvgate: SIGBUS at 0x[0-9a-f]+ in the in-place region of session \d+ \(pid {os.getpid()}, "
+                         rf"{re.escape(path)}\): its client shrank the file", log), log[-3000:]
+    finally:
+        os.close(fd)
+        os.unlink(path)

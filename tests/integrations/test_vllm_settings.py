@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
+import shutil
+
 import pytest
 
 from kvgate.config import default_socket_path
@@ -14,6 +18,7 @@ from kvgate.integrations.vllm.settings import (
     dialog_mark,
     first_chunk_keys,
     key_stability,
+    model_identity,
     request_retention,
     tier_config_from_extra,
 )
@@ -90,6 +95,53 @@ def test_namespace_changes_with_every_input_and_fits():
     assert derive_namespace(inputs())[0] == ns
     long_ns, _ = derive_namespace(inputs(model="/very/long/" + "x" * 400))
     assert len(long_ns.encode()) <= 255
+
+
+def _model_dir(path, config: dict, weights: dict[str, bytes]):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    for name, data in weights.items():
+        (path / name).write_bytes(data)
+    return path
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256}
+
+
+def _namespace(model_path) -> str:
+    model, content = model_identity(str(model_path))
+    return derive_namespace(inputs(model=model, model_content=content))[0]
+
+
+def test_one_model_at_two_paths_shares_a_namespace_and_two_models_do_not(tmp_path):
+    # Replicas mount one model at different paths (a copy, a symlink, a hub cache of symlinks to
+    # blobs): the namespace must not contain where it is, only what it is.
+    rng = random.Random(0)
+    weights = {"model-00001-of-00002.safetensors": rng.randbytes(300_000), "model-00002-of-00002.safetensors":
+               rng.randbytes(70_000), "model.safetensors.index.json": b'{"weight_map": {}}'}
+    a = _model_dir(tmp_path / "mnt-a" / "llama", LLAMA, weights)
+    b = tmp_path / "models" / "Llama-copy"
+    shutil.copytree(a, b)
+    link = tmp_path / "link-to-a"
+    link.symlink_to(a)
+    blobs = tmp_path / "hub" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    for f in a.iterdir():  # the Hugging Face cache: each file a symlink to its blob
+        (blobs / f.name).symlink_to(f)
+    ns = _namespace(a)
+    assert ns.startswith("vllm|LlamaForCausalLM|") and str(tmp_path) not in ns
+    assert _namespace(b) == _namespace(str(link) + "/") == _namespace(blobs) == ns
+
+    # Not shared: another config, a fine-tune (same names and sizes, other weights), another file set.
+    other_config = _model_dir(tmp_path / "wider", {**LLAMA, "hidden_size": 512}, weights)
+    tuned = {**weights, "model-00002-of-00002.safetensors": rng.randbytes(70_000)}
+    fine_tune = _model_dir(tmp_path / "tuned", LLAMA, tuned)
+    fewer = _model_dir(tmp_path / "fewer", LLAMA, {"model.safetensors": weights["model-00001-of-00002.safetensors"]})
+    others = {_namespace(p) for p in (other_config, fine_tune, fewer)}
+    assert len(others) == 3 and ns not in others
+
+    # A hub id is its own name (its revision is an input of its own); a missing path likewise.
+    assert model_identity("meta-llama/Llama-3.1-8B") == ("meta-llama/Llama-3.1-8B", None)
 
 
 def test_dialog_mark_and_first_keys():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.integrations.vllm import compat
-from kvgate.integrations.vllm.settings import NamespaceInputs, derive_namespace
+from kvgate.integrations.vllm.settings import NamespaceInputs, derive_namespace, model_identity
 
 _SALT_PROBE_INSTALLED = False
 
@@ -67,8 +67,10 @@ def describe_engine(spec: Any) -> EngineInfo:
         revision = compat.model_revision(vcfg)
         algo = compat.block_hash_algo(vcfg)
     bpc = cfg.cache.blocks_per_chunk
+    model, content = model_identity(cfg.model.name)  # what the model is, not where it is mounted
     inputs = NamespaceInputs(
-        model=cfg.model.name,
+        model=model,
+        model_content=content,
         revision=revision,
         dtype=cfg.model.dtype,
         platform=compat.platform_name(),

@@ -81,9 +81,71 @@ def chunk_runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+#: Files of a model directory whose content is the model's weights (vLLM loads these formats).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: Bytes read from each weight file for its identity: _SAMPLES reads of _SAMPLE_BYTES, spread evenly
+#: (the first is the header).  Two fine-tunes of one base have the same config, names and sizes, and
+#: differ in nearly every weight, so a few pages of each file tell them apart; reading a whole 16 GB
+#: checkpoint at every engine start would not do.
+_SAMPLES = 8
+_SAMPLE_BYTES = 4096
+
+
+def model_identity(model: str) -> tuple[str, str | None]:
+    """(readable name, content digest) of the model an engine was started with.
+
+    A local directory (or file) is identified by what it holds, never by where it is mounted, so
+    replicas that mount one model at different paths share a namespace: the digest covers
+    config.json's bytes, and for each weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``,
+    ``*.gguf``) and weight index (``*.index.json``) its name, its size and sampled pages of it
+    (symlinks, as in the Hugging Face cache, are followed).  Its readable name is the
+    architecture in config.json (the path is not shown: it differs between replicas).  Anything
+    else (a hub id such as ``meta-llama/Llama-3.1-8B``) is its own readable name, with no digest;
+    its revision is a namespace input of its own.  Called once at engine start, by the scheduler.
+    """
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        return model.rstrip("/"), None
+    h = hashlib.sha256(b"kvgate-model-identity-v1\x00")
+    readable = "model"
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        files = [e for e in entries if e == "config.json" or e.endswith(_WEIGHT_SUFFIXES) or e.endswith(".index.json")]
+        try:
+            with open(os.path.join(path, "config.json"), "rb") as f:
+                config = json.load(f)
+            name = (config.get("architectures") or [None])[0] or config.get("model_type")
+            if isinstance(name, str) and name:
+                readable = name[:_MAX_READABLE_MODEL]
+        except (OSError, ValueError, AttributeError, TypeError, IndexError):
+            pass  # no readable name: the digest still covers config.json's bytes
+    else:
+        files = [os.path.basename(path)]
+        path = os.path.dirname(path) or "."
+    for name in files:
+        full = os.path.join(path, name)
+        try:
+            with open(full, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(f"{name}\x00{size}\x00".encode())
+                if name == "config.json" or name.endswith(".index.json"):
+                    h.update(f.read())
+                    continue
+                step = max(size - _SAMPLE_BYTES, 0) // max(_SAMPLES - 1, 1)
+                for i in range(_SAMPLES if size > _SAMPLE_BYTES else 1):
+                    h.update(os.pread(f.fileno(), _SAMPLE_BYTES, i * step))
+        except OSError as e:
+            h.update(f"{name}\x00unreadable {e.errno}\x00".encode())
+    return readable, h.hexdigest()[:32]
+
+
 @dataclass
 class NamespaceInputs:
-    """What makes KV bytes interchangeable between two engines."""
+    """What makes KV bytes interchangeable between two engines.
+
+    ``model``: the readable name of ``model_identity``; ``model_content``: its digest of a local
+    model's files (None for a hub id, which ``revision`` pins).
+    """
 
     model: str
     revision: str | None
@@ -102,6 +164,7 @@ class NamespaceInputs:
     dcp_size: int
     world_size: int
     groups: list[dict[str, Any]] = field(default_factory=list)
+    model_content: str | None = None
 
     def describe(self) -> dict[str, Any]:
         return dict(self.__dict__)

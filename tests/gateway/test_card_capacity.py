@@ -224,7 +224,7 @@ def test_card_below_its_reserve_takes_no_puts_and_says_so(tmp_path: Path, tmpfs,
     assert "lower card_reserve" in line
     keys = [b"a", b"b"]
     with gw.client() as c:
-        assert c.put_many(keys, [payload(1), b""]) == [False, False]
+        assert c.put_many(keys, [payload(1), payload(2, 4096)]) == [False, False]
     # an object written and evicted at once is deleted in the background
     wait_until(lambda: object_files(card) == [], 10, lambda: f"objects left on the card: {object_files(card)}")
     restart(gw)

@@ -330,6 +330,15 @@ class Operations:
             raise RequestError(ErrorCode.BAD_REQUEST, f"{n} keys but {len(req.sizes)} sizes")
         if any(s < 0 for s in req.sizes):
             raise RequestError(ErrorCode.BAD_REQUEST, "negative size")
+        if 0 in req.sizes:
+            # Every object an engine stores is a KV chunk or page, never empty; a 0-byte one is a buffer cut
+            # short (a vLLM chunk id past its CPU tier's end was stored so), and would answer later lookups
+            # as a hit whose load then fails.  The gateway knows no namespace's object size (neither the
+            # hello nor the put carries one, and one namespace may hold several: SGLang's hybrid pools,
+            # LMCache's last partial chunk), so the rule is the one every namespace shares: none is empty.
+            i = req.sizes.index(0)
+            raise RequestError(ErrorCode.BAD_REQUEST, f"sizes[{i}] is 0: the gateway stores no empty objects "
+                               "(nothing of this put was stored)")
         if req.position + n > (1 << 63):  # object headers hold positions as int64
             raise RequestError(ErrorCode.BAD_REQUEST, f"position {req.position} out of range for {n} keys")
         if req.region == INLINE:

@@ -359,6 +359,21 @@ class KvgateTier(SecondaryTierManager):
             raise GatewayDown("the tier is shut down")
         return [flat[int(c) * step:(int(c) + 1) * step] for c in chunk_ids]
 
+    def _refuse_bad_chunks(self, job: TransferJob, what: str) -> bool:
+        """True (logged) when the job names a chunk id that is no whole row of the CPU tier (negative, or
+        past its end): the job then fails whole, before any I/O, as vLLM's fs tier does (its
+        ``_validate_offsets``).  Unchecked, a slice past the end of a memoryview is clamped, not
+        refused: such a chunk was stored as a 0-byte object that later lookups reported as a hit."""
+        flat = self._flat
+        rows = 0 if flat is None else flat.nbytes // self.block_size_bytes
+        bad = [int(c) for c in job.chunk_ids if not 0 <= int(c) < rows]
+        if not bad or flat is None:  # shut down: _rows says so
+            return False
+        self._log.warning(f"bad-chunk-{what}", "kvgate tier: a %s job names chunk(s) %s outside the CPU tier's "
+                          "%d chunks: the job fails, nothing is %s", what, bad[:8], rows,
+                          "stored" if what == "store" else "loaded")
+        return True
+
     @staticmethod
     def _release(views: list[memoryview]) -> None:
         for v in views:
@@ -373,6 +388,9 @@ class KvgateTier(SecondaryTierManager):
         t0 = time.monotonic()
         if self._aborted:
             # Shut down: do not start new writes (vLLM is about to unmap the CPU tier).
+            return JobResult(job_id=job.job_id, success=False)
+        if self._refuse_bad_chunks(job, "store"):
+            self.counters["store_failures"] += 1
             return JobResult(job_id=job.job_id, success=False)
         rows = self._rows(job.chunk_ids)
         ok = 0
@@ -404,6 +422,9 @@ class KvgateTier(SecondaryTierManager):
         keys = list(job.keys)
         t0 = time.monotonic()
         if self._aborted:
+            return JobResult(job_id=job.job_id, success=False)
+        if self._refuse_bad_chunks(job, "load"):
+            self.counters["load_failures"] += 1
             return JobResult(job_id=job.job_id, success=False)
         rows = self._rows(job.chunk_ids)
         good: list[OffloadKey] = []

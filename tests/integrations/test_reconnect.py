@@ -16,6 +16,7 @@ from kvgate.integrations import reconnect
 from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.reconnect import Backoff, GatewayDown, Reconnector
 from kvgate.integrations.settings import TierSettings
+from tests.helpers import wait_until
 
 
 class FakeClient:
@@ -299,6 +300,41 @@ def test_vllm_tier_connection_backs_off_and_logs_once(tmp_path, caplog: pytest.L
     with pytest.raises(GatewayDown, match="the tier is shutting down"):
         conn.get()
     conn.close()
+
+
+@pytest.mark.slow
+def test_vllm_tier_sessions_say_once_that_the_gateway_is_back(gateway_factory, tmp_path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The tier's three sessions share one ``Outage``: a gateway that comes back is logged once, by the
+    session that reconnects first, with how long it was gone (as SGLang's backend and LMCache's adapter
+    log it); a session that reconnects later adds nothing."""
+    from kvgate.integrations.vllm.connection import Outage, TierConnection
+
+    gw = gateway_factory(start=False)
+    s = TierSettings.build(socket=gw.socket, connect_timeout=1.0, io_timeout=2.0, lookup_timeout=2.0)
+    outage = Outage()
+    conns = [TierConnection(name, 2.0, settings=s, namespace="ns", engine_id="e", region_path=lambda: None,
+                            region_view=memoryview(bytearray(8)), bulk=False, outage=outage,
+                            log=RateLimitedLog(logging.getLogger("vllm.kvgate"))) for name in ("lookups", "stores")]
+    with caplog.at_level(logging.INFO, logger="vllm.kvgate"):
+        for c in conns:
+            with pytest.raises(GatewayDown):
+                c.get()
+        gw.start()
+
+        def connected(c: TierConnection) -> bool:
+            try:
+                return c.get() is not None
+            except GatewayDown:  # the back-off (0.5 s) is not over yet
+                return False
+
+        for c in conns:
+            wait_until(lambda: connected(c), 10, f"the {c.name} session never reconnected")
+    back = [r.getMessage() for r in caplog.records if "reachable again" in r.getMessage()]
+    assert len(back) == 1, back
+    assert back[0].startswith(f"kvgate: gateway {s.target} reachable again after ") and "(lookups)" in back[0]
+    for c in conns:
+        c.close()
 
 
 def test_sglang_link_backs_off_and_reports_down_once(tmp_path) -> None:

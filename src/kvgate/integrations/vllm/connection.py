@@ -9,6 +9,8 @@ when the gateway cannot map the tier.  Imports no vLLM, and not the tier.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Callable
 
 from kvgate.client import Client
@@ -16,10 +18,33 @@ from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.reconnect import GatewayDown, Reconnector
 from kvgate.integrations.vllm.settings import TierSettings
 
-__all__ = ["GatewayDown", "TierConnection"]
+__all__ = ["GatewayDown", "Outage", "TierConnection"]
 
 # the tier's logger (vLLM's logging configuration applies under "vllm.")
 logger = logging.getLogger("vllm.kvgate")
+
+
+class Outage:
+    """Since when the tier's gateway has been unreachable, shared by the tier's three sessions, so that
+    its coming back is logged once, by whichever session reconnects first (as SGLang's backend and
+    LMCache's adapter do).  Called from the sessions' threads; thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._since: float | None = None
+
+    def down(self) -> None:
+        """A connect failed (the first failure of an outage starts it)."""
+        with self._lock:
+            if self._since is None:
+                self._since = self._clock()
+
+    def up(self) -> float | None:
+        """A connect succeeded: the outage's length in seconds if one was under way (it ends), else None."""
+        with self._lock:
+            since, self._since = self._since, None
+        return None if since is None else self._clock() - since
 
 
 class TierConnection(Reconnector[Client]):
@@ -28,14 +53,16 @@ class TierConnection(Reconnector[Client]):
     Used by one background thread, and at start also by the load thread, which opens the
     lookup session ahead of the first lookup: ``get`` serialises opens, so that is safe.
     ``bulk`` False: no bytes travel here (lookups), the CPU tier is not registered.
-    ``zero_copy``: the last session opened has the CPU tier registered.
+    ``zero_copy``: the last session opened has the CPU tier registered.  ``outage``: shared by the
+    tier's sessions (a gateway that comes back is logged once); None: this session's own.
     """
 
     def __init__(self, name: str, timeout: float, *, settings: TierSettings, namespace: str, engine_id: str,
                  region_path: Callable[[], str | None], region_view: memoryview, log: RateLimitedLog,
-                 bulk: bool = True):
+                 bulk: bool = True, outage: Outage | None = None):
         super().__init__(settings.target, self._open, closed_message="the tier is shutting down",
-                         on_down=self._went_down)
+                         on_down=self._went_down, on_up=self._came_up)
+        self._outage = outage if outage is not None else Outage()
         self.name = name
         self.timeout = timeout
         self.bulk = bulk
@@ -48,8 +75,15 @@ class TierConnection(Reconnector[Client]):
         self._log = log
 
     def _went_down(self, e: Exception) -> None:
+        self._outage.down()
         self._log.warning(f"connect-{self.name}", "kvgate: cannot connect to gateway %s (%s); serving without it "
                           "(misses, no stores) and retrying", self._settings.target, e)
+
+    def _came_up(self) -> None:
+        down_s = self._outage.up()
+        if down_s is not None:
+            logger.info("kvgate: gateway %s reachable again after %.1f s (%s); lookups and stores go to it again",
+                        self._settings.target, down_s, self.name)
 
     def _open(self) -> Client:
         s = self._settings

@@ -44,7 +44,7 @@ from kvgate.integrations.vllm.compat import (
     SecondaryTierManager,
     TransferJob,
 )
-from kvgate.integrations.vllm.connection import GatewayDown, TierConnection
+from kvgate.integrations.vllm.connection import GatewayDown, Outage, TierConnection
 from kvgate.integrations.vllm.engine import describe_engine, install_salt_probe
 from kvgate.integrations.vllm.request_state import ReqState, RequestStates
 from kvgate.integrations.vllm.settings import TierSettings, chunk_runs
@@ -151,11 +151,13 @@ class KvgateTier(SecondaryTierManager):
 
         self._requests = RequestStates(self.settings, self._log, info.tokens_per_chunk)
 
+        outage = Outage()  # one for the three sessions: a gateway back is logged once
+
         def connection(name: str, timeout: float, bulk: bool = True) -> TierConnection:
             # primary_kv_view is registered with a local gateway: transfers in place
             return TierConnection(name, timeout, settings=self.settings, namespace=self.namespace,
                                   engine_id=self.engine_id, region_path=self.region_path,
-                                  region_view=primary_kv_view, log=self._log, bulk=bulk)
+                                  region_view=primary_kv_view, log=self._log, bulk=bulk, outage=outage)
 
         self._store_conn = connection("stores", self.settings.io_timeout)
         self._load_conn = connection("loads", self.settings.io_timeout)

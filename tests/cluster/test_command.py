@@ -100,7 +100,8 @@ def test_retiring_a_card_in_service_says_to_drain_it_first_with_the_command(etcd
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"is active: it cannot become retired; drain it first (kvgate cluster drain {rec.serial} " \
            f"--etcd-endpoints {etcd.endpoint} --cluster-name {CLUSTER})" in r.stderr, r.stderr
-    assert run_kvgate("cluster", "drain", rec.serial, *_flags(etcd)).returncode == 0
+    # the only card: a drain is refused without --force (puts would have nowhere to go)
+    assert run_kvgate("cluster", "drain", rec.serial, "--force", *_flags(etcd)).returncode == 0
     r = run_kvgate("cluster", "retire", rec.serial, *_flags(etcd))
     assert r.returncode == 1 and "it is draining: it can be retired once the leader marks it drained" in r.stderr
 

@@ -107,7 +107,11 @@ def test_the_cluster_command_registers_publishes_and_drains(tmp_path: Path) -> N
         assert "is current: nothing to publish" in run_kvgate("cluster", "publish", *common).stdout
         bad = run_kvgate("cluster", "retire", serial, *common)
         assert bad.returncode == 1 and "is active: it cannot become retired" in bad.stderr
-        assert run_kvgate("cluster", "drain", serial, *common).returncode == 0
+        last = run_kvgate("cluster", "drain", serial, *common)  # the only card: puts would have nowhere to go
+        assert last.returncode == 1 and "last card in service" in last.stderr and "--force" in last.stderr, last
+        assert [c["state"] for c in msgspec.json.decode(run_kvgate("cluster", "cards", "--json", *common).stdout)] \
+            == ["active"]
+        assert run_kvgate("cluster", "drain", serial, "--force", *common).returncode == 0
         cards = msgspec.json.decode(run_kvgate("cluster", "cards", "--json", *common).stdout)
         assert [c["state"] for c in cards] == ["draining"]
         etcd.pause()

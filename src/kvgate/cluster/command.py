@@ -101,6 +101,8 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
         return await _register(reg, args.card, args.address, args.token_file, args.tls_ca_file)
     elif args.action in ("drain", "undrain", "retire"):
         state = {"drain": CardState.DRAINING, "undrain": CardState.ACTIVE, "retire": CardState.RETIRED}[args.action]
+        if state is CardState.DRAINING and not args.force:
+            await _refuse_draining_the_last(reg, args.card)
         try:
             record = await reg.set_state(args.card, state)
         except RegistryConflict as e:
@@ -155,6 +157,17 @@ async def _no_such_cluster(reg: Registry, args: argparse.Namespace) -> bool:
     print(f"kvgate cluster {args.action}: no cluster named {shown(args.cluster_name)!r} in etcd at "
           f"{', '.join(args.etcd_endpoints)}; {there} (--cluster-name)", file=sys.stderr)
     return True
+
+
+async def _refuse_draining_the_last(reg: Registry, serial: str) -> None:
+    """A drain that would leave the cluster no card in service (every gateway's puts then answer False) is
+    refused (``RegistryConflict``) unless forced.  (A cluster drain always copies first, and only a drained
+    or a joining card can be retired, so no change here drops what a drain moved.)"""
+    serving = [r.serial for r in await reg.cards() if r.state in (CardState.ACTIVE, CardState.JOINING)]
+    if serving == [serial]:
+        raise RegistryConflict(f"card {serial} not drained: it is the last card in service, and without it every "
+                               "gateway refuses every put (answers False). Instead: register another card first "
+                               "(`kvgate cluster register`); or --force to drain it anyway")
 
 
 async def _status(reg: Registry, as_json: bool) -> int:

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="register: where gateways reach a directory card when that is not where this host has "
                         "it (a shared filesystem mounted elsewhere: a glob under which each gateway finds it by "
                         "serial); relocate: where gateways reach the card from now on")
+    p.add_argument("--force", action="store_true",
+                   help="drain: even the last card in service (every gateway's puts then answer False until a "
+                        "card joins)")
     p.add_argument("--json", action="store_true")
     add_serve_arguments(p.add_argument_group("serve (the agent)"))
 

@@ -103,6 +103,26 @@ def test_a_view_of_many_new_cards_is_one_change_of_the_card_set(tmp_path: Path) 
     asyncio.run(main())
 
 
+def test_a_card_the_view_drops_leaves_even_the_last_one(tmp_path: Path) -> None:
+    """The view decides: the refusals of a `kvgate cards remove` by hand (the last card in service, objects a
+    drain moved) do not apply to a card that left the cluster's view."""
+    a = labelled_card(tmp_path / "a")
+
+    async def main() -> None:
+        cards = card_set(Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20))
+        await cards.start()
+        try:
+            follower = ViewFollower(Registry(Etcd3Client(["127.0.0.1:1"]), "t"), cards, tmp_path / "view.json")
+            await follower.apply(View.of(1, [a], SLOTS))
+            assert [mc.serial for mc in cards.cards] == [a.serial]
+            await follower.apply(View.of(2, [], SLOTS))  # retired: no card left in the view
+            assert cards.cards == [] and follower.epoch == 2
+        finally:
+            await cards.stop()
+
+    asyncio.run(main())
+
+
 async def _alive(client: Etcd3Client, reg: Registry, serials: list[str], ttl: int = 30) -> int:
     """Report ``serials`` alive as an agent does (under one lease); the lease id."""
     lease = await reg.grant(ttl)

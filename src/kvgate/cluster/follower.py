@@ -211,7 +211,7 @@ class ViewFollower:
             elif got.serial != rec.serial:
                 problems.append(f"card at {rec.address} carries serial {got.serial}, the registry says "
                                 f"{rec.serial}: left out")
-                await self.cards.remove(got.serial)  # type: ignore[arg-type]
+                await self.cards.remove(got.serial, force=True)  # type: ignore[arg-type]
             else:
                 present[rec.serial] = (rec, got)
         for rec, mc in list(present.values()):
@@ -228,7 +228,9 @@ class ViewFollower:
                     problems.append(str(e))
         wanted = {rec.serial for rec in view.cards}
         for serial in [s for s in mine if s not in wanted]:
-            await self.cards.remove(serial)  # type: ignore[arg-type]
+            # The view decides (a card leaves it drained, or retired by the operator): never refused here
+            # for what it would lose, as a `kvgate cards remove` by hand is (CardSet.remove).
+            await self.cards.remove(serial, force=True)  # type: ignore[arg-type]
         self.view = view
         if retry:  # what was not retried still stands
             problems += [p for p in self.problems if not any(f"card {s} " in p for s in self.unavailable)]

@@ -45,6 +45,7 @@ from kvgate.integrations.vllm.compat import (
     TransferJob,
 )
 from kvgate.integrations.vllm.connection import GatewayDown, Outage, TierConnection
+from kvgate.integrations.vllm.cputier import claim_cpu_tier
 from kvgate.integrations.vllm.engine import describe_engine, install_salt_probe
 from kvgate.integrations.vllm.request_state import ReqState, RequestStates
 from kvgate.integrations.vllm.settings import TierSettings, chunk_runs
@@ -124,6 +125,8 @@ class KvgateTier(SecondaryTierManager):
         # It and every slice of it are released before vLLM unmaps the tier (shutdown()).
         self._flat: memoryview | None = primary_kv_view.cast("B")
         info = describe_engine(offloading_spec)
+        # Dead engines' CPU tier files go; ours is marked for the next start (vLLM leaves it at every kill).
+        claim_cpu_tier(self.region_path())
         self.engine_id: str = info.engine_id
         self.namespace: str = self.settings.namespace or info.namespace
         self.salt_detection: bool = info.salt_detection

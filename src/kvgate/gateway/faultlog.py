@@ -41,7 +41,7 @@ def _load() -> ctypes.CDLL | None:
     here = os.path.dirname(os.path.abspath(__file__))
     for path in sorted(glob.glob(os.path.join(here, "_faultlog*.so"))):
         try:
-            lib = ctypes.CDLL(path)
+            lib = ctypes.CDLL(path, use_errno=True)
         except OSError:
             continue
         lib.kvgate_fault_set.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]
@@ -64,7 +64,7 @@ _installed = False
 def _install() -> bool:
     """Under the lock: faulthandler on, then the helper's handler (which hands on to it); whether the
     helper is in place."""
-    global _installed
+    global _installed, _lib
     if not _installed:
         _installed = True
         if not faulthandler.is_enabled():
@@ -75,7 +75,7 @@ def _install() -> bool:
         if _lib is not None and _lib.kvgate_fault_install(2) != 0:
             log.warning("cannot install the fault handler that names in-place regions: %s",
                         os.strerror(ctypes.get_errno()))
-            globals()["_lib"] = None
+            _lib = None
         if _lib is None:
             log.info("in-place regions: the fault helper (kvgate/gateway/_faultlog*.so) is not built here; a "
                      "region shrunk by its client kills the gateway with faulthandler's 'Bus error' only, and "

@@ -119,23 +119,27 @@ def test_an_in_place_registered_region_shrunk_before_a_request_is_refused_by_nam
 
 
 @pytest.mark.skipif(faultlog._lib is None, reason="the C helper is not built here (make install builds it)")
-def test_a_region_shrunk_while_the_gateway_copies_into_it_is_named_in_its_log(gateway_factory) -> None:
-    """The race the size check cannot close: the file shrinks after the check, during the copy."""
+@pytest.mark.parametrize("which", ["registered", "session"])
+def test_a_region_shrunk_while_the_gateway_copies_into_it_is_named_in_its_log(gateway_factory, which: str) -> None:
+    """The race the size check cannot close: the file shrinks after the check, during the copy of a get."""
     size = 48 << 20
-    gw = gateway_factory(["--max-bytes", "128M"])
+    gw = gateway_factory(["--max-bytes", "128M", "--shared-memory-size", "64M"])
     path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
         with gw.client(timeout=20) as c:
-            rid = c.register_region(path, mm)
+            session = c.session_id
+            if which == "registered":
+                rid, shrunk = c.register_region(path, mm), path
+            else:
+                rid, (shrunk,) = SESSION_REGION, glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")
             assert c.put_many([b"big"], [_payload(4, size)]) == [True]
             died = False
             for attempt in range(40):
-                os.ftruncate(fd, size)
-                delay = (attempt % 8) * 0.001
-                cut = threading.Timer(delay, os.ftruncate, (fd, 0))
+                os.truncate(shrunk, 64 << 20 if which == "session" else size)
+                cut = threading.Timer((attempt % 8) * 0.001, os.truncate, (shrunk, 0))
                 cut.start()
                 try:
                     _raw(c, Get(keys=[b"big"], region=rid, offsets=[0], capacities=[size]))
@@ -151,8 +155,8 @@ def test_a_region_shrunk_while_the_gateway_copies_into_it_is_named_in_its_log(ga
             time.sleep(0.1)
         assert not gw.alive(), "the gateway survived 40 shrinks mid-copy (the race was never hit)"
         log = gw.log()
-        assert re.search(rf"kvgate: SIGBUS at 0x[0-9a-f]+ in the in-place region of session \d+ \(pid {os.getpid()}, "
-                         rf"{re.escape(path)}\): its client shrank the file", log), log[-3000:]
+        assert re.search(rf"kvgate: SIGBUS at 0x[0-9a-f]+ in the in-place region of session {session} "
+                         rf"\(pid {os.getpid()}, {re.escape(shrunk)}\): its client shrank the file", log), log[-3000:]
     finally:
         os.close(fd)
         os.unlink(path)

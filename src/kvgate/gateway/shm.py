@@ -125,8 +125,9 @@ class Region:
         """For an in-place region, before a request touches it: ``RegionError`` (a BAD_REQUEST naming the
         file) when its file is shorter than the mapping now, instead of the SIGBUS the request would meet.
 
-        One ``fstat`` on the region's own descriptor: 0.4-1 us here (1M calls on a /dev/shm file, one
-        thread, the machine busy or not), against the 10s of us a put or get of even one block takes.  A
+        One ``fstat`` on the region's own descriptor: 1.0-2.2 us measured here (1M calls on a /dev/shm
+        file from Python, on a busy 2-core machine), against the 10s of us a put or get of even one block
+        takes (a packed get checks twice).  A
         file shrunk after this check, during the request, still kills the gateway (``faultlog`` names it)."""
         if self._fd < 0:
             return

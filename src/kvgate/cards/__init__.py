@@ -1,6 +1,7 @@
 """Cards: the media of the long tier, one interface for every kind."""
 
-from kvgate.cards.base import Card, CardInUse, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned
+from kvgate.cards.base import (Card, CardInUse, CardUnavailable, NotACardLocation, SnapshotWriter, StoredObject,
+                               WriteAbandoned)
 from kvgate.cards.directory import DirectoryCard
 from kvgate.cards.kinds import REDIS_PREFIXES, expand, is_redis, kind_of, make_card
 from kvgate.cards.objectformat import BufferTooSmall, Header, ObjectCorrupt, ObjectMeta, ObjectMissing, ObjectTooNew
@@ -19,6 +20,7 @@ __all__ = [
     "ObjectMissing",
     "ObjectTooNew",
     "NetworkCard",
+    "NotACardLocation",
     "REDIS_PREFIXES",
     "RedisCard",
     "SnapshotWriter",

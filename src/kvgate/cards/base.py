@@ -77,6 +77,11 @@ class CardUnavailable(OSError):
     """The card cannot be used now (missing, unreadable, not a card, wrong serial)."""
 
 
+class NotACardLocation(CardUnavailable):
+    """Something a card cannot be is at the location (a regular file where a directory card was named): no wait
+    makes it one, so it is said at once, not retried as a card that is not there yet."""
+
+
 class CardInUse(CardUnavailable):
     """Another gateway holds the card, exclusively, or shared while this one wants it exclusively.
 

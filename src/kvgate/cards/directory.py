@@ -33,6 +33,7 @@ from kvgate.cards.base import (
     CachedObjectFile,
     Card,
     CardUnavailable,
+    NotACardLocation,
     NotCached,
     SnapshotWriter,
     StoredObject,
@@ -119,6 +120,11 @@ class DirectoryCard(Card):
     # ------------------------------------------------------------------ label
 
     def open(self) -> str:
+        if os.path.exists(self.location) and not os.path.isdir(self.location):
+            what = "a regular file" if os.path.isfile(self.location) else "something else"
+            raise NotACardLocation(errno.ENOTDIR, f"this is {what}, not a directory: a card is a directory (or a "
+                                   "redis:// or kvgate:// URL); name the directory its objects go in",
+                                   self.location)
         if not os.path.lexists(self.location) and not self.create_missing:
             raise CardUnavailable(errno.ENOENT, "card directory does not exist and is not created (it would fill "
                                   "the filesystem underneath a missing mount): create the directory or mount its "

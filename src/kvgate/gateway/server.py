@@ -128,7 +128,12 @@ class Gateway:
         if len(self.heads):
             log.info("shared heads: %d blocks known from the cards", len(self.heads))
         self._spawn(self.head_sync.run())
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.socket_path)), exist_ok=True)
+        socket_dir = os.path.dirname(os.path.abspath(cfg.socket_path))
+        if cfg.socket is None:  # the default's directory (XDG_RUNTIME_DIR, or /tmp) is the gateway's to make
+            os.makedirs(socket_dir, exist_ok=True)
+        elif not os.path.isdir(socket_dir):  # a path someone wrote: a typo must not become a new directory tree
+            raise StartupError(f"config key 'socket': the directory of {cfg.socket_path} ({socket_dir}) does not "
+                               "exist: create it, or choose a socket path in a directory that does")
         try:
             unix = unix_listener(cfg.socket_path)
         except OSError as e:

@@ -34,8 +34,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvgate.cards import CardInUse, expand, make_card
-from kvgate.config import Config
+from kvgate.cards import CardInUse, NotACardLocation, expand, make_card
+from kvgate.config import Config, ConfigError
 from kvgate.keys import NO_DIALOG, key_digest
 from kvgate.placement import SlotMap, fingerprint, slot_of
 from kvgate.tiers.card import ManagedCard, TierHooks
@@ -126,6 +126,10 @@ class CardSet:
                 mc = self._new_card(pattern, loc)
                 try:
                     serial = await mc.io.run(mc.card.open)
+                except NotACardLocation as e:  # waiting would not make it a card: the entry is wrong
+                    mc.io.shutdown(wait=False)
+                    await self.stop()  # release the cards claimed so far
+                    raise ConfigError(f"config key 'storage_devices': {pattern}: {e.strerror}") from None
                 except OSError as e:
                     log.warning("card %s is not available at startup: %s", mc.where, e)
                     self.pending.append(mc)
@@ -390,7 +394,7 @@ class CardSet:
             if isinstance(e, CardChangeError):
                 raise
             raise CardChangeError(f"card {mc.where} cannot be used: {e}",
-                                  unavailable=not isinstance(e, CardInUse)) from None
+                                  unavailable=not isinstance(e, (CardInUse, NotACardLocation))) from None
         mc.serve(mc.card, location, serial)
         await mc.adopt()  # its index snapshot loaded before any request can reach it
         self.cards.append(mc)

@@ -23,8 +23,35 @@ import numpy as np
 
 from kvgate import memcopy
 from kvgate.cards.objectformat import ObjectMeta
+from kvgate.config import size_text
 from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
 from kvgate.tiers.usage import NamespaceUsage
+
+class RamTooLarge(MemoryError):
+    """The arena asked for does not fit this machine's memory (the message says how much it has)."""
+
+
+def machine_memory() -> tuple[int, int]:
+    """This machine's memory and what of it is available now (``MemTotal``, ``MemAvailable``), in bytes; 0, 0
+    where ``/proc/meminfo`` cannot be read."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    found[name] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return found.get("MemTotal", 0), found.get("MemAvailable", 0)
+
+
+def _too_large(size: int, why: str) -> RamTooLarge:
+    total, available = machine_memory()
+    has = f"this machine has {size_text(total)} of memory, {size_text(available)} available now" if total else \
+        "this machine's memory could not be read"
+    return RamTooLarge(f"a RAM tier of {size_text(size)} {why}; {has}")
+
 
 _RESERVED = 0  # pages held, invisible to lookups
 _VISIBLE = 1  # committed: found by pin/contains
@@ -128,11 +155,18 @@ class RamTier:
         self.total_pages = capacity // page_size
         self.policy: EvictionPolicy = make_policy(policy)
         if self.total_pages:
+            size = self.total_pages * page_size
+            # Every page is touched below: an arena beyond the machine's memory would not fail here but
+            # bring the OOM killer to this process (or another) while it starts.
+            if size > machine_memory()[0] > 0:
+                raise _too_large(size, "is more than the machine's memory")
             # Private, in huge pages where the kernel has them: every copy out of the arena pins or
             # walks fewer pages (a client reading lent objects, kvgate.crossmem: 15 GiB/s from huge
             # pages, 11 from the shared 4 KiB pages the arena used to be).
-            self._mm: mmap.mmap | None = mmap.mmap(-1, self.total_pages * page_size,
-                                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._mm: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError as e:  # ENOMEM: the kernel's overcommit rule, a ulimit -v, a cgroup
+                raise _too_large(size, f"cannot be mapped ({e.strerror or e})") from None
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
                     self._mm.madvise(mmap.MADV_HUGEPAGE)

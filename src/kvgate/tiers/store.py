@@ -38,7 +38,7 @@ from kvgate.memcopy import MemoryFault
 from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile, close_files
-from kvgate.config import Config
+from kvgate.config import Config, ConfigError
 from kvgate.keys import key_digest
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
@@ -46,7 +46,7 @@ from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
 from kvgate.tiers.counters import StoreCounters, TierCounters
 from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.holds import Holds
-from kvgate.tiers.ram import RamTier, copy_into, copy_out
+from kvgate.tiers.ram import RamTier, RamTooLarge, copy_into, copy_out
 from kvgate.tiers.reads import CardRead, ReadOutcome
 from kvgate.tiers.staging import BufferCache, Staging
 from kvgate.tiers.usage import NamespaceUsage
@@ -101,8 +101,11 @@ class TieredStore:
         self.pool = pool
         self.counters = StoreCounters()
         self.usage = NamespaceUsage()
-        self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
-                           on_expired=self._count_expired, usage=self.usage)
+        try:
+            self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
+                               on_expired=self._count_expired, usage=self.usage)
+        except RamTooLarge as e:
+            raise ConfigError(f"config key 'max_bytes': {e}: lower max_bytes") from None
         self.holds = Holds()
         self.card_io_seconds = Latencies()
         self.long = CardSet(cfg, pool, TierHooks(self.usage, self.holds, on_corrupt=self._count_corrupt,

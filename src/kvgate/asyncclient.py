@@ -127,8 +127,8 @@ class AsyncClient(core.ClientCore):
                         await loop.sock_connect(sock, addr)
                     except PermissionError as e:
                         raise not_permitted(addr, "connect to the gateway socket",
-                                            "run the engine as the gateway's user, or as a member of the "
-                                            "socket's group") from e
+                                            "run the engine as the gateway's user (a member of the "
+                                            "socket's group also needs the gateway's token, auth_token_file)") from e
                 else:
                     sock = await _tcp_connect(loop, addr)
                 client = cls(sock, local=kind == "unix", timeout=timeout)

@@ -102,8 +102,8 @@ class Client(core.ClientCore):
                     sock.connect(addr)
                 except PermissionError as e:
                     raise not_permitted(addr, "connect to the gateway socket",
-                                        "run the engine as the gateway's user, or as a member of the socket's "
-                                        "group") from e
+                                        "run the engine as the gateway's user (a member of the socket's "
+                                        "group also needs the gateway's token, auth_token_file)") from e
             client = cls(sock, local=kind == "unix")
             client._hello = client._run(core.hello_op(namespace, token, engine_id, role, salted,
                                                       want_shm and kind == "unix"))

@@ -241,8 +241,8 @@ class Config:
     eviction_policy: str = _key(_parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru"))
     ttl: float | None = _key(parse_duration, None, "objects older than this are misses and are deleted",
                              optional=True)
-    auth_token_file: str | None = _key(_parse_str, None, "file holding the token TCP clients must present",
-                                       optional=True)
+    auth_token_file: str | None = _key(_parse_str, None, "file holding the token that lets its holder in on every "
+                                       "listener (without it: only the gateway's user and root)", optional=True)
     card_token_file: str | None = _key(
         _parse_str, None, "file holding the token kvgate:// card servers require (kvgate export --token-file)",
         optional=True)

@@ -104,16 +104,17 @@ CONNECT_AS_NOBODY = r"""
 import json, sys
 from kvgate.client import Client
 try:
-    Client.connect(sys.argv[1], namespace="errors-ns", engine_id="errors", timeout=10).close()
+    Client.connect(sys.argv[1], namespace="errors-ns", engine_id="errors", timeout=10,
+                   token=sys.argv[2] if len(sys.argv) > 2 else None).close()
     print(json.dumps({"type": None, "message": ""}))
 except Exception as e:
     print(json.dumps({"type": type(e).__name__, "message": str(e)}))
 """
 
 
-def _connect_as_nobody(socket_path: str) -> dict:
+def _connect_as_nobody(socket_path: str, *token: str) -> dict:
     out = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                          sys.executable, "-c", CONNECT_AS_NOBODY, socket_path],
+                          sys.executable, "-c", CONNECT_AS_NOBODY, socket_path, *token],
                          env=kvgate_env(), cwd="/", capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -124,7 +125,9 @@ def test_an_engine_of_another_user_is_told_who_owns_the_socket_and_the_region(ga
     sockdir = tempfile.mkdtemp(prefix="kvg-uid-", dir="/tmp")
     try:
         os.chmod(sockdir, 0o755)  # the directory lets anyone reach the socket: the socket's mode decides
-        gw = gateway_factory(socket_path=os.path.join(sockdir, "gw.sock"))
+        token = tmp_path / "token"
+        token.write_text("errors-token\n")
+        gw = gateway_factory(["--auth-token-file", str(token)], socket_path=os.path.join(sockdir, "gw.sock"))
         assert oct(os.stat(gw.socket).st_mode & 0o777) == "0o660"
 
         e = _connect_as_nobody(gw.socket)
@@ -132,8 +135,14 @@ def test_an_engine_of_another_user_is_told_who_owns_the_socket_and_the_region(ga
         for words in (gw.socket, "uid 0", f"uid {NOBODY}", "mode 0660", "gateway's user", "group"):
             assert words in e["message"], (words, e["message"])
 
-        os.chmod(gw.socket, 0o666)  # now the connection is let in, and the session's region is what fails
+        os.chmod(gw.socket, 0o666)  # now the connection is let in, and the hello refused: not our user, no token
         e = _connect_as_nobody(gw.socket)
+        assert e["type"] == "GatewayError", e
+        for words in ("NOT_AUTHORIZED", f"uid {NOBODY}", "uid 0", "auth_token_file"):
+            assert words in e["message"], (words, e["message"])
+
+        # with the token the hello is let in, and the session's region is what fails
+        e = _connect_as_nobody(gw.socket, "errors-token")
         assert e["type"] == "PermissionError", e
         for words in ("/dev/shm/kvgate-", "shared-memory region", "uid 0", f"uid {NOBODY}", "mode 0600",
                       "same user"):

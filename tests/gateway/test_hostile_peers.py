@@ -325,9 +325,10 @@ def test_engines_keep_working_while_both_listeners_are_attacked(gateway_factory,
         assert sessions["deep_ok"] + sessions.get("deep_refused", 0) == 4 * sessions["rounds"], stats
         assert sessions["deep_ok"] >= 2 * sessions["rounds"], stats
         assert not [k for k in sessions if k.startswith("deep_bad") or k == "deep_then_broken"], stats
-        # the attack hit the limits (refusals), and the pre-hello stalls never got a session
+        # the attack hit the limits (its idle connections pushed each other out, or were refused), and the
+        # pre-hello stalls never got a session
         st = gw.stats()
-        assert st["gateway"]["refused_connections"] > 0, st["gateway"]
+        assert st["gateway"]["refused_connections"] + st["gateway"]["displaced_connections"] > 0, st["gateway"]
         # what the attacker held is released: hello and frame deadlines closed the rest
         closed_by = time.monotonic() + HELLO_TIMEOUT_S + FRAME_TIMEOUT_S + 10
         back_by = closed_by + 15
@@ -398,34 +399,48 @@ def test_a_full_listener_answers_the_hello_with_too_many_connections(gateway_fac
             c.close()
 
 
-def test_idle_connections_of_one_peer_do_not_fill_a_listener(gateway_factory, token_file) -> None:
-    gw, port = _hostile_gateway(gateway_factory, token_file)
+def test_idle_connections_never_keep_out_a_client_that_says_hello(gateway_factory, token_file) -> None:
+    """300 idle loopback connections from this process (past the per-peer cap and the listener's
+    max_connections), then a token client of the same address: it gets its session at once, each time,
+    while an attacker keeps opening new idle connections.  Each new connection closes the oldest one still
+    waiting for its hello, never one that said hello."""
+    import threading
+
     from kvgate.gateway.listeners import PENDING_PER_PEER
 
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0))
-            for _ in range(PENDING_PER_PEER)]
+    gw, port = _hostile_gateway(gateway_factory, token_file)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
+    stop = threading.Event()
+    churned: list[socket.socket] = []
+
+    def reconnect() -> None:  # the attacker: new idle connections as fast as it can, from the same address
+        while not stop.is_set():
+            try:
+                churned.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            except OSError:
+                pass
+            if len(churned) > 400:
+                churned.pop(0).close()
+
+    attacker = threading.Thread(target=reconnect, daemon=True)
+    attacker.start()
     try:
-        # the next one from that address is refused, naming why
-        with socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0)) as s:
-            s.sendall(frame({"op": "hello", "id": 5, "token": TOKEN}))
-            r = read_reply(s)
-            assert isinstance(r, Error) and r.code == ErrorCode.TOO_MANY_CONNECTIONS and r.id == 5, r
-            assert "127.0.0.2" in r.message and "waiting for their hello" in r.message
-        # other peers get in
-        with Client.connect(f"127.0.0.1:{port}", namespace="n", engine_id="engine", token=TOKEN, timeout=30) as c:
-            assert c.put_many([b"k"], [b"v"]) == [True]
-        # the hello deadline closes the idle ones, with a reason
-        t0 = time.monotonic()
-        for s in idle:
-            r = read_reply(s)
-            assert isinstance(r, Error) and r.code == ErrorCode.NO_SESSION and "hello_timeout" in r.message, r
+        for i in range(20):
+            with _timed(f"connect {i} past idle connections", Client.connect, f"127.0.0.1:{port}", namespace="n",
+                        engine_id="engine", token=TOKEN, timeout=30) as c:
+                assert c.put_many([b"k%d" % i], [b"v"]) == [True]
+        # the oldest idle ones were closed, without a reply
+        for s in idle[:PENDING_PER_PEER]:
+            s.settimeout(10)
             assert read_reply(s) is None
-        took = time.monotonic() - t0
-        assert took < HELLO_TIMEOUT_S + 5, took
     finally:
-        for s in idle:
+        stop.set()
+        attacker.join(10)
+        for s in idle + churned:
             s.close()
-    assert gw.stats()["gateway"]["connections"] == 1  # the admin asking
+    st = gw.stats()["gateway"]
+    assert st["displaced_connections"] >= 300 - PENDING_PER_PEER, st
+    assert st["refused_connections"] == 0, st
 
 
 def test_announced_frames_that_stall_are_closed_and_release_what_they_held(gateway_factory, token_file) -> None:

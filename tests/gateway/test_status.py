@@ -237,6 +237,96 @@ def test_prewarm_with_bad_keys_is_a_400_naming_the_key(gateway_factory) -> None:
     assert gw.alive() and "Traceback" not in gw.log(), gw.log()
 
 
+def _prewarm_corpus() -> list[tuple[bytes, str]]:
+    """Bad prewarm bodies, each with what its 400's error must name."""
+    from kvgate.gateway.operations import MAX_KEYS_PER_REQUEST
+
+    def j(obj) -> bytes:
+        return json.dumps(obj).encode()
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    ok = {"namespace": NS, "keys": ["a"]}
+    return [
+        (j({"namespace": NS, "keys": "abc"}), "`$.keys`"),  # once split into 3 keys
+        (j({"namespace": NS, "keys": {"a": 1}}), "`$.keys`"),
+        (j({"namespace": NS, "keys": None}), "`$.keys`"),
+        (j({"namespace": NS, "keys": [1]}), "`$.keys[0]`"),
+        (j({"namespace": NS, "keys": ["a", ["b"]]}), "`$.keys[1]`"),
+        (j({"namespace": NS, "keys": []}), "'keys' or 'keys_hex'"),
+        (j({"namespace": NS}), "'keys' or 'keys_hex'"),
+        (j({"namespace": NS, "keys": ["k" * 2000]}), "'keys'[0] is 2000 bytes"),
+        (j({"namespace": NS, "keys": ["a", ""]}), "'keys'[1] is empty"),
+        (j({"namespace": NS, "keys": ["k"] * (MAX_KEYS_PER_REQUEST + 1)}), f"at most {MAX_KEYS_PER_REQUEST}"),
+        (j({"namespace": NS, "keys_hex": "00"}), "`$.keys_hex`"),
+        (j({"namespace": NS, "keys_hex": [None]}), "`$.keys_hex[0]`"),
+        (j({"namespace": NS, "keys_hex": ["00", "zz"]}), "'keys_hex'[1] is not hexadecimal"),
+        (j({"namespace": NS, "keys_hex": ["0"]}), "'keys_hex'[0] is not hexadecimal"),
+        (j({"namespace": NS, "keys_hex": [""]}), "'keys_hex'[0] is empty"),
+        (j({"keys": ["a"]}), "`namespace`"),
+        (j({"namespace": None, "keys": ["a"]}), "`$.namespace`"),
+        (j({"namespace": 5, "keys": ["a"]}), "`$.namespace`"),
+        (j({"namespace": "", "keys": ["a"]}), "'namespace' must not be empty"),
+        (j({"namespace": "n" * 300, "keys": ["a"]}), "namespace is 300 bytes"),
+        (j({**ok, "dialog": 5}), "`$.dialog`"),
+        (j({**ok, "dialog": None}), "`$.dialog`"),
+        (j({**ok, "dialog": ["x"]}), "`$.dialog`"),
+        (j({**ok, "extra": 1}), "unknown field `extra`"),
+        (j({**ok, "Keys": ["b"]}), "unknown field `Keys`"),
+        (j([]), "Expected `object`, got `array`"),
+        (j("keys"), "Expected `object`, got `str`"),
+        (j(None), "Expected `object`, got `null`"),
+        (j(7), "Expected `object`, got `int`"),
+        (b"not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b'{"namespace": "n", "keys": ["a"', "not valid JSON"),
+        (rb'{"namespace": "\ud800", "keys": ["a"]}', "not valid JSON"),  # a lone surrogate
+        (b'{"namespace": "n", "keys": ["\xff"]}', "not valid JSON"),  # not UTF-8
+        (deep, "Expected `object`, got `array`"),
+        (b'{"namespace": "n", "keys": ' + deep + b"}", "`$.keys[0]`"),
+        (b'{"namespace": "n", "keys": ["a"], "dialog": ' + deep + b"}", "`$.dialog`"),
+        (b'{"namespace": "n", "keys": ["a"], "x": ' + deep + b"}", "unknown field `x`"),
+        (b'{"namespace": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b', "keys": ["a"]}', "`$.namespace`"),
+    ]
+
+
+def test_prewarm_corpus_of_bad_bodies_each_a_400_naming_the_field(gateway_factory) -> None:
+    """Every bad body is a 400 whose error names the field (or says the body is not a JSON object), never
+    a 200 that took it some other way nor a 500; the gateway serves on."""
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport)])
+    for body, named in _prewarm_corpus():
+        status, answer = _http(mport, "POST", "/v1/cache/prewarm", body)
+        assert status == 400, (body[:80], status, answer)
+        assert named in answer["error"], (body[:80], answer)
+        assert "Traceback" not in answer["error"] and "RecursionError" not in answer["error"]
+    ok = json.dumps({"namespace": NS, "keys": ["a"], "keys_hex": ["00ff"], "dialog": "d"}).encode()
+    assert _http(mport, "POST", "/v1/cache/prewarm", ok) == (200, {"in_ram": 0, "asked": 2})
+    assert _http(mport, "GET", "/metrics")[0] == 200
+    with gw.client(NS) as c:
+        assert c.put_many([b"k"], [b"v"]) == [True]
+    assert gw.alive() and "Traceback" not in gw.log(), gw.log()
+
+
+def test_http_with_a_token_needs_it_on_loopback_too(gateway_factory, tmp_path) -> None:
+    """With auth_token_file set, every path but /healthz needs the bearer token, loopback peers (root
+    here) too: none or another one is a 401 saying which."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport), "--auth-token-file", str(token_file)])
+    assert _http(mport, "GET", "/healthz") == (200, {"ok": True})
+    prewarm = json.dumps({"namespace": NS, "keys": ["a"]}).encode()
+    for token, says in ((None, "needs 'Authorization: Bearer <token>'"), ("wrong", "is not this gateway's"),
+                        ("", "is not this gateway's")):
+        for method, path, body in (("GET", "/metrics", None), ("POST", "/v1/cache/prewarm", prewarm)):
+            status, answer = _http(mport, method, path, body, token=token)
+            assert status == 401 and says in answer["error"] and "auth_token_file" in answer["error"], (
+                token, path, status, answer)
+    assert _http(mport, "GET", "/metrics", token="s3cret-token")[0] == 200
+    assert _http(mport, "POST", "/v1/cache/prewarm", prewarm, token="s3cret-token") == (200, {"in_ram": 0, "asked": 1})
+    assert gw.alive()
+
+
 def _threads(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))

@@ -89,6 +89,7 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._send_failed = False
         self._closed = False
+        self._heard = False  # a byte has come from the peer
         self._resume()
 
     # ---- reading --------------------------------------------------------------------------
@@ -132,6 +133,7 @@ class Connection:
             self._pause()
             self._wake()
             return
+        self._heard = True
         if target is not None:
             self._filled += n
             if self._filled == len(target):
@@ -279,6 +281,18 @@ class Connection:
             await ready
         finally:
             self._loop.remove_writer(self._fd)
+
+    def heard_from(self) -> bool:
+        """Whether the peer has sent a byte yet, read or still in the socket (a hello on its way).  One
+        non-blocking peek: on the loop."""
+        if self._heard:
+            return True
+        if self._closed:
+            return False
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing there yet (BlockingIOError), or a broken connection
+            return False
 
     def close(self) -> None:
         if not self._closed:

@@ -10,9 +10,13 @@ Nor can a peer hold what others need.  Until its hello is accepted a
 connection holds only its staging buffer: frames without a body, headers
 that fit the staging buffer, ``hello_timeout`` to be accepted, and at most
 ``PENDING_PER_PEER`` such connections per peer (a TCP source address, a
-local process).  Each listener (the Unix socket; all TCP listeners) has its
-own ``max_connections`` and its own inline byte budget, so TCP peers never
-lock out a local engine.  Once announced, a header and body must arrive
+local process): past that a new one closes the peer's oldest that has sent
+nothing (a full listener: its oldest), never a connection whose hello is on
+its way or being answered, so idle connections never keep out a client that
+says hello at once (``ListenerLimits.admit``).  Who may open a session is
+``Sessions.admit``'s.  Each listener (the Unix socket; all TCP listeners)
+has its own ``max_connections`` and its own inline byte budget, so TCP
+peers never lock out a local engine.  Once announced, a header and body must arrive
 within ``frame_timeout`` (plus their size at ``FRAME_MIN_RATE``).
 """
 
@@ -21,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +32,7 @@ from typing import Any
 from kvgate.config import Config
 from kvgate.gateway.connection import STAGE_BYTES, Connection, accept_loop
 from kvgate.gateway.operations import Operations
+from kvgate.gateway.peers import unix_peer
 from kvgate.gateway.sessions import InlineBudget, InlineShare, Session, Sessions, reply
 from kvgate.protocol import (
     MAX_HEADER_BYTES,
@@ -49,46 +53,81 @@ MAX_INFLIGHT_PER_CONNECTION = 64
 # Connections one peer may have waiting for their hello on a listener: a client pool connecting at once
 # gets in, one host or process holding idle connections does not fill the listener.
 PENDING_PER_PEER = 16
+# Past that, a new connection displaces the oldest that has sent nothing, else the oldest waiting this long:
+# a client's hello is read within milliseconds of its connect, even on a loaded host.
+HELLO_GRACE_S = 1.0
 # A refused connection is answered to its hello (with the hello's id, so a client reads a clear refusal);
 # a peer that sends nothing gets the refusal after this long.  At most MAX_REFUSING are waited on at once,
 # the rest are answered at once.
 REFUSAL_WAIT_S = 1.0
 MAX_REFUSING = 64
 FRAME_MIN_RATE = 4 << 20  # bytes/s an announced header and body must at least arrive at, beyond frame_timeout
-_PEERCRED = struct.Struct("3i")
 
 
 @dataclass
 class ListenerLimits:
-    """Connections of one listener (the Unix socket, or all TCP listeners): open ones, and per peer those
-    still waiting for their hello."""
+    """Connections of one listener (the Unix socket, or all TCP listeners): open ones, and those still
+    waiting for their hello, per peer and oldest first.  Used on the event loop only."""
 
     name: str
     limit: int
     budget: InlineBudget
     open: int = 0
-    pending: dict[Any, int] = field(default_factory=dict)
+    # every connection waiting for its hello, oldest first: (its peer, when it began to wait)
+    waiting: dict[Connection, tuple[Any, float]] = field(default_factory=dict)
+    pending: dict[Any, dict[Connection, None]] = field(default_factory=dict)  # the same, per peer
 
-    def refusal(self, peer: Any) -> str | None:
-        """Why a new connection from ``peer`` is refused, or None."""
-        if self.open >= self.limit:
-            return f"the {self.name} serves at most {self.limit} connections (max_connections); try again later"
-        if self.pending.get(peer, 0) >= PENDING_PER_PEER:
-            return (f"{peer} already has {PENDING_PER_PEER} connections to the {self.name} waiting for their "
-                    "hello; say hello on those first")
-        return None
+    def admit(self, peer: Any, conn: Connection, now: float) -> tuple[str | None, Connection | None]:
+        """Count ``conn`` in, waiting for its hello: -> (why it is refused, or None; the connection it
+        displaces, for the caller to close, or None).
 
-    def admit(self, peer: Any) -> None:
+        At ``PENDING_PER_PEER`` of the peer's connections waiting (or the listener full), the oldest of
+        them (of the listener's) that has sent nothing is displaced, else the oldest that has waited
+        ``HELLO_GRACE_S``; only when every one is younger and has sent something (hellos on their way) is
+        the new one refused.  So idle connections never keep out a client that says hello at once.
+        """
+        mine = self.pending.get(peer, {})
+        out = None
+        if len(mine) >= PENDING_PER_PEER:
+            out = self._displaceable(mine, now)
+            if out is None:
+                return (f"{peer} already has {PENDING_PER_PEER} connections to the {self.name} with a hello on its "
+                        "way; try again in a moment"), None
+        elif self.open >= self.limit:
+            out = self._displaceable(self.waiting, now)
+            if out is None:
+                return (f"the {self.name} serves at most {self.limit} connections (max_connections); "
+                        "try again later"), None
+        if out is not None:
+            self.done_waiting(out)
         self.open += 1
-        self.pending[peer] = self.pending.get(peer, 0) + 1
+        self.wait_again(peer, conn, now)
+        return None, out
 
-    def done_waiting(self, peer: Any) -> None:
-        """A connection of the peer had its hello accepted, or left without: it no longer waits."""
-        n = self.pending[peer] - 1
-        if n:
-            self.pending[peer] = n
-        else:
-            del self.pending[peer]
+    def _displaceable(self, conns, now: float) -> Connection | None:
+        aged = None
+        for c in conns:  # oldest first
+            if not c.heard_from():
+                return c
+            if aged is None and now - self.waiting[c][1] >= HELLO_GRACE_S:
+                aged = c
+        return aged
+
+    def wait_again(self, peer: Any, conn: Connection, since: float) -> None:
+        """``conn`` (counted open already) waits for its hello, since ``since`` (again, after a refused one)."""
+        self.waiting[conn] = (peer, since)
+        self.pending.setdefault(peer, {})[conn] = None
+
+    def done_waiting(self, conn: Connection) -> tuple[Any, float] | None:
+        """The connection has its hello under way, was displaced, or left without: it no longer waits.
+        -> its peer and since when it waited (None: it was not waiting)."""
+        was = self.waiting.pop(conn, None)
+        if was is not None:
+            mine = self.pending[was[0]]
+            mine.pop(conn, None)
+            if not mine:
+                del self.pending[was[0]]
+        return was
 
     def leave(self) -> None:
         self.open -= 1
@@ -116,6 +155,7 @@ class Listeners:
         self._sockets: list[socket.socket] = []
         self._refusing = 0
         self.refused_connections = 0
+        self.displaced_connections = 0  # closed while waiting for their hello, to make room (ListenerLimits.admit)
 
     @property
     def open_connections(self) -> int:
@@ -134,28 +174,38 @@ class Listeners:
             s.close()
 
     async def _on_connection(self, sock: socket.socket, local: bool) -> None:
+        tcp = None
         try:
             pid = uid = None
             if local:
-                pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                pid, uid = unix_peer(sock)
                 peer: Any = f"process {pid}"
             else:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                peer = sock.getpeername()[0]
+                theirs = sock.getpeername()
+                tcp = (sock.family, sock.getsockname(), theirs)
+                peer = theirs[0]
         except OSError:  # the peer is already gone
             sock.close()
             return
         limits = self.limits[local]
         conn = Connection(sock)
-        why = limits.refusal(peer)
+        why, displaced = limits.admit(peer, conn, asyncio.get_running_loop().time())
         if why is not None:
             await self._refuse_connection(conn, why)
             return
-        limits.admit(peer)
+        if displaced is not None:
+            self._displace(limits, displaced, peer)
         try:
-            await self._serve(conn, limits, peer, local=local, pid=pid, uid=uid)
+            await self._serve(conn, limits, local=local, pid=pid, uid=uid, tcp=tcp)
         finally:
             limits.leave()
+
+    def _displace(self, limits: ListenerLimits, conn: Connection, peer: Any) -> None:
+        self.displaced_connections += 1
+        log.debug("%s: closed a connection still waiting for its hello to make room for one from %s",
+                  limits.name, peer)
+        conn.close()  # its task sees the connection closed and ends
 
     async def _refuse_connection(self, conn: Connection, why: str) -> None:
         """Answer TOO_MANY_CONNECTIONS to the connection's first request (its hello), with its id, and close."""
@@ -178,8 +228,8 @@ class Listeners:
         finally:
             conn.close()
 
-    async def _serve(self, conn: Connection, limits: ListenerLimits, peer: Any, local: bool, pid: int | None,
-                     uid: int | None) -> None:
+    async def _serve(self, conn: Connection, limits: ListenerLimits, local: bool, pid: int | None,
+                     uid: int | None, tcp: tuple | None) -> None:
         """Read requests until the client leaves; each one after hello runs as its own task.
 
         Before the hello is accepted the connection may send only frames without a body whose header fits
@@ -264,10 +314,13 @@ class Listeners:
                         await reply(conn, Error(id=req.id, code=ErrorCode.NO_SESSION, message="send hello first"),
                                     deadline=hello_deadline)
                         continue
-                    session = await self.sessions.hello(req, conn, local, pid, uid, share, hello_deadline)
+                    # while its hello is answered (a uid looked up) it cannot be displaced: it said hello
+                    waited = limits.done_waiting(conn)
+                    session = await self.sessions.hello(req, conn, local, pid, uid, share, hello_deadline, tcp)
                     if session is not None:
-                        limits.done_waiting(peer)
                         hello_deadline = None
+                    elif waited is not None:  # refused: it may try again until its hello deadline
+                        limits.wait_again(waited[0], conn, waited[1])
                     continue
                 await slots.acquire()
                 task = loop.create_task(self.operations.dispatch(session, req, body, blen, conn))
@@ -284,7 +337,7 @@ class Listeners:
             log.exception("connection handler failed")
         finally:
             if session is None:
-                limits.done_waiting(peer)  # no longer waiting either way
+                limits.done_waiting(conn)  # no longer waiting either way
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
             if session is not None:

@@ -35,6 +35,7 @@ from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.listeners import Listeners
 from kvgate.gateway.operations import Operations
+from kvgate.gateway.peers import loopback_uids_visible
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.shm import reap_dead_regions
 from kvgate.heads import SharedHeads
@@ -142,7 +143,17 @@ class Gateway:
         os.chmod(cfg.socket_path, 0o660)
         self.listeners.listen(unix, local=True)
         where = [f"socket {cfg.socket_path}"]
-        if cfg.port:
+        # Without a token, only the gateway's user and root get in over loopback TCP: the kernel must tell
+        # a peer's uid (kvgate.gateway.peers), checked once here.
+        hosts = [h for h, on in ((cfg.bind_address, cfg.port), (cfg.metrics_bind_address, cfg.metrics_port)) if on]
+        blind = await self.pool.run(loopback_uids_visible, hosts) if hosts else None
+        self.sessions.loopback_uids = blind is None
+        if cfg.port and blind is not None and self.sessions.token is None:
+            log.warning("the TCP listener on %s:%s stays closed: this gateway cannot tell the uid of a loopback peer "
+                        "(%s), so it could not keep other users out without a token; set auth_token_file to open "
+                        "it (clients then present that token), or connect over the Unix socket %s",
+                        cfg.bind_address, cfg.port, blind, cfg.socket_path)
+        elif cfg.port:
             try:
                 tcp = await tcp_listeners(cfg.bind_address, cfg.port)
             except OSError as e:
@@ -155,8 +166,8 @@ class Gateway:
             try:
                 self.http = status_mod.HttpStatus(
                     self.snapshot, self.operations.prewarm_by_name, asyncio.get_running_loop(),
-                    cfg.metrics_bind_address, cfg.metrics_port,
-                    token=None if is_loopback(cfg.metrics_bind_address) else self.sessions.token)
+                    cfg.metrics_bind_address, cfg.metrics_port, token=self.sessions.token,
+                    local_uids=self.sessions.loopback_uids)
             except OSError as e:
                 raise StartupError(
                     f"config key 'metrics_port': cannot serve /metrics on {cfg.metrics_bind_address}:{cfg.metrics_port}: "
@@ -249,6 +260,7 @@ class Gateway:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
         await self.store.stop()
         self.sessions.close_all()
+        self.sessions.peers.close()
         if self._socket_owned:  # a gateway refused at start must not remove a running one's socket
             try:
                 os.unlink(self.cfg.socket_path)

@@ -18,12 +18,14 @@ import hmac
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 from kvgate import __version__, crossmem
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
+from kvgate.gateway.peers import PeerLookups, is_loopback_peer, trusted_uid
 from kvgate.gateway.shm import Region, RegionError, could_stop_gateway, create_session_region
 from kvgate.keys import BadKey, encode_namespace
 from kvgate.protocol import (
@@ -41,6 +43,7 @@ from kvgate.tiers.io import IoPool
 from kvgate.tiers.store import RamLoan, TieredStore
 
 log = logging.getLogger("kvgate.gateway")
+REFUSAL_LOG_S = 10.0  # refused hellos are logged at most once per this long
 
 
 async def reply(conn: Connection, msg, body: Body | None = None, deadline: float | None = None) -> None:
@@ -119,6 +122,7 @@ class Session:
     uid: int | None
     inline: InlineShare  # this connection's part of its listener's inline byte budget
     role: str = ""
+    who: str = ""  # the peer, as the log names it: "pid 12 uid 0" or "127.0.0.1:40000 uid 0", and how it got in
     namespace: bytes = b""
     engine_id: str = ""
     regions: dict[int, Region] = field(default_factory=dict)
@@ -157,7 +161,12 @@ class Sessions:
         self.cfg = cfg
         self.store = store
         self.pool = pool
-        self.token: str | None = None  # what a TCP peer's hello must present (auth_token_file, read at start)
+        self.token: str | None = None  # the token of auth_token_file (read at start): lets any peer in
+        # Whether the kernel tells the uid of a loopback TCP peer here (``peers.loopback_uids_visible``, at start)
+        self.loopback_uids = False
+        self.peers = PeerLookups()
+        self._refusal_logged = -REFUSAL_LOG_S
+        self._refusals_unlogged = 0
         self.engine: EngineClaim | None = None
         self.by_id: dict[int, Session] = {}
         self._ids = itertools.count(1)
@@ -167,19 +176,23 @@ class Sessions:
         return len(self.by_id)
 
     async def hello(self, req: Hello, conn: Connection, local: bool, pid: int | None, uid: int | None,
-                    inline: InlineShare, deadline: float | None) -> Session | None:
-        """The session of an accepted hello (replied to by ``deadline``), or None (refused, and answered why)."""
+                    inline: InlineShare, deadline: float | None, tcp: tuple | None = None) -> Session | None:
+        """The session of an accepted hello (replied to by ``deadline``), or None (refused, and answered why).
+
+        ``tcp``: for a TCP connection, (address family, our address, the peer's address).
+        """
         async def refuse(code: str, message: str) -> None:
             await reply(conn, Error(id=req.id, code=code, message=message), deadline=deadline)
 
         if req.protocol != VERSION:
             await refuse(ErrorCode.BAD_VERSION, f"client speaks protocol {req.protocol}, gateway {VERSION}")
             return None
-        if not local and self.token is not None:
-            if req.token is None or not hmac.compare_digest(req.token.encode(), self.token.encode()):
-                await refuse(ErrorCode.NOT_AUTHORIZED, "a valid token is required on this listener")
-                return None
-        sess = Session(next(self._ids), local, pid if local else None, uid, inline, role=req.role)
+        who, why_not = await self.admit(req, local, pid, uid, tcp)
+        if why_not is not None:
+            self._log_refusal(who, local, req, why_not)
+            await refuse(ErrorCode.NOT_AUTHORIZED, why_not)
+            return None
+        sess = Session(next(self._ids), local, pid if local else None, uid, inline, role=req.role, who=who)
         if req.role == "engine":
             try:
                 sess.namespace = encode_namespace(req.namespace)
@@ -221,6 +234,60 @@ class Sessions:
             placement=self.cfg.key_placement, pid=os.getpid(), lends=sess.lends,
         ), deadline=deadline)
         return sess
+
+    async def admit(self, req: Hello, local: bool, pid: int | None, uid: int | None,
+                    tcp: tuple | None) -> tuple[str, str | None]:
+        """Who the peer is (for the log), and why its hello is refused (None: let in).
+
+        A hello that presents a token must present the gateway's (a wrong one is refused, whoever sends
+        it).  Without one, the gateway's own user and root are let in where the kernel tells the peer's
+        uid: on the Unix socket (``SO_PEERCRED``; the socket's mode alone would let its group in) and over
+        loopback TCP (``/proc/net/tcp``, looked up in the ``PeerLookups`` thread).  Everyone else needs
+        the token.
+        """
+        if local:
+            who = f"pid {pid} uid {uid}"
+        else:
+            theirs = tcp[2] if tcp is not None else ("?", 0)
+            who = f"{theirs[0]}:{theirs[1]}"
+        if req.token is not None and self.token is not None:
+            if hmac.compare_digest(req.token.encode(), self.token.encode()):
+                return f"{who} with the token", None
+            return who, "the token presented is not this gateway's (auth_token_file): check the client's token"
+        me = os.geteuid()
+        if not local and tcp is not None and self.loopback_uids and is_loopback_peer(tcp[2][0]):
+            uid = await self.peers.uid(*tcp)
+            who += f" uid {uid}" if uid is not None else " (uid unknown)"
+        elif not local:
+            uid = None
+        if trusted_uid(uid):
+            return who, None
+        if self.token is None:
+            fix = ("set auth_token_file on the gateway and give this client its token (Client.connect(token=...), "
+                   "kvgate.token_file, the CLI's --token-file)")
+        else:
+            fix = ("give this client the token of the gateway's auth_token_file (Client.connect(token=...), "
+                   "kvgate.token_file, the CLI's --token-file)")
+        if uid is not None:
+            whose = f"uid {uid}"
+        elif self.loopback_uids and tcp is not None and is_loopback_peer(tcp[2][0]):
+            whose = "a loopback TCP peer whose socket the kernel does not show"
+        else:
+            whose = "a TCP peer whose uid the kernel does not tell"
+        return who, (f"{whose} is neither the gateway's user (uid {me}) nor root, the only users let in without "
+                     f"a token: {fix}, or run it as uid {me}")
+
+    def _log_refusal(self, who: str, local: bool, req: Hello, why: str) -> None:
+        """A refused hello is a warning, at most one per ``REFUSAL_LOG_S`` (a peer that retries in a loop
+        does not fill the log); the next one says how many were not logged."""
+        now = time.monotonic()
+        if now - self._refusal_logged < REFUSAL_LOG_S:
+            self._refusals_unlogged += 1
+            return
+        more = f" ({self._refusals_unlogged} more refused since the last line)" if self._refusals_unlogged else ""
+        self._refusal_logged, self._refusals_unlogged = now, 0
+        log.warning("hello refused: %s (%s, role %s, namespace %r): %s%s", who, "Unix socket" if local else "TCP",
+                    req.role, req.namespace, why, more)
 
     def _release_engine(self, sess: Session) -> None:
         if sess.engine_id and self.engine is not None and self.engine.engine_id == sess.engine_id:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
                                    SummaryMetricFamily)
@@ -35,8 +36,11 @@ from kvgate.config import Config
 from kvgate.gateway.headsync import HeadSync
 from kvgate.latency import Latencies
 from kvgate.gateway.listeners import Listeners
+from kvgate.gateway.operations import MAX_KEYS_PER_REQUEST
+from kvgate.gateway.peers import is_loopback_peer, tcp_peer_uid, trusted_uid
 from kvgate.gateway.sessions import Sessions
 from kvgate.heads import SharedHeads
+from kvgate.keys import MAX_KEY_BYTES
 from kvgate.tiers.io import IoPool
 from kvgate.tiers.store import TieredStore
 
@@ -140,7 +144,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
             # sessions whose shared memory is used in place (kvgate.gateway.shm): the rest go through the kernel
             "sessions_in_place": sum(s.in_place for s in sessions.by_id.values()),
             "connections": listeners.open_connections,
-            "refused_connections": listeners.refused_connections, "engine": engine,
+            "refused_connections": listeners.refused_connections,
+            "displaced_connections": listeners.displaced_connections, "engine": engine,
             "shared_storage": cfg.shared_storage,
             "read_priority": "realtime" if pool.realtime else "normal",
         },
@@ -354,17 +359,23 @@ class HttpStatus:
     (/metrics) and ``prewarm`` (namespace, keys, dialog -> objects in RAM) on ``loop``, waiting for them
     there, so the loop is never blocked by a slow HTTP peer.
 
-    ``token``: when set, every path but /healthz needs ``Authorization: Bearer <token>`` (the gateway
-    sets it for a listener beyond loopback).  A bad request gets a 400 with a JSON ``error``.
+    Who may ask what: /healthz anyone.  ``token`` (the gateway's auth_token_file) set: every other path
+    needs ``Authorization: Bearer <token>``, loopback peers too; without it or with another token, a 401.
+    No token (a loopback listener): /metrics anyone on the host, and a prewarm (it changes what the RAM
+    tier holds) only a peer the kernel says is the gateway's user or root (``local_uids``: whether it can
+    tell, ``kvgate.gateway.peers``), else a 401 naming auth_token_file.  A bad request gets a 400 with a
+    JSON ``error`` naming what was wrong.
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]],
                  prewarm: Callable[[str, list[bytes], bytes | None], Awaitable[int]],
-                 loop: asyncio.AbstractEventLoop, host: str, port: int, token: str | None = None):
+                 loop: asyncio.AbstractEventLoop, host: str, port: int, token: str | None = None,
+                 local_uids: bool = False):
         self.snapshot = snapshot
         self.prewarm = prewarm
         self.loop = loop
         self.token = token.encode() if token is not None else None
+        self.local_uids = local_uids
         handler = self._handler_class()
         self.server = _BoundedHTTPServer((host, port), handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="kvgate-http", daemon=True)
@@ -408,22 +419,40 @@ class HttpStatus:
             def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
                 self._send(code, json.dumps({"error": message}).encode(), headers=headers)
 
-            def _authorized(self) -> bool:
-                """True, or the request was answered 401."""
+            def _authorized(self, changes: bool) -> bool:
+                """True, or the request was answered 401.  ``changes``: the request changes the gateway's
+                state (a prewarm), which without a token only its own user or root may ask for."""
                 if outer.token is None:
-                    return True
+                    if not changes or trusted_uid(self._peer_uid()):
+                        return True
+                    self._error(401, "only the gateway's user or root may prewarm without a token, and the kernel "
+                                "does not say this peer is either: set auth_token_file on the gateway and send "
+                                "'Authorization: Bearer <token>'", {"WWW-Authenticate": 'Bearer realm="kvgate"'})
+                    return False
                 scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
                 if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), outer.token):
                     return True
-                self._error(401, "this listener needs 'Authorization: Bearer <token>' (the token of auth_token_file)",
+                self._error(401, "this listener needs 'Authorization: Bearer <token>' (the token of auth_token_file)"
+                            if not scheme else "the token in 'Authorization: Bearer <token>' is not this gateway's (auth_token_file)",
                             {"WWW-Authenticate": 'Bearer realm="kvgate"'})
                 return False
+
+            def _peer_uid(self) -> int | None:
+                """The uid of a loopback peer (None: not loopback, or the kernel does not say).  Reads /proc:
+                on this request's thread, never the loop."""
+                sock = self.connection
+                if not outer.local_uids or not is_loopback_peer(self.client_address[0]):
+                    return None
+                try:
+                    return tcp_peer_uid(sock.family, sock.getsockname(), sock.getpeername())
+                except OSError:
+                    return None
 
             def do_GET(self):
                 path = self.path.split("?")[0]
                 if path == "/healthz":
                     self._send(200, b'{"ok": true}')
-                elif not self._authorized():
+                elif not self._authorized(changes=False):
                     return
                 elif path == "/metrics":
                     snap = outer._call(outer._snapshot_on_loop())
@@ -432,20 +461,22 @@ class HttpStatus:
                     self._error(404, "not found")
 
             def do_POST(self):
-                if not self._authorized():
+                if not self._authorized(changes=True):
                     return
                 if self.path != "/v1/cache/prewarm":
                     self._error(404, "not found")
                     return
                 try:
-                    length = int(self.headers.get("Content-Length", "0"))
+                    try:
+                        length = int(self.headers.get("Content-Length", "0"))
+                    except ValueError:
+                        raise ValueError("Content-Length is not a number") from None
                     if not 0 <= length <= MAX_PREWARM_BODY:
                         raise ValueError(f"Content-Length {length}: a prewarm body has 0 to {MAX_PREWARM_BODY} bytes")
-                    req = json.loads(self.rfile.read(length) or b"{}")
-                    namespace, keys, dialog = _parse_prewarm(req)
-                    # a bad namespace or key (BadKey) is the client's error too
+                    namespace, keys, dialog = parse_prewarm(self.rfile.read(length))
+                    # a bad namespace (BadKey) is the client's error too
                     n = outer._call(outer.prewarm(namespace, keys, dialog))
-                except (ValueError, TypeError) as e:
+                except ValueError as e:
                     self._error(400, str(e))
                     return
                 except OSError:
@@ -459,22 +490,48 @@ class HttpStatus:
         return Handler
 
 
-def _parse_prewarm(req: Any) -> tuple[str, list[bytes], bytes | None]:
-    if not isinstance(req, dict):
-        raise ValueError("expected a JSON object")
-    namespace = req.get("namespace")
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError("'namespace' (string) is required")
-    keys: list[bytes] = []
-    for k in req.get("keys", []):
-        if not isinstance(k, str):
-            raise ValueError("'keys' must be strings (UTF-8 keys); use 'keys_hex' for binary keys")
-        keys.append(k.encode())
-    for k in req.get("keys_hex", []):
-        keys.append(bytes.fromhex(k))
-    if not keys:
+class PrewarmBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON body of POST /v1/cache/prewarm: every field typed, no other field taken."""
+
+    namespace: str
+    keys: list[str] = []  # UTF-8 keys
+    keys_hex: list[str] = []  # binary keys, in hex
+    dialog: str = ""  # the prompt's dialog mark, UTF-8
+
+
+_prewarm_decoder = msgspec.json.Decoder(PrewarmBody)
+
+
+def parse_prewarm(body: bytes) -> tuple[str, list[bytes], bytes | None]:
+    """(namespace, keys, dialog) of a prewarm body; ``ValueError`` naming the field (and key index) that is
+    wrong.  The decoder checks each value's type as it reads it, so a deeply nested value is refused where
+    it starts, never recursed into."""
+    try:
+        req = _prewarm_decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"bad prewarm body: {e} (expected {{\"namespace\": str, \"keys\": [str], "
+                         f"\"keys_hex\": [hex str], \"dialog\": str}})") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ValueError(f"the prewarm body is not valid JSON (a JSON object is expected): {e}") from None
+    if not req.namespace:
+        raise ValueError("'namespace' must not be empty")
+    n = len(req.keys) + len(req.keys_hex)
+    if not n:
         raise ValueError("'keys' or 'keys_hex' must name at least one key")
-    dialog = req.get("dialog")
-    if dialog is not None and not isinstance(dialog, str):
-        raise ValueError("'dialog' must be a string")
-    return namespace, keys, dialog.encode() if dialog else None
+    if n > MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"'keys' and 'keys_hex' name {n} keys; at most {MAX_KEYS_PER_REQUEST} in one request")
+    keys: list[bytes] = []
+    for field_name, given in (("keys", req.keys), ("keys_hex", req.keys_hex)):
+        for i, k in enumerate(given):
+            if field_name == "keys":
+                key = k.encode()
+            else:
+                try:
+                    key = bytes.fromhex(k)
+                except ValueError:
+                    raise ValueError(f"'keys_hex'[{i}] is not hexadecimal (an even number of digits 0-9, a-f)") from None
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                size = f"{len(key)} bytes" if key else "empty"
+                raise ValueError(f"'{field_name}'[{i}] is {size}; a key has 1 to {MAX_KEY_BYTES} bytes")
+            keys.append(key)
+    return req.namespace, keys, req.dialog.encode() if req.dialog else None

@@ -47,6 +47,19 @@ def test_kvgate_stat(gateway) -> None:
     assert r.returncode != 0 and "cannot reach" in r.stderr
 
 
+def test_stat_counts_the_engines_presence_checks_as_lookups(gateway) -> None:
+    # vLLM's tier, SGLang's backend and LMCache's adapter ask exists_many (LMCache: lookup-and-lock),
+    # never lookup: `kvgate stat` said "lookups 0" under an engine asking thousands of times.
+    with gateway.client(NS) as c:
+        assert c.put_many([b"x1"], [b"z" * 100]) == [True]
+        assert c.exists_many([b"x1", b"x2"]) == [True, False]
+        assert c.lookup([b"x1", b"x2"]) == 1
+    r = run_kvgate("stat", "--socket", gateway.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["lookups"] == 2
+    assert "lookups 2" in run_kvgate("stat", "--socket", gateway.socket, env={"COLUMNS": "200"}).stdout
+
+
 @pytest.mark.slow  # runs the command
 def test_stat_names_the_default_socket_it_tried(tmp_path):
     # The default socket follows XDG_RUNTIME_DIR: a user who set it must see where we looked.

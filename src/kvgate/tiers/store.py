@@ -540,7 +540,9 @@ class TieredStore:
         asyncio.get_running_loop().call_soon(self.finder.hint_reads, hints, urgent)
 
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
-        """Whether each key is present (the module's rule)."""
+        """Whether each key is present (the module's rule).  Counted as a lookup: it is the lookup of
+        vLLM's tier, SGLang's backend and LMCache's adapter (``hold``), which never call ``lookup``."""
+        self.counters.lookups += 1
         in_ram = self.ram.contains
         homes = self.long.cards_for(fkeys, dialog)
         present = [in_ram(k) for k in fkeys]

@@ -24,6 +24,11 @@ event fds LMCache polls.
   a key names the same bytes everywhere, and a load whose size differs from
   the L1 buffer fails.
 - Load: ``get_many`` straight into the L1 buffers.
+- Delete (LMCache's eviction): a key a lookup locked and LMCache has not
+  unlocked is skipped, not deleted, as LMCache's own adapters do (S3,
+  Valkey, Bigtable: "``delete()`` skips any key whose refcount is > 0");
+  a later delete after the unlock deletes it.  Only what was deleted is
+  reported to LMCache's listeners.
 - A gateway that is down or stuck costs failed stores, lookup misses and
   failed loads (each call bounded by kvgate.io_timeout / lookup_timeout),
   one warning line per 30 s, and a reconnect with backoff.
@@ -110,6 +115,7 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
         self._load_done: dict[L2TaskId, Bitmap] = {}
         self._locked: dict[Any, int] = {}  # ObjectKey -> lookups that locked it and have not unlocked it
+        self._pinned: dict[Any, int] = {}  # ObjectKey -> lookups submitted and not run yet: a delete skips them
         self._holds = True  # the gateway holds what lookups find (False: an older gateway without holds)
         self._marks = ChunkMarks()  # each looked-up chunk's dialog and position, for its store
         self._mark_cache = MarkCache()
@@ -204,7 +210,11 @@ class KvgateL2Adapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
                                     group_layout_descs: "dict[int, MemoryLayoutDesc] | None" = None) -> L2TaskId:
         tid = self._task_id()
-        self._lookup_q.put((self._run_lookup, tid, list(keys), None))
+        keys = list(keys)
+        with self._lock:  # pinned until the lookup ran (and locked what it found): a delete meanwhile skips them
+            for k in keys:
+                self._pinned[k] = self._pinned.get(k, 0) + 1
+        self._lookup_q.put((self._run_lookup, tid, keys, None))
         return tid
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -234,7 +244,12 @@ class KvgateL2Adapter(L2AdapterInterface):
             return self._load_done.pop(task_id, None)
 
     def delete(self, keys: list["ObjectKey"]) -> None:
-        self._lookup_q.put((self._run_delete, 0, list(keys), None))
+        """LMCache's eviction (its thread): queue the delete of ``keys`` but those a lookup locked and
+        LMCache has not unlocked, or a lookup submitted before has yet to look up (it will lock them)."""
+        with self._lock:
+            keys = [k for k in keys if k not in self._locked and k not in self._pinned]
+        if keys:
+            self._lookup_q.put((self._run_delete, 0, keys, None))
 
     def report_status(self) -> dict:
         with self._lock:
@@ -369,9 +384,25 @@ class KvgateL2Adapter(L2AdapterInterface):
         self._finish_store(tid, ok, nbytes)
 
     def _run_lookup(self, sessions: Sessions, tid: L2TaskId, keys: list, _objects: Any) -> None:
+        found: list = []
+        bitmap: Bitmap | None = None
+        try:
+            bitmap = self._look_up(sessions, keys, found)
+        finally:  # what it found is locked as its pins go, at once: no delete slips in between
+            with self._lock:
+                for k in found if bitmap is not None else ():  # failed: LMCache is told none was found
+                    self._locked[k] = self._locked.get(k, 0) + 1
+                for k in keys:
+                    n = self._pinned.pop(k, 0)
+                    if n > 1:
+                        self._pinned[k] = n - 1
+        self.counters["lookup_hits"] += len(found)
+        self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
+
+    def _look_up(self, sessions: Sessions, keys: list, found: list) -> Bitmap:
+        """Hold ``keys`` in the gateway; the bitmap of those present, each of them appended to ``found``."""
         self.counters["lookups"] += 1
         bitmap = Bitmap(len(keys))
-        found: list = []
         dm: list[DialogMark | None] = [None]  # the request's mark, asked on its first row
         noted: list[list[bytes] | None] = [None]  # the last row remembered in ChunkMarks
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
@@ -387,12 +418,7 @@ class KvgateL2Adapter(L2AdapterInterface):
                 if present:
                     bitmap.set(i)
                     found.append(keys[i])
-        if found:
-            with self._lock:
-                for k in found:
-                    self._locked[k] = self._locked.get(k, 0) + 1
-        self.counters["lookup_hits"] += len(found)
-        self._finish(self._lookup_done, self._lookup_efd, tid, bitmap)
+        return bitmap
 
     def _lookup_row(self, c: Client, row: list[bytes], dm: list[DialogMark | None],
                     noted: list[list[bytes] | None]) -> list[bool]:
@@ -503,12 +529,22 @@ class KvgateL2Adapter(L2AdapterInterface):
         for ns, idx in split_by_namespace(keys, self._base_ns).items():
             kb = [key_bytes(keys[i]) for i in idx]
             for dialog, part in self._marks.by_dialog(kb).items():
-                res = self._call(sessions, ns, "delete",
-                                 lambda c: c.delete_many([kb[j] for j in part], dialog=dialog))
-                if res is not None:
-                    deleted += [keys[idx[j]] for j in part]
+                res = self._call(sessions, ns, "delete", lambda c: self._delete_present(c, [kb[j] for j in part],
+                                                                                     dialog))
+                deleted += [keys[idx[j]] for j, gone in zip(part, res or ()) if gone]
         if deleted:
             self._notify_keys_deleted(deleted, [self._object_bytes] * len(deleted))
+
+    @staticmethod
+    def _delete_present(c: Client, kb: list[bytes], dialog: bytes | None) -> list[bool]:
+        """Delete the keys that exist; per key, whether it was there (deleted).  Only those are reported
+        to LMCache's listeners, whose byte accounting a key deleted twice, or never stored, would drive
+        below zero (``delete_many`` answers a count, not which keys)."""
+        present = c.exists_many(kb, dialog=dialog)
+        there = [k for k, p in zip(kb, present) if p]
+        if there:
+            c.delete_many(there, dialog=dialog)
+        return present
 
 
 __all__ = ["KvgateL2Adapter", "KvgateL2AdapterConfig"]

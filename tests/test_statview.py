@@ -169,3 +169,29 @@ def test_stat_and_cards_show_what_clients_and_cards_named_escaped_and_json_as_it
         assert "serving" in run_kvgate("cards", "--socket", gw.socket).stdout
         snap = json.loads(run_kvgate("stat", "--socket", gw.socket, "--json").stdout)
         assert HOSTILE in snap["namespaces"] and snap["cards"][0]["location"] == str(card), "JSON stays JSON"
+
+
+@pytest.mark.slow
+def test_watch_into_a_file_writes_each_view_as_it_is_taken_and_ends_on_sigterm(gateway, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import kvgate_env, wait_until
+
+    out = tmp_path / "watch.txt"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvgate", "stat", "--watch", "0.2", "--socket", gateway.socket],
+                                stdout=f, stderr=subprocess.PIPE, env=kvgate_env({"COLUMNS": "100"}))
+    try:
+        wait_until(lambda: out.read_text().count("per second over the last") >= 2, 20,
+                   lambda: f"two views with rates in the file while it runs: {out.read_text()!r}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert "\x1b" not in text and "Traceback" not in proc.stderr.read().decode()
+    views = text.count("tiers")
+    assert views >= 3 and len(re.findall(r"^─* ?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ─*$", text, re.M)) == views, text

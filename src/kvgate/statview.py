@@ -22,8 +22,10 @@ output stays JSON.
 from __future__ import annotations
 
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich import box
@@ -215,19 +217,55 @@ def view(snap: dict[str, Any], namespaces_only: bool = False, before: tuple[dict
 
 def watch(fetch: Callable[[], dict[str, Any]], interval: float, updates: int | None = None,
           namespaces_only: bool = False, console: Console | None = None) -> None:
-    """Redraw ``view`` every ``interval`` seconds (``updates`` times, or until Ctrl-C), with rates."""
+    """Show ``view`` every ``interval`` seconds (``updates`` times, or until Ctrl-C or SIGTERM), with rates.
+
+    To a terminal, one view redrawn in place; to a file or a pipe (``kvgate stat --watch > file``), each view
+    below the last under the time it was taken, flushed at once: a redraw in place reaches no file (rich
+    writes a live view there only when it ends).  SIGTERM ends it as Ctrl-C does, the last view shown (on
+    the main thread, where the handler can be set; the one before is put back)."""
+    con = console or Console()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
+    try:
+        (_watch_live if con.is_terminal else _watch_lines)(fetch, interval, updates, namespaces_only, con)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _views(fetch: Callable[[], dict[str, Any]], interval: float, updates: int | None,
+           namespaces_only: bool) -> Iterator[RenderableType]:
+    """The first view, then one every ``interval`` seconds with the rates since the one before."""
+    snap, taken = fetch(), time.monotonic()
+    yield view(snap, namespaces_only)
+    done = 0
+    while updates is None or done < updates:
+        time.sleep(interval)
+        now_snap, now = fetch(), time.monotonic()
+        yield view(now_snap, namespaces_only, (snap, now - taken))
+        snap, taken = now_snap, now
+        done += 1
+
+
+def _watch_live(fetch: Callable[[], dict[str, Any]], interval: float, updates: int | None, namespaces_only: bool,
+                con: Console) -> None:
     from rich.live import Live
 
-    con = console or Console()
-    snap, taken = fetch(), time.monotonic()
-    done = 0
-    with Live(view(snap, namespaces_only), console=con, auto_refresh=False, transient=False) as live:
-        try:
-            while updates is None or done < updates:
-                time.sleep(interval)
-                now_snap, now = fetch(), time.monotonic()
-                live.update(view(now_snap, namespaces_only, (snap, now - taken)), refresh=True)
-                snap, taken = now_snap, now
-                done += 1
-        except KeyboardInterrupt:
-            pass
+    views = _views(fetch, interval, updates, namespaces_only)
+    with Live(next(views), console=con, auto_refresh=False, transient=False) as live:
+        for v in views:
+            live.update(v, refresh=True)
+
+
+def _watch_lines(fetch: Callable[[], dict[str, Any]], interval: float, updates: int | None,
+                 namespaces_only: bool, con: Console) -> None:
+    for v in _views(fetch, interval, updates, namespaces_only):
+        con.rule(time.strftime("%Y-%m-%d %H:%M:%S"), align="left")
+        con.print(v)
+        con.file.flush()

@@ -33,3 +33,11 @@ def test_make_docs_builds_without_warnings(tmp_path: Path) -> None:
     assert "WARNING" not in r.stderr, r.stderr
     built = {p.relative_to(tmp_path / "site").as_posix() for p in (tmp_path / "site").rglob("index.html")}
     assert {"index.html", "configuration/index.html", "operations/index.html", "integrations/vllm/index.html"} <= built
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/cluster.md"])
+def test_the_docs_say_card_servers_encrypt_given_a_certificate(page: str) -> None:
+    """Card servers serve TLS (``kvgate export --tls-cert``): no page may tell an operator they cannot."""
+    text = " ".join((ROOT / page).read_text().split())
+    assert "not encrypt" not in text, page
+    assert "--tls-cert" in text and "kvgates://" in text, page

@@ -218,9 +218,9 @@ class AsyncClient(core.ClientCore):
     async def stats(self, *, timeout: Any = DEFAULT) -> dict:
         return await self._run(core.stats_op(), timeout)
 
-    async def clean(self, *, timeout: Any = DEFAULT) -> int:
+    async def clean(self, namespace: str | None = None, *, timeout: Any = DEFAULT) -> int:
         """As ``Client.clean``."""
-        return await self._run(core.clean_op(), timeout)
+        return await self._run(core.clean_op(namespace), timeout)
 
     async def cards(self, action: str = "list", target: str = "", now: bool = False, force: bool = False, *,
                     timeout: Any = DEFAULT) -> Any:

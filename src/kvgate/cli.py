@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config file")
     config_mod.add_flags(p)
 
-    p = sub.add_parser("clean", help="ask a running gateway to delete every object")
+    p = sub.add_parser("clean", help="ask a running gateway to delete every object (over its Unix socket)")
     _add_target(p)
+    p.add_argument("--namespace", help="delete only the objects of this namespace")
     p = sub.add_parser("cards", help="list a running gateway's cards, or add, drain, undrain or remove one",
                        description="Changes apply now, while the engine serves; they last until the gateway "
                                    "restarts (edit storage_devices and send SIGHUP to make them the config).")
@@ -196,7 +197,7 @@ def cmd_clean(args) -> int:
     from kvgate.statview import shown
     with _admin_client(args) as c:
         try:
-            n = c.clean()
+            n = c.clean(args.namespace)
         except GatewayError as e:
             print(f"kvgate clean: {e.code}: {shown(e.message)}", file=sys.stderr)
             return 1

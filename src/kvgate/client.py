@@ -220,9 +220,12 @@ class Client(core.ClientCore):
     def stats(self) -> dict:
         return self._run(core.stats_op())
 
-    def clean(self) -> int:
-        """Delete every object (refused with CLEAN_REFUSED when the cards are shared)."""
-        return self._run(core.clean_op())
+    def clean(self, namespace: str | None = None) -> int:
+        """Delete objects; returns how many.  An engine session deletes those of its own namespace (a
+        ``namespace`` other than its own is ``NOT_AUTHORIZED``).  An ``admin`` session on the gateway's
+        Unix socket deletes every namespace's, or only ``namespace``'s.  Refused with CLEAN_REFUSED when
+        the cards are shared (``shared_storage``)."""
+        return self._run(core.clean_op(namespace))
 
     def cards(self, action: str = "list", target: str = "", now: bool = False, force: bool = False) -> Any:
         """List or change the gateway's cards: ``"list"``, ``"add"`` (``target``: a directory or Redis URL),

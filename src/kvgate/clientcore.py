@@ -250,9 +250,9 @@ def cards_op(action: str, target: str, now: bool, force: bool = False) -> Operat
     return _asking(Cards(action=action, target=target, now=now, force=force), lambda r: r)
 
 
-def clean_op() -> Operation:
+def clean_op(namespace: str | None = None) -> Operation:
     def count(reply) -> int:
         assert isinstance(reply, CountReply)
         return reply.count
 
-    return _asking(Clean(), count)
+    return _asking(Clean(namespace=namespace), count)

@@ -157,7 +157,10 @@ class Mark(_Msg, tag="mark"):
 
 
 class Clean(_Msg, tag="clean"):
-    pass
+    """Delete objects.  An engine session: those of its own namespace (``namespace`` unset or its own).
+    An admin session on the Unix socket: every namespace's, or ``namespace``'s only."""
+
+    namespace: str | None = None
 
 
 class Stats(_Msg, tag="stats"):

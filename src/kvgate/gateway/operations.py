@@ -235,12 +235,36 @@ class Operations:
         return StatsReply(stats=self.snapshot()), None
 
     async def _clean(self, sess: Session, req: Clean, body: bytes) -> tuple[CountReply, None]:
+        """An engine session cleans its own namespace; every namespace (or one named) is an admin session's
+        on the Unix socket, as card changes are.  The log names who asked and what went."""
+        asker = (f"session {sess.id} ({sess.role}, {sess.who}, {'Unix socket' if sess.local else 'TCP'}"
+                 + (f", namespace {sess.namespace.decode(errors='replace')!r})" if sess.role == "engine" else ")"))
+        if sess.role == "engine":
+            if req.namespace is not None and req.namespace.encode() != sess.namespace:
+                log.warning("clean refused: %s asked to clean namespace %r", asker, req.namespace)
+                raise RequestError(ErrorCode.NOT_AUTHORIZED, "an engine session cleans only its own namespace; "
+                                   "another namespace's clean needs an admin session on the gateway's Unix socket")
+            ns: bytes | None = sess.namespace
+        elif not sess.local:
+            log.warning("clean refused: %s is not on the Unix socket", asker)
+            raise RequestError(ErrorCode.NOT_AUTHORIZED, "clean needs an admin session on the gateway's Unix socket "
+                               "(kvgate clean --socket PATH), or an engine session for its own namespace")
+        else:
+            ns = encode_namespace(req.namespace) if req.namespace is not None else None
+        what = "every namespace" if ns is None else f"namespace {ns.decode(errors='replace')!r}"
         if self.cfg.shared_storage:
-            log.warning("clean refused: shared_storage is true, other gateways use these cards; nothing was deleted")
+            log.warning("clean refused: %s asked to clean %s, but shared_storage is true, other gateways use these "
+                        "cards; nothing was deleted", asker, what)
             raise RequestError(ErrorCode.CLEAN_REFUSED,
                                "shared_storage is true: this gateway never deletes all data; nothing was deleted")
-        n = await self.store.clean()
-        log.info("clean: deleted %d objects", n)
+        if ns is None:
+            n = await self.store.clean()
+            log.info("clean: %s cleaned %s: deleted %d objects", asker, what, n)
+        else:
+            in_ram, on_cards = await self.store.clean_namespace(ns)
+            n = max(in_ram, on_cards)
+            log.info("clean: %s cleaned %s: deleted %d objects from cards, dropped %d from RAM", asker, what,
+                        on_cards, in_ram)
         return CountReply(count=n), None
 
     async def _cards(self, sess: Session, req: Cards, body: bytes) -> tuple[CardsReply, None]:

@@ -51,7 +51,7 @@ from kvgate.tiers.restart import IndexKeeper
 from kvgate.tiers.room import CardRoom
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
-from kvgate.tiers.usage import NamespaceUsage
+from kvgate.tiers.usage import NamespaceUsage, namespace_of
 
 log = logging.getLogger("kvgate.long")
 
@@ -61,6 +61,8 @@ RESIZE_EVERY_CHECKS = 30  # re-read a card's free space about every 30 s
 UNREADABLE_MAX = 65536
 
 
+# Objects one I/O call of a namespace's clean deletes: the card's threads stay free for reads between calls.
+CLEAN_BATCH = 1024
 OPEN_CALL_OBJECTS = 256  # objects one open_cached call opens at most (ManagedCard.open_cached)
 
 
@@ -429,7 +431,24 @@ class ManagedCard:
 
     async def delete(self, fkeys: list[bytes]) -> int:
         """Delete keys now (a client's delete); returns how many objects were there."""
-        digests = key_digests(fkeys)
+        return await self.delete_digests(key_digests(fkeys))
+
+    async def clean_namespace(self, ns: bytes) -> int:
+        """Delete every object of namespace ``ns`` the index knows (the ``clean`` op of one namespace), in
+        batches of ``CLEAN_BATCH`` in the card's I/O threads; returns how many were deleted.  Objects no
+        index knows yet (a start's scan still under way) stay."""
+        digests, shared = self.index.namespace_digests(ns)
+        n = 0
+        for i in range(0, len(digests), CLEAN_BATCH):
+            batch = digests[i : i + CLEAN_BATCH]
+            if shared:  # the row's namespace id is shared by several: only what the header says is ns's
+                found = await self.stored_objects(batch)
+                batch = [d for d, f in zip(batch, found) if f is not None and namespace_of(f.full_key) == ns]
+            n += await self.delete_digests(batch)
+        return n
+
+    async def delete_digests(self, digests: list[bytes]) -> int:
+        """Delete objects by key digest now; returns how many were there."""
         for d in digests:
             self.note_gone_digest(d)
         try:

@@ -287,6 +287,14 @@ class CardSet:
             out.append(mc if mc is not None and mc.active else None)
         return out
 
+    async def clean_namespace(self, ns: bytes) -> int:
+        """``ManagedCard.clean_namespace`` on every card in service; how many objects were deleted."""
+        total = 0
+        for mc in self.cards:
+            if mc.active:
+                total += await mc.clean_namespace(ns)
+        return total
+
     async def clean(self) -> int:
         total = 0
         for mc in self.cards:

@@ -217,6 +217,20 @@ class CardIndex:
                 out[i] = self._big[rows.digest(int(rows_[i]))][1]
         return out
 
+    def namespace_digests(self, ns: bytes) -> tuple[list[bytes], bool]:
+        """The digests of the rows of namespace ``ns`` (one vectorised pass over the rows), and whether other
+        namespaces may share its id (past ``_MAX_NAMESPACES`` on one card): then some of them may not be
+        ``ns``'s, and the caller checks each object's full key before it deletes."""
+        i = self._ns_ids.get(ns)
+        full = len(self.namespaces) >= _MAX_NAMESPACES
+        if i is None:
+            if not full:
+                return [], False
+            i = _MAX_NAMESPACES - 1  # a namespace past the table shares the last id
+        n = self.rows.n
+        rows_ = np.flatnonzero(self.rows.ns[:n] == i)
+        return self.rows.digests(rows_), full and i == _MAX_NAMESPACES - 1
+
     def clear(self) -> None:
         """Drop every row (the namespaces' figures with them)."""
         n = self.rows.n

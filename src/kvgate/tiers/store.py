@@ -39,7 +39,7 @@ from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile, close_files
 from kvgate.config import Config, ConfigError
-from kvgate.keys import key_digest
+from kvgate.keys import full_key, key_digest
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.card import ManagedCard, TierHooks, expired
 from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
@@ -54,6 +54,7 @@ from kvgate.types import Retention, SizeCode
 
 log = logging.getLogger("kvgate.store")
 
+CLEAN_RAM_BATCH = 4096  # RAM-tier entries a namespace's clean drops between two turns of the loop
 LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
 REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
 # Open files lent at once (``TieredStore.lend_files``), at most this share of the process's file limit:
@@ -652,6 +653,18 @@ class TieredStore:
         n = self.ram.entries
         self.ram.clear()
         return max(n, await self.long.clean())
+
+    async def clean_namespace(self, ns: bytes) -> tuple[int, int]:
+        """Delete every object of namespace ``ns`` (its encoded form): from the RAM tier, in batches of
+        ``CLEAN_RAM_BATCH`` with the loop let go between them, and from every card (batched in their I/O
+        threads).  -> (objects dropped from RAM, objects deleted from cards)."""
+        prefix = full_key(ns, b"")  # the length byte keeps "ab" from matching a namespace "abc"
+        mine = [k for k in self.ram.keys() if k.startswith(prefix)]
+        in_ram = 0
+        for i in range(0, len(mine), CLEAN_RAM_BATCH):
+            in_ram += sum(self.ram.delete(k) for k in mine[i : i + CLEAN_RAM_BATCH])
+            await asyncio.sleep(0)
+        return in_ram, await self.long.clean_namespace(ns)
 
     def card_states(self) -> list[ManagedCard]:
         return self.long.cards

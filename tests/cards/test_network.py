@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import gc
 import os
 import signal
@@ -668,3 +669,68 @@ def test_a_gateway_presents_its_card_token_file_and_one_without_it_is_refused(ga
         with gw.client("ns") as c:
             assert c.put_many(keys, blocks, retention="long") == [True] * 4
             assert c.get_many(keys) == blocks
+
+
+@pytest.mark.slow
+def test_a_gateway_says_once_that_it_claims_a_card_again_while_the_server_is_down_and_when_it_is_back(
+        tmp_path: Path, gateway_factory) -> None:
+    """Its health check asks every second: the log says the loss once and the return once, not a line a
+    second (a summary every CLAIM_RETRY_SAY_S while it lasts)."""
+    loc = str(tmp_path / "card")
+    DirectoryCard(loc).open()
+    port = _free_port()
+    proc, url = _start_server(loc, port)
+    try:
+        gw = gateway_factory(["--storage-devices", url, "--num-dbs", "2", "--io-timeout-ms", "500",
+                              "--card-capacity", "1G"], create_cards=False)
+        assert [c["active"] for c in gw.stats()["cards"]] == [True]
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: not gw.stats()["cards"][0]["active"], 15, gw.log)
+        time.sleep(5)  # five health checks, each trying the claim again
+        assert gw.log().count("claiming again") == 1, gw.log()
+        proc, _ = _start_server(loc, port)
+        wait_until(lambda: "claim taken again after" in gw.log(), 15, gw.log)
+        wait_until(lambda: gw.stats()["cards"][0]["active"], 30, gw.log)
+        assert gw.log().count("claiming again") == 1 and gw.log().count("claim taken again") == 1, gw.log()
+        assert re.search(r"claim taken again after \d+\.\d s \([1-9]\d* attempts failed\)", gw.log()), gw.log()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_a_claim_not_taken_again_is_summed_up_every_interval(tmp_path: Path, monkeypatch, caplog) -> None:
+    from kvgate.cards import network
+
+    monkeypatch.setattr(network, "CLAIM_RETRY_SAY_S", 0.5)
+    loc = str(tmp_path / "card")
+    DirectoryCard(loc).open()
+    port = _free_port()
+    proc, url = _start_server(loc, port)
+    c = NetworkCard(url, num_dbs=2, io_timeout_ms=500)
+    try:
+        c.open()
+        c.claim(False)
+        proc.kill()
+        proc.wait(10)
+        caplog.set_level("WARNING", logger="kvgate.cards.network")
+        deadline = time.monotonic() + 1.6
+        tries = 0
+        while time.monotonic() < deadline:
+            with pytest.raises(CardUnavailable):
+                c.check()
+            tries += 1
+            time.sleep(0.1)
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("claiming again" in m for m in said) == 1, said
+        summaries = [m for m in said if "claim not taken again for" in m]
+        assert 2 <= len(summaries) <= 4 and tries > len(summaries) + 2, (tries, said)
+        assert re.search(r"\(\d+ attempts; the last: nothing listens at 127\.0\.0\.1:\d+", summaries[-1]), summaries
+        proc, _ = _start_server(loc, port)
+        assert c.check() == c.serial
+        assert "claim taken again after" in caplog.records[-1].getMessage()
+    finally:
+        c.close()
+        proc.kill()
+        proc.wait(10)

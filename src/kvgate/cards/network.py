@@ -40,6 +40,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 import weakref
 from collections.abc import Collection
 from typing import Any, Iterator
@@ -59,6 +60,9 @@ PREFIX = "kvgate://"
 TLS_PREFIX = "kvgates://"
 # Keys per request of a batch; a bigger batch takes one round trip per this many.
 BATCH = w.MAX_BATCH
+# While a lost claim cannot be taken again (the server is down: the gateway's health check asks every
+# second), the log says so once, then once this often with the attempts made, then when it is back.
+CLAIM_RETRY_SAY_S = 60.0
 
 
 def is_network(location: str) -> bool:
@@ -111,6 +115,11 @@ class NetworkCard(Card):
         self._lock = threading.Lock()
         self._claim_conn: Conn | None = None
         self._claim_lock = threading.Lock()
+        # A lost claim being taken again: since when (time.monotonic()), the attempts that failed, when the log
+        # last said so (None: the claim is held, or was never lost).
+        self._claim_lost_at: float | None = None
+        self._claim_failures = 0
+        self._claim_said_at = 0.0
         # The largest object file the server takes, as its hello said; a bigger write is refused here.
         self.server_max_object_bytes = max_object_bytes
 
@@ -190,6 +199,7 @@ class NetworkCard(Card):
             conns = list(self._conns)
         with self._claim_lock:
             self._claim_conn = None
+            self._claim_lost_at = None
             for c in conns:
                 c.close()
         self.claimed = None
@@ -208,10 +218,30 @@ class NetworkCard(Card):
         with self._claim_lock:
             conn = self._claim_conn
             if conn is None or conn.closed or conn.stale():
-                log.warning("card %s: the connection holding its claim was lost (server restarted?); "
-                            "claiming again", self.location)
-                conn = self._take_claim(self.claimed)
+                conn = self._claim_again()
             return conn.call(w.Check())[0]
+
+    def _claim_again(self) -> Conn:
+        """Take the lost claim again, logging the loss once, a summary every ``CLAIM_RETRY_SAY_S`` while the
+        server does not take it, and its return.  Under ``_claim_lock``."""
+        now = time.monotonic()
+        if self._claim_lost_at is None:
+            self._claim_lost_at, self._claim_failures, self._claim_said_at = now, 0, now
+            log.warning("card %s: the connection holding its claim was lost (server restarted?); claiming again "
+                        "(while that fails, said again every %.0f s)", self.location, CLAIM_RETRY_SAY_S)
+        try:
+            conn = self._take_claim(self.claimed)
+        except OSError as e:
+            self._claim_failures += 1
+            if now - self._claim_said_at >= CLAIM_RETRY_SAY_S:
+                self._claim_said_at = now
+                log.warning("card %s: claim not taken again for %.0f s (%d attempts; the last: %s)", self.location,
+                            now - self._claim_lost_at, self._claim_failures, getattr(e, "strerror", None) or e)
+            raise
+        log.warning("card %s: claim taken again after %.1f s (%d attempts failed)", self.location,
+                    now - self._claim_lost_at, self._claim_failures)
+        self._claim_lost_at = None
+        return conn
 
     def claim(self, shared: bool) -> None:
         """Held by the server for this card on a connection of its own, until ``close`` (or this process

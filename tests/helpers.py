@@ -21,6 +21,7 @@ import json
 import multiprocessing.process
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,6 +46,46 @@ DEFAULT_FLAGS: dict[str, list[str]] = {
     "--shared-memory-size": ["8M"],
     "--thread-pool-size": ["2"],
 }
+
+
+# ---- the README's commands -------------------------------------------------------------
+
+README = REPO / "README.md"
+
+
+def readme_section(title: str) -> str:
+    """The README's ``## title`` section, up to the next ``## `` heading (its ``###`` subsections included)."""
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def readme_commands(title: str) -> list[tuple[dict[str, str], list[str]]]:
+    """Every shell command of the ``sh`` blocks of a README section, as written: (its leading
+    ``NAME=value`` assignments, its words), a command being its lines up to one that does not end in a
+    backslash and leaves no quote open (a JSON argument may span lines).  Tests run a README's commands
+    from these, filling in only what must differ on a test machine (ports, paths, sizes), so the
+    README cannot drift from what runs."""
+    out: list[tuple[dict[str, str], list[str]]] = []
+    for block in re.findall(r"```sh\n(.*?)```", readme_section(title), re.S):
+        pending = ""
+        for line in block.splitlines():
+            pending += line + "\n"
+            if line.endswith("\\"):
+                continue
+            try:
+                words = shlex.split(pending.replace("\\\n", " "), comments=True)
+            except ValueError:  # a quote still open: the command goes on
+                continue
+            pending = ""
+            env = {}
+            while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+                name, _, value = words.pop(0).partition("=")
+                env[name] = value
+            if words:
+                out.append((env, words))
+    return out
 
 
 def venv_python(venv: str) -> Path:

@@ -1,9 +1,11 @@
 """A real SGLang 0.5.23 server on CPU with the kvgate HiCache backend, for tests and benchmarks.
 
 Standard library and kvgate only (no torch, no SGLang): it runs in the
-project venv and starts the server under ``.venv-sglang/bin/python``.  The server gets ``tests/integrations/sglang_stubs``
-on PYTHONPATH (pure-torch stand-ins for CUDA-only ``sgl_kernel`` ops; test
-scaffolding, not part of the backend) and the checkout's ``src``.
+project venv and starts the server under ``.venv-sglang/bin/python``.  The command is the README's
+CPU command (its SGLang section), read from README.md, so the README cannot drift from what runs:
+its environment (``SGLANG_USE_CPU_ENGINE``, ``PYTHONPATH`` with ``tests/integrations/sglang_stubs``,
+pure-torch stand-ins for CUDA-only ``sgl_kernel`` ops) and flags as written, with the model, port,
+gateway socket and ``--max-total-tokens`` filled in.
 
     build_model(model_dir)                       # tiny random-weight Llama (vllm_engine.build_model)
     srv = SGLangServer(workdir, model_dir, socket).start()
@@ -24,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvgate.bench.processes import free_port
+from tests.helpers import readme_commands
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -31,11 +34,29 @@ VENV_PY = REPO / ".venv-sglang" / "bin" / "python"
 STUBS = HERE / "sglang_stubs"
 
 
+def readme_cpu_command() -> tuple[dict[str, str], list[str]]:
+    """The README's SGLang CPU command: (its environment assignments, its argv), as written there."""
+    (command,) = [(env, words) for env, words in readme_commands("SGLang") if "SGLANG_USE_CPU_ENGINE" in env]
+    return command
+
+
+# A word-level tokenizer over the model's 4,096 ids ("t17" is id 17): the README's command loads the
+# model's tokenizer, and prompts stay token ids (what a test compares), sent as OpenAI prompts.
+TOKENIZER = """
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 4096)}}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(%r)
+"""
+
+
 def build_model(model_dir: str | os.PathLike, layers: int | None = None) -> None:
-    """The vLLM tests' tiny random-weight Llama (float32 on disk; served as bf16), built once.
+    """The vLLM tests' tiny random-weight Llama (float32), with a word-level tokenizer, built once.
 
     ``layers``: a deeper variant for benchmarks (same builder, more layers)."""
-    if (Path(model_dir) / "config.json").exists():
+    if (Path(model_dir) / "config.json").exists() and (Path(model_dir) / "tokenizer.json").exists():
         return
     code = ("import sys; sys.path.insert(0, %r); import vllm_engine as e\n" % str(HERE))
     if layers is not None:
@@ -45,7 +66,7 @@ def build_model(model_dir: str | os.PathLike, layers: int | None = None) -> None
                  "    k['num_hidden_layers'] = %d\n"
                  "    _orig(self, *a, **k)\n"
                  "LlamaConfig.__init__ = _init\n" % layers)
-    code += "e.build_model(%r)\n" % str(model_dir)
+    code += "e.build_model(%r)\n" % str(model_dir) + TOKENIZER % str(model_dir)
     subprocess.run([str(VENV_PY), "-c", code], check=True, capture_output=True, timeout=300)
 
 
@@ -59,24 +80,26 @@ class SGLangServer:
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.log_path = self.workdir / f"{name}.log"
-        config = {"backend_name": "kvgate", "module_path": "kvgate.integrations.sglang",
-                  "class_name": "KvgateHiCacheStorage", "interface_v1": 1,
-                  "hicache_storage_pass_prefix_keys": True, "kvgate.socket": socket, **(extra or {})}
-        self.argv = [
-            str(VENV_PY), "-m", "sglang.launch_server", "--model-path", self.model_dir, "--dtype", "bfloat16",
-            "--skip-tokenizer-init", "--device", "cpu", "--attention-backend", "torch_native",
-            "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1",
-            "--port", str(self.port), "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", "0.05",
-            "--skip-server-warmup", "--disable-cuda-graph", "--page-size", "16", "--enable-hierarchical-cache",
-            "--hicache-ratio", "2", "--hicache-write-policy", "write_through", "--hicache-io-backend", "direct",
-            "--hicache-mem-layout", "layer_first", "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(config)]
+        self.readme_env, argv = readme_cpu_command()
+        assert argv[:3] == ["python", "-m", "sglang.launch_server"], argv
+        fill = {"--model-path": self.model_dir, "--port": str(self.port), "--max-total-tokens": str(max_total_tokens)}
+        for flag, value in fill.items():
+            argv[argv.index(flag) + 1] = value
+        i = argv.index("--hicache-storage-backend-extra-config") + 1
+        config = json.loads(argv[i])
+        if "kvgate.socket" in config:
+            config["kvgate.socket"] = socket
+        else:  # the backend's default socket: kvgate-5557.sock in XDG_RUNTIME_DIR
+            assert os.path.basename(socket) == "kvgate-5557.sock", socket
+            self.readme_env["XDG_RUNTIME_DIR"] = os.path.dirname(socket)
+        argv[i] = json.dumps({**config, **(extra or {})})
+        self.argv = [str(VENV_PY), *argv[1:]]
         self.proc: subprocess.Popen | None = None
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join([str(STUBS), str(REPO / "src")])
+        for name, value in self.readme_env.items():  # its PYTHONPATH is relative to the checkout's root
+            env[name] = str(REPO / value) if name == "PYTHONPATH" else value
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -113,14 +136,49 @@ class SGLangServer:
         out["seconds"] = round(time.monotonic() - t0, 3)
         return out
 
+    def complete(self, token_ids: list[int], *, max_tokens: int = 8, timeout: float = 300.0) -> dict:
+        """An OpenAI completion of a token-id prompt, greedy: the reply, plus ``output_ids`` (the
+        completion's token ids), ``meta_info.cached_tokens_details`` (where its cached tokens came
+        from) and ``seconds``, as ``generate`` gives them."""
+        body = {"model": self.model_dir, "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "return_cached_tokens_details": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+        out["seconds"] = round(time.monotonic() - t0, 3)
+        out["output_ids"] = out["choices"][0]["token_ids"]
+        out["meta_info"] = {"cached_tokens_details": (out.get("sglext") or {}).get("cached_tokens_details"),
+                            "cached_tokens": ((out.get("usage") or {}).get("prompt_tokens_details") or {})
+                            .get("cached_tokens", 0)}
+        return out
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def _shm_files(self) -> set[str]:
+        """SGLang's own /dev/shm files its processes (this server's process group) have mapped: its load
+        reports (``sglang_loads_*.shm``) and Python's semaphores (``sem.mp-*``), which a killed server
+        leaves behind (see the README)."""
+        found: set[str] = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/maps") as f:
+                    found.update(line.split()[-1] for line in f
+                                 if "/dev/shm/sglang_loads_" in line or "/dev/shm/sem.mp-" in line)
+            except (OSError, IndexError):
+                continue
+        return found
+
     def stop(self) -> None:
         """SIGKILL the server's process group: SGLang ignores SIGTERM for seconds, and a test restart
-        is a crash restart anyway (the backend must cope)."""
+        is a crash restart anyway (the backend must cope).  Then removes what SGLang left in /dev/shm."""
         if self.proc is None:
             return
+        leftovers = self._shm_files()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -130,6 +188,11 @@ class SGLangServer:
         except subprocess.TimeoutExpired:
             pass
         self.proc = None
+        for path in leftovers:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def storage_tokens(result: dict) -> int:

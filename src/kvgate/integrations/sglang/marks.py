@@ -52,7 +52,10 @@ class DialogMarks:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         if prefix is None:
             self.counters[f"no_prefix_{what}"] += 1
-            if not self._warned_no_prefix:
+            # Only a get or a set says the switch is off: SGLang 0.5.23's hybrid controller (the one its
+            # server runs) hands lookups ``prefix_keys.copy() if prefix_keys else None``, so the lookup
+            # of every prompt from its first page (an empty prefix) arrives as None with the switch on.
+            if not what.startswith("batch_exists") and not self._warned_no_prefix:
                 self._warned_no_prefix = True
                 logger.warning("kvgate backend: SGLang passed no prefix keys (%s), so pages go without dialog "
                                "marks (no dialog placement). Add \"hicache_storage_pass_prefix_keys\": true to "

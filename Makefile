@@ -78,7 +78,7 @@ $(SGLANG_STAMP): pyproject.toml
 sglang-venv: $(SGLANG_STAMP)
 
 # The gateway on embedded defaults: RAM tier + one directory card under ./var/kvgate/card0,
-# Unix socket /tmp/kvgate-5557.sock, TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
+# Unix socket $XDG_RUNTIME_DIR/kvgate-5557.sock (/tmp/ without it), TCP 127.0.0.1:5557, /metrics on 127.0.0.1:9557.
 run: $(STAMP)
 	mkdir -p var/kvgate
 	$(BIN)/kvgate serve --status-file var/kvgate/status.prom $(ARGS)

@@ -144,7 +144,8 @@ rng = np.random.default_rng(5)
 a, b = memoryview(mm)[:small], memoryview(mm)[1 << 20 : (1 << 20) + big]
 a[:], b[:] = rng.integers(0, 256, small, dtype=np.uint8).tobytes(), rng.integers(0, 256, big, dtype=np.uint8).tobytes()
 out = {}
-with Client.connect(sys.argv[1], namespace="shrink-ns", engine_id="nobody", want_shm=False, timeout=20) as c:
+with Client.connect(sys.argv[1], namespace="shrink-ns", engine_id="nobody", want_shm=False, timeout=20,
+                    token=sys.argv[5]) as c:
     c.register_region(path, mm)
     out["stored"] = c.put_many([b"a", b"b"], [a, b])
     os.ftruncate(fd, 0)
@@ -163,17 +164,20 @@ print(json.dumps(out))
 
 @RAM
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
-def test_a_client_of_another_user_that_shrinks_its_region_gets_an_error_on_the_defaults(gateway_factory,
+def test_a_client_of_another_user_that_shrinks_its_region_gets_an_error_on_the_defaults(gateway_factory, tmp_path,
                                                                                         ram: str) -> None:
-    """Its region is guarded (it could not kill the gateway), though this user's regions are used in place."""
+    """Its region is guarded (it could not kill the gateway), though this user's regions are used in place.
+    (Another user gets a session only with the gateway's token.)"""
     sockdir = tempfile.mkdtemp(prefix="kvg-shrink-", dir="/tmp")
     try:
         os.chmod(sockdir, 0o755)
-        gw = gateway_factory(["--max-bytes", ram], socket_path=os.path.join(sockdir, "gw.sock"))
+        (tmp_path / "token").write_text("shrink-token\n")
+        gw = gateway_factory(["--max-bytes", ram, "--auth-token-file", str(tmp_path / "token")],
+                             socket_path=os.path.join(sockdir, "gw.sock"))
         os.chmod(gw.socket, 0o666)
         path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
         run = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
-                              "-c", SHRINK_AS_NOBODY, gw.socket, path, str(SMALL), str(BIG)],
+                              "-c", SHRINK_AS_NOBODY, gw.socket, path, str(SMALL), str(BIG), "shrink-token"],
                              env=kvgate_env(), cwd="/", capture_output=True, text=True, timeout=60)
         assert run.returncode == 0, run.stderr + gw.log()
         out = json.loads(run.stdout)

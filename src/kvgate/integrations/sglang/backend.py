@@ -476,8 +476,9 @@ class KvgateHiCacheStorage(HiCacheStorage):
     # ---- control (scheduler thread) --------------------------------------------------------------
 
     def clear(self) -> None:
-        """Delete everything stored (SGLang's cache flush).  A gateway on shared storage refuses
-        (other engines use those pages): logged, nothing raised.  Bounded by ``kvgate.io_timeout``."""
+        """Delete everything stored under this engine's namespace (SGLang's cache flush; an engine session
+        cleans its own namespace only).  A gateway on shared storage refuses (other engines use those
+        pages): logged, nothing raised.  Bounded by ``kvgate.io_timeout``."""
         link = self._stores
         if link is None:
             return

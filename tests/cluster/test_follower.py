@@ -240,3 +240,55 @@ def test_a_watch_applies_a_new_view_long_before_the_next_poll(tmp_path: Path) ->
         asyncio.run(main())
     finally:
         etcd.stop()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_an_etcd_outage_leaves_no_watch_task_behind_and_views_after_it_are_applied(
+        tmp_path: Path, caplog) -> None:
+    """Each watch stream an outage breaks is closed with its gRPC request task (etcd3aio's own watch left that
+    task waiting forever, collected later as "Task was destroyed but it is pending!"), the outage is said by
+    the follower alone, and views published after it are applied."""
+    import gc
+
+    from kvgate.cluster.registry import etcd_client
+
+    caplog.set_level(logging.WARNING)
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    a, b = labelled_card(tmp_path / "a"), labelled_card(tmp_path / "b")
+    pending: list[str] = []
+
+    async def main() -> None:
+        client = etcd_client([etcd.endpoint])
+        await client.connect()
+        reg = Registry(client, "t", call_timeout_s=0.5)
+        await reg.publish(View.of(1, [a], SLOTS))
+        cards = card_set(Config(storage_devices=[], storage_slots=SLOTS, card_capacity=64 << 20))
+        await cards.start()
+        follower = ViewFollower(reg, cards, tmp_path / "view.json", poll_s=0.2)
+        task = asyncio.create_task(follower.run())
+        try:
+            await wait_until_async(lambda: follower.epoch == 1, 10, "view 1 applied")
+            await asyncio.sleep(0.5)  # the watches are made
+            etcd.stop()
+            await wait_until_async(lambda: follower.unreachable, 10, "the outage seen")
+            await asyncio.sleep(2)  # watches made again and broken again
+            etcd.start()
+            await reg.publish(View.of(2, [a, b], SLOTS))
+            await wait_until_async(lambda: follower.epoch == 2, 10, "view 2 applied after the outage")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+            await cards.stop()
+        gc.collect()
+        pending.extend(repr(t.get_coro()) for t in asyncio.all_tasks() if t is not asyncio.current_task())
+
+    try:
+        asyncio.run(main())
+    finally:
+        etcd.stop()
+    assert pending == [], pending
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("Task was destroyed" in m for m in said), said
+    assert not any(r.name == "etcd3aio.watch" for r in caplog.records), "the outage is said once, by the follower"

@@ -121,7 +121,11 @@ class ViewFollower:
                 except TimeoutError:
                     pass
         finally:
+            # Awaited, not only cancelled: the watch's streams end before the etcd client closes, or their
+            # gRPC tasks are left pending on a closed client (asyncio's "Task was destroyed but it is pending!"
+            # after an etcd outage).
             watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
     async def _watch(self) -> None:
         while True:

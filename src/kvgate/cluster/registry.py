@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
@@ -169,6 +169,35 @@ def etcd_client(endpoints: Sequence[str]) -> Etcd3Client:
         options += [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                     ("grpc.max_reconnect_backoff_ms", 1000)]
     return client
+
+
+async def _watch_stream(client: Etcd3Client, key: bytes, end: bytes | None, wake: Callable[[], None]) -> None:
+    """One etcd watch of ``key`` (to ``end``): ``wake()`` at each response, until the stream ends or breaks
+    (its ``grpc.RpcError`` raised) or the caller is cancelled; the stream is closed either way.
+
+    On the client's Watch stub, not ``etcd3aio``'s ``watch()``: that one reconnects by itself (a warning per
+    attempt, twice per watch, through an etcd outage), and gives gRPC a request generator that waits forever,
+    so each stream an outage broke left its request task pending on a call nobody holds: garbage collected
+    later as asyncio's "Task was destroyed but it is pending!".  Here the requests end with the stream, and
+    a broken watch is the caller's to make again (the follower does, after a poll).
+    """
+    from etcd3aio._protobuf import WatchCreateRequest, WatchRequest  # etcd3aio 0.3; see the docstring
+
+    closed = asyncio.Event()
+
+    async def requests() -> AsyncIterator[Any]:
+        yield WatchRequest(create_request=WatchCreateRequest(key=key, range_end=end or b""))
+        await closed.wait()
+
+    if client.watch is None:
+        raise RegistryUnavailable("the etcd client is not connected")
+    call = client.watch._stub.Watch(requests())  # noqa: SLF001 (see the docstring)
+    try:
+        async for _ in call:
+            wake()
+    finally:
+        closed.set()
+        call.cancel()
 
 
 class Registry:
@@ -378,15 +407,19 @@ class Registry:
         alive = self.prefix + b"alive/"
         queue: asyncio.Queue[BaseException | None] = asyncio.Queue(maxsize=1)
 
+        def wake() -> None:
+            if queue.empty():  # one pending wake is as good as many
+                queue.put_nowait(None)
+
         async def follow(key: bytes, end: bytes | None) -> None:
             try:
-                async for _ in self.client.watch.watch(key, end):  # type: ignore[union-attr]
-                    if queue.empty():  # one pending wake is as good as many
-                        queue.put_nowait(None)
+                await _watch_stream(self.client, key, end, wake)
+                why: BaseException = RegistryUnavailable("etcd watch: the stream ended")
             except (EtcdError, grpc.RpcError, OSError) as e:
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(RegistryUnavailable(f"etcd watch: {type(e).__name__}: {e}"))
+                why = RegistryUnavailable(f"etcd watch: {type(e).__name__}: {e}")
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(why)
 
         tasks = [asyncio.create_task(follow(self.prefix + b"view", None)),
                  asyncio.create_task(follow(alive, prefix_range_end(alive)))]
@@ -399,6 +432,7 @@ class Registry:
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their streams closed before the watch ends
 
     # ---- leases, liveness and reports ------------------------------------------------
 

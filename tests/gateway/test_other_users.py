@@ -7,7 +7,9 @@ what a hostile local user would: open a session (an engine's, an admin's),
 read a key, overwrite it, clean, prewarm over HTTP, take the one engine
 session.  Then the real engine's hello still succeeds and reads its own
 bytes.  The same with a token configured, the other user presenting none or
-a wrong one.
+a wrong one.  And a gateway that cannot tell a loopback peer's uid (no
+/proc/net/tcp in its mount namespace) keeps its TCP listener closed until
+it has a token.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from kvgate.client import Client
-from tests.helpers import free_port, kvgate_env
+from kvgate.client import Client, GatewayError
+from tests.helpers import free_port, kvgate_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -172,3 +178,59 @@ with Client.connect(sys.argv[1], namespace="nobody-ns", engine_id="engine", toke
     with gw.client("other-ns", engine_id="engine") as c:
         assert c.get_many([b"theirs"]) == [b"kept"]
     assert "with the token" in gw.log()
+
+
+def _blind_gateway(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, Path]:
+    """A gateway that cannot tell a loopback peer's uid: it runs in a mount namespace of its own with an
+    empty /proc (no /proc/net/tcp), as a host without procfs there would.  -> (process, socket, log)."""
+    sock, log = str(tmp_path / "blind.sock"), tmp_path / "blind.log"
+    serve = [sys.executable, "-m", "kvgate", "serve", "--storage-devices", str(tmp_path / "card"),
+             "--create-card-dirs", "true", "--max-bytes", "16M", "--socket", sock, *flags]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh",
+                                 *serve], env=kvgate_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    wait_until(lambda: "ready:" in log.read_text() or proc.poll() is not None, 30, lambda: log.read_text())
+    assert proc.poll() is None, log.read_text()
+    return proc, sock, log
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_where_uids_cannot_be_told_the_tcp_listener_opens_only_with_a_token(tmp_path) -> None:
+    port, mport = free_port(), free_port()
+    proc, sock, log = _blind_gateway(tmp_path, "--port", str(port), "--metrics-port", str(mport))
+    try:
+        text = log.read_text()
+        assert f"the TCP listener on 127.0.0.1:{port} stays closed" in text and "auth_token_file" in text, text
+        assert "/proc/net/tcp cannot be read" in text, text
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with Client.connect(sock, namespace=NS, engine_id="engine", timeout=30) as c:  # the socket serves
+            assert c.put_many([KEY], [GOOD]) == [True]
+        # HTTP: /metrics answers; a prewarm cannot be told to come from the gateway's user: 401
+        req = urllib.request.Request(f"http://127.0.0.1:{mport}/v1/cache/prewarm", method="POST",
+                                     data=json.dumps({"namespace": NS, "keys": [KEY.decode()]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=10)
+        assert ei.value.code == 401
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0
+
+    (tmp_path / "token").write_text("the-real-token\n")
+    proc, sock, log = _blind_gateway(tmp_path, "--port", str(port), "--metrics-port", "0",
+                                     "--auth-token-file", str(tmp_path / "token"))
+    try:
+        assert "stays closed" not in log.read_text()
+        with Client.connect(f"127.0.0.1:{port}", namespace=NS, engine_id="engine", token="the-real-token",
+                            timeout=30) as c:
+            assert c.get_many([KEY]) == [GOOD]
+        # root, but the kernel does not say so here: without the token it is refused
+        with pytest.raises(GatewayError) as ei:
+            Client.connect(f"127.0.0.1:{port}", namespace=NS, engine_id="engine", timeout=30)
+        assert ei.value.code == "NOT_AUTHORIZED" and "auth_token_file" in ei.value.message
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0

@@ -106,6 +106,10 @@ def loopback_uids_visible(hosts: list[str]) -> str | None:
     for af in sorted(families & set(_PROC_NET)):
         where = "127.0.0.1" if af == socket.AF_INET else "::1"
         try:
+            open(_PROC_NET[af], "rb").close()
+        except OSError as e:
+            return f"{_PROC_NET[af]} cannot be read: {e.strerror or e}"
+        try:
             with socket.socket(af, socket.SOCK_STREAM) as srv:
                 srv.bind((where, 0))
                 srv.listen(1)

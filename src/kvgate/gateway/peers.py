@@ -132,7 +132,8 @@ class PeerLookups:
 
     Its own thread, not the ``IoPool``: a stream of tokenless connections must not take the card I/O
     threads, and each read of /proc answers every hello that waits (a flood of them costs a read per
-    batch, not per hello).  Used on the event loop by ``Sessions.admit`` (``uid``); ``close`` at stop.
+    batch, not per hello).  A read costs about 5 us per socket of the network namespace, the kernel's
+    formatting most of it: 12 ms with 2,354 sockets here, 17 ms for 100 lookups at once.  Used on the event loop by ``Sessions.admit`` (``uid``); ``close`` at stop.
     """
 
     def __init__(self) -> None:

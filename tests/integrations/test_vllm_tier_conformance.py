@@ -4,8 +4,11 @@ vLLM's wheel ships no tests: ``vllm_tier_conformance.py`` walks the tests of
 ``tests/v1/kv_offload/tiering/test_fs_tier.py`` and ``test_tier_factory.py`` of
 vLLM's repository case by case, with the same steps and expectations, under
 .venv-vllm/bin/python (skipped when that venv is missing: make vllm-venv).  The
-script runs once per session (vLLM takes seconds to import); each case is a
-test here.  No case is expected to fail.
+script runs once per module (vLLM takes seconds to import); each case is a
+test here.  A case that fails for a documented choice of kvgate, or for a
+feature kvgate does not have, is in ``EXPECTED_FAILURES`` with the reason and the
+failure it must show; it is reported as xfail with that reason, and a test fails
+if such a case starts passing (the list would be stale) or fails otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ CASES = [
     "test_failed_load_corrects_verdict",
     "test_batched_partial_load_failure_keeps_loaded_blocks",
     "test_batched_load_first_block_fails_marks_it_a_miss",
+    "test_fs_tier_cross_tp_round_trip",
+    "test_events_disabled_by_default",
+    "test_successful_store_emits_stored_event",
+    "test_store_event_uses_configured_locality",
+    "test_load_job_emits_no_event",
+    "test_mixed_job_results_emit_event_only_for_successful_job",
+    "test_partially_failed_store_emits_no_event",
+    "test_events_require_global_kv_events_flag",
     # test_tier_factory.py
     "test_kvgate_tier_is_a_secondary_tier_manager",
     "test_create_tier_preserves_extra_config",
@@ -49,6 +60,25 @@ CASES = [
     "test_register_new_tier_type",
     "test_unknown_entry_key_raises",
 ]
+
+_NO_EVENTS = ("got an unexpected keyword argument 'enable_kv_events'",
+              "KvgateTier emits no KV events (vLLM's BlockStored events for what a tier stored): it takes no "
+              "enable_kv_events, and take_events yields nothing; a feature not built yet")
+
+# case -> (what its failure must say, why kvgate fails it)
+EXPECTED_FAILURES = {
+    "test_fs_tier_cross_tp_round_trip": (
+        "TP is part of the namespace",
+        "kvgate's derived vLLM namespace includes the TP (and PP) sizes (the README's kvgate.namespace row), "
+        "also for a replicated layout, so engines of other TP sizes do not share objects; the fs tier's file "
+        "mapper leaves TP out of a replicated layout's path"),
+    "test_successful_store_emits_stored_event": _NO_EVENTS,
+    "test_store_event_uses_configured_locality": _NO_EVENTS,
+    "test_load_job_emits_no_event": _NO_EVENTS,
+    "test_mixed_job_results_emit_event_only_for_successful_job": _NO_EVENTS,
+    "test_partially_failed_store_emits_no_event": _NO_EVENTS,
+    "test_events_require_global_kv_events_flag": _NO_EVENTS,
+}
 
 pytestmark = [
     pytest.mark.slow,
@@ -83,4 +113,10 @@ def test_every_case_of_the_script_is_listed_here(conformance) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_vllm_tier_case(conformance, case: str) -> None:
-    assert conformance["cases"].get(case) == "ok", conformance["cases"].get(case, "not run")
+    result = conformance["cases"].get(case, "not run")
+    if case in EXPECTED_FAILURES:
+        says, why = EXPECTED_FAILURES[case]
+        assert result != "ok", f"{case} now passes: take it off EXPECTED_FAILURES"
+        assert says in result, f"{case} failed otherwise than documented ({says!r}):\n{result}"
+        pytest.xfail(why)
+    assert result == "ok", result

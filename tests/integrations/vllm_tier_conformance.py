@@ -9,7 +9,10 @@ repository: ``tests/v1/kv_offload/tiering/test_fs_tier.py`` (the fs tier,
 steps and the same expectations, with the fs tier's directory replaced by the gateway
 at SOCKET; where a test reads the fs tier's files or internals, the case asks the
 gateway instead (named in the case's docstring).  Tests of what only the fs tier has
-(O_DIRECT, its C extension, its thread pool, checksums, KV events) have no case.
+(O_DIRECT, its C extension, its thread pool, its file mapper) have no case, nor its
+cascade test (vLLM's tiering manager on a mocked region, for the fs tier's KV events).
+Cases that fail for a documented choice of kvgate (TP in the namespace) or a feature
+kvgate does not have (KV events from the tier) are listed, with why, by the test.
 
 Every case gets a new tier with a namespace of its own (nothing one case stored is
 seen by another), built as vLLM's tests build theirs: a CPU tier of ``NUM_BLOCKS``
@@ -32,6 +35,7 @@ import vllm
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
+    Medium,
     OffloadingKVEventsConfig,
     OffloadKey,
     ReqContext,
@@ -65,19 +69,20 @@ def case(fn):
     return fn
 
 
-def spec(tag: str) -> SimpleNamespace:
+def spec(tag: str, *, events: bool = False, tp_size: int = 1, rank: int = 0, world_size: int | None = None,
+         replicated_layout: bool = False) -> SimpleNamespace:
     """What vLLM's ``_make_offloading_spec`` gives a tier: the normalized config (here a model name of
     the case's own, so that its namespace is too), blocks_per_chunk and the KV events flag."""
     config = OffloadingConfig(
-        groups=(), worker_kv_bytes_per_block=0, enable_kv_cache_events=False, extra_config={},
+        groups=(), worker_kv_bytes_per_block=0, enable_kv_cache_events=events, extra_config={},
         engine_id=ENGINE, model=OffloadingModelConfig(name=f"test-model-{tag}", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1,
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size or tp_size, tp_size=tp_size, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),
-        replicated_layout=False)
+        replicated_layout=replicated_layout)
     return SimpleNamespace(config=config, blocks_per_chunk=1, _kvgate_vllm_config=None,
-                           kv_events_config=OffloadingKVEventsConfig(enable_kv_cache_events=False,
+                           kv_events_config=OffloadingKVEventsConfig(enable_kv_cache_events=events,
                                                                      self_describing_kv_events=False))
 
 
@@ -120,9 +125,21 @@ def cpu_tier(rand: bool = False) -> torch.Tensor:
     return t
 
 
-def new_tier(tag: str, tensor: torch.Tensor, **extra) -> KvgateTier:
-    return KvgateTier(spec(tag), memoryview(tensor.numpy()), "kvgate", socket=SOCKET, io_timeout=10,
-                      lookup_timeout=5, **extra)
+def new_tier(tag: str, tensor: torch.Tensor, spec_kw: dict | None = None, **extra) -> KvgateTier:
+    return KvgateTier(spec(tag, **(spec_kw or {})), memoryview(tensor.numpy()), "kvgate", socket=SOCKET,
+                      io_timeout=10, lookup_timeout=5, **extra)
+
+
+def with_events_tier(fn):
+    """The fs tests' ``fs_tier_with_events`` fixture: KV events on, globally and for the tier."""
+    def run():
+        tier = new_tier(fn.__name__, cpu_tier(), {"events": True}, enable_kv_events=True, locality="LOCAL")
+        try:
+            fn(tier)
+        finally:
+            tier.shutdown()
+    run.__name__ = fn.__name__
+    return run
 
 
 def stored_in_gateway(tier: KvgateTier, keys: list[OffloadKey]) -> list[bool]:
@@ -373,6 +390,112 @@ def test_batched_load_first_block_fails_marks_it_a_miss(tier, _):
     assert len(results) == 1 and not results[0].success
     assert set(results[0].successful_keys or ()) <= set(keys[1:])
     assert tier.lookup(key(1), ctx) == LookupResult.MISS
+
+
+@case
+def test_fs_tier_cross_tp_round_trip():
+    """A TP=2 writer and a TP=4 reader of a replicated layout share their objects (the fs tier's file
+    mapper leaves TP out of its path when the layout is replicated)."""
+    writer_tensor = cpu_tier(rand=True)
+    expected = writer_tensor[0].clone()
+    writer = new_tier("cross-tp", writer_tensor, {"tp_size": 2, "rank": 0, "replicated_layout": True})
+    try:
+        writer.submit_store(make_job(1, [key(7)], [0]))
+        assert all(r.success for r in drain(writer))
+    finally:
+        writer.shutdown()
+    reader_tensor = cpu_tier()
+    reader = new_tier("cross-tp", reader_tensor, {"tp_size": 4, "rank": 3, "replicated_layout": True})
+    try:
+        assert reader.namespace == writer.namespace, (
+            f"TP is part of the namespace: the TP=2 writer stored under {writer.namespace!r}, the TP=4 reader "
+            f"looks under {reader.namespace!r}")
+        assert lookup_and_wait(reader, [key(7)]) == [LookupResult.HIT]
+        reader.submit_load(make_job(2, [key(7)], [1], is_promotion=True))
+        assert all(r.success for r in drain(reader))
+        assert torch.equal(reader_tensor[1], expected)
+    finally:
+        reader.shutdown()
+
+
+# ---- test_fs_tier.py: KV events ----------------------------------------------------------------
+
+
+@case
+@with_tier
+def test_events_disabled_by_default(tier, _):
+    tier.submit_store(make_job(1, [key(1)], [0]))
+    results = drain(tier)
+    assert len(results) == 1 and results[0].success
+    assert list(tier.take_events()) == []
+
+
+@case
+@with_events_tier
+def test_successful_store_emits_stored_event(tier):
+    keys = [key(1), key(2)]
+    tier.submit_store(make_job(1, keys, [0, 1]))
+    assert all(r.success for r in drain(tier))
+    events = list(tier.take_events())
+    assert len(events) == 1 and events[0].keys == keys and events[0].medium == Medium.STORAGE
+    assert events[0].locality is Locality.LOCAL and not events[0].removed
+    assert list(tier.take_events()) == []
+
+
+@case
+def test_store_event_uses_configured_locality():
+    tier = new_tier("events-locality", cpu_tier(), {"events": True}, enable_kv_events=True, locality="REMOTE")
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert all(r.success for r in drain(tier))
+        events = list(tier.take_events())
+        assert len(events) == 1 and events[0].locality is Locality.REMOTE
+    finally:
+        tier.shutdown()
+
+
+@case
+@with_events_tier
+def test_load_job_emits_no_event(tier):
+    tier.submit_store(make_job(1, [key(1)], [0]))
+    assert all(r.success for r in drain(tier))
+    assert len(list(tier.take_events())) == 1
+    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    assert all(r.success for r in drain(tier))
+    assert list(tier.take_events()) == []
+
+
+@case
+@with_events_tier
+def test_mixed_job_results_emit_event_only_for_successful_job(tier):
+    """The fs test fails one job by injecting a write error; here it names a chunk outside the CPU tier."""
+    tier.submit_store(make_job(1, [key(1)], [NUM_BLOCKS]))
+    tier.submit_store(make_job(2, [key(2)], [1]))
+    by_id = {r.job_id: r for r in drain(tier)}
+    assert not by_id[1].success and by_id[2].success
+    events = list(tier.take_events())
+    assert len(events) == 1 and events[0].keys == [key(2)]
+
+
+@case
+@with_events_tier
+def test_partially_failed_store_emits_no_event(tier):
+    """A store job with any chunk that fails (here: outside the CPU tier) emits no event for the job."""
+    tier.submit_store(make_job(1, [key(1), key(2)], [0, NUM_BLOCKS]))
+    results = drain(tier)
+    assert len(results) == 1 and not results[0].success
+    assert list(tier.take_events()) == []
+
+
+@case
+def test_events_require_global_kv_events_flag():
+    tier = new_tier("events-global-off", cpu_tier(), enable_kv_events=True)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert all(r.success for r in drain(tier))
+        assert list(tier.take_events()) == []
+    finally:
+        tier.shutdown()
 
 
 # ---- test_tier_factory.py -----------------------------------------------------------------------

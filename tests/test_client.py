@@ -161,6 +161,18 @@ def test_a_message_that_cannot_be_encoded_leaves_the_client_usable(pair) -> None
     assert not c.broken
 
 
+def test_an_empty_object_is_refused_before_sending(pair) -> None:
+    """The gateway stores no empty object (an engine's KV object never is): the whole put is refused here,
+    so a put split over several frames cannot have stored the objects of its first frames."""
+    a, b = pair
+    c = Client(a, local=False)
+    with pytest.raises(GatewayError) as ei:
+        c.put_many([b"k1", b"k2"], [b"x", bytearray(0)])
+    assert ei.value.code == p.ErrorCode.BAD_REQUEST and "buffers[1] is empty" in ei.value.message
+    assert sent(b) == b""
+    assert not c.broken
+
+
 def test_a_header_larger_than_a_gateway_reads_is_refused_before_sending(pair) -> None:
     a, b = pair
     c = Client(a, local=False)

@@ -191,6 +191,10 @@ def put_many_op(keys: Any, buffers: Any, retention: Any, dialog: Any, position: 
     position = check_position(position, len(bkeys))
     if not bkeys:
         return lambda s: done([])
+    empty = next((i for i, v in enumerate(views) if v.nbytes == 0), None)
+    if empty is not None:  # the gateway refuses them too; here a put split over frames stores nothing either
+        raise GatewayError(ErrorCode.BAD_REQUEST, f"buffers[{empty}] is empty: the gateway stores no empty "
+                           "objects; nothing was sent")
     return lambda s: s.transport.put(bkeys, views, retention, dialog, position)
 
 

@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvgate import AsyncClient, Client, ObjectTooLarge, asyncclient
+from kvgate import AsyncClient, Client, GatewayError, ObjectTooLarge, asyncclient
 from kvgate.keys import BadKey
 from tests.gateway.test_client_sharing import check, content
 from tests.helpers import free_port, freeze
@@ -63,8 +63,9 @@ def test_every_operation_round_trips(gw, transport: str, offload: int | None, mo
         monkeypatch.setattr(asyncclient, "OFFLOAD_BYTES", offload)
         real = asyncclient._off_loop
         monkeypatch.setattr(asyncclient, "_off_loop", lambda loop, fn: off_loop.append(fn) or real(loop, fn))
-    # sizes from empty to larger than the session region (inline over the Unix socket too)
-    sizes = [0, 1, 4095, 64 * KIB + 3, MIB, 3 * MIB + 1, REGION + 12345]
+    # sizes from one byte (an empty object is refused) to larger than the session region (inline over the
+    # Unix socket too)
+    sizes = [1, 2, 4095, 64 * KIB + 3, MIB, 3 * MIB + 1, REGION + 12345]
     keys = [f"obj-{i}".encode() for i in range(len(sizes))]
     wants = [content(1, 0, i, s) for i, s in enumerate(sizes)]
 
@@ -104,6 +105,9 @@ def test_every_operation_round_trips(gw, transport: str, offload: int | None, mo
             assert await c.lookup(keys) == 0
             assert await c.get_many(keys[:3]) == [None, None, wants[2].tobytes()]
             assert await c.put_many([], []) == [] and await c.get_many([]) == []
+            with pytest.raises(GatewayError) as refused:
+                await c.put_many([b"empty", b"one"], [b"", b"1"])
+            assert refused.value.code == "BAD_REQUEST" and "buffers[0] is empty" in refused.value.message
             assert not c.broken
         async with AsyncClient.connect(gw.socket, role="admin", want_shm=False, timeout=30) as admin:
             assert await admin.clean() >= 1

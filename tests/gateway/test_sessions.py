@@ -151,7 +151,7 @@ def test_tcp_round_trip_inline(gateway_factory) -> None:
     port = free_port()
     gw = gateway_factory(["--port", str(port), "--max-frame-bytes", "4M", "--max-bytes", "128M"])
     # sizes around and above one frame's worth of inline bytes (4 MiB frames, 3 MiB of payload each)
-    sizes = [0, 1, 4096, 3 << 20, 1 << 20, (4 << 20) - 4096, 2 << 20, 100]
+    sizes = [2, 1, 4096, 3 << 20, 1 << 20, (4 << 20) - 4096, 2 << 20, 100]
     datas = [os.urandom(s) for s in sizes]
     keys = [f"tcp-{i}".encode() for i in range(len(sizes))]
     with Client.connect(f"127.0.0.1:{port}", namespace="tcp-ns") as c:

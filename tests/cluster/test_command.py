@@ -83,6 +83,9 @@ def test_status_of_a_cluster_etcd_does_not_hold_says_so_and_names_those_it_does(
     assert r.stdout == ""
     r = run_kvgate("cluster", "status", "--json", *_flags(etcd, "typo"))
     assert r.returncode == 1 and "no cluster named 'typo'" in r.stderr
+    for action in ("cards", "view"):
+        r = run_kvgate("cluster", action, *_flags(etcd, "typo"))
+        assert r.returncode == 1 and f"kvgate cluster {action}: no cluster named 'typo'" in r.stderr, r.stderr
     r = run_kvgate("cluster", "status", *_flags(etcd))
     assert r.returncode == 0 and "registered: " in r.stdout, r.stderr
 

@@ -76,9 +76,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _act(args: argparse.Namespace, reg: Registry) -> int:
+    if args.action in ("status", "cards", "view") and await _no_such_cluster(reg, args):
+        return 1
     if args.action == "status":
-        if await _no_such_cluster(reg, args):
-            return 1
         return await _status(reg, args.json)
     if args.action == "cards":
         _show_cards(await reg.cards(), args.json)

@@ -133,6 +133,23 @@ def test_shown_writes_every_control_character_as_its_escape() -> None:
     assert statview.cell("[bold]x\n") == r"\[bold]x\x0a"
 
 
+def test_a_card_has_one_state_word_in_stat_and_in_the_card_list() -> None:
+    base = {"serial": "s", "location": "/c", "slots": 1, "objects": 0, "used_bytes": 0, "capacity_bytes": 0,
+            "hits": 0, "misses": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0}
+    for row, word in [({"active": True, "read_only": False, "state": "serving"}, "serving"),
+                      ({"active": True, "read_only": True, "state": "serving"}, "read_only"),
+                      ({"active": True, "read_only": False, "state": "draining"}, "draining"),
+                      ({"active": False, "read_only": False, "state": "inactive"}, "inactive"),
+                      ({"active": False, "read_only": False, "state": "inactive", "held_out": "no agent"}, "held_out")]:
+        card = {**base, **row}
+        listed = _rendered(statview.card_list_table([card], 0, "f"), width=120)
+        stat = _rendered(statview.cards_tables({"cards": [card]})[0], width=120)
+        assert re.search(rf"\s{word}\s", listed) and re.search(rf"\s{word}\s", stat), (word, listed, stat)
+    pending = _rendered(statview.card_list_table([{"serial": None, "location": "/p", "state": "pending",
+                                                   "slots": 0}], 0, "f"), width=120)
+    assert re.search(r"\spending\s", pending), pending
+
+
 def test_the_card_list_keeps_serials_whole_at_80_columns_and_folds_paths() -> None:
     serial = "0123456789abcdef0123456789abcdef"
     path = "/srv/a-rather-long-directory-name-for-the-cards/nvme0-card-directory-" + "x" * 30

@@ -153,7 +153,9 @@ def card_list_table(cards: list[dict[str, Any]], generation: int, fingerprint: s
     width = max([len(shown(c["serial"] or "-")) for c in cards] + [SERIAL_WIDTH])
     t.columns[0].no_wrap = True
     for c in cards:
-        t.add_row(_card_name(c, width), cell(c["state"]), str(c["slots"]),
+        # A card's word is stat's (read_only, held_out too); an entry with no card yet has only its state.
+        state = _card_state(c) if "active" in c else cell(c["state"])
+        t.add_row(_card_name(c, width), state, str(c["slots"]),
                   str(c.get("objects", "-")), fmt_bytes(c["used_bytes"]) if "used_bytes" in c else "-",
                   fmt_bytes(c["capacity_bytes"]) if "capacity_bytes" in c else "-")
     return t

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
     p.add_argument("--namespaces", action="store_true", help="only the namespaces: objects, bytes, hits of each")
     p.add_argument("--watch", nargs="?", const=1.0, type=float, metavar="SECONDS",
-                   help="redraw every SECONDS (default 1) with rates per second, until Ctrl-C")
+                   help="redraw every SECONDS (default 1) with rates per second, until Ctrl-C or SIGTERM (into a "
+                        "file or a pipe: each view below the last, as it is taken)")
     p.add_argument("--updates", type=int, metavar="N", help=argparse.SUPPRESS)  # --watch: stop after N redraws
 
     p = sub.add_parser("fingerprint", help="print the key layout fingerprint of a config without starting")

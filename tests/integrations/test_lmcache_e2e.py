@@ -2,7 +2,8 @@
 (CPU build, 0.32) with ``LMCacheMPConnector`` (``lmcache_driven``).
 
 Processes run under .venv-lmcache/bin/python (make lmcache-venv); the test is
-skipped when that venv is missing.  The engine is tests/integrations/vllm_engine.py
+skipped when that venv is missing.  ``lmcache server`` is the README's command (``LMCacheServer``
+reads it from README.md; ``VLLMServer`` is the README's vLLM server, which test_three_engines runs).  The engine is tests/integrations/vllm_engine.py
 (tiny random-weight Llama, token-id prompts) with an LMCache kv_transfer_config.
 
 run 1: gateway G, lmcache server L (L1 in /dev/shm, registered with G), engine:
@@ -21,11 +22,12 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GatewayProcess, free_port, kvgate_env
+from tests.helpers import GatewayProcess, free_port, kvgate_env, readme_commands
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-lmcache"
@@ -59,22 +61,39 @@ def env() -> dict[str, str]:
     return e
 
 
+def readme_command(program: str) -> tuple[dict[str, str], list[str]]:
+    """The README's LMCache command whose words include ``program`` (``lmcache``, or vLLM's server module):
+    (its environment assignments, its words), as written there."""
+    (command,) = [(e, words) for e, words in readme_commands("LMCache") if program in words]
+    return command
+
+
+def fill(words: list[str], flag: str, value: str) -> None:
+    words[words.index(flag) + 1] = value
+
+
 class LMCacheServer:
-    def __init__(self, workdir: Path, gw: GatewayProcess, name: str):
+    """The README's ``lmcache server`` command, with this test's ports, L1 file name and gateway socket
+    (``adapter_params``: more adapter settings of a test)."""
+
+    def __init__(self, workdir: Path, gw: GatewayProcess, name: str, adapter_params: dict | None = None):
         self.port, self.http_port = free_port(), free_port()
         self.log_path = workdir / f"{name}.log"
-        adapter = {"type": "plugin", "module_path": "kvgate.integrations.lmcache", "class_name": "KvgateL2Adapter",
-                   "adapter_params": {"kvgate.socket": gw.socket, "kvgate.io_timeout": 5,
-                                      "kvgate.lookup_timeout": 2}}
-        self.cmd = [str(VENV / "bin" / "lmcache"), "server", "--host", "localhost", "--port", str(self.port),
-                    "--http-port", str(self.http_port), "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
-                    "--chunk-size", str(CHUNK), "--max-workers", "2", "--no-l1-use-lazy",
-                    "--shm-name", f"kvgate-test-{os.getpid()}", "--l2-adapter", json.dumps(adapter)]
+        self.readme_env, words = readme_command("lmcache")
+        assert words[:2] == ["lmcache", "server"] and int(words[words.index("--chunk-size") + 1]) == CHUNK, words
+        fill(words, "--port", str(self.port))
+        fill(words, "--http-port", str(self.http_port))
+        fill(words, "--shm-name", f"kvgate-test-{os.getpid()}")
+        adapter = json.loads(words[words.index("--l2-adapter") + 1])
+        adapter["adapter_params"] = {**adapter["adapter_params"], "kvgate.socket": gw.socket, **(adapter_params or {})}
+        fill(words, "--l2-adapter", json.dumps(adapter))
+        self.cmd = [str(VENV / "bin" / "lmcache"), *words[1:]]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120) -> "LMCacheServer":
         f = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env={**env(), **self.readme_env},
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"lmcache server exited:\n{self.log()[-4000:]}"
@@ -104,6 +123,92 @@ class LMCacheServer:
             "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
 
 
+class VLLMServer:
+    """The README's vLLM server command (an OpenAI server with LMCache's connector) in .venv-lmcache, with
+    this test's model, port and ``lmcache server`` port."""
+
+    def __init__(self, workdir: Path, name: str, server: LMCacheServer, model_dir: Path):
+        self.port = free_port()
+        self.model = str(model_dir)
+        self.readme_env, words = readme_command("vllm.entrypoints.openai.api_server")
+        assert words[0] == "python" and "MODEL" in words, words
+        words = [str(VENV_PY) if w == "python" else self.model if w == "MODEL" else w for w in words]
+        fill(words, "--port", str(self.port))
+        config = json.loads(words[words.index("--kv-transfer-config") + 1])
+        config["kv_connector_extra_config"]["lmcache.mp.port"] = server.port
+        fill(words, "--kv-transfer-config", json.dumps(config))
+        self.argv = words
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self, timeout: float = 420) -> "VLLMServer":
+        with open(self.log_path, "ab") as f:
+            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**env(), **self.readme_env}, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"vLLM exited (rc {self.proc.returncode}):\n{self.log()[-6000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not up in {timeout} s:\n{self.log()[-4000:]}")
+
+    def complete(self, token_ids: list[int]) -> dict:
+        """A greedy OpenAI completion of a token-id prompt: the reply, ``output_ids`` its token ids."""
+        body = {"model": self.model, "prompt": token_ids, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        out["output_ids"] = out["choices"][0]["token_ids"]
+        return out
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def _kv_segments(self) -> set[str]:
+        """The /dev/shm segments LMCache's connector moved vLLM's KV cache into (``lmcache_kv_<pid>_<n>``),
+        as this server's processes (its process group) map them."""
+        found: set[str] = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/maps") as f:
+                    found.update(line.split()[-1] for line in f if "/dev/shm/lmcache_kv_" in line)
+            except (OSError, IndexError):
+                continue
+        return found
+
+    def stop(self) -> set[str]:
+        """Ctrl-C, as a user stops it; killed if it does not exit.  Returns the KV cache segments the
+        stopped server left in /dev/shm, which it then removes (see the README: vLLM kills its engine
+        core at Ctrl-C, so LMCache never unlinks them)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return set()
+        segments = self._kv_segments()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        left = {p for p in segments if os.path.exists(p)}
+        for path in left:
+            os.unlink(path)
+        return left
+
+
 def run_engine(workdir: Path, name: str, gw: GatewayProcess, server: LMCacheServer, model_dir: Path,
                requests: list[dict], drain: dict | None = None, frozen: dict | None = None) -> dict:
     out = workdir / f"{name}.json"
@@ -131,14 +236,15 @@ def runs(tmp_path_factory):
     gw.start()
     servers: list[LMCacheServer] = []
     try:
-        s1 = LMCacheServer(workdir, gw, "lmcache1").start()
+        timeouts = {"kvgate.io_timeout": 5, "kvgate.lookup_timeout": 2}
+        s1 = LMCacheServer(workdir, gw, "lmcache1", timeouts).start()
         servers.append(s1)
         t0 = time.monotonic()
         r1 = run_engine(workdir, "run1", gw, s1, model_dir, [{"name": "P", "prompt_token_ids": P}],
                         drain={"expect_sets": CHUNKS, "timeout": 60, "settle": 1.0})
         r1["wall_s"] = time.monotonic() - t0
         s1.stop()
-        s2 = LMCacheServer(workdir, gw, "lmcache2").start()
+        s2 = LMCacheServer(workdir, gw, "lmcache2", timeouts).start()
         servers.append(s2)
         t0 = time.monotonic()
         r2 = run_engine(workdir, "run2", gw, s2, model_dir, [

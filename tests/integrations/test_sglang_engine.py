@@ -1,7 +1,8 @@
 """The README's SGLang CPU command, run as written, with KvgateHiCacheStorage against a real gateway
 (about 4 min).
 
-The server is the README's CPU command (``sglang_server.SGLangServer`` reads it from README.md),
+The server is the README's CPU command (``sglang_server.SGLangServer`` reads it from README.md), its
+backend finding the gateway on the default socket as the README's bare ``kvgate serve`` has it,
 under ``.venv-sglang/bin/python`` (``make sglang-venv``); skipped when that venv is missing.  The
 model is the vLLM tests' tiny random-weight Llama (2 layers, hidden 256) with a word-level
 tokenizer; prompts are token ids.  CUDA-only kernel ops are stood in for by
@@ -60,7 +61,9 @@ def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sglang_engine")
     model_dir = workdir / "tiny-llama"
     build_model(model_dir)
-    gw = GatewayProcess(workdir, ["--max-bytes", "256M"], name="gw").start()
+    run = workdir / "run"  # XDG_RUNTIME_DIR of the gateway and the server, as on a systemd login
+    run.mkdir()
+    gw = GatewayProcess(workdir, ["--max-bytes", "256M"], name="gw", socket_path=run / "kvgate-5557.sock").start()
     out: dict = {"gw": gw}
     try:
         s1 = SGLangServer(workdir, model_dir, gw.socket, name="server1").start()

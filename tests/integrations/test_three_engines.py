@@ -96,8 +96,11 @@ def runs(tmp_path_factory):
               "lmcache": workdir / "tiny-llama-lmcache"}
     sglang_server.build_model(models["sglang"])
     sglang_server.build_model(models["lmcache"])  # with a tokenizer: the README's vLLM server loads one
+    for e in ENGINES:  # each gateway on the default socket in an XDG_RUNTIME_DIR of its own (SGLang's README way)
+        (workdir / f"run-{e}").mkdir()
     gws = {e: GatewayProcess(workdir, ["--max-bytes", "256M", "--shared-memory-size", "64M",
-                                       "--shared-storage", "true"], card=card, name=f"gw-{e}") for e in ENGINES}
+                                       "--shared-storage", "true"], card=card, name=f"gw-{e}",
+                             socket_path=workdir / f"run-{e}" / "kvgate-5557.sock") for e in ENGINES}
     out: dict = {}
     try:
         for gw in gws.values():

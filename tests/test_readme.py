@@ -25,10 +25,19 @@ def _section(title: str) -> str:
     return text[start:end]
 
 
+def _default_socket_gateway(gateway_factory, tmp_path):
+    """A gateway on the default socket of XDG_RUNTIME_DIR=tmp_path/run, and the environment that finds it
+    (the README's examples name no socket)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    gw = gateway_factory(socket_path=run / "kvgate-5557.sock")
+    return gw, {**kvgate_env(), "XDG_RUNTIME_DIR": str(run)}
+
+
 def test_the_python_example_runs_and_returns_what_its_comments_say(gateway_factory, tmp_path) -> None:
-    gw = gateway_factory()
+    gw, env = _default_socket_gateway(gateway_factory, tmp_path)
     (code,) = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)[:1]
-    code = code.replace('"/tmp/kvgate-5557.sock"', repr(gw.socket))
+    assert "Client.connect(namespace=" in code  # the default socket, as after a bare `kvgate serve`
     # The comments promise results: check them after the example ran.
     code += """
 with Client.connect(SOCK, namespace="llama-3-8b|bf16|tp1", engine_id="engine-0") as c:
@@ -39,7 +48,7 @@ with Client.connect(SOCK, namespace="llama-3-8b|bf16|tp1", engine_id="engine-0")
     assert c.get_many([b"block-1", b"block-3"], dialog=mark) == [bytes(blocks[0]), None]
 print("ok")
 """.replace("SOCK", repr(gw.socket))
-    res = subprocess.run([sys.executable, "-c", code], env=kvgate_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
 
@@ -58,11 +67,11 @@ def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
         assert json.loads(r.read()) == {"in_ram": 2, "asked": 2}
 
 
-def test_the_asyncio_example_restores_what_was_stored(gateway_factory) -> None:
-    gw = gateway_factory()
+def test_the_asyncio_example_restores_what_was_stored(gateway_factory, tmp_path) -> None:
+    gw, env = _default_socket_gateway(gateway_factory, tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)
     (code,) = [b for b in blocks if "AsyncClient" in b]
-    code = code.replace('"/tmp/kvgate-5557.sock"', repr(gw.socket)) + """
+    code += """
 import asyncio
 import numpy as np
 from kvgate import Client
@@ -73,7 +82,7 @@ got = asyncio.run(restore([b"a", b"b", b"c"], dests))
 assert [bytes(v) for v in got] == [b"x" * 100, b"y" * 200]
 print("ok")
 """.replace("SOCK", repr(gw.socket))
-    res = subprocess.run([sys.executable, "-c", code], env=kvgate_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
 

@@ -3,14 +3,15 @@
 The public API is the client:
 
     from kvgate import Client
-    with Client.connect("/tmp/kvgate-5557.sock", namespace="llama-3-8b|tp1|bf16") as c:
+    # no target: the socket a bare `kvgate serve` listens on; or a path, or "host:port"
+    with Client.connect(namespace="llama-3-8b|tp1|bf16") as c:
         c.put_many([b"k1", b"k2"], [buf1, buf2])
         c.lookup([b"k1", b"k2", b"k3"])   # -> 2
 
 and, for asyncio, the same operations awaited:
 
     from kvgate import AsyncClient
-    async with AsyncClient.connect("/tmp/kvgate-5557.sock", namespace="llama-3-8b|tp1|bf16") as c:
+    async with AsyncClient.connect(namespace="llama-3-8b|tp1|bf16") as c:
         await c.lookup([b"k1", b"k2", b"k3"])
 """
 

@@ -1,6 +1,6 @@
 """The asyncio client of a kvgate gateway: ``Client``'s operations as coroutines.
 
-    async with AsyncClient.connect("/tmp/kvgate-5557.sock", namespace="my-model|tp1|bf16") as c:
+    async with AsyncClient.connect(namespace="my-model|tp1|bf16") as c:
         await c.put_many(keys, buffers)              # -> [True, ...]
         await c.get_many(keys, into=buffers)         # fills buffers; None for a miss
 
@@ -96,7 +96,7 @@ class AsyncClient(core.ClientCore):
     @classmethod
     def connect(
         cls,
-        target: str,
+        target: str | None = None,
         namespace: str = "",
         *,
         token: str | None = None,

@@ -1,6 +1,6 @@
 """The client of a kvgate gateway.
 
-    c = Client.connect("/tmp/kvgate-5557.sock", namespace="my-model|tp1|bf16")
+    c = Client.connect(namespace="my-model|tp1|bf16")
     c.put_many(keys, buffers)            # -> [True, ...]
     c.lookup(keys)                       # leading keys present
     c.get_many(keys, into=buffers)       # fills buffers; None for a miss
@@ -67,7 +67,7 @@ class Client(core.ClientCore):
     @classmethod
     def connect(
         cls,
-        target: str,
+        target: str | None = None,
         namespace: str = "",
         *,
         token: str | None = None,
@@ -79,8 +79,9 @@ class Client(core.ClientCore):
     ) -> "Client":
         """Connect and open a session.
 
-        ``target``: a Unix socket path (``/tmp/kvgate-5557.sock``, ``unix://...``)
-        or ``host:port`` (``tcp://`` optional).  ``engine_id`` names the engine
+        ``target``: a Unix socket path (``unix://...`` optional) or ``host:port``
+        (``tcp://`` optional); None, the default: the socket a bare ``kvgate serve``
+        listens on (``$XDG_RUNTIME_DIR/kvgate-5557.sock``, else ``/tmp/kvgate-5557.sock``).  ``engine_id`` names the engine
         (all processes of one engine share it); a gateway serves one engine.
         ``role="admin"`` opens a session for stats and clean only.
 

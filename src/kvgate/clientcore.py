@@ -22,6 +22,7 @@ from typing import Any, Callable
 from kvgate.clientargs import Buffer, byte_views, check_dialog, check_keys, check_position, check_retention
 from kvgate.clientregions import SharedMemoryTransport
 from kvgate.clienttransport import InlineTransport
+from kvgate.config import default_socket_path
 from kvgate.clientwire import GatewayError, Link, ObjectTooLarge, Op, Wire, done  # noqa: F401  (ObjectTooLarge: imported from here)
 from kvgate.keys import MARK_KEYS, DialogMark
 from kvgate.protocol import (
@@ -43,7 +44,11 @@ from kvgate.protocol import (
 )
 
 
-def parse_target(target: str) -> tuple[str, Any]:
+def parse_target(target: str | None) -> tuple[str, Any]:
+    """``target`` as (kind, address): a Unix socket path, or a TCP (host, port); None: the gateway's default
+    socket (``kvgate.config.default_socket_path``, where a bare ``kvgate serve`` listens)."""
+    if target is None:
+        return "unix", default_socket_path()
     if target.startswith("unix://"):
         return "unix", target[len("unix://"):]
     if target.startswith("tcp://"):

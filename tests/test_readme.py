@@ -133,11 +133,16 @@ def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> Non
         settings_from_extra,
     )
 
+    from kvgate.config import default_socket_path
+
     section = _section("SGLang")
-    (cmd,) = re.findall(r"```sh\n(.*?)```", section, re.S)[:1]
-    extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", cmd, re.S).group(1))
-    assert (extra["module_path"], extra["class_name"], extra["interface_v1"]) == (BACKEND_MODULE, BACKEND_CLASS, 1)
-    assert settings_from_extra(extra).target == "/tmp/kvgate-5557.sock"
+    cmds = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S) if "--hicache-storage-backend-extra-config" in b]
+    assert len(cmds) == 2, cmds  # a GPU's and the CPU engine's
+    for cmd in cmds:
+        extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", cmd, re.S).group(1))
+        assert (extra["module_path"], extra["class_name"], extra["interface_v1"]) == (BACKEND_MODULE, BACKEND_CLASS, 1)
+        # no socket named: the bare `kvgate serve` of the section's first block and the backend meet
+        assert settings_from_extra(extra).target == default_socket_path()
     table = "\n".join(line for line in section.splitlines() if line.startswith("| `kvgate."))
     for key in [*EXTRA_CONFIG_KEYS, *UNSUPPORTED_KEYS]:
         assert f"`{key}`" in table, key

@@ -15,8 +15,8 @@ engine made under names of its own that the owned file stands for (``companions`
 CPU tier ``vllm_offload_<engine id>.mmap``, so kvgate's vLLM integration keeps an empty owned file
 naming that engine id beside it).
 
-Used by the engine integrations (never the gateway's session regions, ``kvgate-<pid>-...``, which
-the gateway reaps itself).  Standard library only, below every other kvgate layer.
+Used by the engine integrations and by the gateway for its session regions (kind ``region``).
+Standard library only, below every other kvgate layer.
 """
 
 from __future__ import annotations

@@ -119,3 +119,30 @@ def test_corrupt_and_truncated_objects_found_by_the_scan_are_counted(gateway_fac
     assert st["corrupt_objects"] == 3
     assert not any(p.exists() for p in objs[:3])
     assert "deleted 3 corrupt objects" in again.log()
+
+
+def test_session_regions_of_a_killed_gateway_are_removed_at_the_next_start_and_no_others(gateway_factory) -> None:
+    """A SIGKILLed gateway leaves its session regions in /dev/shm; the next gateway removes them, but
+    never a region whose owner runs, nor one of a gateway in another PID namespace (a pid it cannot see
+    is not a dead one)."""
+    from kvgate import shmowners
+    from kvgate.gateway.shm import REGION_KIND
+
+    gw = gateway_factory(name="first")
+    with gw.client("ns"):
+        (region,) = [f.path for f in shmowners.owned_files(REGION_KIND) if f.pid == gw.pid]
+        os.kill(gw.pid, signal.SIGKILL)  # the helper's own clean-up of killed gateways is not called
+        gw.proc.wait(10)
+    assert os.path.exists(region)
+    alive = shmowners.create_owned(REGION_KIND, "alive-test")  # ours: this process runs
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    elsewhere = os.path.join(shmowners.SHM_DIR, f"kvgate-{REGION_KIND}.{dead_pid()}.1.{ns + 1}.elsewhere-test")
+    Path(elsewhere).touch(mode=0o600)
+    try:
+        again = gateway_factory(["--storage-devices", gw.card], name="again")
+        assert not os.path.exists(region)
+        assert os.path.exists(alive) and os.path.exists(elsewhere)
+        assert "removed 1 shared-memory regions left by gateways that died" in again.log()
+    finally:
+        for p in (alive, elsewhere, region):
+            Path(p).unlink(missing_ok=True)

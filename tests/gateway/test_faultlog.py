@@ -80,7 +80,7 @@ def test_an_in_place_session_region_shrunk_before_a_request_is_refused_by_name(g
         assert c.stats()["gateway"]["sessions_in_place"] == 1
         assert c.put_many(list(stored), list(stored.values())) == [True, True]
     with gw.client() as c:
-        (path,) = glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")
+        (path,) = glob.glob(f"/dev/shm/kvgate-region.{gw.pid}.*")
         os.truncate(path, 0)
         for req in (Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]),
                     Get(keys=[b"small"], region=SESSION_REGION, offsets=[0], capacities=[SMALL]),
@@ -134,7 +134,7 @@ def test_a_region_shrunk_while_the_gateway_copies_into_it_is_named_in_its_log(ga
             if which == "registered":
                 rid, shrunk = c.register_region(path, mm), path
             else:
-                rid, (shrunk,) = SESSION_REGION, glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")
+                rid, (shrunk,) = SESSION_REGION, glob.glob(f"/dev/shm/kvgate-region.{gw.pid}.*")
             assert c.put_many([b"big"], [_payload(4, size)]) == [True]
             died = False
             for attempt in range(40):

@@ -75,7 +75,7 @@ def test_a_client_that_shrinks_its_session_region_gets_an_error(gateway_factory,
     with gw.client() as c:
         assert c.put_many(list(stored), list(stored.values())) == [True, True]
     with gw.client() as c:
-        (path,) = glob.glob(f"/dev/shm/kvgate-{gw.pid}-*")  # this client's session region
+        (path,) = glob.glob(f"/dev/shm/kvgate-region.{gw.pid}.*")  # this client's session region
         os.truncate(path, 0)
         with pytest.raises(GatewayError) as e:
             _raw(c, Put(keys=[b"new"], sizes=[SMALL], region=SESSION_REGION, offsets=[0]))

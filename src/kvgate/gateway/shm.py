@@ -43,10 +43,11 @@ import stat
 import threading
 import weakref
 
-from kvgate import memcopy
+from kvgate import memcopy, shmowners
 from kvgate.gateway import faultlog
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = shmowners.SHM_DIR
+REGION_KIND = "region"  # session regions are owned files of this kind: kvgate-region.<pid>.<start>.<pidns>.<tag>
 
 log = logging.getLogger("kvgate.shm")
 
@@ -168,25 +169,14 @@ class Region:
 
 
 def reap_dead_regions() -> int:
-    """Remove session regions left by gateways that died (SIGKILL skips cleanup).
+    """Remove session regions left by gateways that died (SIGKILL skips cleanup); -> how many.
 
-    Session regions are named ``kvgate-<gateway pid>-...``; a region whose
-    gateway pid is gone is garbage.  Returns how many were removed.
+    Session regions are owned files (``kvgate.shmowners``, kind ``region``): a region is garbage only
+    when its gateway process is gone, told by pid and start time in our PID namespace, so a reused pid
+    keeps its regions and a gateway in another namespace sharing /dev/shm never loses its regions to us
+    (by the pid alone, a pid we cannot see looked dead).  Only this user's files are judged.
     """
-    removed = 0
-    for name in os.listdir(SHM_DIR):
-        parts = name.split("-")
-        if len(parts) < 3 or parts[0] != "kvgate" or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
+    return len(shmowners.reap_dead_owners(REGION_KIND))
 
 
 def could_stop_gateway(pid: int | None, uid: int | None) -> bool:
@@ -230,7 +220,7 @@ def create_session_region(tag: str, size: int, guarded: bool = True, session: in
     ``posix_fallocate`` makes tmpfs allocate the pages now, so neither side
     pays first-touch page allocation in the middle of a transfer.
     """
-    path = os.path.join(SHM_DIR, f"kvgate-{os.getpid()}-{tag}-{secrets.token_hex(6)}")
+    path = os.path.join(SHM_DIR, shmowners.owned_name(REGION_KIND, f"{tag}-{secrets.token_hex(6)}"))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)

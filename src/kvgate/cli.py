@@ -117,7 +117,7 @@ def cmd_serve(args) -> int:
         except (ImportError, RuntimeError) as e:  # RuntimeError: etcd3aio's gRPC code under an older grpcio
             from kvgate.cluster.flags import etcd_missing
 
-            logging.getLogger("kvgate").error("cannot start: %s", etcd_missing("cluster_mode", e))
+            logging.getLogger("kvgate").error("cannot start: %s", etcd_missing("cluster mode (cluster_etcd_endpoints)", e))
             return 2
         card_source = functools.partial(ClusterCards, cfg)
     try:

@@ -52,3 +52,8 @@ def test_every_command_runs_in_the_engines_environment(venv, tmp_path) -> None:
     r = kvgate(venv, "cluster", "cards", "--etcd-endpoints", etcd, "--timeout", "0.5")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert etcd in r.stderr or ("needs etcd3aio" in r.stderr and "grpcio" in r.stderr), r.stderr
+    if "needs etcd3aio" in r.stderr:  # then a gateway in cluster mode cannot start either, and says why
+        r = kvgate(venv, "serve", "--cluster-etcd-endpoints", etcd, "--port", "0", "--metrics-port", "0",
+                   "--socket", str(tmp_path / "cluster.sock"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "cluster mode (cluster_etcd_endpoints) needs etcd3aio" in r.stderr, r.stderr

@@ -11,18 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, kvgate_env
+from tests.helpers import free_port, kvgate_env, readme_section
 
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"## {title}")
-    end = text.find("\n## ", start + 1)
-    return text[start:end]
 
 
 def _default_socket_gateway(gateway_factory, tmp_path):
@@ -36,7 +29,7 @@ def _default_socket_gateway(gateway_factory, tmp_path):
 
 def test_the_python_example_runs_and_returns_what_its_comments_say(gateway_factory, tmp_path) -> None:
     gw, env = _default_socket_gateway(gateway_factory, tmp_path)
-    (code,) = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)[:1]
+    (code,) = re.findall(r"```python\n(.*?)```", readme_section("Using it from Python"), re.S)[:1]
     assert "Client.connect(namespace=" in code  # the default socket, as after a bare `kvgate serve`
     # The comments promise results: check them after the example ran.
     code += """
@@ -56,7 +49,7 @@ print("ok")
 def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
     port = free_port()
     gw = gateway_factory(["--metrics-port", str(port)])
-    section = _section("Using it from Python")
+    section = readme_section("Using it from Python")
     body = re.search(r"-d '(\{.*?\})'", section).group(1)
     req = json.loads(body)
     with gw.client(req["namespace"]) as c:
@@ -69,7 +62,7 @@ def test_the_prewarm_example_answers_as_shown(gateway_factory) -> None:
 
 def test_the_asyncio_example_restores_what_was_stored(gateway_factory, tmp_path) -> None:
     gw, env = _default_socket_gateway(gateway_factory, tmp_path)
-    blocks = re.findall(r"```python\n(.*?)```", _section("Using it from Python"), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", readme_section("Using it from Python"), re.S)
     (code,) = [b for b in blocks if "AsyncClient" in b]
     code += """
 import asyncio
@@ -90,7 +83,7 @@ print("ok")
 def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() -> None:
     from kvgate.integrations.lmcache.settings import PARAM_KEYS, parse_params
 
-    section = _section("LMCache")
+    section = readme_section("LMCache")
     table = set(re.findall(r"^\| `(kvgate\.[a-z_0-9]+)`(?: / `(kvgate\.[a-z_0-9]+)`)?", section, re.M))
     listed = {k for pair in table for k in pair if k}
     assert listed == set(PARAM_KEYS), (listed ^ set(PARAM_KEYS))
@@ -110,7 +103,7 @@ def test_the_lmcache_remote_connector_config_parses_and_its_keys_are_the_adapter
         parse_connector_config,
     )
 
-    section = _section("LMCache")
+    section = readme_section("LMCache")
     sub = section[section.index("### In-process LMCache"):]
     (conf,) = re.findall(r"```yaml\n(.*?)```", sub, re.S)
     plugins = json.loads(re.search(r"^remote_storage_plugins: (\[.*\])$", conf, re.M).group(1))
@@ -135,7 +128,7 @@ def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> Non
 
     from kvgate.config import default_socket_path
 
-    section = _section("SGLang")
+    section = readme_section("SGLang")
     cmds = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S) if "--hicache-storage-backend-extra-config" in b]
     assert len(cmds) == 2, cmds  # a GPU's and the CPU engine's
     for cmd in cmds:
@@ -155,7 +148,7 @@ def test_the_configuration_table_lists_every_key_with_its_default() -> None:
     from kvgate.config import FIELDS, FIELDS_BY_NAME, default_text
 
     shown: dict[str, str] = {}
-    for line in _section("Configuration").splitlines():
+    for line in readme_section("Configuration").splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if not line.startswith("| `") or len(cells) != 3:
             continue

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import pytest
 
 from kvgate.client import Client
 from kvgate.shmowners import owned_files, reap_dead_owners
-from tests.helpers import free_port, kvgate_env, wait_until
+from tests.helpers import free_port, kvgate_env, readme_commands, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -49,19 +48,12 @@ BLOCK = 128  # the CPU platform's KV block size
 PROMPT = " ".join(f"item{i} is filed under shelf {i % 97}" for i in range(500))
 
 
-def readme_commands() -> tuple[list[str], dict[str, str], list[str]]:
+def vllm_readme_commands() -> tuple[list[str], dict[str, str], list[str]]:
     """(gateway argv, server env, server argv) from the README's vLLM section's ``sh`` blocks."""
-    text = README.read_text()
-    start = text.index("\n## vLLM\n")
-    section = text[start:text.index("\n## ", start + 1)]
-    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
-    assert "kvgate serve" in [b.strip() for b in blocks], blocks
-    (server,) = [b for b in blocks if "vllm.entrypoints.openai.api_server" in b]
-    words = shlex.split(server.replace("\\\n", " "))
-    env = {}
-    while "=" in words[0] and not words[0].startswith("-"):
-        key, _, value = words.pop(0).partition("=")
-        env[key] = value
+    commands = readme_commands("vLLM")
+    assert (["kvgate", "serve"]) in [words for _env, words in commands], commands
+    (server,) = [(env, words) for env, words in commands if "vllm.entrypoints.openai.api_server" in words]
+    env, words = server
     assert words[0] == "python" and "MODEL" in words, words
     return ["kvgate", "serve"], env, words
 
@@ -131,7 +123,7 @@ class Server:
 
 
 def test_the_readme_vllm_commands_restore_after_a_restart_on_another_path(tmp_path) -> None:
-    gateway_argv, server_env, server_argv = readme_commands()
+    gateway_argv, server_env, server_argv = vllm_readme_commands()
     model = tmp_path / "mnt-a" / "tiny-llama"
     build_model(model)
     other_path = tmp_path / "mnt-b" / "llama"

@@ -12,13 +12,12 @@ passing (the list would be stale) or fails otherwise.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GatewayProcess, kvgate_env, venv_python
+from tests.helpers import venv_python
+from tests.integrations.conformance import judge, run_script
 
 VENV_PY = venv_python(".venv-sglang")
 SCRIPT = Path(__file__).resolve().parent / "sglang_backend_contract.py"
@@ -51,20 +50,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def contract(tmp_path_factory) -> dict:
     """The script's findings, from one run against one gateway."""
-    workdir = tmp_path_factory.mktemp("sglang-contract")
-    gw = GatewayProcess(workdir).start()
-    try:
-        out = workdir / "cases.json"
-        proc = subprocess.run([str(VENV_PY), str(SCRIPT), gw.socket, str(out)], capture_output=True, text=True,
-                              env=kvgate_env(), timeout=400, cwd=workdir)
-        assert proc.returncode == 0 and out.exists(), (f"sglang_backend_contract.py failed (rc {proc.returncode}):\n"
-                                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        found = json.loads(out.read_text())
-        found["log"] = proc.stderr
-        assert gw.alive(), f"the gateway died during the cases:\n{gw.log()[-3000:]}"
-        return found
-    finally:
-        gw.stop()
+    return run_script(tmp_path_factory.mktemp("sglang-contract"), VENV_PY, SCRIPT, {})
 
 
 def test_every_case_of_the_shipped_test_ran(contract) -> None:
@@ -89,10 +75,4 @@ def test_tp_ranks_in_the_namespace(contract) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_sglang_shipped_case(contract, case: str) -> None:
-    result = contract["cases"].get(case, "not run")
-    if case in EXPECTED_FAILURES:
-        says, why = EXPECTED_FAILURES[case]
-        assert result != "ok", f"{case} now passes: take it off EXPECTED_FAILURES"
-        assert says in result, f"{case} failed otherwise than documented ({says!r}):\n{result}"
-        pytest.xfail(why)
-    assert result == "ok", result
+    judge(contract, case, EXPECTED_FAILURES)

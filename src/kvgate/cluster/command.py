@@ -38,6 +38,7 @@ from kvgate.cards.rediskeys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
 from kvgate.cluster.flags import ACTIONS, add_arguments  # noqa: F401  (kvgate's parser takes them from flags)
+from kvgate.statview import cell, fmt_bytes, shown  # what registries, agents and cards name is printed escaped
 
 DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]
 CONNECT_S = 5.0
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_run(args))
     except (RegistryUnavailable, RegistryConflict, ValueError, OSError) as e:
-        print(f"kvgate cluster {args.action}: {e}", file=sys.stderr)
+        print(f"kvgate cluster {args.action}: {shown(e)}", file=sys.stderr)
         return 1 if isinstance(e, RegistryConflict) else 2
 
 
@@ -95,7 +96,7 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
         elif name is None:
             print("no leader (is a `kvgate cluster serve` agent running?)", file=sys.stderr)
         else:
-            print(name)
+            print(shown(name))
         return 0 if name is not None else 1
     elif args.action == "register":
         return await _register(reg, args.card, args.address, args.token_file, args.tls_ca_file)
@@ -109,11 +110,11 @@ async def _act(args: argparse.Namespace, reg: Registry) -> int:
             if state is CardState.RETIRED:
                 raise RegistryConflict(f"{e}{await _retire_hint(reg, args)}") from None
             raise
-        print(f"card {record.serial}: {record.state.value}")
+        print(f"card {shown(record.serial)}: {record.state.value}")
     elif args.action == "relocate":
         record = await reg.set_address(args.card, args.address)
-        print(f"card {record.serial}: reached at {record.address} (the leader or `kvgate cluster publish` puts "
-              "it in the next view; each gateway finds it there by its label)")
+        print(f"card {shown(record.serial)}: reached at {shown(record.address)} (the leader or `kvgate cluster "
+              "publish` puts it in the next view; each gateway finds it there by its label)")
     elif args.action == "publish":
         return await _publish(reg, args.slots, args.json)
     return 0
@@ -149,8 +150,6 @@ async def _no_such_cluster(reg: Registry, args: argparse.Namespace) -> bool:
     otherwise), naming the clusters it holds."""
     if await reg.exists():
         return False
-    from kvgate.statview import shown
-
     names = await reg.clusters()
     there = (f"clusters there: {', '.join(shown(n) for n in names)}" if names else
              "it holds none yet (kvgate cluster register makes one)")
@@ -190,8 +189,6 @@ async def _status(reg: Registry, as_json: bool) -> int:
     if as_json:
         print(json.dumps(doc, indent=2))
         return 0
-    from kvgate.statview import shown  # agents and gateways name themselves: what they wrote is shown escaped
-
     by_state = ", ".join(f"{n} {s}" for s, n in sorted(doc["cards_by_state"].items())) or "none"
     print(f"leader: {shown(leader) if leader else 'none (is a `kvgate cluster serve` agent running?)'}")
     print(f"view: epoch {epoch}, {doc['view_cards']} cards; registered: {by_state}")
@@ -242,10 +239,11 @@ async def _register(reg: Registry, card: str, address: str | None, token_file: s
             raise CardUnavailable(e.errno, _as_register_says(e.strerror), e.filename) from None
         if await reg.register(record):
             taken += 1
-            print(f"card {record.serial} at {record.address} registered (joining; the leader or `kvgate cluster "
-                  f"publish` makes it active)")
+            print(f"card {shown(record.serial)} at {shown(record.address)} registered (joining; the leader or "
+                  "`kvgate cluster publish` makes it active)")
         else:
-            print(f"card {record.serial} at {record.address} is registered already", file=sys.stderr)
+            print(f"card {shown(record.serial)} at {shown(record.address)} is registered already",
+                  file=sys.stderr)
     return 0 if taken else 1
 
 
@@ -271,8 +269,6 @@ def _show_cards(records: list[CardRecord], as_json: bool) -> None:
         print(json.dumps(msgspec.to_builtins(records), indent=2))
         return
     from rich.console import Console
-
-    from kvgate.statview import cell, fmt_bytes
 
     # The address under the serial (dimmed), as `kvgate cards` shows a card: beside it, at 80 columns, a
     # long path got 7 columns.
@@ -305,8 +301,6 @@ def _show_view(view: View, as_json: bool) -> None:
         print(json.dumps(msgspec.to_builtins(view), indent=2))
         return
     from rich.console import Console
-
-    from kvgate.statview import cell
 
     shares: Counter[Any] = Counter(view.owners)
     t = _table(f"view {view.epoch} ({view.slots} slots)", ("serial", "address", "state", "slots"))

@@ -194,8 +194,8 @@ def cmd_stat(args) -> int:
 
 def cmd_clean(args) -> int:
     from kvgate.client import GatewayError
-
     from kvgate.statview import shown
+
     with _admin_client(args) as c:
         try:
             n = c.clean(args.namespace)
@@ -208,8 +208,8 @@ def cmd_clean(args) -> int:
 
 def cmd_cards(args) -> int:
     from kvgate.client import GatewayError
-
     from kvgate.statview import shown
+
     if args.action != "list" and not args.card:
         what = ("a directory, Redis URL or kvgate:// URL" if args.action == "add"
                 else "its serial, from `kvgate cards list`")
@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # a refusal (NOT_AUTHORIZED, ...): one line, not a traceback
         from kvgate.client import GatewayError
-
         from kvgate.statview import shown  # a refusal may quote what a client chose (an engine id)
+
         if not isinstance(e, GatewayError):
             raise
         print(f"kvgate: {e.code}: {shown(e.message)}", file=sys.stderr)

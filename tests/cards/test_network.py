@@ -734,3 +734,42 @@ def test_a_claim_not_taken_again_is_summed_up_every_interval(tmp_path: Path, mon
         c.close()
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.slow
+def test_a_claim_another_gateway_took_meanwhile_is_asked_for_until_it_is_free(tmp_path: Path) -> None:
+    """A gateway whose claim connection was lost (the server restarted) and whose claim another gateway
+    took meanwhile keeps finding the card unavailable, and takes its claim once the other lets go: it
+    never goes on using the card unclaimed beside an exclusive holder."""
+    loc = str(tmp_path / "card")
+    DirectoryCard(loc).open()
+    port = _free_port()
+    proc, url = _start_server(loc, port)
+    mine, other = NetworkCard(url, num_dbs=2, io_timeout_ms=1000), NetworkCard(url, num_dbs=2, io_timeout_ms=1000)
+    try:
+        mine.open()
+        mine.claim(True)  # shared
+        proc.kill()
+        proc.wait(10)
+        proc, _ = _start_server(loc, port)
+        other.open()
+        other.claim(False)  # exclusive, while mine had none
+        for _ in range(3):  # every check asks again, and is refused while the other holds it
+            with pytest.raises(CardInUse):
+                mine.check()
+        assert mine.claimed is True
+        other.close()
+        wait_until(lambda: _checks(mine), 5, "the claim taken again once the other let go")
+        with pytest.raises(CardInUse):
+            NetworkCard(url, num_dbs=2).claim(False)  # mine holds it (shared) again
+    finally:
+        mine.close(), other.close()
+        proc.kill()
+        proc.wait(10)
+
+
+def _checks(c: NetworkCard) -> bool:
+    try:
+        return c.check() == c.serial
+    except CardInUse:
+        return False

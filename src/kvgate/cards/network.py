@@ -267,8 +267,9 @@ class NetworkCard(Card):
         try:
             conn.call(w.Claim(shared, holder_doc(shared)))
         except BaseException:
+            # ``claimed`` stays: a claim lost and refused now (another gateway took it meanwhile) is asked
+            # for again at every check, never dropped, or the card would go on serving unclaimed.
             conn.close()
-            self.claimed = None
             raise
         self._claim_conn = conn
         return conn

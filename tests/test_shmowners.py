@@ -117,3 +117,33 @@ def test_names_say_kind_owner_and_rest_and_refuse_what_would_break_them(kind) ->
             owned_name(bad_kind, "x")
     with pytest.raises(ValueError, match="'/'"):
         owned_name(kind, "../etc")
+
+
+def test_without_proc_a_name_is_still_made_and_never_judged(monkeypatch) -> None:
+    """A process that cannot read /proc (none mounted, a sandbox) still names its files, with 0 for
+    what /proc would have said, and no file is judged dead from there or made so."""
+    import kvgate.shmowners as so
+
+    real_stat = os.stat
+
+    def no_proc(path, *a, **kw):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_stat(path, *a, **kw)
+
+    real_open = open
+
+    def no_proc_open(path, *a, **kw):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(so.os, "stat", no_proc)
+    monkeypatch.setattr("builtins.open", no_proc_open)
+    name = so.owned_name("blindtest", "x")
+    assert name == f"kvgate-blindtest.{os.getpid()}.0.0.x"
+    pid, start, ns, rest = so.parse_owned(name, "blindtest")
+    assert so.owner_gone(so.OwnedFile("/dev/shm/" + name, "blindtest", pid, start, ns, rest)) is None
+    monkeypatch.undo()
+    # and a file named so is never judged by a process that can read /proc either
+    assert so.owner_gone(so.OwnedFile("/dev/shm/" + name, "blindtest", 999999, 0, 0, "x")) is None

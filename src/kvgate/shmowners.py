@@ -10,6 +10,7 @@ which process made it::
 ``start`` is the process's start time (clock ticks since boot, ``/proc/<pid>/stat``), so a reused
 pid is not mistaken for the owner; ``pidns`` is the inode of the owner's PID namespace, so a
 process in another namespace (a container sharing ``/dev/shm``) never judges a pid it cannot see.
+Where /proc does not tell them (none mounted, a sandbox), both are 0 and the file is never judged.
 ``reap_dead_owners`` removes the files of one kind whose owner is gone, and with each the files an
 engine made under names of its own that the owned file stands for (``companions``: vLLM names its
 CPU tier ``vllm_offload_<engine id>.mmap``, so kvgate's vLLM integration keeps an empty owned file
@@ -55,7 +56,11 @@ def _start_time(pid: int) -> int | None:
 
 
 def _pid_namespace() -> int:
-    return os.stat("/proc/self/ns/pid").st_ino
+    """The inode of this process's PID namespace, or 0 where /proc does not tell (then no owner is judged)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def owned_name(kind: str, rest: str) -> str:
@@ -68,7 +73,7 @@ def owned_name(kind: str, rest: str) -> str:
     if "/" in rest or "\0" in rest:
         raise ValueError(f"owned file name part {rest!r} may not contain '/'")
     pid = os.getpid()
-    return f"{_PREFIX}{kind}.{pid}.{_start_time(pid)}.{_pid_namespace()}.{rest}"
+    return f"{_PREFIX}{kind}.{pid}.{_start_time(pid) or 0}.{_pid_namespace()}.{rest}"
 
 
 def create_owned(kind: str, rest: str, shm_dir: str = SHM_DIR) -> str:
@@ -92,8 +97,9 @@ def parse_owned(name: str, kind: str) -> tuple[int, int, int, str] | None:
 
 def owner_gone(f: OwnedFile) -> bool | None:
     """True when the owner process has exited, False while it runs, None when this process cannot tell
-    (the owner lived in another PID namespace)."""
-    if f.pidns != _pid_namespace():
+    (the owner lived in another PID namespace, or /proc did not tell its namespace or start)."""
+    ours = _pid_namespace()
+    if not ours or f.pidns != ours or not f.start:
         return None
     return _start_time(f.pid) != f.start
 

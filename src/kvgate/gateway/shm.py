@@ -221,7 +221,10 @@ def create_session_region(tag: str, size: int, guarded: bool = True, session: in
     pays first-touch page allocation in the middle of a transfer.
     """
     path = os.path.join(SHM_DIR, shmowners.owned_name(REGION_KIND, f"{tag}-{secrets.token_hex(6)}"))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:  # no /dev/shm, or not ours to write: the hello is answered why, not cut off
+        raise RegionError(f"cannot create a shared-memory region under {SHM_DIR}: {e.strerror or e}") from None
     try:
         os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -76,8 +76,11 @@ def test_conversations_behind_a_system_prompt_each_go_to_one_card(gateway_factor
         homes = {at[n] for n in names}
         assert len(homes) == 1, f"conversation {c} is spread over cards {homes}"
         per_card[homes.pop()] += 1
+    # The cards' serials are random, so which card a conversation hashes to is too: 48 conversations over
+    # four cards are Binomial(48, 1/4) per card (12 +- 3).  A card over 1.5x its share (19+) came up in
+    # about one run in 14; two shares (25+) in about one run in 5,000.
     fair = len(r["convs"]) / len(cards)
-    assert len(per_card) == len(cards) and max(per_card.values()) <= 1.5 * fair, per_card
+    assert len(per_card) == len(cards) and max(per_card.values()) <= 2 * fair, per_card
 
 
 def test_dead_gateway_fails_tasks_without_raising(tmp_path):

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvgate import AsyncClient, Client
-from kvgate import asyncclient
+from kvgate.client import async_client as asyncclient
 from kvgate.bench.command import size_arg
 from kvgate.bench.harness import bench_gateway
 from kvgate.bench.measure import Contender, measure

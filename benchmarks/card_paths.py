@@ -5,7 +5,7 @@ gateway's figures stop short of ``kvgate bench``'s baselines.
 
 - ``raw read``: open + ``preadv`` of each payload + close, into plain buffers;
 - ``raw read + hash``: the same, and XXH3 of each payload where it landed (what a client reading a
-  lent file does, ``kvgate.crossmem.read_files``);
+  lent file does, ``kvgate.client.crossmem.read_files``);
 - ``card read``: ``DirectoryCard.read_into`` into memory the card may load (header and payload in
   one ``preadv``, verified there), what a get into a region used in place costs;
 - ``raw write``: open + ``pwritev`` + close + rename of each object;
@@ -33,7 +33,7 @@ import numpy as np
 from kvgate.bench.measure import Contender, measure, script_main
 from kvgate.cards import ObjectMeta
 from kvgate.cards.base import close_files
-from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.directory.card import DirectoryCard
 from kvgate.cards.objectformat import header_size, padded_size
 from kvgate.keys import full_key, payload_hash
 from kvgate.memcopy import Abandon

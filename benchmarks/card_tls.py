@@ -23,7 +23,7 @@ import numpy as np
 from kvgate.bench.measure import Contender, measure, script_main
 from kvgate.bench.processes import kvgate_env
 from kvgate.cards import NetworkCard, ObjectMeta
-from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.directory.card import DirectoryCard
 from kvgate.keys import full_key
 
 OBJECTS = 32
@@ -31,8 +31,8 @@ SIZE = 2 << 20
 
 _SERVER = """
 import sys, threading
-from kvgate.cards.directory import DirectoryCard
-from kvgate.cluster.export import CardExporter, tls_server_context
+from kvgate.cards.directory.card import DirectoryCard
+from kvgate.cards.network.server import CardExporter, tls_server_context
 card = DirectoryCard(sys.argv[1]); card.open()
 plain = CardExporter([card], "127.0.0.1", 0).start()
 tls = CardExporter([card], "127.0.0.1", 0, tls=tls_server_context(sys.argv[2])).start()

@@ -22,7 +22,7 @@ import threading
 import time
 
 from kvgate.cards import ObjectMeta
-from kvgate.cards.directory import DirectoryCard
+from kvgate.cards.directory.card import DirectoryCard
 from kvgate.keys import dialog_digest, full_key, key_digest
 from kvgate.tiers.index import CardIndex
 from kvgate.tiers.rows import digest_array

@@ -315,7 +315,7 @@ class GatewayProcess(processes.GatewayProcess):
 
 def card_serial(card_dir: str | os.PathLike) -> str:
     """The serial in a directory card's label."""
-    from kvgate.cards.dirlayout import LABEL_NAME
+    from kvgate.cards.directory.layout import LABEL_NAME
 
     return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
 
@@ -347,7 +347,7 @@ def evict(path: str | os.PathLike) -> None:
 
 def pages_cached(path: str | os.PathLike) -> int | None:
     """Pages of the file in the page cache; None where the kernel cannot say (no cachestat)."""
-    from kvgate.cards.directio import cached_pages
+    from kvgate.cards.directory.directio import cached_pages
 
     fd = os.open(path, os.O_RDONLY)
     try:

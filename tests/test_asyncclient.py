@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvgate import AsyncClient
-from kvgate import asyncclient as ac
+from kvgate.client import async_client as ac
 from kvgate import protocol as p
 from tests.test_client import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
 from tests.helpers import wait_until_async

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import crossmem
-
+from kvgate.client import crossmem
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 THROUGHPUT_FIGURES = ("ram_get", "plain_get", "tcp_get", "card_get_warm", "plain_card_get_warm", "card_get_cold",

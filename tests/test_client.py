@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvgate import protocol as p
 from kvgate.client import Client, GatewayError, ObjectTooLarge
-from kvgate.clienttransport import _PUT_HEADER_BYTES, _PUT_KEY_BYTES
+from kvgate.client.transport import _PUT_HEADER_BYTES, _PUT_KEY_BYTES
 from kvgate.keys import MAX_KEY_BYTES, BadKey
 
 

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from kvgate import crossmem
+from kvgate.client import crossmem
 from kvgate.client import Client
 
 pytestmark = pytest.mark.skipif(not crossmem.supported, reason="process_vm_readv is Linux only")
@@ -118,7 +118,7 @@ def test_a_lent_get_cancelled_during_its_copy_gives_its_loan_back(gateway_factor
     nothing stays pinned, and the session's next gets are neither blocked nor wrong."""
     import asyncio
 
-    from kvgate.asyncclient import AsyncClient
+    from kvgate.client.async_client import AsyncClient
 
     gw = gateway_factory(["--max-bytes", "256M"])
     n, size = 16, 4 << 20
@@ -206,7 +206,7 @@ def _holds_files(paths, q, r) -> None:
 TAKE_AS_NOBODY = """
 import sys
 import numpy as np
-from kvgate import crossmem
+from kvgate.client import crossmem
 pid, fd = int(sys.argv[1]), int(sys.argv[2])
 try:
     crossmem.read_files(crossmem.open_pidfd(pid), pid, [crossmem.LentFile(fd, 0, np.zeros(4096, np.uint8).data, 0)])

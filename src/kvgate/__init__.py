@@ -20,8 +20,7 @@ try:  # written at install from git: "0.1.dev330+g1a2b3c4" names the commit a bu
 except ImportError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-from kvgate.asyncclient import AsyncClient  # noqa: E402
-from kvgate.client import Client, GatewayError, ObjectTooLarge  # noqa: E402
+from kvgate.client import AsyncClient, Client, GatewayError, ObjectTooLarge  # noqa: E402
 from kvgate.keys import DialogMark  # noqa: E402
 
 __all__ = ["AsyncClient", "Client", "DialogMark", "GatewayError", "ObjectTooLarge", "__version__"]

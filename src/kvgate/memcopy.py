@@ -66,7 +66,7 @@ class Iovec(ctypes.Structure):
 
 
 def syscall(name: str) -> Any:
-    """A ``process_vm_readv``-shaped call of libc, or None where there is none (kvgate.crossmem uses it too)."""
+    """A ``process_vm_readv``-shaped call of libc, or None where there is none (kvgate.client.crossmem uses it too)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
@@ -259,7 +259,7 @@ class Abandon:
     starts.  A copy holds the lock for one piece (about 1 MiB, well under a
     millisecond), never for I/O, so ``abandon`` never waits on a card.
     Writes poll ``abandoned`` before they publish, so a write straight out
-    of client memory (``kvgate.cards.dirwrite``) publishes only bytes it
+    of client memory (``kvgate.cards.directory.write``) publishes only bytes it
     read before the answer; it needs no lock, and ``abandon`` never waits
     for its ``pwrite``, which may wait for the device.
 

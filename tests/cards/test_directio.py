@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvgate.cards import DirectoryCard, ObjectMeta
-from kvgate.cards.directio import READ_PIECE, CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
+from kvgate.cards.directory.directio import READ_PIECE, CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
 from kvgate.cards.objectformat import ALIGN
 from kvgate.keys import full_key
 
@@ -131,7 +131,7 @@ def test_card_reads_a_cached_file_directly_when_direct_is_faster(tmp_path: Path)
 def test_direct_pieces_are_lent_one_reader_at_a_time_oldest_freed_first() -> None:
     import threading
 
-    from kvgate.cards.directio import READ_PIECE, DirectPieces
+    from kvgate.cards.directory.directio import READ_PIECE, DirectPieces
 
     pieces = DirectPieces(3)
     seen = []

@@ -35,9 +35,9 @@ from kvgate.cards import (
     StoredObject,
 )
 from kvgate.cards.base import HOST_TAG
-from kvgate.cards.directio import SUPPORTED
-from kvgate.cards.dirlayout import LABEL_NAME
-from kvgate.cards.dirscan import STALE_TEMP_SECONDS
+from kvgate.cards.directory.directio import SUPPORTED
+from kvgate.cards.directory.layout import LABEL_NAME
+from kvgate.cards.directory.scan import STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size
 from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
 from tests.cards.common import check_snapshot_round_trip
@@ -237,7 +237,7 @@ def test_direct_reads_off_reads_through_the_page_cache(tmp_path: Path) -> None:
 
 def test_filesystem_refusing_direct_io_falls_back_once(card: DirectoryCard, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    import kvgate.cards.directory as directory
+    import kvgate.cards.directory.card as directory
 
     monkeypatch.setattr(directory, "set_direct", lambda fd, on: not on)  # refuses O_DIRECT, allows clearing it
     monkeypatch.setattr(directory, "fully_cached", lambda fd, size: False)
@@ -245,7 +245,7 @@ def test_filesystem_refusing_direct_io_falls_back_once(card: DirectoryCard, monk
     data = payload_for(k, P + 9)
     card.write(k, memoryview(data), ObjectMeta())
     m, buf = aligned(len(data))
-    with caplog.at_level("WARNING", logger="kvgate.cards.directory"):
+    with caplog.at_level("WARNING", logger="kvgate.cards.directory.card"):
         card.read_into(k, memoryview(m))
         card.read_into(k, memoryview(m))
     assert np.array_equal(buf, data)
@@ -932,7 +932,7 @@ def test_shared_heads_list_from_several_processes_is_their_union(tmp_path) -> No
 
 def test_shared_heads_list_keeps_its_newest_ids_up_to_card_max_heads(card: DirectoryCard, monkeypatch) -> None:
     """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
-    monkeypatch.setattr("kvgate.cards.directory.CARD_MAX_HEADS", 50)
+    monkeypatch.setattr("kvgate.cards.directory.card.CARD_MAX_HEADS", 50)
     path = os.path.join(card.location, "kvgate-heads")
     assert card.merge_heads(set(range(30))) == set(range(30))
     with open(path, "ab") as f:
@@ -1055,7 +1055,7 @@ def test_a_mismatch_in_client_memory_is_decided_by_a_read_through_the_scratch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that writes its (unguarded) buffer while the gateway hashes it there makes the hash
     mismatch: the object is read again through the scratch, delivered whole, and not deleted."""
-    import kvgate.cards.directory as directory
+    import kvgate.cards.directory.card as directory
     from kvgate.memcopy import Abandon
 
     c = DirectoryCard(str(tmp_path / "c"), direct_reads=False)

@@ -32,9 +32,9 @@ from kvgate.cards import (
     expand,
     make_card,
 )
-from kvgate.cards import netwire as w
+from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, padded_size
-from kvgate.cluster.export import CardExporter
+from kvgate.cards.network.server import CardExporter
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, key_digest, payload_hash
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
@@ -701,8 +701,7 @@ def test_a_gateway_says_once_that_it_claims_a_card_again_while_the_server_is_dow
 
 @pytest.mark.slow
 def test_a_claim_not_taken_again_is_summed_up_every_interval(tmp_path: Path, monkeypatch, caplog) -> None:
-    from kvgate.cards import network
-
+    from kvgate.cards.network import card as network
     monkeypatch.setattr(network, "CLAIM_RETRY_SAY_S", 0.5)
     loc = str(tmp_path / "card")
     DirectoryCard(loc).open()
@@ -714,7 +713,7 @@ def test_a_claim_not_taken_again_is_summed_up_every_interval(tmp_path: Path, mon
         c.claim(False)
         proc.kill()
         proc.wait(10)
-        caplog.set_level("WARNING", logger="kvgate.cards.network")
+        caplog.set_level("WARNING", logger="kvgate.cards.network.card")
         deadline = time.monotonic() + 1.6
         tries = 0
         while time.monotonic() < deadline:

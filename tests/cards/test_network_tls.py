@@ -17,7 +17,7 @@ import pytest
 import trustme
 
 from kvgate.cards import CardUnavailable, DirectoryCard, NetworkCard, ObjectMeta, make_card
-from kvgate.cluster.export import CardExporter, tls_server_context
+from kvgate.cards.network.server import CardExporter, tls_server_context
 from kvgate.config import Config
 from kvgate.keys import full_key
 from tests.helpers import wait_until
@@ -199,7 +199,7 @@ def test_a_server_stopped_with_tls_connections_open_ends_them_quietly(pems, loca
     cards = [NetworkCard(ex.urls()[local.serial], io_timeout_ms=3000, tls_ca_file=pems["ca"]) for _ in range(3)]
     for c in cards:
         assert c.open() == local.serial
-    with caplog.at_level(logging.DEBUG, logger="kvgate.cluster.export"):
+    with caplog.at_level(logging.DEBUG, logger="kvgate.cards.network.server"):
         ex.stop()
     assert "failed" not in caplog.text and "Traceback" not in caplog.text, caplog.text
     with pytest.raises(CardUnavailable):

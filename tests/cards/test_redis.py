@@ -36,13 +36,13 @@ from kvgate.cards import (
     RedisCard,
     StoredObject,
 )
-from kvgate.cards import redisobjects
+from kvgate.cards.redis import objects as redisobjects
 from kvgate.cards.base import BOOT_ID, HOST
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header
-from kvgate.cards.redis import UNLIMITED_FREE_BYTES
-from kvgate.cards.rediskeys import LABEL_KEY, LEASE_KEY, PROBE_KEY
-from kvgate.cards.redislease import LEASE_TTL_MS
-from kvgate.cards.redispacker import ZERO_COPY, ArgumentParts, ZeroCopyPacker
+from kvgate.cards.redis.card import UNLIMITED_FREE_BYTES
+from kvgate.cards.redis.keys import LABEL_KEY, LEASE_KEY, PROBE_KEY
+from kvgate.cards.redis.lease import LEASE_TTL_MS
+from kvgate.cards.redis.packer import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
@@ -586,10 +586,10 @@ def test_clean_keeps_label_and_foreign_keys(server: RedisServer, cards: list[Red
 def test_eviction_policy_warning(server_factory, cards: list[RedisCard], caplog: pytest.LogCaptureFixture,
                                  policy: str, warned: bool) -> None:
     srv = server_factory(policy=policy)
-    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis.card"):
         c = open_card(cards, srv.url)
     assert c.maxmemory_policy == policy
-    msgs = [r.getMessage() for r in caplog.records if r.name == "kvgate.cards.redis"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvgate.cards.redis.card"]
     expected = f"redis card {srv.url}: maxmemory-policy is {policy}: the server may drop objects the gateway"
     assert any(m.startswith(expected) and "set maxmemory-policy noeviction" in m for m in msgs) is warned
     if not warned:
@@ -698,7 +698,7 @@ def test_server_restarted_empty_is_the_same_card(server: RedisServer, cards: lis
     k = key("k")
     c.write(k, memoryview(b"data"), ObjectMeta())
     server.restart_empty()
-    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis.card"):
         assert c.check() == serial
     assert any("label re-created" in r.getMessage() for r in caplog.records)
     raw = server.raw()
@@ -928,7 +928,7 @@ def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: 
 def test_shared_heads_list_keeps_at_most_card_max_heads(server: RedisServer, cards: list[RedisCard],
                                                       monkeypatch) -> None:
     """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
-    monkeypatch.setattr("kvgate.cards.redis.CARD_MAX_HEADS", 50)
+    monkeypatch.setattr("kvgate.cards.redis.card.CARD_MAX_HEADS", 50)
     one = open_card(cards, server.url)
     for start in range(0, 400, 40):
         got = one.merge_heads(set(range(start, start + 40)))

@@ -116,7 +116,7 @@ def test_register_suggests_its_own_flags_not_a_gateways_config_key(etcd: EtcdSer
     assert "Traceback" not in r.stderr
 
     from kvgate.cards import DirectoryCard
-    from kvgate.cluster.export import CardExporter
+    from kvgate.cards.network.server import CardExporter
 
     (tmp_path / "served").mkdir()
     (tmp_path / "token").write_text("s3cret\n")

@@ -154,7 +154,7 @@ def test_a_redis_cluster_registered_by_its_seed_serves_a_gateway_from_every_prim
 def test_a_card_relocated_in_the_registry_is_found_at_its_new_address_and_restores(tmp_path: Path) -> None:
     """The card server moves to another port (as after a storage host's restart with other flags):
     ``kvgate cluster relocate`` and a publish, and the gateway reads the same card there, objects and all."""
-    from kvgate.cluster.export import CardExporter
+    from kvgate.cards.network.server import CardExporter
 
     etcd = EtcdServer(tmp_path / "etcd").start()
     common = ["--etcd-endpoints", etcd.endpoint, "--cluster-name", "t", "--slots", str(SLOTS)]

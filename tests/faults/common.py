@@ -17,8 +17,8 @@ import xxhash
 
 from kvgate.bench.processes import RedisServer
 from kvgate.cards.base import new_label, parse_label
-from kvgate.cards.dirlayout import LABEL_NAME
-from kvgate.cards.rediskeys import LABEL_KEY
+from kvgate.cards.directory.layout import LABEL_NAME
+from kvgate.cards.redis.keys import LABEL_KEY
 from kvgate.keys import NO_DIALOG, dialog_digest
 from kvgate.placement import SlotMap, slot_of
 

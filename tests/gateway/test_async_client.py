@@ -20,7 +20,9 @@ import uuid
 import numpy as np
 import pytest
 
-from kvgate import AsyncClient, Client, GatewayError, ObjectTooLarge, asyncclient
+from kvgate import AsyncClient, Client, GatewayError, ObjectTooLarge
+
+from kvgate.client import async_client as asyncclient
 from kvgate.keys import BadKey
 from tests.gateway.test_client_sharing import check, content
 from tests.helpers import free_port, freeze

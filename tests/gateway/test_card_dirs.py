@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from kvgate.cards.dirlayout import LABEL_NAME
+from kvgate.cards.directory.layout import LABEL_NAME
 from tests.helpers import GatewayProcess, wait_until
 
 

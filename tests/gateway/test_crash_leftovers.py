@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvgate.cards.base import HOST_TAG
-from kvgate.cards.dirscan import STALE_TEMP_SECONDS
+from kvgate.cards.directory.scan import STALE_TEMP_SECONDS
 from tests.helpers import GatewayProcess, wait_until
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvgate.bench.harness import ShmRegion
-from kvgate.cards.directio import SUPPORTED
+from kvgate.cards.directory.directio import SUPPORTED
 from kvgate.client import Client
 from tests.helpers import evict, pages_cached
 

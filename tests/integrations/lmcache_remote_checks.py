@@ -39,7 +39,7 @@ from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 
-from kvgate.asyncclient import AsyncClient  # noqa: E402
+from kvgate.client.async_client import AsyncClient  # noqa: E402
 from kvgate.integrations.lmcache import KvgateRemoteConnector  # noqa: E402
 
 MODEL = "org/tiny-model"

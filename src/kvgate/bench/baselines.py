@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from kvgate.bench import BenchError
-from kvgate.cards.directio import is_aligned
+from kvgate.cards.directory.directio import is_aligned
 from kvgate.cards.objectformat import ALIGN
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"

@@ -78,7 +78,7 @@ def _direct_read(paths: list[str], buf: mmap.mmap) -> float:
 def serve(card_dir: str, size: int, n: int) -> None:
     """Write N objects of ``size`` bytes to a new card, serve it and the raw requests; print both addresses."""
     from kvgate.cards import DirectoryCard, ObjectMeta
-    from kvgate.cluster.export import CardExporter
+    from kvgate.cards.network.server import CardExporter
     from kvgate.keys import full_key
 
     os.makedirs(card_dir, exist_ok=True)

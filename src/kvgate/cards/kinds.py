@@ -12,9 +12,9 @@ import glob
 import os
 
 from kvgate.cards.base import Card
-from kvgate.cards.directory import DirectoryCard
-from kvgate.cards.network import NetworkCard, is_network
-from kvgate.cards.redis import RedisCard
+from kvgate.cards.directory.card import DirectoryCard
+from kvgate.cards.network.card import NetworkCard, is_network
+from kvgate.cards.redis.card import RedisCard
 from kvgate.config import DEFAULT_CARD, Config
 
 REDIS_PREFIXES = ("redis://", "rediss://", "unix://")

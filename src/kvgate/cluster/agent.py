@@ -19,9 +19,11 @@ A ``ClusterAgent``
   read ``alive/``): an agent that goes quiet changes no view, and a new
   leader publishes nothing while no card changed;
 - optionally runs an etcd member as its child (``kvgate.cluster.member``);
-- optionally serves its directory cards to gateways on other hosts
-  (``--export HOST:PORT``: a ``CardExporter``) and registers them by their
-  ``kvgate://HOST:PORT/<serial>`` addresses.
+- optionally has its directory cards served to gateways on other hosts
+  (``--export HOST:PORT``: a ``CardServer``, which ``kvgate.cli.agent``
+  makes from ``kvgate.cards.network.server``) and registers them by their
+  ``kvgate://HOST:PORT/<serial>`` addresses.  The agent only starts, stops
+  and asks that server: serving cards is the data plane, not this package's.
 
 Every etcd call is bounded (``Registry``); card I/O runs on threads.  SIGTERM
 or SIGINT stops it: it resigns, revokes its lease (its cards' liveness goes at
@@ -37,15 +39,13 @@ import logging
 import os
 import signal
 import socket
-import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 from kvgate.cards import expand, is_redis, kind_of, make_card
 from kvgate.cluster.member import EtcdMember
-from kvgate.cluster.export import CardExporter
 from kvgate.cluster.flags import INTERVAL_S, LIVENESS_TTL_S
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
@@ -97,6 +97,21 @@ def read_label(location: str) -> str:
         card.close()
 
 
+class CardServer(Protocol):
+    """What an agent needs of the server that serves its directory cards to other hosts (``--export``):
+    ``add`` serves one more card and names its address (blocking: the card's label; called on a thread),
+    ``start`` binds and returns (its threads serve), ``stop`` blocks until it has stopped."""
+
+    host: str
+    port: int
+
+    def add(self, location: str) -> str: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class AgentSettings:
     name: str = field(default_factory=socket.gethostname)
@@ -108,9 +123,7 @@ class AgentSettings:
     interval_s: float = INTERVAL_S
     call_timeout_s: float = 2.0
     member: EtcdMember | None = None
-    export: tuple[str, int] | None = None  # serve the directory cards over TCP here (kvgate://host:port/serial)
-    token: str | None = None  # what gateways must present to that server (their card_token_file)
-    tls: ssl.SSLContext | None = None  # that server's TLS (export.tls_server_context): kvgates:// addresses
+    server: CardServer | None = None  # serves the directory cards over TCP (kvgate://host:port/serial)
 
 
 class ClusterAgent:
@@ -149,8 +162,7 @@ class ClusterAgent:
         self._keys = asyncio.Lock()  # a lease change and the puts under it, one at a time
         self._doc_cards = -1  # how many cards the agents/<name> put last listed
         # Directory cards served to gateways on other hosts (``--export``): registered as kvgate:// addresses.
-        self.exporter = (CardExporter([], *settings.export, token=settings.token, tls=settings.tls) if settings.export is not None
-                         else None)
+        self.exporter = settings.server
         self.export: str | None = None  # the exporter's HOST:PORT once it listens
         self.lease: int | None = None
         self.candidate: tuple[int, bytes] | None = None  # (lease, election key) it stands with
@@ -163,7 +175,7 @@ class ClusterAgent:
 
     def export_address(self, location: str, serial: str) -> str | None:
         """Where gateways reach the card over the network, when this agent exports it (``kvgate://host:port/
-        <serial>`` from its ``CardExporter``); None registers the location itself, which gateways on this
+        <serial>`` from its ``CardServer``); None registers the location itself, which gateways on this
         host or on a shared filesystem open directly.  Blocks (the card's label): runs on a thread."""
         if self.exporter is None or is_redis(location):
             return None

@@ -18,7 +18,7 @@
 
 Every command takes ``--etcd-endpoints`` and ``--cluster-name`` and answers
 within ``--timeout`` per etcd call; ``--json`` prints what it read.  The
-agent's own flags are ``kvgate.cluster.agentcli``'s.
+agent's own flags are ``kvgate.cli.agent``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import msgspec
 from etcd3aio import EtcdError
 
 from kvgate.cards import CardUnavailable, is_redis
-from kvgate.cards.rediskeys import cluster_cards
+from kvgate.cards.redis.keys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
 from kvgate.cluster.flags import ACTIONS, add_arguments  # noqa: F401  (kvgate's parser takes them from flags)
@@ -45,10 +45,6 @@ CONNECT_S = 5.0
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "serve":
-        from kvgate.cluster.agentcli import run_serve
-
-        return run_serve(args)
     args.etcd_endpoints = args.etcd_endpoints or DEFAULT_ENDPOINTS
     try:
         return asyncio.run(_run(args))

@@ -4,7 +4,7 @@
 module imports nothing of etcd3aio: its generated gRPC code refuses to load under a grpcio older
 than the one it was generated with (etcd3aio 0.3.0: ``grpcio>=1.78.1``), and LMCache 0.5.6 pins
 grpcio 1.78.0 (through ``grpcio-observability==1.78.0``).  The commands themselves
-(``kvgate.cluster.command``, ``kvgate.cluster.agentcli``) import etcd3aio when they run;
+(``kvgate.cluster.command``, ``kvgate.cli.agent``) import etcd3aio when they run;
 ``etcd_missing`` says what to do where it cannot load.
 """
 

@@ -503,7 +503,7 @@ class Operations:
 
     async def _get_lent(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes):
         """A get the client reads out of our memory (``LENT``): one copy, made by the client
-        (``kvgate.crossmem``).  Each hit is lent whole; the reply says where its bytes are: pages of ours,
+        (``kvgate.client.crossmem``).  Each hit is lent whole; the reply says where its bytes are: pages of ours,
         or (``Get.files``) a card object's file, open, which the client reads itself."""
         if not sess.lends:
             raise RequestError(ErrorCode.BAD_REQUEST, "this session may not read the gateway's memory (a TCP "

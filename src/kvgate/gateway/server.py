@@ -25,7 +25,9 @@ import sys
 import time
 from typing import Any, Callable, Protocol
 
-from kvgate import __version__, crossmem
+from kvgate import __version__
+
+from kvgate.gateway import lending
 from kvgate.cards import CardInUse
 from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
@@ -115,9 +117,9 @@ class Gateway:
         reaped = await self.pool.run(reap_dead_regions)
         if reaped:
             log.info("removed %d shared-memory regions left by gateways that died", reaped)
-        if cfg.cross_memory_gets and crossmem.supported:
+        if cfg.cross_memory_gets and lending.supported:
             log.info("cross-memory gets (local clients of this user read lent objects): %s",
-                     crossmem.allow_readers())
+                     lending.allow_readers())
         try:
             await self.store.start()
         except (LayoutMismatch, CardInUse) as e:

@@ -21,7 +21,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kvgate import __version__, crossmem
+from kvgate import __version__
+
+from kvgate.gateway import lending
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
@@ -225,8 +227,8 @@ class Sessions:
                 return None
             sess.regions[SESSION_REGION] = region
             shm_path, shm_size = region.path, region.size
-        # Only our own user: what a process of it can read of ours it could read anyway (kvgate.crossmem).
-        sess.lends = local and self.cfg.cross_memory_gets and crossmem.supported and uid == os.geteuid()
+        # Only our own user: what a process of it can read of ours it could read anyway (kvgate.gateway.lending).
+        sess.lends = local and self.cfg.cross_memory_gets and lending.supported and uid == os.geteuid()
         self.by_id[sess.id] = sess
         await reply(conn, HelloReply(
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,

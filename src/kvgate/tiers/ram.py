@@ -161,7 +161,7 @@ class RamTier:
             if size > machine_memory()[0] > 0:
                 raise _too_large(size, "is more than the machine's memory")
             # Private, in huge pages where the kernel has them: every copy out of the arena pins or
-            # walks fewer pages (a client reading lent objects, kvgate.crossmem: 15 GiB/s from huge
+            # walks fewer pages (a client reading lent objects, kvgate.client.crossmem: 15 GiB/s from huge
             # pages, 11 from the shared 4 KiB pages the arena used to be).
             try:
                 self._mm: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Optional
 
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvgate.asyncclient import AsyncClient
-from kvgate.clientcore import GatewayError, ObjectTooLarge
+from kvgate.client.async_client import AsyncClient
+from kvgate.client.core import GatewayError, ObjectTooLarge
 from kvgate.integrations.lmcache.settings import (
     ConfigError,
     connector_plugin_name,

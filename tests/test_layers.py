@@ -1,0 +1,109 @@
+"""The layers of kvgate import one way (the code map in docs/architecture.md).
+
+Every ``import kvgate...`` of every module, at the top or inside a function, is read from the source
+(no import runs, so the engines' modules count too) and checked against what its layer may use.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "kvgate"
+
+BOTTOM = {"_version", "errors", "config", "keys", "types", "memcopy", "latency", "statview", "shmowners"}
+CARD_KINDS = {"cards.directory", "cards.redis", "cards.network"}
+# What each layer may import besides itself.  A layer missing here may import nothing of kvgate.
+MAY_USE: dict[str, set[str]] = {
+    **{b: BOTTOM for b in BOTTOM},
+    "heads": BOTTOM,
+    "placement": BOTTOM,
+    "protocol": BOTTOM,
+    "cards": BOTTOM | {"heads"} | CARD_KINDS,  # cards/kinds.py makes a card of every kind
+    "cards.directory": BOTTOM | {"heads", "cards"},
+    "cards.redis": BOTTOM | {"heads", "cards"},
+    "cards.network": BOTTOM | {"heads", "cards"},
+    # the card server serves directory cards, and speaks the network card's wire
+    "cards.network.server": BOTTOM | {"heads", "cards", "cards.directory", "cards.network"},
+    "tiers": BOTTOM | {"heads", "cards", "placement"} | CARD_KINDS,
+    "gateway": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers"} | CARD_KINDS,
+    "client": BOTTOM | {"protocol"},
+    "integrations": BOTTOM | {"client"},
+    # the control plane: card labels and the slot map, never the card server or the gateway
+    "cluster": BOTTOM | {"cards", "placement", "tiers"} | CARD_KINDS,
+    "bench": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers", "client", "cards.network.server"} | CARD_KINDS,
+    "cli": set(),  # the top: anything
+    "__main__": {"cli"},
+    "kvgate": BOTTOM | {"client"},  # the package's public names: the client's
+}
+
+
+def layer(module: str) -> str:
+    """kvgate.cards.network.server -> "cards.network.server"; kvgate.tiers.ram -> "tiers"."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "kvgate"
+    if parts[0] == "cards" and len(parts) > 1 and f"cards.{parts[1]}" in CARD_KINDS:
+        if parts[1] == "network" and len(parts) > 2 and parts[2] in ("server", "serverconn"):
+            return "cards.network.server"
+        return f"cards.{parts[1]}"
+    return parts[0]
+
+
+def _imported(module: str, name: str) -> str:
+    """The module ``from module import name`` imports: the submodule where ``name`` is one, else ``module``
+    (``from kvgate import __version__`` is kvgate._version's)."""
+    if module == "kvgate" and name == "__version__":
+        return "kvgate._version"
+    sub = SRC.parent / f"{module}.{name}".replace(".", "/")
+    return f"{module}.{name}" if sub.is_dir() or sub.with_suffix(".py").exists() else module
+
+
+def imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, its layer, the imported layer) of every kvgate import in the package."""
+    out = []
+    for f in sorted(SRC.rglob("*.py")):
+        rel = f.relative_to(SRC.parent).with_suffix("")
+        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvgate"):
+                # `from kvgate.cards import network`: the module imported is kvgate.cards.network
+                targets = [_imported(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("kvgate")]
+            else:
+                continue
+            out += [(str(f.relative_to(SRC.parent)), node.lineno, layer(mod), layer(t)) for t in targets]
+    return out
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted({(f, mine) for f, _, mine, _ in imports() if mine not in MAY_USE})
+    assert not unknown, f"modules of no known layer (add them to MAY_USE): {unknown}"
+
+
+def test_layers_import_one_way():
+    wrong = [f"{f}:{line}: {mine} imports {theirs}" for f, line, mine, theirs in imports()
+             if theirs != mine and MAY_USE.get(mine) and theirs not in MAY_USE[mine]]
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("mine, theirs", [("cluster", "cards.network.server"), ("gateway", "client"),
+                                          ("client", "gateway"), ("integrations", "gateway"),
+                                          ("cards", "tiers"), ("tiers", "gateway")])
+def test_the_rules_forbid_what_they_should(mine, theirs):
+    """The table above says what the code map says: these never."""
+    assert theirs not in MAY_USE[mine]
+
+
+def test_the_check_sees_an_import_inside_a_function(tmp_path, monkeypatch):
+    """A lazy import counts: the checker reads function bodies too."""
+    pkg = tmp_path / "kvgate"
+    (pkg / "cluster").mkdir(parents=True)
+    (pkg / "cards" / "network").mkdir(parents=True)
+    (pkg / "cards" / "network" / "server.py").write_text("")
+    (pkg / "cluster" / "agent.py").write_text("def f():\n    from kvgate.cards.network.server import X\n")
+    monkeypatch.setitem(globals(), "SRC", pkg)
+    assert ("kvgate/cluster/agent.py", 2, "cluster", "cards.network.server") in imports()

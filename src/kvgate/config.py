@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
+from kvgate.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names the key."""
+
 
 
 def read_token(path: str, key: str) -> str:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvgate.errors import BadKey
+
 MAX_NAMESPACE_BYTES = 255
 MAX_KEY_BYTES = 1024
 DIGEST_BYTES = 16
@@ -22,8 +24,6 @@ NO_DIALOG = bytes(DIGEST_BYTES)
 MARK_KEYS = 512  # leading keys of a prompt the gateway looks at for its dialog mark (Client.dialog_mark)
 
 
-class BadKey(ValueError):
-    """A key or namespace the gateway refuses (too long, empty, wrong type)."""
 
 
 def encode_namespace(namespace: str | bytes) -> bytes:

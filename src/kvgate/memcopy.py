@@ -41,13 +41,14 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
+from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.memcopy")
 
 IOV_MAX = 1024  # iovecs per side in one call (the kernel's UIO_MAXIOV)
 
 
-class MemoryFault(OSError):
+class MemoryFault(KvgateError, OSError):
     """A copy met memory that is not there: a mapped file was shrunk under its mapping."""
 
 
@@ -57,7 +58,7 @@ def region_gone(detail: str = "") -> MemoryFault:
                                      "mapping)")
 
 
-class ReadAbandoned(OSError):
+class ReadAbandoned(KvgateError, OSError):
     """The caller stopped waiting for this read (deadline, or it went away); nothing more is delivered."""
 
 

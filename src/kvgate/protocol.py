@@ -29,6 +29,7 @@ from typing import Literal, Union
 import msgspec
 
 from kvgate.types import SizeCode
+from kvgate.errors import KvgateError
 
 MAGIC = b"KG"
 VERSION = 1
@@ -265,7 +266,7 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _loose_decoder = msgspec.msgpack.Decoder()
 
 
-class FrameError(Exception):
+class FrameError(KvgateError, Exception):
     """The stream is broken; reply with ``code`` and close."""
 
     def __init__(self, code: str, message: str):
@@ -282,7 +283,7 @@ class FrameTooLarge(FrameError):
         self.body_len = body_len
 
 
-class RequestError(Exception):
+class RequestError(KvgateError, Exception):
     """A well-framed but wrong request: reply with ``code`` and go on."""
 
     def __init__(self, code: str, message: str, request_id: int = 0):

@@ -3,7 +3,7 @@
 The gateway reads a frame body into a buffer of its own with ``recv_into``;
 the client receives each object of a get reply straight into the caller's
 buffer, skipping the gaps between packed results (against a scripted
-gateway: tests/test_client.py).  These tests pin down what that must not
+gateway: tests/client/test_sync_client.py).  These tests pin down what that must not
 break: bodies that arrive in pieces, pipelined frames sharing one ``recv``,
 too-small buffers, the connection limit, and a stop while a body is half
 received.

@@ -27,6 +27,8 @@ Nothing is imported here, so a script that only starts processes (under an
 engine's venv, say) imports ``kvgate.bench.processes`` and not the bench.
 """
 
+from kvgate.errors import KvgateError
 
-class BenchError(RuntimeError):
+
+class BenchError(KvgateError, RuntimeError):
     """The bench cannot run or got a wrong answer; the message says which."""

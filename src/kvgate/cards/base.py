@@ -69,11 +69,12 @@ from typing import Any, ClassVar, Iterable, Iterator
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
+from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.cards")
 
 
-class CardUnavailable(OSError):
+class CardUnavailable(KvgateError, OSError):
     """The card cannot be used now (missing, unreadable, not a card, wrong serial)."""
 
 
@@ -154,7 +155,7 @@ def holder_dead(doc: Any) -> bool:
     return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
 
 
-class WriteAbandoned(OSError):
+class WriteAbandoned(KvgateError, OSError):
     """The caller stopped waiting for this write (deadline); nothing was published."""
 
 
@@ -211,7 +212,7 @@ class StoredObject:
     meta: ObjectMeta
 
 
-class NotCached(Exception):
+class NotCached(KvgateError, Exception):
     """The object is not wholly in the page cache (``Card.open_cached_many``): read it the usual way."""
 
 

@@ -51,6 +51,7 @@ from typing import Callable
 import xxhash
 
 from kvgate.keys import NO_DIALOG
+from kvgate.errors import KvgateError
 
 MAGIC = b"KVGO"
 VERSION = 1
@@ -79,11 +80,11 @@ def padded_size(header_len: int) -> int:
     return -(-header_len // ALIGN) * ALIGN
 
 
-class ObjectMissing(LookupError):
+class ObjectMissing(KvgateError, LookupError):
     """No object under that key."""
 
 
-class ObjectCorrupt(ValueError):
+class ObjectCorrupt(KvgateError, ValueError):
     """The object exists but is not a whole, correct object for this key."""
 
 
@@ -95,7 +96,7 @@ class ObjectTooNew(ObjectMissing):
     """
 
 
-class BufferTooSmall(ValueError):
+class BufferTooSmall(KvgateError, ValueError):
     """The destination cannot hold the payload; ``needed`` says how much it must."""
 
     def __init__(self, needed: int):

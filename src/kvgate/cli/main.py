@@ -13,6 +13,7 @@ from typing import Any
 
 from kvgate import config as config_mod
 from kvgate.config import ConfigError
+from kvgate.errors import KvgateError
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -155,7 +156,7 @@ def cmd_fingerprint(args) -> int:
     return 0
 
 
-class Unreachable(Exception):
+class Unreachable(KvgateError, Exception):
     """The gateway could not be reached at the address the command tried."""
 
 

@@ -13,12 +13,38 @@ under it are the client's parts, each with its contract in its docstring:
 - ``wire``: frames on the connection, the steps an operation yields;
 - ``transport`` / ``regions``: how bulk bytes travel, inline in frames or through shared memory;
 - ``crossmem``: a get's bytes copied straight out of the gateway's memory (Linux).
+
+Every error a call raises is a ``KvgateError`` (``kvgate.errors``: the tree, and which builtin
+exception each also is).
 """
 
 from kvgate.client.args import Buffer
 from kvgate.client.async_client import AsyncClient
 from kvgate.client.sync_client import Client
-from kvgate.client.wire import GatewayError, ObjectTooLarge
+from kvgate.errors import (
+    BadKey,
+    GatewayError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    InvalidArgument,
+    KvgateError,
+    NotPermitted,
+    ObjectTooLarge,
+)
 from kvgate.keys import MARK_KEYS, DialogMark
 
-__all__ = ["AsyncClient", "Buffer", "Client", "DialogMark", "GatewayError", "MARK_KEYS", "ObjectTooLarge"]
+__all__ = [
+    "AsyncClient",
+    "BadKey",
+    "Buffer",
+    "Client",
+    "DialogMark",
+    "GatewayError",
+    "GatewayTimeout",
+    "GatewayUnavailable",
+    "InvalidArgument",
+    "KvgateError",
+    "MARK_KEYS",
+    "NotPermitted",
+    "ObjectTooLarge",
+]

@@ -2,8 +2,8 @@
 connection.
 
 Each check returns the argument in the form the operations use, or raises
-``TypeError``/``ValueError`` (``BadKey``) naming the argument and what was
-wrong with it.  Pure functions: ``kvgate.client.core`` calls them from the
+``InvalidArgument`` (a ``ValueError`` and a ``TypeError``; ``BadKey`` for a key)
+naming the argument and what was wrong with it.  Pure functions: ``kvgate.client.core`` calls them from the
 caller's thread or task before the call waits for its client.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.keys import MAX_KEY_BYTES, BadKey, as_keys
+from kvgate.errors import BadKey, InvalidArgument
+from kvgate.keys import MAX_KEY_BYTES, as_keys
 from kvgate.types import RETENTION_NAMES
 
 Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap
@@ -23,21 +24,21 @@ MAX_POSITION = 1 << 63  # object headers hold positions as int64: the last key's
 
 
 def check_keys(keys: Any) -> list[bytes]:
-    """``keys`` as a list of bytes; TypeError or ValueError (``BadKey``) naming the first wrong one."""
+    """``keys`` as a list of bytes; ``InvalidArgument`` (``BadKey``) naming the first wrong one."""
     if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"keys must be a list of keys, not one {type(keys).__name__} ({keys!r:.60}): "
+        raise InvalidArgument(f"keys must be a list of keys, not one {type(keys).__name__} ({keys!r:.60}): "
                         "pass [key] for a single key")
     try:
         keys = list(keys)
     except TypeError:
-        raise TypeError(f"keys must be a list of bytes or str keys, not {type(keys).__name__}") from None
+        raise InvalidArgument(f"keys must be a list of bytes or str keys, not {type(keys).__name__}") from None
     try:
         return as_keys(keys)
     except (BadKey, UnicodeEncodeError):
         pass
     for i, k in enumerate(keys):  # name the wrong one
         if not isinstance(k, (bytes, bytearray, str)):
-            raise TypeError(f"keys[{i}] is {type(k).__name__}: each key must be bytes or str")
+            raise InvalidArgument(f"keys[{i}] is {type(k).__name__}: each key must be bytes or str")
         try:
             n = len(k.encode() if isinstance(k, str) else k)
         except UnicodeEncodeError:
@@ -55,24 +56,24 @@ def check_dialog(dialog: Any) -> bytes | None:
     if isinstance(dialog, (bytes, bytearray)):
         return bytes(dialog)
     hint = ": encode it (dialog.encode())" if isinstance(dialog, str) else ""
-    raise TypeError(f"dialog must be bytes or None, not {type(dialog).__name__}{hint}")
+    raise InvalidArgument(f"dialog must be bytes or None, not {type(dialog).__name__}{hint}")
 
 
 def check_retention(retention: Any) -> str:
     if not isinstance(retention, str) or retention not in RETENTION_NAMES:
-        raise ValueError(f"retention must be one of {', '.join(map(repr, RETENTION_NAMES))}, not {retention!r}")
+        raise InvalidArgument(f"retention must be one of {', '.join(map(repr, RETENTION_NAMES))}, not {retention!r}")
     return retention
 
 
 def check_position(position: Any, n: int) -> int:
     if isinstance(position, bool):
-        raise TypeError("position must be an int, not bool")
+        raise InvalidArgument("position must be an int, not bool")
     try:
         position = operator.index(position)
     except TypeError:
-        raise TypeError(f"position must be an int, not {type(position).__name__}") from None
+        raise InvalidArgument(f"position must be an int, not {type(position).__name__}") from None
     if position < -1 or position > MAX_POSITION - n:
-        raise ValueError(f"position {position} is out of range: -1 (no position), or 0 to 2**63 - {n} "
+        raise InvalidArgument(f"position {position} is out of range: -1 (no position), or 0 to 2**63 - {n} "
                          f"for {n} keys (positions are stored as int64)")
     return position
 
@@ -81,24 +82,24 @@ def byte_views(buffers: Any, what: str, n: int, writable: bool) -> list[memoryvi
     """One flat byte view per buffer, checked: ``n`` of them, contiguous, writable when ``writable``."""
     if isinstance(buffers, (bytes, bytearray, memoryview, str, mmap.mmap)) or \
             (isinstance(buffers, np.ndarray) and buffers.ndim <= 1 and buffers.dtype != object):
-        raise TypeError(f"{what} must be a list of buffers, one per key, not one {type(buffers).__name__}: "
+        raise InvalidArgument(f"{what} must be a list of buffers, one per key, not one {type(buffers).__name__}: "
                         "pass [buffer] for a single key")
     try:
         buffers = list(buffers)
     except TypeError:
-        raise TypeError(f"{what} must be a list of buffers, one per key, not {type(buffers).__name__}") from None
+        raise InvalidArgument(f"{what} must be a list of buffers, one per key, not {type(buffers).__name__}") from None
     if len(buffers) != n:
-        raise ValueError(f"{n} keys but {len(buffers)} {what}: pass one per key")
+        raise InvalidArgument(f"{n} keys but {len(buffers)} {what}: pass one per key")
     views = []
     for i, b in enumerate(buffers):
         try:
             v = memoryview(b)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"{what}[{i}] is {type(b).__name__}, not a buffer ({e}): pass bytes, bytearray, "
+            raise InvalidArgument(f"{what}[{i}] is {type(b).__name__}, not a buffer ({e}): pass bytes, bytearray, "
                             "memoryview, a numpy array or an mmap") from None
         if not v.c_contiguous:
-            raise ValueError(f"{what}[{i}] is not contiguous: pass a contiguous buffer (numpy.ascontiguousarray)")
+            raise InvalidArgument(f"{what}[{i}] is not contiguous: pass a contiguous buffer (numpy.ascontiguousarray)")
         if writable and v.readonly:
-            raise TypeError(f"{what}[{i}] is read-only: a destination must be writable")
+            raise InvalidArgument(f"{what}[{i}] is read-only: a destination must be writable")
         views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
     return views

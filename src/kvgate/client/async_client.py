@@ -16,7 +16,19 @@ from typing import Any, Sequence
 
 from kvgate.client import core
 from kvgate.client.args import Buffer
-from kvgate.client.wire import CLOSED_BY_GATEWAY, SEND_PARTS, Copy, Op, Recv, Send, Steps, not_permitted
+from kvgate.client.wire import (
+    CLOSED_BY_GATEWAY,
+    SEND_PARTS,
+    Copy,
+    Op,
+    Recv,
+    Send,
+    Steps,
+    call_failure,
+    connect_failure,
+    not_permitted,
+)
+from kvgate.errors import GatewayUnavailable
 from kvgate.keys import DialogMark
 
 # A copy into or out of the session region of at least this many bytes runs on a worker thread, so the
@@ -116,29 +128,37 @@ class AsyncClient(core.ClientCore):
     @classmethod
     async def _connect(cls, target, namespace, token, engine_id, role, salted, timeout, want_shm) -> "AsyncClient":
         kind, addr = core.parse_target(target)
+        where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         loop = asyncio.get_running_loop()
         sock: socket.socket | None = None
         try:
             async with asyncio.timeout(timeout):
-                if kind == "unix":
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.setblocking(False)
-                    try:
+                try:
+                    if kind == "unix":
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.setblocking(False)
                         await loop.sock_connect(sock, addr)
-                    except PermissionError as e:
-                        raise not_permitted(addr, "connect to the gateway socket",
-                                            "run the engine as the gateway's user (a member of the "
-                                            "socket's group also needs the gateway's token, auth_token_file)") from e
-                else:
-                    sock = await _tcp_connect(loop, addr)
+                    else:
+                        sock = await _tcp_connect(loop, addr)
+                except PermissionError as e:
+                    if kind != "unix":
+                        raise connect_failure(e, where) from e
+                    raise not_permitted(addr, "connect to the gateway socket",
+                                        "run the engine as the gateway's user (a member of the "
+                                        "socket's group also needs the gateway's token, auth_token_file)") from e
+                except OSError as e:
+                    raise connect_failure(e, where) from e
                 client = cls(sock, local=kind == "unix", timeout=timeout)
                 hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix")
                 async with client._session as session:
                     client._hello = await _drive(session.sock, hello(session))
-        except BaseException:
+        except BaseException as e:
             if sock is not None:
                 sock.close()
-            raise
+            failure = call_failure(e)
+            if failure is e:
+                raise
+            raise failure from e
         return client
 
     def set_timeout(self, seconds: float | None) -> None:
@@ -160,13 +180,19 @@ class AsyncClient(core.ClientCore):
     # ---- performing the steps of an operation ------------------------------------------
 
     async def _run(self, operation: core.Operation, timeout: Any) -> Any:
-        async with asyncio.timeout(self._timeout if timeout is DEFAULT else timeout):
-            async with self._session as session:
-                try:
-                    return await _drive(session.sock, operation(session))
-                finally:
-                    if self.broken:
-                        self.abort()  # mid-frame: the gateway ends the session now, not at close
+        try:
+            async with asyncio.timeout(self._timeout if timeout is DEFAULT else timeout):
+                async with self._session as session:
+                    try:
+                        return await _drive(session.sock, operation(session))
+                    finally:
+                        if self.broken:
+                            self.abort()  # mid-frame: the gateway ends the session now, not at close
+        except (ConnectionError, TimeoutError) as e:
+            failure = call_failure(e)
+            if failure is e:
+                raise
+            raise failure from e
 
     # ---- operations (as Client's; ``timeout``: this call's deadline) ----------------------
 
@@ -270,7 +296,7 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
     while got < want:
         n = await loop.sock_recv_into(sock, view[got:] if got else view)
         if n == 0:
-            raise ConnectionError(CLOSED_BY_GATEWAY)
+            raise GatewayUnavailable(CLOSED_BY_GATEWAY)
         got += n
 
 

@@ -23,6 +23,7 @@ from kvgate.client.args import Buffer, byte_views, check_dialog, check_keys, che
 from kvgate.client.regions import SharedMemoryTransport
 from kvgate.client.transport import InlineTransport
 from kvgate.config import default_socket_path
+from kvgate.errors import InvalidArgument
 from kvgate.client.wire import GatewayError, Link, ObjectTooLarge, Op, Wire, done  # noqa: F401  (ObjectTooLarge: imported from here)
 from kvgate.keys import MARK_KEYS, DialogMark
 from kvgate.protocol import (
@@ -57,7 +58,7 @@ def parse_target(target: str | None) -> tuple[str, Any]:
         return "unix", target
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"gateway address {target!r}: expected a socket path or host:port")
+        raise InvalidArgument(f"gateway address {target!r}: expected a socket path or host:port")
     return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
 
 
@@ -182,7 +183,7 @@ def hello_op(namespace: str, token: str | None, engine_id: str, role: str, salte
 
 def register_region_op(path: Any, mapping: Buffer | None, local: bool) -> Operation:
     if not isinstance(path, str):
-        raise TypeError(f"path must be a str, not {type(path).__name__}")
+        raise InvalidArgument(f"path must be a str, not {type(path).__name__}")
     if not local:
         raise GatewayError(ErrorCode.BAD_REQUEST, "regions need a local (Unix socket) connection")
     return lambda s: s.transport.register_region(path, mapping)
@@ -253,9 +254,9 @@ def stats_op() -> Operation:
 
 def cards_op(action: str, target: str, now: bool, force: bool = False) -> Operation:
     if action not in CARD_ACTIONS:
-        raise ValueError(f"card action must be one of {', '.join(map(repr, CARD_ACTIONS))}, not {action!r}")
+        raise InvalidArgument(f"card action must be one of {', '.join(map(repr, CARD_ACTIONS))}, not {action!r}")
     if action != "list" and not target:
-        raise ValueError(f"card action {action!r} needs a target: a directory or Redis URL to add, else a serial")
+        raise InvalidArgument(f"card action {action!r} needs a target: a directory or Redis URL to add, else a serial")
     return _asking(Cards(action=action, target=target, now=now, force=force), lambda r: r)
 
 

@@ -44,6 +44,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from kvgate.errors import InvalidArgument, KvgateError
 from kvgate.keys import payload_hash
 from kvgate.memcopy import IOV_MAX, Iovec, syscall
 
@@ -53,7 +54,7 @@ from kvgate.memcopy import IOV_MAX, Iovec, syscall
 SPLIT_BYTES = 8 << 20
 
 
-class CrossMemoryError(OSError):
+class CrossMemoryError(KvgateError, OSError):
     """A cross-memory read failed: ``errno`` EPERM (not permitted), ESRCH (no such process), EFAULT (an
     address outside the mapped memory) or a short read."""
 
@@ -83,9 +84,9 @@ def address_of(buf) -> tuple[int, int]:
     """(address, length) of a writable C-contiguous buffer."""
     mv = memoryview(buf)
     if mv.readonly:
-        raise ValueError("a destination buffer must be writable")
+        raise InvalidArgument("a destination buffer must be writable")
     if not mv.c_contiguous:
-        raise ValueError("a destination buffer must be contiguous")
+        raise InvalidArgument("a destination buffer must be contiguous")
     n = mv.nbytes
     if n == 0:
         return 0, 0
@@ -146,7 +147,7 @@ def read(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) 
     ours, in order (both sides hold the same number of bytes); raises ``CrossMemoryError``."""
     total = sum(n for _, n in local)
     if total != sum(n for _, n in remote):
-        raise ValueError(f"{total} bytes to read into, {sum(n for _, n in remote)} lent")
+        raise InvalidArgument(f"{total} bytes to read into, {sum(n for _, n in remote)} lent")
     local = [r for r in local if r[1]]
     remote = [r for r in remote if r[1]]
     if not local:

@@ -39,11 +39,14 @@ from kvgate.client.wire import (  # noqa: F401  (GatewayError, ObjectTooLarge ar
     SEND_PARTS,
     Copy,
     GatewayError,
+    GatewayUnavailable,
     ObjectTooLarge,
     Op,
     Recv,
     Send,
     Steps,
+    call_failure,
+    connect_failure,
     not_permitted,
 )
 from kvgate.keys import MARK_KEYS, DialogMark  # noqa: F401  (MARK_KEYS is imported from here)
@@ -85,16 +88,21 @@ class Client(core.ClientCore):
         (all processes of one engine share it); a gateway serves one engine.
         ``role="admin"`` opens a session for stats and clean only.
 
-        Raises ``GatewayError`` when the gateway refuses the session (its code
-        says why, e.g. TOO_MANY_CONNECTIONS, ENGINE_BUSY), and a
-        ``PermissionError`` saying who owns what when the socket or the
-        session's region belongs to another user.
+        Raises ``GatewayUnavailable`` when no gateway listens at ``target``,
+        ``GatewayError`` when the gateway refuses the session (its code says
+        why, e.g. TOO_MANY_CONNECTIONS, ENGINE_BUSY), and ``NotPermitted`` (a
+        ``PermissionError``) saying who owns what when the socket or the
+        session's region belongs to another user; all are ``KvgateError``.
         """
         kind, addr = core.parse_target(target)
+        where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         if kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
-            sock = socket.create_connection(addr, timeout=timeout)
+            try:
+                sock = socket.create_connection(addr, timeout=timeout)
+            except OSError as e:
+                raise connect_failure(e, where) from e
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout)
         try:
@@ -105,6 +113,8 @@ class Client(core.ClientCore):
                     raise not_permitted(addr, "connect to the gateway socket",
                                         "run the engine as the gateway's user (a member of the socket's "
                                         "group also needs the gateway's token, auth_token_file)") from e
+                except OSError as e:
+                    raise connect_failure(e, where) from e
             client = cls(sock, local=kind == "unix")
             client._hello = client._run(core.hello_op(namespace, token, engine_id, role, salted,
                                                       want_shm and kind == "unix"))
@@ -137,7 +147,13 @@ class Client(core.ClientCore):
 
     def _run(self, operation: core.Operation) -> Any:
         with self._session as session:
-            return _drive(session.sock, operation(session))
+            try:
+                return _drive(session.sock, operation(session))
+            except (ConnectionError, TimeoutError) as e:
+                failure = call_failure(e)
+                if failure is e:
+                    raise
+                raise failure from e
 
     def _request(self, msg, body: Sequence[Buffer] = ()) -> tuple[Any, Any]:
         """One request as the wire carries it: (reply, reply body), for tests that speak the protocol directly."""
@@ -264,5 +280,5 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError(CLOSED_BY_GATEWAY)
+            raise GatewayUnavailable(CLOSED_BY_GATEWAY)
         got += n

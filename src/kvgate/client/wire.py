@@ -23,6 +23,14 @@ import stat
 from typing import Any, Callable, Generator, Sequence
 
 from kvgate.client.args import Buffer
+from kvgate.errors import (
+    GatewayError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    KvgateError,
+    NotPermitted,
+    ObjectTooLarge,
+)
 from kvgate.protocol import (
     KIND_REPLY,
     MAX_HEADER_BYTES,
@@ -41,25 +49,34 @@ CLOSED_BY_GATEWAY = "the gateway closed the connection"
 SEND_PARTS = 512  # buffers per sendmsg call (IOV_MAX is 1024)
 
 
-class GatewayError(RuntimeError):
-    """The gateway refused a request; ``code`` is one of protocol.ErrorCode."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class ObjectTooLarge(ValueError):
-    """A destination buffer given to ``get_many(into=...)`` is smaller than the object."""
-
-    def __init__(self, index: int, needed: int):
-        super().__init__(f"object {index} is {needed} bytes, larger than its destination buffer")
-        self.index = index
-        self.needed = needed
+def call_failure(err: BaseException) -> BaseException:
+    """What a call raises for ``err``, raised inside it: kvgate's own errors as they are, a timeout as
+    ``GatewayTimeout``, a refused, reset or closed connection as ``GatewayUnavailable`` (the caller
+    raises it ``from err``); anything else (a cancellation, a bug) unchanged."""
+    if isinstance(err, KvgateError):
+        return err
+    if isinstance(err, TimeoutError):
+        return GatewayTimeout(f"the gateway did not answer within the client's timeout ({err or 'timed out'}); "
+                              "if the call had sent anything the client is broken: connect again")
+    if isinstance(err, ConnectionError):
+        said = str(err) or type(err).__name__
+        return GatewayUnavailable(said if "connect again" in said else f"{said}; connect again")
+    return err
 
 
-def not_permitted(path: str, what: str, fix: str) -> PermissionError:
+def connect_failure(err: OSError, target: str) -> KvgateError:
+    """What ``connect`` raises when the socket could not be reached (``err``): named with the target
+    and what to do."""
+    if isinstance(err, KvgateError):
+        return err
+    if isinstance(err, TimeoutError):
+        return GatewayTimeout(f"no answer from a gateway at {target} within the connect timeout")
+    what = "no such socket" if isinstance(err, FileNotFoundError) else (err.strerror or str(err))
+    return GatewayUnavailable(f"no gateway at {target}: {what}; start one (kvgate serve) or pass the socket "
+                              "path or host:port it listens on")
+
+
+def not_permitted(path: str, what: str, fix: str) -> NotPermitted:
     """Say who owns ``path`` (or the directory that hides it) and who we are, and how to fix it."""
     me = f"this process runs as uid {os.getuid()} (gid {os.getgid()})"
     try:
@@ -73,7 +90,7 @@ def not_permitted(path: str, what: str, fix: str) -> PermissionError:
                      "does not let this process reach it")
         except OSError:
             owner = f"its directory {parent} does not let this process reach it"
-    return PermissionError(errno.EACCES, f"cannot {what} {path}: {owner}, and {me}; {fix}")
+    return NotPermitted(errno.EACCES, f"cannot {what} {path}: {owner}, and {me}; {fix}")
 
 
 # ---- the steps an operation yields ------------------------------------------------------
@@ -197,10 +214,10 @@ class Wire:
         self._pre = bytearray(PREAMBLE_SIZE)
         self._scratch: memoryview | None = None
 
-    def out_of_step(self, what: str) -> ConnectionError:
+    def out_of_step(self, what: str) -> GatewayUnavailable:
         """The error for a reply that cannot be right: the stream is broken from here on."""
         self.link.broken = True
-        return ConnectionError(what)
+        return GatewayUnavailable(what)
 
     def call(self, msg, body: Sequence[Buffer] = (), into: Sequence[memoryview] | None = None) -> Op:
         """Send ``msg`` (and ``body``); returns (reply, reply body).
@@ -213,7 +230,7 @@ class Wire:
         cannot go leaves the connection as it was.
         """
         if self.link.broken:
-            raise ConnectionError("this client's connection is broken or closed; connect again")
+            raise GatewayUnavailable("this client's connection is broken or closed; connect again")
         self._ids += 1
         msg.id = self._ids
         body_len = sum(memoryview(b).nbytes for b in body)
@@ -249,7 +266,7 @@ class Wire:
                 # sent before the gateway read this request: it refused the connection (too many of them)
                 # or could not read a frame, and closes the connection
                 raise GatewayError(reply.code, reply.message)
-            raise ConnectionError(f"reply {reply.id} to request {msg.id}: stream out of step")
+            raise GatewayUnavailable(f"reply {reply.id} to request {msg.id}: stream out of step")
         if isinstance(reply, Error):
             raise GatewayError(reply.code, reply.message)
         return reply, rbody
@@ -267,7 +284,7 @@ class Wire:
         yield Recv(memoryview(self._pre))
         kind, hlen, blen = parse_preamble(self._pre, 1 << 62)
         if kind != KIND_REPLY:
-            raise ConnectionError("the gateway sent a request frame")
+            raise GatewayUnavailable("the gateway sent a request frame")
         header = bytearray(hlen)
         yield Recv(memoryview(header))
         reply = decode_reply(header)
@@ -291,12 +308,12 @@ class Wire:
         offsets = reply.offsets
         if len(sizes) != len(into) or (offsets is None and any(s >= 0 for s in sizes)) or \
                 (offsets is not None and len(offsets) != len(into)):
-            raise ConnectionError(f"get reply of {len(sizes)} results to a get of {len(into)} keys")
+            raise GatewayUnavailable(f"get reply of {len(sizes)} results to a get of {len(into)} keys")
         pos = 0
         for off, j in sorted((offsets[j], j) for j, s in enumerate(sizes) if s >= 0):
             s = sizes[j]
             if off < pos or off + s > blen:
-                raise ConnectionError(f"get reply places {s} bytes at {off}, outside its {blen}-byte body")
+                raise GatewayUnavailable(f"get reply places {s} bytes at {off}, outside its {blen}-byte body")
             yield from self._skip(off - pos)
             if s > len(into[j]):
                 yield from self._skip(s)

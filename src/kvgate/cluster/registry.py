@@ -55,6 +55,7 @@ from etcd3aio.lease import LeaseService
 
 from kvgate.cards import kind_of
 from kvgate.placement import SlotMap
+from kvgate.errors import KvgateError
 
 CALL_TIMEOUT_S: Final = 0.5
 # etcd3aio's Election keys: "__etcd3aio:election/<name>/<lease id, 16 hex digits>".
@@ -129,7 +130,7 @@ class Observed:
     gateways: dict[str, GatewayReport]
 
 
-class RegistryUnavailable(ConnectionError):
+class RegistryUnavailable(KvgateError, ConnectionError):
     """etcd did not answer within the call's bound (or refused); says which call."""
 
 
@@ -141,7 +142,7 @@ class LeaderEntry(msgspec.Struct, frozen=True):
     create_revision: int
 
 
-class RegistryConflict(ValueError):
+class RegistryConflict(KvgateError, ValueError):
     """A change that does not apply to the registry as it is now (unknown serial, a state that cannot
     follow, a view published over a newer one); says why."""
 

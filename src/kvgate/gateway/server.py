@@ -44,12 +44,13 @@ from kvgate.heads import SharedHeads
 from kvgate.tiers.io import IoPool, Tasks, realtime_permitted
 from kvgate.tiers.cardset import CardSet, LayoutMismatch
 from kvgate.tiers.store import TieredStore
+from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.gateway")
 GIL_SWITCH_S = 0.001  # sys.setswitchinterval of a serving gateway (see run_gateway)
 
 
-class StartupError(RuntimeError):
+class StartupError(KvgateError, RuntimeError):
     """The gateway cannot start as configured; the message says why."""
 
 

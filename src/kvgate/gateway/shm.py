@@ -45,6 +45,7 @@ import weakref
 
 from kvgate import memcopy, shmowners
 from kvgate.gateway import faultlog
+from kvgate.errors import KvgateError
 
 SHM_DIR = shmowners.SHM_DIR
 REGION_KIND = "region"  # session regions are owned files of this kind: kvgate-region.<pid>.<start>.<pidns>.<tag>
@@ -61,7 +62,7 @@ except (OSError, AttributeError):
     _madvise = None
 
 
-class RegionError(ValueError):
+class RegionError(KvgateError, ValueError):
     """A region cannot be created, mapped or addressed as asked."""
 
 

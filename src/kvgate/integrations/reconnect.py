@@ -14,8 +14,10 @@ import threading
 import time
 from typing import Callable, Generic, Protocol, TypeVar
 
+from kvgate.errors import GatewayUnavailable
 
-class GatewayDown(ConnectionError):
+
+class GatewayDown(GatewayUnavailable):
     """No connection to the gateway right now (it failed recently; retried after a back-off), or the
     session is closed."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvgate.config import default_socket_path, read_token
+from kvgate.errors import ConfigError
 from kvgate.types import RETENTION_NAMES, Retention
 
 
@@ -41,8 +42,6 @@ def keys_without(*dropped: str) -> dict[str, str]:
         raise KeyError(f"not shared kvgate keys: {sorted(unknown)}")
     return {k: v for k, v in SETTING_KEYS.items() if k not in dropped}
 
-class ConfigError(ValueError):
-    """A kvgate setting in an engine's config is missing or wrong (the message names the key)."""
 
 
 def parse_bool(name: str, value: Any) -> bool:

@@ -31,6 +31,7 @@ import asyncio
 import errno
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -52,6 +53,7 @@ from kvgate.tiers.room import CardRoom
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
+from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.long")
 
@@ -66,11 +68,11 @@ CLEAN_BATCH = 1024
 OPEN_CALL_OBJECTS = 256  # objects one open_cached call opens at most (ManagedCard.open_cached)
 
 
-class TooLarge(OSError):
+class TooLarge(KvgateError, OSError):
     """A write refused before any I/O: the object is larger than the card's capacity (0 for a card that holds nothing)."""
 
 
-class NoRoom(OSError):
+class NoRoom(KvgateError, OSError):
     """A write refused before any I/O: its batch holds more than the card can take beside the writes in flight
     and the held objects; the batch's last objects are the ones refused."""
 
@@ -609,13 +611,13 @@ class ManagedCard:
         res = await self._chunked([self._open_chunk(chunk, urgent) for chunk in chunks])
         return [r if isinstance(r, CachedObjectFile) else None for r in res]
 
-    async def _open_chunk(self, fkeys: list[bytes], urgent: bool) -> list | BaseException:
+    async def _open_chunk(self, fkeys: list[bytes], urgent: bool) -> list | _ChunkFailed:
         guard = Abandon(own=True)
         try:
             return await self.io.run(self.card.open_cached_many, fkeys, guard, abandon=guard, urgent=urgent,
                                      late=close_files)
         except OSError as e:
-            return _whole_chunk(e, len(fkeys))
+            return _ChunkFailed(e, len(fkeys))
 
     async def _chunked(self, chunk_calls: list) -> list:
         """Run the chunk calls at once and feed the outcomes to the card's health.
@@ -626,16 +628,16 @@ class ManagedCard:
         """
         out = []
         for res in await asyncio.gather(*chunk_calls):
-            if isinstance(res, BaseException):
-                self.note_result(res)
-                out += [res] * res.n_items  # type: ignore[attr-defined]
+            if isinstance(res, _ChunkFailed):
+                self.note_result(res.error)
+                out += [res.error] * res.n_items
                 continue
             failed = next((r for r in res if isinstance(r, OSError) and not isinstance(r, MemoryFault)), None)
             self.note_result(failed)
             out += res
         return out
 
-    async def _read_chunk(self, chunk: list, urgent: bool, own: bool) -> list | BaseException:
+    async def _read_chunk(self, chunk: list, urgent: bool, own: bool) -> list | _ChunkFailed:
         # The card reads into its own memory and delivers through the guard,
         # which CardIo.run abandons before it gives up on the call: a read
         # that ends after its deadline writes nothing into the destinations.
@@ -643,7 +645,7 @@ class ManagedCard:
         try:
             return await self.io.run(self.card.read_many_into, chunk, guard, abandon=guard, urgent=urgent)
         except OSError as e:
-            return _whole_chunk(e, len(chunk))
+            return _ChunkFailed(e, len(chunk))
 
     async def write(self, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
         """Write ``(full key, payload, meta)`` items: bytes stored, or the error, per item.
@@ -679,12 +681,12 @@ class ManagedCard:
             self.room.writing -= taken
         return out  # type: ignore[return-value]
 
-    async def _write_chunk(self, chunk: list) -> list | BaseException:
+    async def _write_chunk(self, chunk: list) -> list | _ChunkFailed:
         abandon = Abandon()
         try:
             return await self.io.run(self.card.write_many, chunk, abandon, abandon=abandon)
         except OSError as e:
-            return _whole_chunk(e, len(chunk))
+            return _ChunkFailed(e, len(chunk))
 
     def _not_before(self) -> int | None:
         """With a ttl, objects created before this are expired: what card probes are told."""
@@ -737,9 +739,13 @@ class ManagedCard:
         }
 
 
-def _whole_chunk(err: OSError, n_items: int) -> OSError:
-    err.n_items = n_items  # type: ignore[attr-defined]
-    return err
+@dataclass(frozen=True)
+class _ChunkFailed:
+    """A chunk call that failed whole: its error stands for each of its ``n_items`` objects, and
+    counts as one strike against the card's health."""
+
+    error: OSError
+    n_items: int
 
 
 def _exists_prefix(card: Card, keys: list[bytes], not_before_ns: int | None) -> int:

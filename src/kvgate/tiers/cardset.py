@@ -42,6 +42,7 @@ from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.discovery import CardDiscovery
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.mover import CardMover
+from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.long")
 
@@ -55,11 +56,11 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-class LayoutMismatch(RuntimeError):
+class LayoutMismatch(KvgateError, RuntimeError):
     """The configured key_layout_fingerprint differs from the cards found."""
 
 
-class CardChangeError(ValueError):
+class CardChangeError(KvgateError, ValueError):
     """A change of the card set that cannot be made (unknown serial, a card that cannot be used...); says why.
 
     ``unavailable``: the card could not be opened (missing, unreadable): it may be there later.

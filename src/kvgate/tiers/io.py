@@ -54,6 +54,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from kvgate.latency import Latencies
 from kvgate.memcopy import Abandon
+from kvgate.errors import KvgateError
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ log = logging.getLogger("kvgate.io")
 HINT_BACKLOG = 4
 
 
-class IoTimeout(TimeoutError):
+class IoTimeout(KvgateError, TimeoutError):
     """A card I/O ran past its deadline (the thread may still be running it)."""
 
 
@@ -213,7 +214,7 @@ async def gather_all(*aws: Awaitable[T]) -> list[T]:
     return results  # type: ignore[return-value]
 
 
-class CardGone(OSError):
+class CardGone(KvgateError, OSError):
     """A call on a card that has left the card set (its pool shut down): a failed I/O, as for a card gone."""
 
     def __init__(self) -> None:

@@ -26,8 +26,9 @@ from kvgate.cards.objectformat import ObjectMeta
 from kvgate.config import size_text
 from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
 from kvgate.tiers.usage import NamespaceUsage
+from kvgate.errors import KvgateError
 
-class RamTooLarge(MemoryError):
+class RamTooLarge(KvgateError, MemoryError):
     """The arena asked for does not fit this machine's memory (the message says how much it has)."""
 
 

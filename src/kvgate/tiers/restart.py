@@ -59,6 +59,7 @@ from kvgate.cards import CardUnavailable, SnapshotWriter
 from kvgate.tiers.index import CHECKED, OVERSIZE, CardIndex
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.slices import LoopSlices
+from kvgate.errors import KvgateError
 
 if TYPE_CHECKING:
     from kvgate.tiers.card import ManagedCard
@@ -115,7 +116,7 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()  # an abandoned read's error is not "never retrieved"
 
 
-class SnapshotUnusable(ValueError):
+class SnapshotUnusable(KvgateError, ValueError):
     """Why a snapshot is ignored (the message is the log line's reason)."""
 
 

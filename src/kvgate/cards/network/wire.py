@@ -34,6 +34,7 @@ import msgspec
 
 from kvgate.cards.base import CardInUse, CardUnavailable, WriteAbandoned
 from kvgate.cards.objectformat import ObjectCorrupt, ObjectMissing, ObjectTooNew
+from kvgate.errors import KvgateError
 
 MAGIC = b"KVN1"
 PREFIX = struct.Struct("<4sIQ")
@@ -53,7 +54,7 @@ MAX_SNAPSHOT = 4 << 30
 GROW_STEP = 1 << 20
 
 
-class WireError(Exception):
+class WireError(KvgateError, Exception):
     """The peer broke the protocol (bad magic, a length over a limit, a header that does not decode)."""
 
 

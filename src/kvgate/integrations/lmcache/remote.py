@@ -54,6 +54,7 @@ from kvgate.integrations.lmcache.settings import (
     plugin_logger,
 )
 from kvgate.integrations.reconnect import Backoff
+from kvgate.errors import KvgateError
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -68,7 +69,7 @@ _SESSION_REFUSALS = ("ENGINE_BUSY", "NOT_AUTHORIZED", "UNSALTED_REFUSED", "BAD_V
 _LOOKUP, _LOAD, _STORE = "lookup", "load", "store"
 
 
-class _Unavailable(Exception):
+class _Unavailable(KvgateError, Exception):
     """The gateway is down (or the connector closed): the call fails at once, already logged."""
 
 

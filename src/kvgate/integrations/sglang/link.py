@@ -19,6 +19,7 @@ from kvgate.client import Client
 from kvgate.integrations.reconnect import GatewayDown, Reconnector
 from kvgate.integrations.settings import TierSettings
 from kvgate.integrations.sglang.staging import StagingRegion
+from kvgate.errors import KvgateError
 
 if TYPE_CHECKING:
     from kvgate.integrations.sglang.failures import FailureLog
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["GatewayDown", "GatewayLink", "OutOfTime"]
 
 
-class OutOfTime(Exception):
+class OutOfTime(KvgateError, Exception):
     """A method's time budget (``kvgate.io_timeout`` / ``lookup_timeout``) is spent before its next
     gateway call: it returns what it has (the connection is fine and stays)."""
 

@@ -18,7 +18,7 @@ import pytest
 from kvgate import AsyncClient
 from kvgate.client import async_client as ac
 from kvgate import protocol as p
-from tests.test_client import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
+from tests.client.test_sync_client import KEYS, REFUSED, answer, pair, sent  # noqa: F401  (pair: a fixture)
 from tests.helpers import wait_until_async
 
 

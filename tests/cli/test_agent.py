@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli.agent import agent_from
-from kvgate.cluster.command import add_arguments
+from kvgate.cli.cluster import add_arguments
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """Status against real gateway processes: the status file, HTTP /metrics and prewarm, figures
-per namespace, and config errors at `kvgate serve` (the other commands: tests/test_cli.py)."""
+per namespace, and config errors at `kvgate serve` (the other commands: tests/cli/test_main.py)."""
 
 from __future__ import annotations
 

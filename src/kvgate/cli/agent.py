@@ -1,4 +1,4 @@
-"""The agent ``kvgate cluster serve``'s flags make (``kvgate.cluster.agent``; the flags: ``kvgate.cluster.flags``),
+"""The agent ``kvgate cluster serve``'s flags make (``kvgate.cluster.agent``; the flags: ``kvgate.cli.cluster_flags``),
 with the card server of ``--export`` (``kvgate.cards.network.server``) it runs for its directory cards.
 
     kvgate cluster serve --cards /mnt/card* --etcd-endpoints 10.0.0.5:2379 10.0.0.6:2379

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cluster", help="the card registry of a cluster in etcd: cards, view, register, drain, "
                                        "undrain, retire, publish, leader; serve: the agent of a host")
-    from kvgate.cluster.flags import add_arguments as add_cluster_arguments  # no etcd3aio: see kvgate.cluster.flags
+    from kvgate.cli.cluster_flags import add_arguments as add_cluster_arguments  # no etcd3aio: see there
 
     add_cluster_arguments(p)
 
@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
         try:
             from kvgate.cluster.follower import ClusterCards
         except (ImportError, RuntimeError) as e:  # RuntimeError: etcd3aio's gRPC code under an older grpcio
-            from kvgate.cluster.flags import etcd_missing
+            from kvgate.cli.cluster_flags import etcd_missing
 
             logging.getLogger("kvgate").error("cannot start: %s", etcd_missing("cluster mode (cluster_etcd_endpoints)", e))
             return 2
@@ -277,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         if args.command == "cluster":
             try:
-                from kvgate.cluster.command import run as run_cluster
+                from kvgate.cli.cluster import run as run_cluster
             except (ImportError, RuntimeError) as e:  # RuntimeError: etcd3aio's gRPC code under an older grpcio
-                from kvgate.cluster.flags import etcd_missing
+                from kvgate.cli.cluster_flags import etcd_missing
 
                 print(f"kvgate: {etcd_missing('kvgate cluster ' + args.action, e)}", file=sys.stderr)
                 return 2

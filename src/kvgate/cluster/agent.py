@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 from kvgate.cards import expand, is_redis, kind_of, make_card
 from kvgate.cluster.member import EtcdMember
-from kvgate.cluster.flags import INTERVAL_S, LIVENESS_TTL_S
+from kvgate.cluster.liveness import INTERVAL_S, LIVENESS_TTL_S
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
 from kvgate.config import Config

@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from typing import Final
 
 log = logging.getLogger("kvgate.cluster")
+
+INTERVAL_S: Final = 1.0  # an agent's round: its cards, and the registry when it leads
+LIVENESS_TTL_S: Final = 5  # the lease of an agent's alive/ keys: a card unreported this long is not alive
 
 
 class Liveness:

@@ -4,7 +4,7 @@
 module imports nothing of etcd3aio: its generated gRPC code refuses to load under a grpcio older
 than the one it was generated with (etcd3aio 0.3.0: ``grpcio>=1.78.1``), and LMCache 0.5.6 pins
 grpcio 1.78.0 (through ``grpcio-observability==1.78.0``).  The commands themselves
-(``kvgate.cluster.command``, ``kvgate.cli.agent``) import etcd3aio when they run;
+(``kvgate.cli.cluster``, ``kvgate.cli.agent``) import etcd3aio when they run;
 ``etcd_missing`` says what to do where it cannot load.
 """
 
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import socket
-from typing import Final
 
+from kvgate.cluster.liveness import INTERVAL_S, LIVENESS_TTL_S
 from kvgate.config import Config
 
 ACTIONS = ("status", "cards", "view", "register", "drain", "undrain", "retire", "relocate", "publish", "leader",
            "serve")
-INTERVAL_S: Final = 1.0  # the agent's round: its cards, and the registry when it leads
-LIVENESS_TTL_S: Final = 5  # the lease of an agent's alive/ keys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +73,7 @@ def add_serve_arguments(g: argparse._ArgumentGroup) -> None:
 def etcd_missing(what: str, error: BaseException) -> str:
     """One line for a cluster command (or cluster mode) whose etcd client cannot be imported here.
 
-    ``error``: what importing ``kvgate.cluster.command`` (or ``.follower``) raised: ImportError when
+    ``error``: what importing ``kvgate.cli.cluster`` (or ``kvgate.cluster.follower``) raised: ImportError when
     etcd3aio is not installed, RuntimeError from its generated gRPC code when grpcio is older than it
     wants (the LMCache environment)."""
     return (f"{what} needs etcd3aio, which cannot be loaded in this environment ({type(error).__name__}: "

@@ -37,7 +37,7 @@ from kvgate.cards import CardUnavailable, is_redis
 from kvgate.cards.redis.keys import cluster_cards
 from kvgate.cluster.registry import (CardRecord, CardState, Registry, RegistryConflict, RegistryUnavailable, View,
                                      etcd_client)
-from kvgate.cluster.flags import ACTIONS, add_arguments  # noqa: F401  (kvgate's parser takes them from flags)
+from kvgate.cli.cluster_flags import ACTIONS, add_arguments  # noqa: F401  (kvgate's parser takes them from flags)
 from kvgate.statview import cell, fmt_bytes, shown  # what registries, agents and cards name is printed escaped
 
 DEFAULT_ENDPOINTS = ["127.0.0.1:2379"]

@@ -5,8 +5,8 @@ tests' small default flags and test-only conveniences: it runs ``python -m
 kvgate serve ...`` with PYTHONPATH set to this checkout's ``src``, captures
 its stderr in a file, and waits until it answers.  The ``gateway_factory``
 fixture in ``tests/conftest.py`` starts them and always stops them at
-teardown.  ``free_port`` and ``kvgate_env`` are the package's, named here
-because most tests import them from here.
+teardown.  ``free_port`` and ``kvgate_env`` are the package's, and ``freeze``
+is ``tests/processes.py``'s, named here because most tests import them from here.
 
     gw = GatewayProcess(tmp_path, ["--max-bytes", "128M"]).start()
     with gw.client("ns") as c: ...
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from kvgate.bench import processes
-from kvgate.bench.processes import free_port, freeze, kvgate_env  # noqa: F401 - tests import them from here
+from kvgate.bench.processes import free_port, kvgate_env  # noqa: F401 - tests import them from here
+from tests.processes import freeze  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,6 +246,9 @@ class GatewayProcess(processes.GatewayProcess):
                          log_path=workdir / f"{name}.stderr.log", out_path=workdir / f"{name}.stdout.log",
                          create_cards=create_cards, env=env, python=str(python) if python is not None else None)
         self._shm_files: set[str] = set()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
         """Send ``sig``; for SIGKILL/SIGTERM wait for the exit and return the exit code."""

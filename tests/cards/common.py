@@ -8,8 +8,9 @@ from pathlib import Path
 
 import redis
 
-from kvgate.bench.processes import RedisServer, free_port
+from kvgate.bench.processes import free_port
 from kvgate.cards import Card
+from tests.processes import RedisServer
 
 
 def check_snapshot_round_trip(card: Card, objects: int) -> None:

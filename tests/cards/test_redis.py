@@ -22,7 +22,6 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import (
     BufferTooSmall,
     Card,
@@ -46,6 +45,7 @@ from kvgate.cards.redis.packer import ZERO_COPY, ArgumentParts, ZeroCopyPacker
 from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
 from tests.cards.common import check_snapshot_round_trip
 from tests.helpers import as_newer_format
+from tests.processes import REDIS_SERVER, RedisServer
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None,

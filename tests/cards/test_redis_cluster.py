@@ -10,11 +10,11 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import CardUnavailable, ObjectMeta, RedisCard
 from kvgate.cards.redis.keys import LABEL_KEY, cluster_cards, split_tag
 from kvgate.keys import full_key
 from tests.cards.common import check_snapshot_round_trip, start_redis_cluster
+from tests.processes import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server")]
 

@@ -11,9 +11,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvgate.bench.processes import AgentProcess, free_port, freeze  # noqa: F401 - cluster tests import it from here
+from kvgate.bench.processes import free_port
 from kvgate.cards import DirectoryCard
 from kvgate.cluster.registry import CardRecord, CardState
+from tests.processes import AgentProcess, freeze  # noqa: F401 - cluster tests import them from here
 
 ETCD = shutil.which("etcd")
 

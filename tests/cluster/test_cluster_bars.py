@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer, free_port
+from kvgate.bench.processes import free_port
 from kvgate.client import Client
 from kvgate.keys import dialog_digest
 from kvgate.placement import slot_of
 from tests.cluster.common import ETCD, AgentProcess, EtcdCluster
 from tests.cluster.test_agent import ask
 from tests.helpers import GatewayProcess, run_kvgate, wait_until
+from tests.processes import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)"),
               pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server (make test installs it)")]

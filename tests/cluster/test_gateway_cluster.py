@@ -10,7 +10,6 @@ import pytest
 import redis
 from etcd3aio import Etcd3Client
 
-from kvgate.bench.processes import REDIS_SERVER
 from kvgate.cards import DirectoryCard
 from kvgate.client import Client
 from kvgate.cluster.registry import CardState, Registry, View
@@ -18,6 +17,7 @@ from kvgate.gateway.status import render
 from tests.cards.common import start_redis_cluster
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.helpers import GatewayProcess, run_kvgate, wait_until
+from tests.processes import REDIS_SERVER
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ETCD is None, reason="needs etcd (make test installs it)")]
 SLOTS = 64

@@ -15,12 +15,12 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvgate.bench.processes import RedisServer
 from kvgate.cards.base import new_label, parse_label
 from kvgate.cards.directory.layout import LABEL_NAME
 from kvgate.cards.redis.keys import LABEL_KEY
 from kvgate.keys import NO_DIALOG, dialog_digest
 from kvgate.placement import SlotMap, slot_of
+from tests.processes import RedisServer
 
 
 # ---- labels -------------------------------------------------------------------------

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from kvgate.cards import DirectoryCard
 from kvgate.keys import encode_namespace, full_key
 from kvgate.placement import SlotMap, fingerprint
@@ -56,6 +55,7 @@ from tests.faults.common import (
     write,
 )
 from tests.helpers import GatewayProcess, object_files, wait_until
+from tests.processes import REDIS_SERVER, RedisServer
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import redis
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from tests.helpers import DEFAULT_FLAGS, GatewayProcess, free_port, object_files, wait_until
+from tests.processes import REDIS_SERVER, RedisServer
 
 MiB = 1 << 20
 

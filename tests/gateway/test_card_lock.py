@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER, RedisServer
 from tests.helpers import run_kvgate, wait_until
+from tests.processes import REDIS_SERVER, RedisServer
 
 SERVE_FLAGS = ["--port", "0", "--metrics-port", "0", "--max-bytes", "0", "--card-capacity", "1G",
                "--thread-pool-size", "2", "--shared-memory-size", "8M"]

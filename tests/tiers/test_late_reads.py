@@ -20,7 +20,6 @@ import time
 import numpy as np
 import pytest
 
-from kvgate.bench.processes import REDIS_SERVER
 from kvgate import memcopy
 from kvgate.cards import DirectoryCard, Header, ObjectMeta, RedisCard
 from kvgate.tiers.io import CardIo, IoTimeout
@@ -28,6 +27,7 @@ from kvgate.tiers.card import ManagedCard
 from tests.tiers.common import serving_card
 from tests.cards.test_redis import server_factory  # noqa: F401 - a fixture
 from tests.helpers import evict, pages_cached
+from tests.processes import REDIS_SERVER
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,8 @@ noise only ever slows a pass down, it never speeds one up.
 
 The modules, by job (each imports only those above it in this list):
 
-    processes  ``kvgate serve`` and ``redis-server`` children: for the bench, ``benchmarks/``, ``demo/``
-               and the tests
+    processes  ``kvgate serve`` and ``kvgate cluster serve`` children: for the bench, ``benchmarks/`` and
+               ``demo/`` (the tests build on them)
     baselines  the physical limits: raw reads and writes of the same files, a loopback socket, the page cache
     measure    alternating rounds, their series, and a figure as the ratio to its baseline
     trace      a request trace, its block payloads, and the eviction policies replayed in process

@@ -1,11 +1,13 @@
-"""Real processes for the bench, the benchmarks and the tests: ``kvgate serve`` gateways and ``redis-server``s.
+"""Real processes for the bench, the benchmarks and the demo: ``kvgate serve`` gateways and cluster agents.
 
 ``kvgate bench`` starts its gateways here, and so do the scripts of
-``benchmarks/`` and ``demo/`` and the test suite (``tests/helpers.py`` adds
-its default flags and test-only conveniences on top).  Scripts that run
-under an engine's venv import this module too, with nothing from
-``tests/``: it needs only the standard library and kvgate, and loads the
-client and the cards only where a gateway is made or asked for its stats.
+``benchmarks/`` and ``demo/``.  The test suite builds on these classes
+(``tests/helpers.py`` adds its default flags and test-only conveniences);
+what only tests use (``redis-server`` children, ``freeze``) lives in
+``tests/processes.py``.  Scripts that run under an engine's venv import this
+module too, with nothing from ``tests/``: it needs only the standard library
+and kvgate, and loads the client and the cards only where a gateway is made
+or asked for its stats.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import glob
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,6 @@ from kvgate.config import Config
 # kvgate, however its parent was started.
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes; keep a margin
-REDIS_SERVER = shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -37,27 +37,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def freeze(pid: int, timeout: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it has stopped.
-
-    ``kill`` returns when the signal is queued; each thread stops when it is next scheduled, which on a
-    busy machine can be after a request sent right after ``kill`` was answered.
-    """
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for task in glob.glob(f"/proc/{pid}/task/*/stat"):
-            with contextlib.suppress(OSError):
-                with open(task) as f:
-                    states.append(f.read().rpartition(")")[2].split()[0])
-        if not states or all(s in "tTZX" for s in states):  # gone, or every thread stopped
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process {pid} did not stop within {timeout} s of SIGSTOP: thread states {states}")
-        time.sleep(0.002)
 
 
 def kvgate_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -236,9 +215,6 @@ class GatewayProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -280,102 +256,6 @@ class GatewayProcess:
         return f"<GatewayProcess {self.name} pid={self.proc.pid if self.proc else None} socket={self.socket}>"
 
 
-class RedisServer:
-    """One ``redis-server`` on a free loopback port (and a Unix socket in ``workdir`` with ``unix_socket``),
-    no persistence; it can be paused, killed and restarted empty on the same port.
-
-    Driven by one thread of its owner (a test, a benchmark); ``start`` blocks
-    until the server answers PING.  ``policy`` is its ``maxmemory-policy``,
-    ``extra`` more server flags, which win over the ones given here.
-    """
-
-    def __init__(self, workdir: str | os.PathLike, policy: str = "allkeys-lru", extra: Sequence[str] = (), *,
-                 unix_socket: bool = False):
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.policy = policy
-        self.extra = tuple(extra)
-        self.port = free_port()
-        self.sock = str(self.workdir / "redis.sock") if unix_socket else None
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    @property
-    def unix_url(self) -> str:
-        assert self.sock is not None, "made without unix_socket"
-        return f"unix://{self.sock}"
-
-    def start(self, policy: str | None = None, extra: Sequence[str] | None = None,
-              timeout: float = 15.0) -> "RedisServer":
-        """Start it (with another policy or other flags, when given); returns once it answers PING."""
-        assert REDIS_SERVER is not None, "redis-server is not installed"
-        if policy is not None:
-            self.policy = policy
-        if extra is not None:
-            self.extra = tuple(extra)
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                *(["--unixsocket", self.sock] if self.sock else []), "--daemonize", "no", "--dir", str(self.workdir),
-                "--maxmemory-policy", self.policy, *self.extra]
-        with open(self.workdir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not self.answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {self.port} did not answer: {self.log()}")
-            time.sleep(0.01)
-        return self
-
-    def answers(self) -> bool:
-        """PING (on the Unix socket when it has one); a NOAUTH answer counts: it is up, with a password."""
-        try:
-            if self.sock is not None:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(0.5)
-                s.connect(self.sock)
-            else:
-                s = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
-            with s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-        except OSError:
-            return False
-
-    def log(self) -> str:
-        try:
-            return (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def raw(self, **kw: Any):
-        """A redis-py client of it (on the Unix socket when it has one)."""
-        import redis
-
-        where = {"unix_socket_path": self.sock} if self.sock else {"host": "127.0.0.1", "port": self.port}
-        return redis.Redis(socket_timeout=5, **where, **kw)
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        freeze(self.proc.pid)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # SIGKILL ends a paused server too
-            self.proc.wait(10)
-
-    def restart_empty(self) -> None:
-        self.kill()
-        self.start()
-
-
 class AgentProcess:
     """A ``kvgate cluster serve`` process (this checkout first on PYTHONPATH), its output in a log file."""
 
@@ -400,16 +280,8 @@ class AgentProcess:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(15)
-
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return f"agent {self.name} log:\n{self.log()[-chars:]}"

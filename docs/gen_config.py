@@ -1,9 +1,13 @@
-"""Write docs/configuration.md from kvgate's config table (kvgate.config.FIELDS): every key, once.
+"""Write docs/configuration.md's reference table from kvgate's config table (kvgate.config.FIELDS): every key, once.
 
     python docs/gen_config.py [--check]
 
 ``make docs`` runs it before the site is built; ``--check`` exits 1 when the
 committed page is not what the table gives (a key added without its page).
+
+The page has two parts: the generated head and reference table, then, from the heading ``TAIL_HEADING``
+on, text written by hand (what each key means at length), which this script keeps as it finds it: edit that
+part in the page itself, never the generated part.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from kvgate.config import FIELDS, default_text
 
 PAGE = Path(__file__).with_name("configuration.md")
+TAIL_HEADING = "## Every key, explained\n"
 HEAD = """# Configuration reference
 
 Every key of the gateway's config, generated from its config table (`kvgate.config`), so it is never out of
@@ -37,7 +42,14 @@ def page() -> str:
         default = f"`{shown}`" if shown is not None else "unset" if f.optional else "(derived)"
         what = f.help + (f"; one of {', '.join(f'`{c}`' for c in f.choices)}" if f.choices else "")
         rows.append(f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {default} | {_cell(what)} |")
-    return HEAD + "\n".join(rows) + "\n"
+    return HEAD + "\n".join(rows) + "\n" + _hand_written()
+
+
+def _hand_written() -> str:
+    """The page's part from ``TAIL_HEADING`` on, as it stands (empty when the page or the heading is missing)."""
+    text = PAGE.read_text() if PAGE.exists() else ""
+    at = text.find("\n" + TAIL_HEADING)
+    return text[at:] if at >= 0 else ""
 
 
 def main() -> int:

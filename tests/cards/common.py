@@ -6,11 +6,23 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import redis
 
 from kvgate.bench.processes import free_port
 from kvgate.cards import Card
+from kvgate.keys import full_key, key_digest
 from tests.processes import RedisServer
+
+
+def key(i: int | str, ns: bytes = b"tenant") -> bytes:
+    return full_key(ns, f"block-{i}".encode())
+
+
+def payload_for(k: bytes, size: int) -> np.ndarray:
+    """Bytes that depend on key and size, so a swapped or torn object shows."""
+    seed = int.from_bytes(key_digest(k)[:8], "little") ^ size
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 def check_snapshot_round_trip(card: Card, objects: int) -> None:

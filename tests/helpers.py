@@ -49,27 +49,29 @@ DEFAULT_FLAGS: dict[str, list[str]] = {
 }
 
 
-# ---- the README's commands -------------------------------------------------------------
+# ---- the README's commands (and the docs pages') ---------------------------------------
 
 README = REPO / "README.md"
 
 
-def readme_section(title: str) -> str:
-    """The README's ``## title`` section, up to the next ``## `` heading (its ``###`` subsections included)."""
-    text = README.read_text()
+def readme_section(title: str, page: str = "README.md") -> str:
+    """A page's ``## title`` section, up to the next ``## `` heading (its ``###`` subsections included).
+    ``page`` is relative to the checkout's root: the README by default, or a docs page
+    (``docs/integrations/lmcache.md``), where the depth the README links to lives."""
+    text = (REPO / page).read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end >= 0 else len(text)]
 
 
-def readme_commands(title: str) -> list[tuple[dict[str, str], list[str]]]:
-    """Every shell command of the ``sh`` blocks of a README section, as written: (its leading
-    ``NAME=value`` assignments, its words), a command being its lines up to one that does not end in a
-    backslash and leaves no quote open (a JSON argument may span lines).  Tests run a README's commands
-    from these, filling in only what must differ on a test machine (ports, paths, sizes), so the
+def readme_commands(title: str, page: str = "README.md") -> list[tuple[dict[str, str], list[str]]]:
+    """Every shell command of the ``sh`` blocks of a page's section (the README's by default), as written:
+    (its leading ``NAME=value`` assignments, its words), a command being its lines up to one that does not
+    end in a backslash and leaves no quote open (a JSON argument may span lines).  Tests run the README's
+    commands from these, filling in only what must differ on a test machine (ports, paths, sizes), so the
     README cannot drift from what runs."""
     out: list[tuple[dict[str, str], list[str]]] = []
-    for block in re.findall(r"```sh\n(.*?)```", readme_section(title), re.S):
+    for block in re.findall(r"```sh\n(.*?)```", readme_section(title, page), re.S):
         pending = ""
         for line in block.splitlines():
             pending += line + "\n"

@@ -1,4 +1,5 @@
-"""The README's examples do what it says they do, against a real gateway."""
+"""The README's examples do what it says they do, against a real gateway; the settings tables its engine
+sections link to (docs/integrations/) and the configuration page name every key the code takes."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import pytest
 
 from tests.helpers import free_port, kvgate_env, readme_section
 
-pytestmark = pytest.mark.slow
-
 README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = README.parent
 
 
 def _default_socket_gateway(gateway_factory, tmp_path):
@@ -80,11 +80,13 @@ print("ok")
     assert res.stdout.strip() == "ok"
 
 
-def test_the_lmcache_section_lists_every_adapter_param_and_its_command_parses() -> None:
+def test_the_lmcache_page_lists_every_adapter_param_and_the_readme_command_parses() -> None:
     from kvgate.integrations.lmcache.settings import PARAM_KEYS, parse_params
 
     section = readme_section("LMCache")
-    table = set(re.findall(r"^\| `(kvgate\.[a-z_0-9]+)`(?: / `(kvgate\.[a-z_0-9]+)`)?", section, re.M))
+    page = (ROOT / "docs/integrations/lmcache.md").read_text()
+    adapter = page[:page.index("\n## In-process LMCache")]  # the adapter's table, not the connector's part
+    table = set(re.findall(r"^\| `(kvgate\.[a-z_0-9]+)`(?: / `(kvgate\.[a-z_0-9]+)`)?", adapter, re.M))
     listed = {k for pair in table for k in pair if k}
     assert listed == set(PARAM_KEYS), (listed ^ set(PARAM_KEYS))
     spec = json.loads(re.search(r"--l2-adapter '(\{.*?\})'", section, re.S).group(1))
@@ -103,8 +105,7 @@ def test_the_lmcache_remote_connector_config_parses_and_its_keys_are_the_adapter
         parse_connector_config,
     )
 
-    section = readme_section("LMCache")
-    sub = section[section.index("### In-process LMCache"):]
+    sub = readme_section("In-process LMCache: the remote connector plugin", page="docs/integrations/lmcache.md")
     (conf,) = re.findall(r"```yaml\n(.*?)```", sub, re.S)
     plugins = json.loads(re.search(r"^remote_storage_plugins: (\[.*\])$", conf, re.M).group(1))
     extra = dict(re.findall(r"^  (remote_storage_plugin\.[\w.]+): (\S+)$", conf, re.M))
@@ -117,7 +118,7 @@ def test_the_lmcache_remote_connector_config_parses_and_its_keys_are_the_adapter
     assert (README.parent / "tests/integrations/test_lmcache_remote.py").exists()
 
 
-def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> None:
+def test_the_sglang_page_names_every_key_and_the_readme_command_lines_parse() -> None:
     from kvgate.integrations.sglang.settings import (
         BACKEND_CLASS,
         BACKEND_MODULE,
@@ -136,10 +137,11 @@ def test_the_sglang_section_names_every_key_and_its_command_line_parses() -> Non
         assert (extra["module_path"], extra["class_name"], extra["interface_v1"]) == (BACKEND_MODULE, BACKEND_CLASS, 1)
         # no socket named: the bare `kvgate serve` of the section's first block and the backend meet
         assert settings_from_extra(extra).target == default_socket_path()
-    table = "\n".join(line for line in section.splitlines() if line.startswith("| `kvgate."))
+    page = (ROOT / "docs/integrations/sglang.md").read_text()
+    table = "\n".join(line for line in page.splitlines() if line.startswith("| `kvgate."))
     for key in [*EXTRA_CONFIG_KEYS, *UNSUPPORTED_KEYS]:
         assert f"`{key}`" in table, key
-    for script in re.findall(r"benchmarks/\w+\.py", section):
+    for script in re.findall(r"benchmarks/\w+\.py", section + page):
         assert (README.parent / script).exists(), script
     assert "bench-sglang:" in (README.parent / "Makefile").read_text()
 
@@ -148,7 +150,7 @@ def test_the_configuration_table_lists_every_key_with_its_default() -> None:
     from kvgate.config import FIELDS, FIELDS_BY_NAME, default_text
 
     shown: dict[str, str] = {}
-    for line in readme_section("Configuration").splitlines():
+    for line in readme_section("Every key, explained", page="docs/configuration.md").splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if not line.startswith("| `") or len(cells) != 3:
             continue
@@ -165,7 +167,16 @@ def test_the_configuration_table_lists_every_key_with_its_default() -> None:
             assert shown[f.name] == "unset", (f.name, shown[f.name])
 
 
-def test_every_benchmark_script_the_readme_names_exists() -> None:
-    text = README.read_text()
-    for script in set(re.findall(r"benchmarks/\w+\.py", text)):
-        assert (README.parent / script).exists(), script
+def test_every_benchmark_script_the_readme_and_the_docs_name_exists() -> None:
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for script in set(re.findall(r"benchmarks/\w+\.py", page.read_text())):
+            assert (ROOT / script).exists(), (page.name, script)
+
+
+@pytest.mark.parametrize("engine", ["vLLM", "LMCache", "SGLang"])
+def test_the_engine_pages_show_the_readme_commands_as_the_readme_has_them(engine: str) -> None:
+    """Each engine's docs page repeats the commands of its README section (the ones the tests run): the
+    same bytes, so the two cannot drift apart."""
+    page = (ROOT / f"docs/integrations/{engine.lower()}.md").read_text()
+    for block in re.findall(r"```sh\n.*?```", readme_section(engine), re.S):
+        assert block in page, (engine, block[:80])

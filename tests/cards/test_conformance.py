@@ -227,7 +227,8 @@ def test_an_exclusive_claim_refuses_every_other_until_closed(medium: Medium, car
         with pytest.raises(CardInUse) as ei:
             other.claim(shared)
         assert isinstance(ei.value, CardUnavailable) and ei.value.errno == errno.EBUSY
-        assert f"pid {os.getpid()}" in str(ei.value) and "shared_storage" in str(ei.value), str(ei.value)
+        msg = str(ei.value)
+        assert f"pid {os.getpid()}" in msg and "holding it exclusively" in msg and "shared_storage" in msg, msg
     card.close()
     other.claim(False)
 
@@ -238,8 +239,10 @@ def test_shared_claims_mix_only_with_shared_ones(medium: Medium) -> None:
     b.claim(True)
     with pytest.raises(CardInUse) as ei:
         c.claim(False)
-    assert ei.value.held_shared and not ei.value.want_shared
+    assert ei.value.held_shared and not ei.value.want_shared and "holding it shared" in str(ei.value)
     a.close()
+    with pytest.raises(CardInUse):
+        c.claim(False)  # b still holds it
     b.close()
     c.claim(False)
 

@@ -22,8 +22,6 @@ import numpy as np
 import pytest
 
 from kvgate.cards import (
-    BufferTooSmall,
-    Card,
     CardInUse,
     CardUnavailable,
     DirectoryCard,
@@ -32,15 +30,14 @@ from kvgate.cards import (
     ObjectMeta,
     ObjectMissing,
     ObjectTooNew,
-    StoredObject,
 )
 from kvgate.cards.base import HOST_TAG
 from kvgate.cards.directory.directio import SUPPORTED
 from kvgate.cards.directory.layout import LABEL_NAME
 from kvgate.cards.directory.scan import STALE_TEMP_SECONDS
 from kvgate.cards.objectformat import ALIGN, CHECKSUM_PIECE, header_size, pack_header, padded_size
-from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
-from tests.cards.common import check_snapshot_round_trip
+from kvgate.keys import key_digest, payload_hash
+from tests.cards.common import check_snapshot_round_trip, key, payload_for
 from tests.helpers import as_newer_format, evict, pages_cached, wait_until
 
 P = CHECKSUM_PIECE
@@ -50,16 +47,6 @@ GUARD_BYTE = 0xEE
 # fork is much cheaper than spawn on a loaded 2-core machine; the children
 # only touch files, so fork's caveats do not apply.
 _MP = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-
-
-def key(i: int | str, ns: bytes = b"tenant") -> bytes:
-    return full_key(ns, f"block-{i}".encode())
-
-
-def payload_for(k: bytes, size: int) -> np.ndarray:
-    """Bytes that depend on key and size, so a swapped or torn object shows."""
-    seed = int.from_bytes(key_digest(k)[:8], "little") ^ size
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 @pytest.fixture
@@ -75,59 +62,20 @@ def read_back(c: DirectoryCard, k: bytes, size_hint: int) -> tuple[Header, np.nd
     return h, buf[: h.payload_len]
 
 
-# ---------------------------------------------------------------- round trip
+# ---------------------------------------------------------------- the object file
 
 
-@pytest.mark.parametrize("size", [0, 1, P - 1, P, P + 1, 3 << 20])
-def test_round_trip_into_slice_of_bigger_buffer(card: DirectoryCard, size: int) -> None:
+@pytest.mark.parametrize("size", [0, 1, P + 1])
+def test_an_object_file_is_its_header_padded_to_a_block_then_its_payload(card: DirectoryCard, size: int) -> None:
+    """The layout direct reads rely on; the round trip itself is the conformance suite's."""
     k = key(size)
     data = payload_for(k, size)
-    meta = ObjectMeta(dialog=dialog_digest(b"d"), position=size, created_ns=123)
-    stored = card.write(k, memoryview(data), meta)
+    stored = card.write(k, memoryview(data), ObjectMeta(position=size))
     assert stored == padded_size(header_size(k)) + size
     assert os.path.getsize(card.object_path(k)) == stored
-
-    slack = 1000  # destination bigger than the payload
-    big = np.full(GUARD + size + slack + GUARD, GUARD_BYTE, dtype=np.uint8)
-    dest = memoryview(big)[GUARD : GUARD + size + slack]
-    h = card.read_into(k, dest)
-    assert h.payload_len == size
-    assert h.full_key == k
-    assert h.meta == meta
-    assert np.array_equal(big[GUARD : GUARD + size], data)
-    assert (big[:GUARD] == GUARD_BYTE).all()
-    # Nothing past the payload is touched, inside or outside the destination.
-    assert (big[GUARD + size :] == GUARD_BYTE).all()
-
-
-def test_round_trip_exact_size_destination(card: DirectoryCard) -> None:
-    k = key("exact")
-    data = payload_for(k, 2 * P + 17)
-    card.write(k, memoryview(data), ObjectMeta())
-    out = np.zeros(len(data), dtype=np.uint8)
-    card.read_into(k, memoryview(out))
-    assert np.array_equal(out, data)
-
-
-def test_typed_buffers_are_handled_as_bytes(card: DirectoryCard) -> None:
-    # A float16 tensor's memoryview counts elements, not bytes.
-    k = key("f16")
-    src = np.arange(P, dtype=np.float16)  # 2*P bytes: spans pieces
-    card.write(k, memoryview(src), ObjectMeta())
-    out = np.zeros(P + 10, dtype=np.float16)
-    h = card.read_into(k, memoryview(out))
-    assert h.payload_len == src.nbytes
-    assert np.array_equal(out[:P], src)
-
-
-def test_overwrite_replaces_whole_object(card: DirectoryCard) -> None:
-    k = key("ow")
-    card.write(k, memoryview(payload_for(k, 3 * P)), ObjectMeta(position=1))
-    small = payload_for(k, 10)
-    card.write(k, memoryview(small), ObjectMeta(position=2))
-    h, got = read_back(card, k, 4 * P)
-    assert h.meta.position == 2
-    assert np.array_equal(got, small)
+    with open(card.object_path(k), "rb") as f:
+        f.seek(padded_size(header_size(k)))
+        assert f.read() == data.tobytes()
 
 
 def test_sync_writes(tmp_path: Path) -> None:
@@ -137,14 +85,6 @@ def test_sync_writes(tmp_path: Path) -> None:
     data = payload_for(k, P + 3)
     c.write(k, memoryview(data), ObjectMeta())
     assert np.array_equal(read_back(c, k, P + 3)[1], data)
-
-
-def test_interface(card: DirectoryCard) -> None:
-    assert isinstance(card, Card)
-    assert DirectoryCard.kind == "directory"
-    assert card.serial is not None and card.serial in repr(card)
-    with pytest.raises(ValueError):
-        DirectoryCard("/nowhere", num_dbs=0)
 
 
 def test_prepare_reads_looks_up_each_object_file_and_never_raises(card: DirectoryCard, tmp_path: Path,
@@ -275,40 +215,6 @@ def test_unpadded_object_is_still_read(card: DirectoryCard, size: int, cold: boo
     assert h.payload_offset == header_size(k) and h.meta.position == 4
     assert np.array_equal(buf[:size], data)
     assert [o.stored_bytes for o in card.scan()] == [header_size(k) + size]
-
-
-# ------------------------------------------------------------ missing, delete
-
-
-def test_missing(card: DirectoryCard) -> None:
-    k = key("nothing")
-    with pytest.raises(ObjectMissing):
-        card.read_into(k, memoryview(bytearray(10)))
-    assert not card.exists(k)
-    assert card.delete(k) is False
-
-
-def test_exists_and_delete(card: DirectoryCard) -> None:
-    k = key("del")
-    card.write(k, memoryview(b"abc"), ObjectMeta())
-    assert card.exists(k)
-    assert card.delete(k) is True
-    assert not card.exists(k)
-    assert card.delete(k) is False
-    with pytest.raises(ObjectMissing):
-        card.read_into(k, memoryview(bytearray(10)))
-
-
-def test_buffer_too_small_keeps_object(card: DirectoryCard) -> None:
-    k = key("big")
-    data = payload_for(k, P + 100)
-    card.write(k, memoryview(data), ObjectMeta())
-    for short in (0, 1, P, P + 99):
-        with pytest.raises(BufferTooSmall) as info:
-            card.read_into(k, memoryview(bytearray(short)))
-        assert info.value.needed == P + 100
-    assert card.exists(k)
-    assert np.array_equal(read_back(card, k, P + 100)[1], data)
 
 
 # ---------------------------------------------------------------- corruption
@@ -495,25 +401,6 @@ def test_scan_relocates_objects_after_num_dbs_change(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- scan
 
 
-def test_scan_reports_objects_with_meta(card: DirectoryCard) -> None:
-    expected = {}
-    for i in range(20):
-        k = key(i, ns=b"ns%d" % (i % 3))
-        meta = ObjectMeta(dialog=dialog_digest(b"dialog-%d" % (i % 4)), position=i, created_ns=1000 + i)
-        size = i * 1000
-        card.write(k, memoryview(payload_for(k, size)), meta)
-        expected[k] = StoredObject(k, size, padded_size(header_size(k)) + size, meta)
-    found = list(card.scan())
-    assert len(found) == len(expected)
-    assert {o.full_key: o for o in found} == expected
-
-
-def test_scan_reads_long_keys(card: DirectoryCard) -> None:
-    k = full_key(b"n" * 255, b"k" * 1024)  # header longer than scan's first read
-    card.write(k, memoryview(b"xyz"), ObjectMeta(position=5))
-    assert [(o.full_key, o.payload_len, o.meta.position) for o in card.scan()] == [(k, 3, 5)]
-
-
 def test_scan_deletes_corrupt_and_skips_foreign(card: DirectoryCard) -> None:
     good, bad_hdr, short, wrong_name = key("good"), key("bad"), key("short"), key("wrong")
     for k in (good, bad_hdr, short, wrong_name):
@@ -657,48 +544,26 @@ def test_sigkill_mid_write_leaves_only_whole_objects(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- clean
 
 
-def test_clean_deletes_all_objects_keeps_serial(card: DirectoryCard) -> None:
-    serial = card.serial
-    keys = [key(i) for i in range(15)]
-    for k in keys:
-        card.write(k, memoryview(b"payload"), ObjectMeta())
-    final = card.object_path(keys[0])
+def test_clean_removes_leftover_temp_files_too(card: DirectoryCard) -> None:
+    k = key(0)
+    card.write(k, memoryview(b"payload"), ObjectMeta())
+    final = card.object_path(k)
     Path(f"{final}.tmp.1.2").write_bytes(b"partial")
-    assert card.clean() == 15
-    assert list(card.scan()) == []
-    assert not any(card.exists(k) for k in keys)
+    assert card.clean() == 1, "a temp file is no object"
     assert not Path(f"{final}.tmp.1.2").exists()
-    assert card.check() == serial
-    assert DirectoryCard(card.location).open() == serial
-    card.write(keys[0], memoryview(b"again"), ObjectMeta())  # still writable
-    assert card.clean() == 1
 
 
 # -------------------------------------------------------------- unavailable
 
 
-def test_removed_card_is_unavailable(card: DirectoryCard) -> None:
+def test_a_write_to_a_removed_card_does_not_rebuild_its_directory(card: DirectoryCard) -> None:
+    """An unmounted card would otherwise fill the root filesystem.  (That every call on a removed card
+    is CardUnavailable is the conformance suite's.)"""
     k = key("k")
     card.write(k, memoryview(b"data"), ObjectMeta())
     shutil.rmtree(card.location)
     with pytest.raises(CardUnavailable):
-        card.check()
-    with pytest.raises(CardUnavailable):
-        card.read_into(k, memoryview(bytearray(10)))
-    with pytest.raises(CardUnavailable):
         card.write(k, memoryview(b"data"), ObjectMeta())
-    with pytest.raises(CardUnavailable):
-        card.exists(k)
-    with pytest.raises(CardUnavailable):
-        card.delete(k)
-    with pytest.raises(CardUnavailable):
-        list(card.scan())
-    with pytest.raises(CardUnavailable):
-        card.clean()
-    with pytest.raises(CardUnavailable):
-        card.free_bytes()
-    # A write must not quietly rebuild the card directory (an unmounted card
-    # would otherwise fill the root filesystem).
     assert not os.path.exists(card.location)
 
 
@@ -739,56 +604,7 @@ def test_free_bytes(card: DirectoryCard) -> None:
     assert card.free_bytes() > 0
 
 
-# ---------------------------------------------------------------- concurrency
-
-
-def test_concurrent_writers_and_readers_never_see_torn_objects(card: DirectoryCard) -> None:
-    k = key("hot")
-    # Writer w writes byte w+1, with its own size: both must match on read.
-    sizes = {w: P + 50_000 * (w + 1) for w in range(3)}
-    payloads = {w: np.full(sizes[w], w + 1, dtype=np.uint8) for w in sizes}
-    by_size = {sizes[w]: w + 1 for w in sizes}
-    writes_left = threading.Event()
-    errors: list[str] = []
-    reads_ok = [0]
-
-    def writer(w: int) -> None:
-        try:
-            for _ in range(25):
-                card.write(k, memoryview(payloads[w]), ObjectMeta(position=w))
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(f"writer {w}: {exc!r}")
-
-    def reader() -> None:
-        buf = np.empty(max(sizes.values()), dtype=np.uint8)
-        while not writes_left.is_set():
-            try:
-                h = card.read_into(k, memoryview(buf))
-            except ObjectMissing:
-                continue
-            except BaseException as exc:
-                errors.append(f"reader: {exc!r}")
-                return
-            fill = by_size.get(h.payload_len)
-            got = buf[: h.payload_len]
-            if fill is None or h.meta.position != fill - 1 or not (got == fill).all():
-                errors.append(f"torn read: {h.payload_len} bytes, position {h.meta.position}")
-                return
-            reads_ok[0] += 1
-
-    readers = [threading.Thread(target=reader) for _ in range(2)]
-    writers = [threading.Thread(target=writer, args=(w,)) for w in sizes]
-    for t in readers + writers:
-        t.start()
-    for t in writers:
-        t.join(60)
-    writes_left.set()
-    for t in readers:
-        t.join(60)
-    assert errors == []
-    assert reads_ok[0] > 0
-    leftovers = os.listdir(os.path.dirname(card.object_path(k)))
-    assert leftovers == [os.path.basename(card.object_path(k))]  # no temp left behind
+# ---------------------------------------------------------------- the write probe
 
 
 def test_write_probe_leaves_nothing(card: DirectoryCard) -> None:
@@ -813,43 +629,7 @@ def test_write_probe_fails_on_a_read_only_mount(card: DirectoryCard) -> None:
     card.check_writable()
 
 
-# ---- claims, missing directories, leftovers ---------------------------------------------
-
-
-def test_claim_alone_refuses_every_other_claim_until_closed(tmp_path) -> None:
-    loc = str(tmp_path / "card")
-    first = DirectoryCard(loc)
-    first.open()
-    first.claim(False)
-    second = DirectoryCard(loc)
-    second.open()
-    for shared in (False, True):
-        with pytest.raises(CardInUse) as ei:
-            second.claim(shared)
-        msg = str(ei.value)
-        assert loc in msg and f"pid {os.getpid()}" in msg and "holding it exclusively" in msg, msg
-        assert ei.value.errno == errno.EBUSY and isinstance(ei.value, CardUnavailable)
-    first.close()
-    second.claim(False)  # released with the file description
-    second.close()
-
-
-def test_shared_claims_mix_only_with_shared_ones(tmp_path) -> None:
-    loc = str(tmp_path / "card")
-    a, b, c = DirectoryCard(loc), DirectoryCard(loc), DirectoryCard(loc)
-    for x in (a, b, c):
-        x.open()
-    a.claim(True)
-    b.claim(True)
-    with pytest.raises(CardInUse) as ei:
-        c.claim(False)
-    assert ei.value.held_shared and "holding it shared" in str(ei.value)
-    a.close()
-    with pytest.raises(CardInUse):
-        c.claim(False)  # b still holds it
-    b.close()
-    c.claim(False)
-    c.close()
+# ---- killed holders, missing directories, leftovers -----------------------------------------
 
 
 @pytest.mark.slow  # starts processes
@@ -894,17 +674,6 @@ def test_scan_during_own_writes_keeps_their_temp_files(card: DirectoryCard) -> N
         Path(p).write_bytes(b"partial")
     assert [o.full_key for o in card.scan()] == [k]
     assert os.path.exists(own) and not os.path.exists(other)
-
-
-def test_scan_counts_what_it_deletes_as_corrupt(card: DirectoryCard) -> None:
-    keys = [key(i) for i in range(3)]
-    for k in keys:
-        card.write(k, memoryview(payload_for(k, 5000)), ObjectMeta())
-    os.truncate(card.object_path(keys[0]), 100)
-    Path(card.object_path(keys[1])).write_bytes(b"not an object at all")
-    assert card.scan_corrupt == 0
-    assert [o.full_key for o in card.scan()] == [keys[2]]
-    assert card.scan_corrupt == 2
 
 
 @pytest.mark.slow  # starts processes
@@ -954,22 +723,14 @@ def _append_heads(location: str, ids) -> None:
 # ---------------------------------------------------------------- names and the index snapshot
 
 
-def test_names_list_every_object_and_stored_objects_read_their_headers(card: DirectoryCard) -> None:
-    keys = [key(i) for i in range(40)]
-    for i, k in enumerate(keys):
-        card.write(k, memoryview(payload_for(k, 100 + i)), ObjectMeta(position=i))
+def test_names_removes_a_dead_writer_s_temp_file(card: DirectoryCard) -> None:
+    keys = [key(i) for i in range(3)]
+    for k in keys:
+        card.write(k, memoryview(b"x"), ObjectMeta())
     leftover = card.object_path(keys[0]) + f".tmp.{HOST_TAG}.999999999.1"  # a dead writer's
     Path(leftover).write_bytes(b"partial")
-    batches = list(card.names())
-    assert sorted(d for b in batches for d in b) == sorted(key_digest(k) for k in keys)
+    assert sorted(d for b in card.names() for d in b) == sorted(key_digest(k) for k in keys)
     assert not os.path.exists(leftover)
-    gone = key("never written")
-    found = card.stored_objects([key_digest(keys[5]), key_digest(gone)])
-    assert found[0] is not None and (found[0].full_key, found[0].payload_len, found[0].meta.position) == (
-        keys[5], 105, 5)
-    assert found[1] is None
-    assert card.delete_named(key_digest(keys[5])) and not card.delete_named(key_digest(keys[5]))
-    assert card.stored_objects([key_digest(keys[5])]) == [None]
 
 
 def test_the_index_snapshot_is_replaced_whole_or_not_at_all(card: DirectoryCard) -> None:

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 
 from kvgate.cards import (
-    BufferTooSmall,
     CardInUse,
     CardUnavailable,
     DirectoryCard,
     NetworkCard,
     ObjectCorrupt,
     ObjectMeta,
-    ObjectMissing,
     WriteAbandoned,
     expand,
     make_card,
@@ -36,10 +34,9 @@ from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, padded_size
 from kvgate.cards.network.server import CardExporter
 from kvgate.config import Config
-from kvgate.keys import dialog_digest, key_digest, payload_hash
-from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
-from tests.cards.common import check_snapshot_round_trip
-from tests.cards.test_directory import key, payload_for
+from kvgate.keys import dialog_digest, payload_hash
+from kvgate.memcopy import Abandon
+from tests.cards.common import check_snapshot_round_trip, key, payload_for
 from tests.helpers import freeze, run_threads, wait_until
 
 P = CHECKSUM_PIECE
@@ -127,18 +124,6 @@ def test_many_objects_in_batches_of_one_request_each(card: NetworkCard, served) 
     assert ex.requests["ExistsMany"] == before.get("ExistsMany", 0) + 1
 
 
-def test_a_batch_reports_each_object_on_its_own(card: NetworkCard) -> None:
-    good, small, gone = key("good"), key("small"), key("gone")
-    card.write(good, memoryview(payload_for(good, 500)), ObjectMeta())
-    card.write(small, memoryview(payload_for(small, 500)), ObjectMeta())
-    out = card.read_many_into([(gone, memoryview(bytearray(600))), (small, memoryview(bytearray(10))),
-                               (good, memoryview(bytearray(600)))])
-    assert isinstance(out[0], ObjectMissing)
-    assert isinstance(out[1], BufferTooSmall) and out[1].needed == 500
-    assert out[2].payload_len == 500
-    assert card.exists(small), "too small a buffer keeps the object"
-
-
 def _abandoned() -> Abandon:
     guard = Abandon()
     guard.abandon()
@@ -218,29 +203,6 @@ def test_a_corrupt_object_replaced_meanwhile_is_kept(card: NetworkCard, served) 
 
 
 # ---------------------------------------------------------------- whole card
-
-
-def test_names_stored_objects_delete_and_clean(card: NetworkCard) -> None:
-    keys = [key(f"n{i}") for i in range(40)]
-    for i, k in enumerate(keys):
-        card.write(k, memoryview(payload_for(k, 100 + i)), ObjectMeta(position=i))
-    batches = list(card.names())
-    assert sorted(d for b in batches for d in b) == sorted(key_digest(k) for k in keys)
-    found = card.stored_objects([key_digest(keys[5]), key_digest(key("never"))])
-    assert (found[0].full_key, found[0].payload_len, found[0].meta.position) == (keys[5], 105, 5)
-    assert found[1] is None
-    assert sorted(s.full_key for s in card.scan()) == sorted(keys)
-    assert card.delete_named(key_digest(keys[5])) and not card.delete_named(key_digest(keys[5]))
-    assert card.delete(keys[6]) and not card.exists(keys[6])
-    assert card.clean() == 38 and list(card.scan()) == []
-    assert card.free_bytes() > 0
-    card.check_writable()
-
-
-def test_exists_counts_an_object_older_than_not_before_as_absent(card: NetworkCard) -> None:
-    k = key("old")
-    card.write(k, memoryview(b"x" * 10), ObjectMeta())
-    assert card.exists(k, time.time_ns() - 10**9) and not card.exists(k, time.time_ns() + 10**9)
 
 
 def test_snapshot_and_heads(card: NetworkCard, served) -> None:
@@ -537,30 +499,6 @@ def test_connections_over_the_limit_are_refused_with_the_reason(tmp_path: Path) 
         first.close()
         wait_until(lambda: not ex._conns, 5, "the first connection ended")
         NetworkCard(ex.urls()[local.serial]).open()
-
-
-def test_a_destination_that_faults_fails_alone_and_an_abandoned_read_delivers_nothing(card: NetworkCard) -> None:
-    keys = [key(f"g{i}") for i in range(3)]
-    for k in keys:
-        card.write(k, memoryview(payload_for(k, 3 * P)), ObjectMeta())
-    dests = [np.zeros(3 * P, dtype=np.uint8) for _ in keys]
-
-    class Faulty(Abandon):
-        def copy(self, dst, src) -> None:
-            if np.shares_memory(np.frombuffer(dst, np.uint8), dests[1]):
-                raise MemoryFault(errno.EFAULT, "region shrunk")
-            super().copy(dst, src)
-
-    out = card.read_many_into([(k, memoryview(d)) for k, d in zip(keys, dests)], Faulty())
-    assert isinstance(out[1], MemoryFault)
-    for i in (0, 2):
-        assert out[i].payload_len == 3 * P and np.array_equal(dests[i], payload_for(keys[i], 3 * P))
-    gone = Abandon()
-    gone.abandon()
-    fresh = [np.zeros(3 * P, dtype=np.uint8) for _ in keys]
-    out = card.read_many_into([(k, memoryview(d)) for k, d in zip(keys, fresh)], gone)
-    assert all(isinstance(r, ReadAbandoned) for r in out) and not any(d.any() for d in fresh)
-    assert np.array_equal(read_back(card, keys[2], 3 * P), payload_for(keys[2], 3 * P))
 
 
 @pytest.mark.slow

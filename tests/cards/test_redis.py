@@ -31,9 +31,7 @@ from kvgate.cards import (
     ObjectCorrupt,
     ObjectMeta,
     ObjectMissing,
-    ObjectTooNew,
     RedisCard,
-    StoredObject,
 )
 from kvgate.cards.redis import objects as redisobjects
 from kvgate.cards.base import BOOT_ID, HOST
@@ -42,9 +40,8 @@ from kvgate.cards.redis.card import UNLIMITED_FREE_BYTES
 from kvgate.cards.redis.keys import LABEL_KEY, LEASE_KEY, PROBE_KEY
 from kvgate.cards.redis.lease import LEASE_TTL_MS
 from kvgate.cards.redis.packer import ZERO_COPY, ArgumentParts, ZeroCopyPacker
-from kvgate.keys import dialog_digest, full_key, key_digest, payload_hash
-from tests.cards.common import check_snapshot_round_trip
-from tests.helpers import as_newer_format
+from kvgate.keys import key_digest, payload_hash
+from tests.cards.common import key, payload_for
 from tests.processes import REDIS_SERVER, RedisServer
 
 pytestmark = pytest.mark.skipif(
@@ -56,15 +53,6 @@ P = CHECKSUM_PIECE
 GUARD = 4096
 GUARD_BYTE = 0xEE
 FAST_MS = 300  # io_timeout_ms for the failure tests
-
-
-def key(i: int | str, ns: bytes = b"tenant") -> bytes:
-    return full_key(ns, f"block-{i}".encode())
-
-
-def payload_for(k: bytes, size: int) -> np.ndarray:
-    seed = int.from_bytes(key_digest(k)[:8], "little") ^ size
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 @pytest.fixture
@@ -130,22 +118,6 @@ def object_keys(srv: RedisServer) -> set[bytes]:
 # ---------------------------------------------------------------- round trip
 
 
-@pytest.mark.parametrize("size", [0, 1, P - 1, P + 1, 3 << 20])
-def test_round_trip_into_slice_of_bigger_buffer(card: RedisCard, size: int) -> None:
-    k = key(size)
-    data = payload_for(k, size)
-    meta = ObjectMeta(dialog=dialog_digest(b"d"), position=size, created_ns=123)
-    assert card.write(k, memoryview(data), meta) == header_size(k) + size
-
-    slack = 1000
-    big = np.full(GUARD + size + slack + GUARD, GUARD_BYTE, dtype=np.uint8)
-    h = card.read_into(k, memoryview(big)[GUARD : GUARD + size + slack])
-    assert (h.payload_len, h.full_key, h.meta) == (size, k, meta)
-    assert np.array_equal(big[GUARD : GUARD + size], data)
-    assert (big[:GUARD] == GUARD_BYTE).all()
-    assert (big[GUARD + size :] == GUARD_BYTE).all()
-
-
 def test_a_read_hands_over_its_payload_in_few_large_copies(card: RedisCard) -> None:
     """Each guarded copy has a fixed cost (a kernel call when the destination is a client region): 1 MiB pieces."""
     from kvgate.memcopy import Abandon
@@ -189,16 +161,6 @@ def test_interface_and_value_layout(server: RedisServer, cards: list[RedisCard])
     raw.close()
 
 
-def test_typed_buffers_are_handled_as_bytes(card: RedisCard) -> None:
-    k = key("f16")
-    src = np.arange(P, dtype=np.float16)  # 2*P bytes
-    card.write(k, memoryview(src), ObjectMeta())
-    out = np.zeros(P + 10, dtype=np.float16)
-    h = card.read_into(k, memoryview(out))
-    assert h.payload_len == src.nbytes
-    assert np.array_equal(out[:P], src)
-
-
 def test_packer_sends_payload_without_copying() -> None:
     payload = memoryview(np.arange(100_000, dtype=np.uint8))
     chunks = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", payload))
@@ -208,41 +170,6 @@ def test_packer_sends_payload_without_copying() -> None:
     small = ZeroCopyPacker().pack("SET", b"k", ArgumentParts(b"HDR", memoryview(b"xy")), 5)
     assert b"".join(small) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nHDRxy\r\n$1\r\n5\r\n"
     assert ZERO_COPY  # this redis-py takes our packer
-
-
-def test_overwrite_replaces_whole_object(card: RedisCard) -> None:
-    k = key("ow")
-    card.write(k, memoryview(payload_for(k, 3 * P)), ObjectMeta(position=1))
-    small = payload_for(k, 10)
-    card.write(k, memoryview(small), ObjectMeta(position=2))
-    h, got = read_back(card, k, 4 * P)
-    assert h.meta.position == 2 and np.array_equal(got, small)
-
-
-# ------------------------------------------------------------ missing, delete
-
-
-def test_missing_exists_delete(card: RedisCard) -> None:
-    k = key("del")
-    with pytest.raises(ObjectMissing):
-        card.read_into(k, memoryview(bytearray(10)))
-    assert not card.exists(k) and card.delete(k) is False
-    card.write(k, memoryview(b"abc"), ObjectMeta())
-    assert card.exists(k)
-    assert card.delete(k) is True
-    assert not card.exists(k) and card.delete(k) is False
-
-
-def test_buffer_too_small_keeps_object(card: RedisCard) -> None:
-    k = key("big")
-    data = payload_for(k, P + 100)
-    card.write(k, memoryview(data), ObjectMeta())
-    for short in (0, 1, P + 99):
-        with pytest.raises(BufferTooSmall) as info:
-            card.read_into(k, memoryview(bytearray(short)))
-        assert info.value.needed == P + 100
-    assert card.exists(k)
-    assert np.array_equal(read_back(card, k, P + 100)[1], data)
 
 
 # ---------------------------------------------------------------- corruption
@@ -292,23 +219,6 @@ def test_corruption_is_detected_and_deleted(server: RedisServer, cards: list[Red
     assert card.exists(other)
     with pytest.raises(ObjectMissing):
         card.read_into(k, memoryview(np.zeros(size + 10, dtype=np.uint8)))
-    raw.close()
-
-
-def test_an_object_a_newer_kvgate_wrote_is_a_miss_and_stays(server: RedisServer, cards: list[RedisCard]) -> None:
-    card = open_card(cards, server.url)
-    k, ok = key("newer"), key("current")
-    for x in (k, ok):
-        card.write(x, memoryview(payload_for(x, 3000)), ObjectMeta())
-    raw = server.raw()
-    rk = card.object_key(k)
-    raw.set(rk, as_newer_format(raw.get(rk), k))
-    with pytest.raises(ObjectTooNew):
-        card.read_into(k, memoryview(np.zeros(3000, dtype=np.uint8)))
-    (res,) = card.read_many_into([(k, memoryview(np.zeros(3000, dtype=np.uint8)))])
-    assert isinstance(res, ObjectTooNew)
-    assert [o.full_key for o in card.scan()] == [ok]
-    assert raw.exists(rk)
     raw.close()
 
 
@@ -512,28 +422,6 @@ def test_scan_relocates_objects_after_num_dbs_change(server: RedisServer, cards:
 # ---------------------------------------------------------------------- scan
 
 
-def test_scan_reports_objects_with_meta(card: RedisCard) -> None:
-    expected = {}
-    items = []
-    for i in range(20):
-        k = key(i, ns=b"ns%d" % (i % 3))
-        meta = ObjectMeta(dialog=dialog_digest(b"dialog-%d" % (i % 4)), position=i, created_ns=1000 + i)
-        size = i * 1000
-        items.append((k, memoryview(payload_for(k, size)), meta))
-        expected[k] = StoredObject(k, size, header_size(k) + size, meta)
-    card.write_many(items)
-    found = list(card.scan())
-    assert len(found) == len(expected)
-    assert {o.full_key: o for o in found} == expected
-
-
-def test_scan_reads_longest_keys(server: RedisServer, cards: list[RedisCard]) -> None:
-    c = open_card(cards, server.url)
-    k = full_key(b"n" * 255, b"k" * 1024)
-    c.write(k, memoryview(b"xyz"), ObjectMeta(position=5))
-    assert [(o.full_key, o.payload_len, o.meta.position) for o in c.scan()] == [(k, 3, 5)]
-
-
 def test_scan_deletes_corrupt_and_skips_foreign(server: RedisServer, cards: list[RedisCard]) -> None:
     c = open_card(cards, server.url)
     good, bad_hdr, short, wrong_name = key("good"), key("bad"), key("short"), key("wrong")
@@ -586,10 +474,10 @@ def test_clean_keeps_label_and_foreign_keys(server: RedisServer, cards: list[Red
 def test_eviction_policy_warning(server_factory, cards: list[RedisCard], caplog: pytest.LogCaptureFixture,
                                  policy: str, warned: bool) -> None:
     srv = server_factory(policy=policy)
-    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis.card"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis"):
         c = open_card(cards, srv.url)
     assert c.maxmemory_policy == policy
-    msgs = [r.getMessage() for r in caplog.records if r.name == "kvgate.cards.redis.card"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvgate.cards.redis"]
     expected = f"redis card {srv.url}: maxmemory-policy is {policy}: the server may drop objects the gateway"
     assert any(m.startswith(expected) and "set maxmemory-policy noeviction" in m for m in msgs) is warned
     if not warned:
@@ -698,7 +586,7 @@ def test_server_restarted_empty_is_the_same_card(server: RedisServer, cards: lis
     k = key("k")
     c.write(k, memoryview(b"data"), ObjectMeta())
     server.restart_empty()
-    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis.card"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.cards.redis"):
         assert c.check() == serial
     assert any("label re-created" in r.getMessage() for r in caplog.records)
     raw = server.raw()
@@ -763,61 +651,7 @@ def test_other_server_at_same_address_has_another_serial(server: RedisServer, ca
     raw.close()
 
 
-def test_close_then_use_again(server: RedisServer, cards: list[RedisCard]) -> None:
-    c = open_card(cards, server.url)
-    c.write(key(1), memoryview(b"a"), ObjectMeta())
-    c.close()
-    assert c.check() == c.serial
-    assert read_back(c, key(1), 10)[1].tobytes() == b"a"
-
-
-# ---------------------------------------------------------------- concurrency
-
-
-def test_concurrent_writers_and_readers_never_see_torn_objects(server: RedisServer, cards: list[RedisCard]) -> None:
-    card = open_card(cards, server.unix_url)
-    k = key("hot")
-    sizes = {w: P + 50_000 * (w + 1) for w in range(3)}
-    payloads = {w: np.full(sizes[w], w + 1, dtype=np.uint8) for w in sizes}
-    by_size = {sizes[w]: w + 1 for w in sizes}
-    done = threading.Event()
-    errors: list[str] = []
-    reads_ok = [0]
-
-    def writer(w: int) -> None:
-        try:
-            for _ in range(20):
-                card.write(k, memoryview(payloads[w]), ObjectMeta(position=w))
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(f"writer {w}: {exc!r}")
-
-    def reader() -> None:
-        buf = np.empty(max(sizes.values()), dtype=np.uint8)
-        while not done.is_set():
-            try:
-                h = card.read_into(k, memoryview(buf))
-            except ObjectMissing:
-                continue
-            except BaseException as exc:
-                errors.append(f"reader: {exc!r}")
-                return
-            fill = by_size.get(h.payload_len)
-            if fill is None or h.meta.position != fill - 1 or not (buf[: h.payload_len] == fill).all():
-                errors.append(f"torn read: {h.payload_len} bytes, position {h.meta.position}")
-                return
-            reads_ok[0] += 1
-
-    readers = [threading.Thread(target=reader) for _ in range(2)]
-    writers = [threading.Thread(target=writer, args=(w,)) for w in sizes]
-    for t in readers + writers:
-        t.start()
-    for t in writers:
-        t.join(60)
-    done.set()
-    for t in readers:
-        t.join(60)
-    assert errors == []
-    assert reads_ok[0] > 0
+# ---------------------------------------------------------------- a replica
 
 
 def test_a_replica_refuses_writes_as_read_only_and_still_serves_reads(server: RedisServer, cards) -> None:
@@ -935,13 +769,3 @@ def test_shared_heads_list_keeps_at_most_card_max_heads(server: RedisServer, car
         assert len(got) == min(50, start + 40)
     assert len(one.merge_heads(set())) == 50 and one.merge_heads(set()) <= set(range(400))
 
-
-def test_names_and_the_index_snapshot(card: RedisCard) -> None:
-    keys = [full_key(b"ns", b"k%d" % i) for i in range(30)]
-    for k in keys:
-        card.write(k, memoryview(b"v" * 10), ObjectMeta(position=3))
-    assert sorted(d for b in card.names() for d in b) == sorted(key_digest(k) for k in keys)
-    (obj,) = card.stored_objects([key_digest(keys[2])])
-    assert obj is not None and obj.full_key == keys[2] and obj.meta.position == 3
-    assert card.delete_named(key_digest(keys[2])) and card.stored_objects([key_digest(keys[2])]) == [None]
-    check_snapshot_round_trip(card, 29)

@@ -1,6 +1,6 @@
 """What TLS costs a ``kvgates://`` card: warm batch reads and writes of one card served twice by a card
 server in a process of its own, once plain (``kvgate://``) and once with a certificate (``kvgates://``),
-in alternating rounds, beside the raw limit the README's other figures use: a memory copy of the same bytes
+in alternating rounds, beside the raw limit docs/benchmarks.md's other figures use: a memory copy of the same bytes
 (``np.copyto``) and TLS's encryption and decryption of them in memory, in this process (what the two sides
 must do).
 

@@ -3,7 +3,7 @@
     python benchmarks/slot_shares.py [--sets 20]
 
 Prints, per card count and slot count, the median and worst ratio over
-random sets of card serials (the README's table of slots for many cards).
+random sets of card serials (docs/cluster.md's table of slots for many cards).
 """
 
 from __future__ import annotations

@@ -429,7 +429,7 @@ def flag_name(name: str) -> str:
 
 
 def default_text(f: Field) -> str | None:
-    """A key's default as README's Configuration table and ``--help`` write it (``1G``, ``10s``,
+    """A key's default as docs/configuration.md's tables and ``--help`` write it (``1G``, ``10s``,
     ``false``); None when it has none (unset, or derived at start as its help says)."""
     value = f.default
     if value is None:

@@ -90,7 +90,7 @@ class SGLangServer:
         if "kvgate.socket" not in config and os.path.basename(socket) == "kvgate-5557.sock":
             # the README's way: the backend's default socket, kvgate-5557.sock in XDG_RUNTIME_DIR
             self.readme_env["XDG_RUNTIME_DIR"] = os.path.dirname(socket)
-        else:  # a gateway elsewhere (the benchmarks'): named with the key the README's table gives
+        else:  # a gateway elsewhere (the benchmarks'): named with the key docs/integrations/sglang.md's table gives
             config["kvgate.socket"] = socket
         argv[i] = json.dumps({**config, **(extra or {})})
         self.argv = [str(VENV_PY), *argv[1:]]
@@ -160,7 +160,7 @@ class SGLangServer:
     def _shm_files(self) -> set[str]:
         """SGLang's own /dev/shm files its processes (this server's process group) have mapped: its load
         reports (``sglang_loads_*.shm``) and Python's semaphores (``sem.mp-*``), which a killed server
-        leaves behind (see the README)."""
+        leaves behind (see docs/integrations/sglang.md)."""
         found: set[str] = set()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:

@@ -192,7 +192,7 @@ class VLLMServer:
 
     def stop(self) -> set[str]:
         """Ctrl-C, as a user stops it; killed if it does not exit.  Returns the KV cache segments the
-        stopped server left in /dev/shm, which it then removes (see the README: vLLM kills its engine
+        stopped server left in /dev/shm, which it then removes (see docs/integrations/lmcache.md: vLLM kills its engine
         core at Ctrl-C, so LMCache never unlinks them)."""
         if self.proc is None or self.proc.poll() is not None:
             return set()

@@ -35,7 +35,7 @@ EXPECTED_FAILURES = {
     "test_single_operation": (
         "set operation failed",
         "it calls the legacy page-copy interface (set/get/exists of one key at a raw address); kvgate's "
-        "backend serves only SGLang's zero-copy v1 interface (interface_v1: 1, the README's SGLang section): "
+        "backend serves only SGLang's zero-copy v1 interface (interface_v1: 1, docs/integrations/sglang.md): "
         "set answers False and logs how to fix the config, nothing is stored"),
 }
 
@@ -66,7 +66,7 @@ def test_the_legacy_interface_is_refused_with_the_fix_named(contract) -> None:
 def test_tp_ranks_in_the_namespace(contract) -> None:
     """The batch cases pass with TP configs because each rank keeps its pages in a namespace of its own
     (MHA: the rank's KV heads differ), while an MLA model's ranks share one (their latent KV is the same):
-    the README's ``kvgate.namespace`` row."""
+    docs/integrations/sglang.md's ``kvgate.namespace`` row."""
     ns = contract["namespaces"]
     assert "|tp1of4|" in ns["test_batch_operation[mha-tp4-rank1]"]
     assert "|tp0of1|" in ns["test_batch_operation[mha-tp1]"]

@@ -147,7 +147,7 @@ def test_each_engine_restores_its_own_prompt_from_the_shared_card(runs) -> None:
     assert l1["external_hits"] == 0 and l1["sets"] >= LMCACHE_CHUNKS, l1
     assert l2["external_hits"] == LMCACHE_CHUNKS * test_lmcache_e2e.CHUNK, l2
     assert len(l2["output_ids"]) == 8 and l2["output_ids"] == l1["output_ids"]
-    # What the README's shared-memory note says: each vLLM stop leaves its KV cache segment behind.
+    # What docs/integrations/lmcache.md's shared-memory note says: each vLLM stop leaves its KV cache segment behind.
     assert len(l1["kv_left"]) >= 1 and all("/dev/shm/lmcache_kv_" in p for p in l1["kv_left"]), l1["kv_left"]
 
 

@@ -68,8 +68,8 @@ _NO_EVENTS = ("got an unexpected keyword argument 'enable_kv_events'",
 EXPECTED_FAILURES = {
     "test_fs_tier_cross_tp_round_trip": (
         "TP is part of the namespace",
-        "kvgate's derived vLLM namespace includes the TP (and PP) sizes (the README's kvgate.namespace row), "
-        "also for a replicated layout, so engines of other TP sizes do not share objects; the fs tier's file "
+        "kvgate's derived vLLM namespace includes the TP (and PP) sizes (the kvgate.namespace row of "
+        "docs/integrations/vllm.md), also for a replicated layout, so engines of other TP sizes do not share objects; the fs tier's file "
         "mapper leaves TP out of a replicated layout's path"),
     "test_successful_store_emits_stored_event": _NO_EVENTS,
     "test_store_event_uses_configured_locality": _NO_EVENTS,

@@ -133,8 +133,8 @@ def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: 
 
 
 def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp_path: Path) -> None:
-    """What the README and the operations page promise: a card sized by its free space, lowered after
-    another writer filled the medium, takes its room back by itself once the medium has it again
+    """What docs/architecture.md (Capacity) and docs/operations.md promise: a card sized by its free space,
+    lowered after another writer filled the medium, takes its room back by itself once the medium has it again
     (``resize``, every ``RESIZE_EVERY_CHECKS`` health checks)."""
     from kvgate.tiers.card import RESIZE_EVERY_CHECKS
 

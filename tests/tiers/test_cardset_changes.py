@@ -171,7 +171,7 @@ def test_a_new_device_list_adds_and_drains(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_path: Path) -> None:
-    """What the README promises of the mover: at most its rate in bytes a second, hottest dialogs first."""
+    """What docs/operations.md promises of the mover: at most its rate in bytes a second, hottest dialogs first."""
     async def main() -> None:
         cards = await _started(tmp_path, ["a"])
         try:
@@ -243,7 +243,7 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
                                                                               placement: str) -> None:
     """Objects another gateway of a shared card wrote are in no index here, so the mover does not know
     them: while it settles a join, a miss on a slot's new card asks the slot's old one (lookup, exists,
-    get, prewarm).  Once it has settled, they are misses on their new card, as the README says."""
+    get, prewarm).  Once it has settled, they are misses on their new card, as docs/operations.md says."""
     from kvgate.tiers.store import GetItem
     from tests.tiers.test_store import started_store
 

@@ -63,7 +63,7 @@ AFTER_S = 3.0  # lookups go on this long after the background work ended: the st
 # step (each new one also has its files prepared for the load that would follow: a cold stat of each).
 WAITING_DIALOGS = 16
 ENGINE_STEP_S = 0.002  # between two lookups: an engine's scheduler step, not a loop that starves the gateway
-# The requirement this bench answers (README, "A card of millions of objects").
+# The requirement this bench answers (docs/benchmarks.md, "A card of millions of objects").
 BAR_READY_S = 30.0  # after a restart, cold page cache: lookups of stored objects at full speed within this
 BAR_BACKGROUND_LOOKUP_MS = 5.0  # a 1,000-key lookup while a scan or check runs (p99)
 BAR_INDEX_BYTES_PER_OBJECT = 100.0

@@ -210,7 +210,7 @@ class Client(core.ClientCore):
 
     def hold_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
         """Per key, whether it is present and now kept on its card until ``release_many``, this
-        session's end or a minute without renewal (holding it again renews it); see the README."""
+        session's end or a minute without renewal (holding it again renews it); see docs/client.md."""
         return self._run(core.hold_many_op(keys, dialog))
 
     def release_many(self, keys: Sequence[bytes | str]) -> int:

@@ -20,7 +20,7 @@ kernel there, so a region shrunk under its mapping fails the request that
 touched it (``MemoryFault``, a BAD_REQUEST naming the region) instead of
 killing the gateway.  An unguarded region is read, hashed and written in
 place like the gateway's own memory: one copy where the guard costs two
-(the README's benchmark figures).  ``in_place_regions: false`` guards every
+(docs/benchmarks.md).  ``in_place_regions: false`` guards every
 region.
 
 An unguarded (in-place) region trusts its client with the gateway's life:

@@ -14,7 +14,7 @@ card of 100,000 objects of 4 KiB, the dict of entries and the per-key
 policy cost about 1.1 KiB per object in the gateway's RSS; the columns here
 (33 bytes) plus the eviction columns (``SampledPolicy``, 25 bytes), the
 digest table, the dialog table and the policy's memory of recent keys come
-to under 100 (``kvgate bench --objects``; README, "A card of millions of
+to under 100 (``kvgate bench --objects``; docs/benchmarks.md, "A card of millions of
 objects").  A digest collision would put two keys on one row; a read checks
 the full key in the header, so it is a miss, never a wrong byte.
 """

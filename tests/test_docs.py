@@ -106,3 +106,10 @@ def test_the_code_map_names_modules_that_exist() -> None:
         if not (path.with_suffix(".py").exists() or (path / "__init__.py").exists()):
             missing.append(name)
     assert not missing, f"docs/architecture.md's code map names modules that do not exist: {missing}"
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    text = (ROOT / "README.md").read_text()
+    linked = {t.split("#", 1)[0] for t in LINK.findall(text)}
+    pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert pages <= linked, f"README.md does not link {sorted(pages - linked)}"

@@ -234,6 +234,7 @@ def test_in_process_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert "gateway" not in row
 
 
+@pytest.mark.slow  # matplotlib runs fc-list to build its font cache the first time it draws text
 def test_plot_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "hits.png"

@@ -16,12 +16,12 @@ three conversations.  Only the first ``DEPTH`` blocks of a prompt count.
 
 Agreement.  Every gateway must compute the same mark for the same prompt, or
 a conversation's blocks would be looked for on one card and stored on
-another.  Gateways share what they learn through their cards
-(``Card.merge_heads``: every card holds the union, up to ``CARD_MAX_HEADS``),
-so gateways on the same cards converge within one sync period and a
-restarted gateway starts from what the cards hold.  While two gateways
-disagree, a lookup may miss a block stored under the other mark: a
-recompute, never a wrong byte.
+another.  Gateways share what they learn through their cards (each card's
+``heads`` channel, ``kvgate.cards.heads``: every card holds the union, up
+to ``CARD_MAX_HEADS``), so gateways on the same cards converge within one
+sync period and a restarted gateway starts from what the cards hold.
+While two gateways disagree, a lookup may miss a block stored under the
+other mark: a recompute, never a wrong byte.
 
 Bounds.  System prompts change (a new version, a new tool list) and every
 version's blocks are heads, so a set that only grew would fill in normal

@@ -6,7 +6,8 @@ persistence; started as ``tests/cards/test_redis.py`` starts its servers, so
 ``slow``), and a network card talking to a real ``CardExporter`` on a free
 loopback port, serving a directory card.  What only one kind does (its
 layout on the medium, direct I/O, leases, the wire, TLS) is tested in that
-kind's own file; so are the shared heads list (``merge_heads``).
+kind's own file.  The shared heads list is no part of that contract: each
+kind's channel (``kvgate.cards.heads``) is tested in test_heads_channel.py.
 
 A ``Medium`` hands out card objects on the same storage (a new one stands
 for a restarted gateway), and reaches under the card for the raw bytes of

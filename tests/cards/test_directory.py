@@ -676,50 +676,6 @@ def test_scan_during_own_writes_keeps_their_temp_files(card: DirectoryCard) -> N
     assert os.path.exists(own) and not os.path.exists(other)
 
 
-@pytest.mark.slow  # starts processes
-def test_shared_heads_list_from_several_processes_is_their_union(tmp_path) -> None:
-    """Gateways on other hosts append to the same list: concurrent appends lose nothing, a torn tail is dropped."""
-    import multiprocessing
-
-    card = DirectoryCard(str(tmp_path / "card"))
-    card.open()
-    assert card.merge_heads(set()) == set()
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(4) as pool:
-        pool.starmap(_append_heads, [(card.location, range(w * 1000, w * 1000 + 1000)) for w in range(4)])
-    assert card.merge_heads(set()) == set(range(4000))
-    path = tmp_path / "card" / "kvgate-heads"
-    assert path.stat().st_size == 4000 * 8, "no id written twice"
-    with open(path, "ab") as f:
-        f.write(b"\x07\x07\x07")  # a crash in the middle of an append
-    assert card.merge_heads(set()) == set(range(4000))
-    assert card.merge_heads({5000}) == set(range(4000)) | {5000}
-    assert path.stat().st_size == 4001 * 8
-    card.clean()
-    assert card.merge_heads(set()) == set(range(4000)) | {5000}, "clean keeps the heads"
-
-
-def test_shared_heads_list_keeps_its_newest_ids_up_to_card_max_heads(card: DirectoryCard, monkeypatch) -> None:
-    """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
-    monkeypatch.setattr("kvgate.cards.directory.card.CARD_MAX_HEADS", 50)
-    path = os.path.join(card.location, "kvgate-heads")
-    assert card.merge_heads(set(range(30))) == set(range(30))
-    with open(path, "ab") as f:
-        f.write(b"\x07\x07")  # a torn append
-    assert card.merge_heads(set(range(30, 60))) == set(range(10, 60)), "the oldest ids go first"
-    assert os.path.getsize(path) == 50 * 8
-    assert card.merge_heads(set(range(55, 70))) == set(range(20, 70))
-    assert card.merge_heads(set(range(1000, 1100))) == set(range(1050, 1100)), "one append over the bound"
-    assert card.merge_heads(set()) == set(range(1050, 1100)) and os.path.getsize(path) == 50 * 8
-
-
-def _append_heads(location: str, ids) -> None:
-    card = DirectoryCard(location)
-    card.open()
-    for start in range(0, len(ids), 100):
-        card.merge_heads(set(ids[start : start + 100]))
-
-
 # ---------------------------------------------------------------- names and the index snapshot
 
 

@@ -205,7 +205,7 @@ def test_a_corrupt_object_replaced_meanwhile_is_kept(card: NetworkCard, served) 
 # ---------------------------------------------------------------- whole card
 
 
-def test_snapshot_and_heads(card: NetworkCard, served) -> None:
+def test_snapshot(card: NetworkCard, served) -> None:
     _, local = served
     check_snapshot_round_trip(card, 0)
     big = os.urandom(3 * w.SNAPSHOT_PIECE + 5)  # several pieces
@@ -213,10 +213,6 @@ def test_snapshot_and_heads(card: NetworkCard, served) -> None:
     wr.write(big)
     wr.commit()
     assert card.read_snapshot() == big == local.read_snapshot()
-    assert card.merge_heads([]) == set()
-    assert card.merge_heads([1, 2]) == {1, 2}
-    local.merge_heads([3])
-    assert card.merge_heads([2, 1 << 63]) == {1, 2, 3, 1 << 63}
 
 
 def test_make_card_and_expand_know_kvgate_urls() -> None:

@@ -747,25 +747,3 @@ def test_check_renews_the_lease_and_says_when_it_is_lost(server: RedisServer, ca
     # A server restarted empty loses the lease with everything else; the next check takes it again.
     server.restart_empty()
     assert c.check() == c.serial and r.hexists(LEASE_KEY, c._lease.field)
-
-
-def test_shared_heads_list_is_the_union_of_what_every_card_object_added(server: RedisServer,
-                                                                      cards: list[RedisCard]) -> None:
-    one, two = open_card(cards, server.url), open_card(cards, server.url)
-    assert one.merge_heads(set()) == set()
-    assert one.merge_heads({1, 2, 3}) == {1, 2, 3}
-    assert two.merge_heads({3, 4, 2**64 - 1}) == {1, 2, 3, 4, 2**64 - 1}
-    assert one.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}
-    assert one.clean() >= 0 and two.merge_heads(set()) == {1, 2, 3, 4, 2**64 - 1}, "clean keeps the heads"
-
-
-def test_shared_heads_list_keeps_at_most_card_max_heads(server: RedisServer, cards: list[RedisCard],
-                                                      monkeypatch) -> None:
-    """Gateways that keep learning (system prompts change) never grow a card's list past its bound."""
-    monkeypatch.setattr("kvgate.cards.redis.card.CARD_MAX_HEADS", 50)
-    one = open_card(cards, server.url)
-    for start in range(0, 400, 40):
-        got = one.merge_heads(set(range(start, start + 40)))
-        assert len(got) == min(50, start + 40)
-    assert len(one.merge_heads(set())) == 50 and one.merge_heads(set()) <= set(range(400))
-

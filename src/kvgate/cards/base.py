@@ -63,9 +63,9 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from collections.abc import Collection
 from typing import Any, ClassVar, Iterable, Iterator
 
+from kvgate.cards.heads import HeadsChannel
 from kvgate.cards.objectformat import Header, ObjectMeta, ObjectTooNew
 from kvgate.keys import key_digest
 from kvgate.memcopy import Abandon
@@ -279,6 +279,9 @@ class Card(ABC):
         # the long tier adds them to the corrupt-objects counter after each scan.
         self.scan_corrupt = 0
         self.claimed: bool | None = None  # None: not claimed; else whether shared
+        # The card's shared-heads list, a side channel beside this interface (kvgate.cards.heads);
+        # a kind that keeps one sets it, None: this card keeps none and the head sync passes it by.
+        self.heads: HeadsChannel | None = None
 
     def object_place(self, full_key: bytes) -> tuple[int, str]:
         """Where the object of ``full_key`` goes: which of the ``num_dbs`` shards, and its name there.
@@ -488,17 +491,6 @@ class Card(ABC):
             except OSError as e:
                 out.append(e)
         return out
-
-    @abstractmethod
-    def merge_heads(self, ids: Collection[int]) -> set[int]:
-        """Add ``ids`` to the card's list of shared heads; the whole list (``kvgate.heads``).
-
-        Every gateway on the card adds what it learned and reads what the
-        others did, so they all compute the same dialog marks.  The list
-        keeps at most ``kvgate.heads.CARD_MAX_HEADS`` ids: past that, the
-        ones it has held longest (or, where it keeps no order, any) go.  With
-        no ``ids`` this only reads (an empty set if there is none).
-        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources and the claim; the card may be opened again."""

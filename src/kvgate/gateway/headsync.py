@@ -1,7 +1,8 @@
 """Keeps the gateway's shared heads (``kvgate.heads``) and its cards' lists in step.
 
 Every ``PERIOD_S`` the heads learned here since the last round go to every
-active card (``Card.merge_heads``), and what the cards hold comes back; a
+active card that keeps a list (its ``heads`` channel,
+``kvgate.cards.heads.HeadsChannel``), and what the cards hold comes back; a
 card that missed a round (out of service, a failed write) gets the whole set
 once it is back.  Before the gateway listens, one round reads the cards, so
 a restarted gateway answers with the marks it gave before.
@@ -23,7 +24,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from kvgate.cards.base import Card
+from kvgate.cards.heads import HeadsChannel
 from kvgate.heads import SharedHeads
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.cardset import CardSet
@@ -45,7 +46,7 @@ class HeadSync:
 
     async def sync_once(self) -> None:
         new = self.heads.take_new()
-        cards = [cs for cs in self.long.cards if cs.active and cs.serial]
+        cards = [cs for cs in self.long.cards if cs.active and cs.serial and cs.card.heads is not None]
         results = await asyncio.gather(*(self._one(cs, new) for cs in cards), return_exceptions=True)
         serials = {cs.serial for cs in self.long.cards}
         for gone in [s for s in self._answers if s not in serials]:  # a card that left the set: its list goes
@@ -78,7 +79,7 @@ class HeadSync:
             new = self.heads.all()
         if cs.read_only:
             new = set()
-        return await cs.io.run(_merge_on_card, cs.card, new, self._answers.get(serial))
+        return await cs.io.run(_merge_on_card, cs.card.heads, new, self._answers.get(serial))
 
     async def run(self) -> None:
         next_round = time.monotonic()
@@ -93,9 +94,10 @@ class HeadSync:
                 log.exception("shared heads: a sync round failed")
 
 
-def _merge_on_card(card: Card, new: Collection[int], last: np.ndarray | None) -> tuple[np.ndarray, list[int]]:
+def _merge_on_card(channel: HeadsChannel, new: Collection[int],
+                   last: np.ndarray | None) -> tuple[np.ndarray, list[int]]:
     """(the card's list, sorted; the ids in it not in ``last``), on the card's thread."""
-    got = card.merge_heads(new)
+    got = channel.merge(new)
     answer = np.fromiter(got, dtype=np.uint64, count=len(got))
     answer.sort()
     fresh = answer if last is None else np.setdiff1d(answer, last, assume_unique=True)

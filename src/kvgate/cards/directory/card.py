@@ -12,20 +12,19 @@ module:
   misplaced objects moved home on the way;
 - ``dirlabel``: its label; ``dirclaim``: its claim, a lock on
   ``kvgate-card.lock`` held until ``close``; ``dirsnapshot``: the index
-  snapshot's writer;
+  snapshot's writer; ``heads``: the shared-heads list, the card's
+  ``heads`` channel (``kvgate.cards.heads``);
 - ``direrrors``: which OSErrors say the card, not one object, is in trouble.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Collection
 from typing import Iterator
 
 from kvgate.cards.base import (
@@ -55,11 +54,12 @@ from kvgate.cards.directory.directio import (
 )
 from kvgate.cards.directory.claim import LockFileClaim
 from kvgate.cards.directory.errors import CardErrors
+from kvgate.cards.directory.heads import DirectoryHeads
 from kvgate.cards.directory.label import CardLabel
-from kvgate.cards.directory.layout import HEADS_NAME, SNAPSHOT_NAME, TEMP_MARK, db_dir_names
+from kvgate.cards.directory.layout import SNAPSHOT_NAME, TEMP_MARK, db_dir_names
 from kvgate.cards.directory.scan import DirectoryScan
 from kvgate.cards.directory.snapshot import FileSnapshotWriter
-from kvgate.cards.directory.write import ObjectFileWriter, discard_corrupt, pwrite_all, unlink_quiet
+from kvgate.cards.directory.write import ObjectFileWriter, discard_corrupt, unlink_quiet
 from kvgate.cards.objectformat import (
     Header,
     ObjectCorrupt,
@@ -69,7 +69,6 @@ from kvgate.cards.objectformat import (
     header_size,
     padded_size,
 )
-from kvgate.heads import CARD_MAX_HEADS, decode_id_list, encode_ids
 from kvgate.keys import key_digest, payload_hasher
 from kvgate.memcopy import Abandon, in_client_memory
 
@@ -107,6 +106,7 @@ class DirectoryCard(Card):
         self.create_missing = create_missing
         self._db_names = db_dir_names(num_dbs)
         self._scan = DirectoryScan(self, self.named_path, self._errors, self._claim, self._writer)
+        self.heads = DirectoryHeads(location)
 
     @property
     def sync_writes(self) -> bool:
@@ -469,39 +469,6 @@ class DirectoryCard(Card):
 
     def drop_snapshot(self) -> None:
         unlink_quiet(os.path.join(self.location, SNAPSHOT_NAME))
-
-    def merge_heads(self, ids: Collection[int]) -> set[int]:
-        # Appended under an exclusive flock: gateways on other hosts append
-        # too, and a crash mid-append loses at most the ids of that append.
-        # Past CARD_MAX_HEADS the list is rewritten without its oldest ids (a
-        # crash mid-rewrite leaves a mix of old and new ids, each whole: a
-        # gateway re-learns what is missing).
-        path = os.path.join(self.location, HEADS_NAME)
-        try:
-            fd = os.open(path, (os.O_RDWR | os.O_CREAT if ids else os.O_RDONLY) | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:
-            return set()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if ids else fcntl.LOCK_SH)
-            size = os.fstat(fd).st_size
-            raw = bytearray(size)
-            got = os.preadv(fd, [raw], 0) if size else 0
-            held = decode_id_list(memoryview(raw)[:got])
-            have = set(held)
-            missing = sorted(set(ids) - have)
-            if missing:
-                if len(held) + len(missing) > CARD_MAX_HEADS:
-                    held = (held + missing)[-CARD_MAX_HEADS:]
-                    data, at, have = encode_ids(held), 0, set(held)
-                else:
-                    data, at = encode_ids(missing), got - got % 8  # a torn tail is written over
-                    have.update(missing)
-                pwrite_all(fd, data, at)
-                if at + len(data) < size:
-                    os.ftruncate(fd, at + len(data))
-            return have
-        finally:
-            os.close(fd)
 
     def read_rates(self) -> dict[str, float]:
         return {"cached_copy_bytes_per_second": self.cached_reads.copy_rate or 0.0,

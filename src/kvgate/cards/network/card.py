@@ -42,13 +42,13 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Collection
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from kvgate.cards.network import wire as w
 from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject, WriteAbandoned, byte_view, holder_doc
 from kvgate.cards.network.conn import Conn, copies
+from kvgate.cards.network.heads import NetworkHeads
 from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size
 from kvgate.config import ConfigError, read_token
 from kvgate.keys import key_digest, payload_hash
@@ -122,6 +122,7 @@ class NetworkCard(Card):
         self._claim_said_at = 0.0
         # The largest object file the server takes, as its hello said; a bigger write is refused here.
         self.server_max_object_bytes = max_object_bytes
+        self.heads = NetworkHeads(self._call)
 
     # ----------------------------------------------------------- connections
 
@@ -441,9 +442,6 @@ class NetworkCard(Card):
 
     def free_bytes(self) -> int:
         return int(self._call(w.FreeBytes())[0])
-
-    def merge_heads(self, ids: Collection[int]) -> set[int]:
-        return set(self._call(w.MergeHeads(list(ids)), max_body=0)[0])
 
     def reserve_bytes(self, card_reserve: int) -> int:
         return card_reserve

@@ -466,7 +466,7 @@ class Connection:
         assert self.card is not None
         if len(msg.ids) > w.MAX_HEADS or any(not 0 <= i < 1 << 64 for i in msg.ids):
             raise w.WireError(f"merge_heads of {len(msg.ids)} ids, over {w.MAX_HEADS} or not u64s")
-        return w.Ok(sorted(self.card.merge_heads(msg.ids))), b""
+        return w.Ok(sorted(self.card.heads.merge(msg.ids))), b""
 
 
 class ReadAhead:

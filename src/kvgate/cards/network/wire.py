@@ -44,7 +44,7 @@ MAX_REQUEST_HEADER = 8 << 20
 # Replies carry stored_objects' headers and names' batches (a leaf directory).
 MAX_REPLY_HEADER = 64 << 20
 MAX_BATCH = 4096
-MAX_HEADS = 1 << 20  # ids of one merge_heads
+MAX_HEADS = 1 << 20  # ids of one MergeHeads request
 # Snapshots travel in pieces of at most this (one frame each).
 SNAPSHOT_PIECE = 1 << 20
 # The largest snapshot a client accepts back (an index of tens of millions of objects).

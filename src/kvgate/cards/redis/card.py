@@ -8,6 +8,7 @@ Layout, in the logical database the URL selects::
 
     kvgate:card-label               label: JSON {"serial", "format", "created"}
     kvgate:index                    the gateway's index snapshot (kvgate.tiers.restart)
+    kvgate:heads                    the shared-heads set, the card's ``heads`` channel (``redisheads``)
     kvgate:o:<N>:<digest hex>       one object per string value (header + payload)
 
 ``N`` spreads objects over ``num_dbs`` key prefixes (the same choice of db as
@@ -61,7 +62,6 @@ from __future__ import annotations
 import errno
 import logging
 import uuid
-from collections.abc import Collection
 from typing import Any, Iterator
 
 import redis.exceptions as rexc
@@ -69,12 +69,12 @@ import redis.exceptions as rexc
 from kvgate.cards.base import Card, CardUnavailable, SnapshotWriter, StoredObject
 from kvgate.cards.objectformat import FIXED_SIZE, Header, ObjectCorrupt, ObjectMeta, ObjectTooNew, peek_header
 from kvgate.cards.redis.conn import RedisConnections
+from kvgate.cards.redis.heads import RedisHeads
 from kvgate.cards.redis.keys import SCAN_COUNT, RedisKeys, as_text, redact, split_tag
 from kvgate.cards.redis.label import RedisLabel
 from kvgate.cards.redis.lease import RedisLease
 from kvgate.cards.redis.objects import RedisObjects
 from kvgate.cards.redis.snapshot import RedisSnapshotWriter
-from kvgate.heads import CARD_MAX_HEADS
 from kvgate.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, key_digest
 from kvgate.memcopy import Abandon
 
@@ -127,6 +127,7 @@ class RedisCard(Card):
         self._objects = RedisObjects(self._conns, self._k, self.object_key, self.ttl_ns)
         self._label = RedisLabel(self._conns, self._k, io_timeout_ms)
         self._lease = RedisLease(self._conns, self._k.lease)
+        self.heads = RedisHeads(self._conns, self._k.heads)
 
     # ----------------------------------------------------------------- label
 
@@ -161,20 +162,6 @@ class RedisCard(Card):
     def claim(self, shared: bool) -> None:
         self._lease.renew(shared, claiming=self.claimed is None)
         self.claimed = shared
-
-    def merge_heads(self, ids: Collection[int]) -> set[int]:
-        with self._conns.io():
-            if ids:
-                members = [i.to_bytes(8, "little") for i in ids]
-                with self._r.pipeline(transaction=False) as pipe:
-                    for start in range(0, len(members), 4096):
-                        pipe.sadd(self._k.heads, *members[start : start + 4096])
-                    pipe.scard(self._k.heads)
-                    over = pipe.execute()[-1] - CARD_MAX_HEADS
-                if over > 0:  # a set has no order: random ids go (a gateway re-learns any it still needs)
-                    self._r.spop(self._k.heads, over)
-            raw = self._r.smembers(self._k.heads)
-        return {int.from_bytes(m, "little") for m in raw if len(m) == 8}
 
     def check_writable(self) -> None:
         with self._conns.io():  # a replica answers READONLY: CardUnavailable(EROFS)

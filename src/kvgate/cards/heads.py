@@ -23,24 +23,24 @@ class HeadsChannel(ABC):
       before the gateway listens, on the card's I/O threads (``CardIo.run``,
       under the card's ``io_timeout_ms`` deadline), never on the event loop;
       and the card server, on the thread of the connection that asked.
-      ``merge`` is safe to call from several threads and processes at once
-      (on other hosts too): nothing added by any of them is lost, except to
-      the bound below.
+    - Safe to call from several threads and processes at once, on other
+      hosts too: no call loses what a concurrent one adds.  Ids go only
+      past the bound below, or with a write a crash cut short.
     - It blocks on the card's medium and nothing else: a directory card's
       file I/O and a ``flock`` of its heads file (another gateway holds it
-      only while it reads and writes the list), a Redis card's round trips
-      and a network card's request, each bounded by the card's
-      ``io_timeout_ms``.  A caller that stops waiting leaves the call to
-      finish on its thread; an append is whole or (after a crash) a torn
-      tail that later reads drop.
-    - Failures are the card's: an ``OSError`` (``CardUnavailable`` for a
-      card that cannot be reached), never a partial answer.
-    - The list is stored on the medium exactly as the card kinds stored it
-      before this channel had its name (a directory card's ``kvgate-heads``
-      file of little-endian u64s, oldest first; a Redis card's set
-      ``kvgate:heads`` of 8-byte little-endian members, behind the card's
-      hash tag; a network card's is its served directory card's), so a card
-      written by any kvgate keeps its heads.
+      only while it reads and writes the list; neither is bounded here), a
+      Redis card's round trips and a network card's request (each bounded
+      by the card's ``io_timeout_ms``).  A caller that stops waiting leaves
+      the call to finish on its thread; an append lands whole or, after a
+      crash, as a torn tail that later calls drop.
+    - Failures are the card's ``OSError`` (a Redis or network card that
+      cannot be reached: ``CardUnavailable``), never a partial answer.
+    - The list is stored on the medium exactly as cards stored it before
+      this channel had its name (a directory card's ``kvgate-heads`` file of
+      little-endian u64s, oldest first; a Redis card's set ``kvgate:heads``
+      of 8-byte little-endian members, behind the card's hash tag if it has
+      one; a network card's is its served directory card's), so a card
+      written by an earlier kvgate keeps its heads and the other way round.
     """
 
     @abstractmethod

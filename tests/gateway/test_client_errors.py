@@ -131,7 +131,7 @@ def test_an_engine_of_another_user_is_told_who_owns_the_socket_and_the_region(ga
         assert oct(os.stat(gw.socket).st_mode & 0o777) == "0o660"
 
         e = _connect_as_nobody(gw.socket)
-        assert e["type"] == "PermissionError", e
+        assert e["type"] == "NotPermitted", e  # kvgate.errors.NotPermitted, a PermissionError
         for words in (gw.socket, "uid 0", f"uid {NOBODY}", "mode 0660", "gateway's user", "group"):
             assert words in e["message"], (words, e["message"])
 
@@ -143,7 +143,7 @@ def test_an_engine_of_another_user_is_told_who_owns_the_socket_and_the_region(ga
 
         # with the token the hello is let in, and the session's region is what fails
         e = _connect_as_nobody(gw.socket, "errors-token")
-        assert e["type"] == "PermissionError", e
+        assert e["type"] == "NotPermitted", e  # kvgate.errors.NotPermitted, a PermissionError
         for words in ("/dev/shm/kvgate-", "shared-memory region", "uid 0", f"uid {NOBODY}", "mode 0600",
                       "same user"):
             assert words in e["message"], (words, e["message"])

@@ -28,12 +28,17 @@ MAY_USE: dict[str, set[str]] = {
     # the card server serves directory cards, and speaks the network card's wire
     "cards.network.server": BOTTOM | {"heads", "cards", "cards.directory", "cards.network"},
     "tiers": BOTTOM | {"heads", "cards", "placement"} | CARD_KINDS,
-    "gateway": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers"} | CARD_KINDS,
+    # vLLM's KV event wire, publisher and subscriber: pure messaging, below whoever publishes or reads
+    "kvevents": BOTTOM,
+    "gateway": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers", "kvevents"} | CARD_KINDS,
     "client": BOTTOM | {"protocol"},
     "integrations": BOTTOM | {"client"},
     # the control plane: card labels and the slot map, never the card server or the gateway
     "cluster": BOTTOM | {"cards", "placement", "tiers"} | CARD_KINDS,
-    "bench": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers", "client", "cards.network.server"} | CARD_KINDS,
+    "bench": BOTTOM | {"heads", "cards", "placement", "protocol", "tiers", "client", "cards.network.server", "kvevents",
+              "routing"} | CARD_KINDS,
+    # kvgate router: block hashes as engines make them, the index fed by KV events, scoring, the HTTP front
+    "routing": BOTTOM | {"kvevents", "protocol", "client"},
     "cli": set(),  # the top: anything
     "__main__": {"cli"},
     "kvgate": BOTTOM | {"client"},  # the package's public names: the client's

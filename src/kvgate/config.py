@@ -288,6 +288,17 @@ class Config:
         "realtime: the threads serving reads an engine waits on run at SCHED_RR 1 where permitted "
         "(engines poll the CPUs while they wait); normal: the fair scheduler's share",
         choices=("realtime", "normal"))
+    # KV events (vLLM's format: a router learns where each block is).  Off by default: the events say
+    # which blocks this gateway holds, so whoever reads them learns which prompts were seen.
+    kv_events_endpoint: str | None = _key(
+        _parse_str, None, "ZMQ PUB endpoint this gateway publishes its tiers' KV events on, in vLLM's format "
+        "(e.g. tcp://127.0.0.1:5570; off when unset)", optional=True)
+    kv_events_replay_endpoint: str | None = _key(
+        _parse_str, None, "ZMQ ROUTER endpoint a subscriber that missed batches asks again (e.g. "
+        "tcp://127.0.0.1:5571; off when unset)", optional=True)
+    kv_events_topic: str = _key(_parse_str, "kvgate", "topic of the events of this gateway's RAM tier; a card's "
+                                "events go out under <topic>@card:<serial>")
+    kv_events_buffer: int = _key(_parse_int, 10_000, "event batches kept for replay", minimum=1)
     log_level: str = _key(_parse_str, "info", "log level", choices=("debug", "info", "warning", "error"))
     cluster_etcd_endpoints: list[str] = _key(
         _parse_str_list, [],

@@ -86,6 +86,11 @@ class Hello(_Msg, tag="hello"):
     salted: bool = False
     want_shm: bool = True
     protocol: int = VERSION
+    # How this engine's keys name blocks, for the KV events the gateway publishes (kvgate.gateway.kvevents):
+    # "vllm": a key is a block hash then a 4-byte big-endian group index (vLLM's offloading key); "": the
+    # whole key is the block's hash.  block_size: tokens per key (0: not said).  Older gateways ignore both.
+    block_keys: str = ""
+    block_size: int = 0
 
 
 class RegisterRegion(_Msg, tag="register_region"):

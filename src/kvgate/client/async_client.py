@@ -117,16 +117,22 @@ class AsyncClient(core.ClientCore):
         salted: bool = False,
         timeout: float | None = 60.0,
         want_shm: bool = True,
+        block_keys: str = "",
+        block_size: int = 0,
     ) -> "_Connecting":
-        """Connect and open a session, as ``Client.connect``; ``timeout`` is also each call's default.
+        """Connect and open a session, as ``Client.connect`` (``block_keys``, ``block_size`` included);
+        ``timeout`` is also each call's default.
 
         Awaitable (``c = await AsyncClient.connect(...)``) or an async
         context manager (``async with AsyncClient.connect(...) as c``).
         """
-        return _Connecting(cls._connect(target, namespace, token, engine_id, role, salted, timeout, want_shm))
+        core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size)  # checks them now
+        return _Connecting(cls._connect(target, namespace, token, engine_id, role, salted, timeout, want_shm,
+                                        block_keys, block_size))
 
     @classmethod
-    async def _connect(cls, target, namespace, token, engine_id, role, salted, timeout, want_shm) -> "AsyncClient":
+    async def _connect(cls, target, namespace, token, engine_id, role, salted, timeout, want_shm,
+                       block_keys="", block_size=0) -> "AsyncClient":
         kind, addr = core.parse_target(target)
         where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         loop = asyncio.get_running_loop()
@@ -149,7 +155,8 @@ class AsyncClient(core.ClientCore):
                 except OSError as e:
                     raise connect_failure(e, where) from e
                 client = cls(sock, local=kind == "unix", timeout=timeout)
-                hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix")
+                hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix",
+                                      block_keys, block_size)
                 async with client._session as session:
                     client._hello = await _drive(session.sock, hello(session))
         except BaseException as e:

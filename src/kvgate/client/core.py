@@ -174,10 +174,17 @@ class ClientCore:
 # ---- the operations: arguments checked now, the rest once the call holds its client ------------
 
 
+BLOCK_KEY_FORMS = ("", "vllm")
+
+
 def hello_op(namespace: str, token: str | None, engine_id: str, role: str, salted: bool,
-             want_shm: bool) -> Operation:
+             want_shm: bool, block_keys: str = "", block_size: int = 0) -> Operation:
+    if block_keys not in BLOCK_KEY_FORMS:
+        raise InvalidArgument(f"block_keys must be one of {BLOCK_KEY_FORMS}, got {block_keys!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+        raise InvalidArgument(f"block_size must be an int >= 0 (tokens per key; 0: not said), got {block_size!r}")
     msg = Hello(namespace=namespace, token=token, engine_id=engine_id, role=role, pid=os.getpid(), salted=salted,
-                want_shm=want_shm)
+                want_shm=want_shm, block_keys=block_keys, block_size=block_size)
     return lambda s: s.hello(msg)
 
 

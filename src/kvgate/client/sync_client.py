@@ -79,6 +79,8 @@ class Client(core.ClientCore):
         salted: bool = False,
         timeout: float | None = 60.0,
         want_shm: bool = True,
+        block_keys: str = "",
+        block_size: int = 0,
     ) -> "Client":
         """Connect and open a session.
 
@@ -93,7 +95,14 @@ class Client(core.ClientCore):
         why, e.g. TOO_MANY_CONNECTIONS, ENGINE_BUSY), and ``NotPermitted`` (a
         ``PermissionError``) saying who owns what when the socket or the
         session's region belongs to another user; all are ``KvgateError``.
+
+        ``block_keys`` and ``block_size`` say how this engine's keys name KV blocks, for the KV events a
+        gateway with ``kv_events_endpoint`` publishes: ``block_keys="vllm"`` when each key is a block hash
+        followed by a 4-byte big-endian KV cache group index (vLLM's offloading key), ``""`` (the default)
+        when the whole key is the block's hash (group 0); ``block_size`` the tokens each key covers (0:
+        not said).  They change nothing else.
         """
+        hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size)
         kind, addr = core.parse_target(target)
         where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         if kind == "unix":
@@ -116,8 +125,9 @@ class Client(core.ClientCore):
                 except OSError as e:
                     raise connect_failure(e, where) from e
             client = cls(sock, local=kind == "unix")
-            client._hello = client._run(core.hello_op(namespace, token, engine_id, role, salted,
-                                                      want_shm and kind == "unix"))
+            if kind != "unix" and want_shm:
+                hello = core.hello_op(namespace, token, engine_id, role, salted, False, block_keys, block_size)
+            client._hello = client._run(hello)
         except BaseException:
             sock.close()
             raise

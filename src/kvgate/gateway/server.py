@@ -35,6 +35,7 @@ from kvgate.latency import Latencies
 from kvgate.gateway.sdnotify import notify
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
+from kvgate.gateway.kvevents import KvEvents
 from kvgate.gateway.listeners import Listeners
 from kvgate.gateway.operations import Operations
 from kvgate.gateway.peers import loopback_uids_visible
@@ -89,6 +90,7 @@ class Gateway:
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.long)
         self.sessions = Sessions(cfg, self.store, self.pool)
+        self.kv_events: KvEvents | None = None  # kv_events_endpoint: the tiers' changes as vLLM KV events
         self.latency = Latencies()
         self.operations = Operations(cfg, self.store, self.pool, self.heads, self.snapshot, self.latency)
         self.listeners = Listeners(cfg, self.sessions, self.operations, self._spawn)
@@ -132,6 +134,13 @@ class Gateway:
         if len(self.heads):
             log.info("shared heads: %d blocks known from the cards", len(self.heads))
         self._spawn(self.head_sync.run())
+        if cfg.kv_events_endpoint:  # before the listeners: every change a client makes is published
+            kv_events = KvEvents(cfg, self.store, self.sessions.key_forms)
+            try:
+                await kv_events.start()
+            except ConfigError as e:
+                raise StartupError(f"config key {e}") from None
+            self.kv_events = kv_events
         socket_dir = os.path.dirname(os.path.abspath(cfg.socket_path))
         if cfg.socket is None:  # the default's directory (XDG_RUNTIME_DIR, or /tmp) is the gateway's to make
             os.makedirs(socket_dir, exist_ok=True)
@@ -261,6 +270,9 @@ class Gateway:
         self.listeners.close()
         if self.http:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
+        if self.kv_events is not None:
+            await self.kv_events.close()
+            self.kv_events = None
         await self.store.stop()
         self.sessions.close_all()
         self.sessions.peers.close()

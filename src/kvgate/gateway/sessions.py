@@ -27,6 +27,7 @@ from kvgate.gateway import lending
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config
 from kvgate.gateway.connection import Body, Connection, body_length
+from kvgate.gateway.kvevents import KeyForms
 from kvgate.gateway.peers import PeerLookups, is_loopback_peer, trusted_uid
 from kvgate.gateway.shm import Region, RegionError, could_stop_gateway, create_session_region
 from kvgate.keys import BadKey, encode_namespace
@@ -173,6 +174,7 @@ class Sessions:
         self.by_id: dict[int, Session] = {}
         self._ids = itertools.count(1)
         self._releasing: set[asyncio.Task] = set()
+        self.key_forms = KeyForms()  # each namespace's Hello.block_keys / block_size, for the KV events
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -200,6 +202,12 @@ class Sessions:
                 sess.namespace = encode_namespace(req.namespace)
             except BadKey as e:
                 await refuse(ErrorCode.BAD_REQUEST, str(e))
+                return None
+            try:
+                if req.block_keys or req.block_size:
+                    self.key_forms.declare(sess.namespace, req.block_keys, req.block_size)
+            except ValueError as e:
+                await refuse(ErrorCode.BAD_REQUEST, f"hello: {e}")
                 return None
             if self.cfg.refuse_unsalted and not req.salted:
                 await refuse(ErrorCode.UNSALTED_REFUSED, "this gateway refuses sessions without a tenant salt")

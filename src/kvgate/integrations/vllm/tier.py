@@ -155,12 +155,22 @@ class KvgateTier(SecondaryTierManager):
         self._requests = RequestStates(self.settings, self._log, info.tokens_per_chunk)
 
         outage = Outage()  # one for the three sessions: a gateway back is logged once
+        # What each key is, for the KV events a gateway publishes (Hello.block_keys): vLLM's offloading
+        # key, make_offload_key(block_hash, group_idx) = hash + 4-byte big-endian group index.  In vLLM 0.32
+        # (offloading/scheduler.py update_offload_keys, _make_boundary_key) a key covers one chunk of
+        # blocks_per_chunk GPU blocks (tokens_per_chunk tokens) and its hash is request.block_hashes of the
+        # chunk's LAST hash block (index (k+1) * hashes_per_chunk - 1, hashes made every tokens_per_hash
+        # tokens by the engine's prefix_caching_hash_algo): the same hash a vLLM engine's own BlockStored
+        # carries for that block.  block_size: tokens per key, when every group has the same (0 if not).
+        chunk_sizes = set(info.tokens_per_chunk.values())
+        block_size = chunk_sizes.pop() if len(chunk_sizes) == 1 else 0
 
         def connection(name: str, timeout: float, bulk: bool = True) -> TierConnection:
             # primary_kv_view is registered with a local gateway: transfers in place
             return TierConnection(name, timeout, settings=self.settings, namespace=self.namespace,
                                   engine_id=self.engine_id, region_path=self.region_path,
-                                  region_view=primary_kv_view, log=self._log, bulk=bulk, outage=outage)
+                                  region_view=primary_kv_view, log=self._log, bulk=bulk, outage=outage,
+                                  block_size=block_size)
 
         self._store_conn = connection("stores", self.settings.io_timeout)
         self._load_conn = connection("loads", self.settings.io_timeout)

@@ -6,9 +6,10 @@ One argument, a JSON plan; the findings go to the plan's "out" as JSON.  Plan ke
   consumers use) and reported as ``{"ts", "rank", "events": [{"type", field: value...}]}``, bytes as hex.
 - "encode": true: vLLM's own events (every kind, bytes and int hashes, every field set) encoded with
   vLLM's encoder; reported as "encoded" (hex payloads) and "encoded_events" (as "decode" reports them).
-- "subscribe": {"endpoint", "topic", "count", "timeout_s"}: a ZMQ SUB reads ``count`` messages (three
-  frames each, as vLLM's publisher sends) and decodes each payload with vLLM's decoder; reported as
-  "received": [{"topic", "seq", "batch"}].
+- "subscribe": {"endpoint", "topic", "count", "timeout_s", "ready_file"}: a ZMQ SUB reads ``count``
+  messages (three frames each, as vLLM's publisher sends) and decodes each payload with vLLM's decoder;
+  reported as "received": [{"topic", "seq", "batch"}].  "ready_file" is written once the SUB is
+  connected (and has had 0.5 s to join), so the test publishes after that.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main() -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.connect(s["endpoint"])
         sock.setsockopt(zmq.SUBSCRIBE, s.get("topic", "").encode())
+        if s.get("ready_file"):
+            time.sleep(0.5)
+            open(s["ready_file"], "w").close()
         received = []
         deadline = time.monotonic() + s.get("timeout_s", 30)
         while len(received) < s["count"] and time.monotonic() < deadline:

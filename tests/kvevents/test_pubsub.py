@@ -266,3 +266,32 @@ def test_a_bind_failure_names_the_key(addrs):
         EventPublisher(addrs[0], addrs[1]).close()  # a publisher never started closes
     finally:
         taken.close(0)
+
+
+def test_a_restarted_publisher_is_joined_again(addrs, loop):
+    held = {"t": [b"a", b"b"]}
+    pub = EventPublisher(*addrs, snapshot=held_provider(held), loop=loop)
+    pub.start()
+    sub = Subscriber(addrs[0], addrs[1])
+    try:
+        joined(sub, pub)
+        for _ in range(5):
+            pub.publish("t", [stored(b"x")])
+        collect(sub, 5)
+        pub.close()
+        pub = EventPublisher(*addrs, snapshot=held_provider({"t": [b"c"]}), loop=loop)
+        pub.start()
+        for _ in range(100):  # until the SUB has reconnected
+            pub.publish("t", [stored(b"new")])
+            time.sleep(0.02)
+            got = sub.poll(0.02)
+            if got:
+                break
+        got += collect(sub, 3, timeout=2)
+        assert sub.stats["restarts"] == 1
+        kinds = [(t, type(b.events[0]).__name__) for t, _, b in got]
+        assert kinds[:2] == [("t", "AllBlocksCleared"), ("t", "BlockStored")]
+        assert got[1][2].events[0].block_hashes == [b"c"]
+    finally:
+        sub.close()
+        pub.close()

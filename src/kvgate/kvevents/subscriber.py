@@ -24,6 +24,10 @@ What it delivers, ``(topic, seq, EventBatch)``:
 - ``snapshot_on_join=True`` (the default, with a replay endpoint): the first thing it does is ask a
   snapshot (start ``END_SEQ``), so a late joiner starts from the publisher's whole state; a vLLM
   engine answers that with just the end marker, and the subscriber starts from the live stream.
+- A publisher that restarts counts its seq again from the start (vLLM 0, kvgate 1): a live seq not
+  above the last one read off the SUB socket (whose stream from one publisher only goes up) is taken
+  for a restart (``stats["restarts"]``), and the subscriber joins again (a snapshot, with
+  ``snapshot_on_join``); the consumer sees the snapshot's ``AllBlocksCleared``.
 
 Payloads are decoded by ``kvgate.kvevents.wire.decode_batch`` (both event forms); a payload that does
 not decode is skipped and counted (``stats["malformed"]``), its seq still counting as received.
@@ -71,11 +75,13 @@ class Subscriber:
         self._live: deque[tuple[bytes, int, bytes]] = deque(maxlen=live_buffer)
         self._live_lost = False
         self._last: int | None = None
+        self._live_max: int | None = None  # the highest seq read off the SUB socket
+        self._snapshot_on_join = snapshot_on_join
         self._join_pending = snapshot_on_join and replay_endpoint is not None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"delivered": 0, "gaps": 0, "gaps_unrecovered": 0, "replays": 0, "replayed": 0,
-                      "replay_timeouts": 0, "malformed": 0, "filtered": 0}
+                      "replay_timeouts": 0, "malformed": 0, "filtered": 0, "restarts": 0}
 
     @property
     def last_seq(self) -> int | None:
@@ -160,6 +166,15 @@ class Subscriber:
 
     def _take(self, msg: tuple[bytes, int, bytes], out: list[Delivered]) -> None:
         topic, seq, payload = msg
+        live_max, self._live_max = self._live_max, seq
+        if live_max is not None and seq <= live_max:
+            # one publisher's PUB stream only goes up: it restarted and counts from 0 (vLLM) or 1 (kvgate)
+            self.stats["restarts"] += 1
+            self._last = None
+            if self.replay_endpoint is not None and self._snapshot_on_join:
+                self._live.append(msg)
+                self._catch_up(-1, out)
+                return
         if self._last is None:
             self._last = seq - 1
         if seq <= self._last:
@@ -238,6 +253,7 @@ class Subscriber:
                         break
                     msg = self._parse(frames)
                     if msg is not None:
+                        self._live_max = max(self._live_max or 0, msg[1])
                         if len(self._live) == self._live.maxlen:
                             self._live_lost = True
                         self._live.append(msg)

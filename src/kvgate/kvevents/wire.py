@@ -7,7 +7,7 @@ Mirrors ``vllm/distributed/kv_events.py`` of vLLM 0.32 (read from the package, n
 - Each event is a msgpack MAP tagged ``"type": "<class name>"`` (``BlockStored``, ``BlockRemoved``,
   ``AllBlocksCleared``) with ``omit_defaults``: a field left at its default is not sent, so
   ``BlockStored``'s required fields (``block_hashes`` .. ``lora_name``) always are.
-- Older vLLM releases (0.8 - 0.10) sent each event as a positional ARRAY ``[tag, field1, field2, ...]``
+- Older vLLM releases sent each event as a positional ARRAY ``[tag, field1, field2, ...]``
   in field order, with trailing defaults left off; ``decode_batch`` accepts both forms, and a batch
   may even mix them.  ``encode_batch(..., positional=True)`` writes the older form (for tests and for
   consumers that only read it).
@@ -225,7 +225,7 @@ def _batch_path(message: str) -> str:
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """The ``EventBatch`` in ``payload``; each event may be map-tagged (vLLM >= 0.11) or positional
+    """The ``EventBatch`` in ``payload``; each event may be map-tagged (vLLM 0.32) or positional
     (older releases), mixed freely.  Unknown map keys and trailing positional fields (a newer engine's)
     are ignored.
 

@@ -63,7 +63,7 @@ def test_the_map_form_is_vllms():
 
 
 def test_an_old_short_positional_event_decodes():
-    """vLLM 0.8 sent BlockStored with five fields and BlockRemoved with one."""
+    """An old release's short positional events: BlockStored with five fields, BlockRemoved with one."""
     payload = msgspec.msgpack.encode([3.0, [["BlockStored", [1, 2], None, [5, 6], 2, None],
                                             ["BlockRemoved", [1]]]])
     batch = decode_batch(payload)

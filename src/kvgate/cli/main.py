@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (if not in the same file)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
+    p = sub.add_parser("router", help="an OpenAI-compatible front that routes requests to N engines "
+                       "(cache-aware, least-loaded or round-robin)")
+    from kvgate.cli.router import add_arguments as add_router_arguments
+
+    add_router_arguments(p)
+
     try:  # optional: a missing bench module must not break serve/stat/clean
         from kvgate.bench.command import add_arguments
     except ImportError:
@@ -265,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_clean(args)
         if args.command == "cards":
             return cmd_cards(args)
+        if args.command == "router":
+            from kvgate.cli.router import run as run_router
+
+            return run_router(args)
         if args.command == "export":
             from kvgate.cards.network.server import serve
 

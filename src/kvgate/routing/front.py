@@ -1,0 +1,378 @@
+"""The router's HTTP front: an OpenAI-compatible server that sends each request to one of N engines.
+
+Paths (aiohttp server; engines are reached with one aiohttp client session):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: the JSON body goes to the chosen engine
+  unchanged (except ``kv_transfer_params``, below); the answer comes back as the engine sent it: status,
+  content type and body, and with ``"stream": true`` each chunk of its server-sent events as it arrives.
+  A request that cannot connect to its endpoint is retried once on the policy's next choice, and the
+  endpoint is taken out until its next good health poll.  No endpoint routable: 503 with a JSON error.
+- ``GET /v1/models``: a routable endpoint's answer.
+- ``GET /health``: 200 when at least one endpoint is routable, else 503; the JSON names each endpoint's
+  state (``up``, ``down``, ``refused``) and why.
+- ``GET /metrics``: Prometheus text (``kvgate_router_*``: requests per endpoint and policy, decision and
+  tokenize latency, matched blocks per tier, endpoints up and refused).
+- ``POST /v1/score``: ``{prompt | messages | token_ids, model}`` in; each endpoint's matched blocks per tier
+  (gpu, cpu, storage), prefill left, load and cost out, for an external picker (llm-d, Dynamo).
+
+Tokenizing: to hash a prompt as the engine does, the router must have the engine's token ids.  It asks a
+routable endpoint's ``POST /tokenize`` (vLLM 0.32 and SGLang: ``{"model", "prompt"}`` for a completion, or
+``{"model", "messages"}`` for a chat, where the engine applies its chat template with
+``add_generation_prompt`` true as a chat completion does; the answer's ``tokens``).  That is one more HTTP
+round trip before the request is sent, paid only by the cache-aware policy and ``/v1/score``; a completion
+whose ``prompt`` is already token ids skips it.  When tokenizing fails the request is still routed (by
+load).
+
+llm-d's peer-source contract: a request with header ``x-kv-cache-source-host-port: host:port`` is sent on
+with ``kv_transfer_params.remote_kv_source = {kv_request_id, remote_host, remote_port}`` added to its body
+(``kv_request_id``: the request's ``x-request-id`` header, else a fresh id, which is also sent on as
+``x-request-id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvgate.errors import InvalidArgument
+from kvgate.routing.endpoints import EndpointPool, EndpointState
+from kvgate.routing.hashing import BlockHasher
+from kvgate.routing.index import KvIndex
+from kvgate.routing.policies import CacheAware, Decision, make_policy
+from kvgate.routing.settings import RouterSettings
+
+log = logging.getLogger("kvgate.router")
+
+SOURCE_HEADER = "x-kv-cache-source-host-port"
+# request headers sent on to the engine (the rest, Host and Content-Length above all, are the client's
+# connection to the router, not to the engine)
+_FORWARD = ("authorization", "x-request-id", "traceparent", "tracestate")
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _error(status: int, message: str, kind: str = "router_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def add_remote_source(body: dict[str, Any], header: str, request_id: str) -> None:
+    """Put llm-d's ``remote_kv_source`` for ``header`` (``host:port``; IPv6 as ``[addr]:port``) into
+    ``body["kv_transfer_params"]`` (kept, when the client sent some).  InvalidArgument for a bad header."""
+    host, sep, port = header.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{SOURCE_HEADER}: {header!r} is not host:port (e.g. 10.0.0.7:8000)")
+    params = body.get("kv_transfer_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise InvalidArgument(f"kv_transfer_params must be a JSON object to add remote_kv_source to, "
+                              f"got {type(params).__name__}")
+    params["remote_kv_source"] = {"kv_request_id": request_id, "remote_host": host, "remote_port": int(port)}
+    body["kv_transfer_params"] = params
+
+
+class Metrics:
+    """The router's Prometheus metrics, on their own registry (a process may run a gateway beside it)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvgate_router_requests", "requests sent to an endpoint, by policy",
+                                ["endpoint", "policy"], registry=r)
+        self.retries = Counter("kvgate_router_retries", "requests retried on the next choice after a "
+                               "connect failure", ["endpoint"], registry=r)
+        self.failures = Counter("kvgate_router_failures", "requests answered 502/503 by the router", ["why"],
+                                registry=r)
+        self.decision = Histogram("kvgate_router_decision_seconds", "time to choose an endpoint "
+                                  "(hashing and scoring; not tokenizing)", registry=r,
+                                  buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
+        self.tokenize = Histogram("kvgate_router_tokenize_seconds", "time of the engine's /tokenize round "
+                                  "trip", registry=r, buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
+        self.matched = Counter("kvgate_router_matched_blocks", "prompt blocks the chosen endpoint can "
+                               "restore, by tier (gpu, cpu, storage) and prefill (to compute)", ["tier"],
+                               registry=r)
+        self.fallbacks = Counter("kvgate_router_fallbacks", "cache-aware decisions made by load because "
+                                 "nothing matched or no hashes were known", registry=r)
+        self.up = Gauge("kvgate_router_endpoint_up", "1 when the endpoint passes its health poll",
+                        ["endpoint"], registry=r)
+        self.refused = Gauge("kvgate_router_endpoint_refused", "1 when the endpoint's hash settings differ "
+                             "from the router's", ["endpoint"], registry=r)
+        self.load = Gauge("kvgate_router_endpoint_load", "running + waiting (last poll) + router in-flight",
+                          ["endpoint"], registry=r)
+
+
+class Router:
+    """The front: ``start`` polls the endpoints once, then serves on ``settings.host:port`` (``port`` 0: a
+    free one, see ``port`` after start); ``close`` stops serving and polling.  ``index``: the KV index the
+    cache-aware policy and ``/v1/score`` read (the KV event feeds fill it; empty: decisions fall back to
+    load).  Raises InvalidArgument at construction for hash settings no router can reproduce."""
+
+    def __init__(self, settings: RouterSettings, index: KvIndex | None = None) -> None:
+        self.settings = settings
+        self.index = index if index is not None else KvIndex()
+        self.hasher = BlockHasher(settings.hash_algo, settings.block_size, settings.hash_seed)
+        self.policy = make_policy(settings.policy, self.index)
+        # /v1/score scores whatever the policy: share the policy's scorer when it has one
+        self.scoring = self.policy if isinstance(self.policy, CacheAware) else CacheAware(self.index)
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.pool: EndpointPool | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # ---- lifecycle
+    async def open(self) -> None:
+        """The client session and the endpoint poller (``start`` does this, then serves)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout)
+        # no per-host connection cap: the engine decides how many requests it takes
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             auto_decompress=False)
+        self.pool = EndpointPool(self.settings, self.session)
+        await self.pool.start()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)  # long prompts: 64 MiB of JSON
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/score", self._score)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> None:
+        await self.open()
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        server = site._server
+        self.port = server.sockets[0].getsockname()[1] if server and server.sockets else self.settings.port
+        log.info("router: serving on %s:%s, policy %s, %d endpoint(s) routable of %d", self.settings.host,
+                 self.port, self.policy.name, len(self.pool.routable()), len(self.pool.endpoints))
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.pool is not None:
+            await self.pool.close()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # ---- tokenizing and deciding
+    async def tokens(self, kind: str, body: dict[str, Any], candidates: list[EndpointState]) -> list[int] | None:
+        """The prompt's token ids as the engine makes them (``kind``: "completion" or "chat"), or None when
+        they cannot be had (no prompt of a known shape, or /tokenize failed on the first candidate)."""
+        if kind == "completion":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                return None  # a batch of prompts: the engine's prefixes differ per prompt; routed by load
+            ask: dict[str, Any] = {"prompt": prompt}
+        else:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            ask = {"messages": messages, "add_generation_prompt": body.get("add_generation_prompt", True)}
+            for k in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools"):
+                if k in body:
+                    ask[k] = body[k]
+        if body.get("model") is not None:
+            ask["model"] = body["model"]
+        if not candidates:
+            return None
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(f"{candidates[0].url}/tokenize", json=ask) as r:
+                if r.status != 200:
+                    log.debug("router: /tokenize on %s answered %s", candidates[0].url, r.status)
+                    return None
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.debug("router: /tokenize on %s failed: %s", candidates[0].url, e)
+            return None
+        finally:
+            self.metrics.tokenize.observe(time.perf_counter() - t0)
+        toks = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(toks, list):
+            return None
+        return toks
+
+    async def decide(self, kind: str, body: dict[str, Any]) -> Decision:
+        candidates = self.pool.routable()
+        hashes = None
+        if self.policy.needs_tokens and candidates:
+            toks = await self.tokens(kind, body, candidates)
+            candidates = self.pool.routable()  # the round trip may have seen one go
+            t0 = time.perf_counter()
+            hashes = self.hasher.hashes(toks) if toks else None
+        else:
+            t0 = time.perf_counter()
+        decision = self.policy.order(candidates, hashes)
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        if decision.fallback:
+            self.metrics.fallbacks.inc()
+        if decision.scores:
+            s = decision.scores[0]
+            for tier in ("gpu", "cpu", "storage", "prefill"):
+                self.metrics.matched.labels(tier).inc(getattr(s, tier))
+        return decision
+
+    # ---- handlers
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "/v1/completions", "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "/v1/chat/completions", "chat")
+
+    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            return _error(400, f"the request body is not JSON: {e}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+        return body
+
+    async def _proxy(self, request: web.Request, path: str, kind: str) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        headers = {k: request.headers[k] for k in _FORWARD if k in request.headers}
+        source = request.headers.get(SOURCE_HEADER)
+        if source is not None:
+            rid = headers.setdefault("x-request-id", request.headers.get("x-request-id") or uuid.uuid4().hex)
+            try:
+                add_remote_source(body, source, rid)
+            except InvalidArgument as e:
+                return _error(400, str(e), "invalid_request_error")
+        decision = await self.decide(kind, body)
+        if not decision.order:
+            self.metrics.failures.labels("no_endpoint").inc()
+            return _error(503, "no endpoint is routable: " + "; ".join(
+                f"{e.url} {e.refused or e.reason}" for e in self.pool.endpoints))
+        payload = json.dumps(body).encode()
+        headers["content-type"] = "application/json"
+        stream = bool(body.get("stream"))
+        tries = decision.order[:2]
+        last_error = ""
+        for i, ep in enumerate(tries):
+            ep.inflight += 1
+            try:
+                try:
+                    resp = await self.session.post(ep.url + path, data=payload, headers=headers)
+                except _CONNECT_ERRORS as e:
+                    last_error = f"{ep.url}: {type(e).__name__}: {e}"
+                    self.pool.mark_down(ep, f"a request could not connect: {type(e).__name__}: {e}")
+                    if i + 1 < len(tries):
+                        self.metrics.retries.labels(ep.url).inc()
+                        log.warning("router: %s; retrying on %s", last_error, tries[i + 1].url)
+                    continue
+                self.metrics.requests.labels(ep.url, self.policy.name).inc()
+                try:
+                    return await self._answer(request, resp, stream)
+                finally:
+                    resp.release()
+            finally:
+                ep.inflight -= 1
+        self.metrics.failures.labels("connect").inc()
+        return _error(502, f"no endpoint could be reached ({len(tries)} tried): {last_error}")
+
+    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool) -> web.StreamResponse:
+        ctype = resp.headers.get("content-type", "application/json")
+        if not stream or resp.status != 200:
+            data = await resp.read()
+            out = web.Response(status=resp.status, body=data)
+            out.headers["content-type"] = ctype
+            return out
+        out = web.StreamResponse(status=resp.status)
+        out.headers["content-type"] = ctype
+        out.headers["cache-control"] = "no-cache"
+        await out.prepare(request)
+        # each chunk as the engine sends it: a client sees every SSE event when the engine emits it
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+
+    async def _models(self, request: web.Request) -> web.Response:
+        for ep in self.pool.routable():
+            try:
+                async with self.session.get(f"{ep.url}/v1/models") as r:
+                    data = await r.read()
+                    out = web.Response(status=r.status, body=data)
+                    out.headers["content-type"] = r.headers.get("content-type", "application/json")
+                    return out
+            except _CONNECT_ERRORS as e:
+                self.pool.mark_down(ep, f"GET /v1/models could not connect: {e}")
+        return _error(503, "no endpoint is routable to list models")
+
+    async def _score(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        candidates = self.pool.routable()
+        toks = body.get("token_ids")
+        if toks is not None:
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                return _error(400, "token_ids must be a list of integers", "invalid_request_error")
+        elif "messages" in body:
+            toks = await self.tokens("chat", body, candidates)
+        elif "prompt" in body:
+            toks = await self.tokens("completion", body, candidates)
+        else:
+            return _error(400, "give one of prompt, messages or token_ids", "invalid_request_error")
+        if toks is None:
+            return _error(503, "the prompt could not be tokenized: no endpoint answered POST /tokenize "
+                          "(send token_ids instead)")
+        t0 = time.perf_counter()
+        hashes = self.hasher.hashes(toks)
+        scores = self.scoring.score(self.pool.endpoints, hashes) if self.pool.endpoints else []
+        elapsed = time.perf_counter() - t0
+        by_url = {e.url: e for e in self.pool.endpoints}
+        return web.json_response({
+            "tokens": len(toks), "blocks": len(hashes), "block_size": self.settings.block_size,
+            "seconds": elapsed,
+            "endpoints": [{"url": s.endpoint, "routable": by_url[s.endpoint].routable, "gpu": s.gpu,
+                           "cpu": s.cpu, "storage": s.storage, "matched": s.matched, "prefill": s.prefill,
+                           "running": s.running, "waiting": s.waiting, "cost": s.cost} for s in scores]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        eps = [e.as_json() for e in self.pool.endpoints]
+        ok = bool(self.pool.routable())
+        return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.policy.name,
+                                  "endpoints": eps}, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        m = self.metrics
+        for e in self.pool.endpoints:
+            m.up.labels(e.url).set(1 if e.up else 0)
+            m.refused.labels(e.url).set(1 if e.refused else 0)
+            m.load.labels(e.url).set(e.load)
+        out = web.Response(body=generate_latest(m.registry))
+        out.headers["content-type"] = CONTENT_TYPE_LATEST
+        return out
+
+
+async def serve(settings: RouterSettings, stop: asyncio.Event, ready=None) -> None:
+    """Run a router until ``stop`` is set; ``ready(router)`` is called once it serves."""
+    router = Router(settings)
+    try:
+        await router.start()
+        if ready is not None:
+            ready(router)
+        await stop.wait()
+    finally:
+        await router.close()

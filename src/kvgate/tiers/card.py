@@ -43,6 +43,7 @@ from kvgate.cards.objectformat import padded_object_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
 from kvgate.memcopy import MemoryFault
+from kvgate.tiers.events import TierChanges
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
@@ -89,8 +90,10 @@ class TierHooks:
     """What a card reports to the tiers above it: shared objects and counters (``TieredStore`` owns them)."""
 
     def __init__(self, usage: NamespaceUsage, holds: Holds, on_corrupt: Callable[[int], None] | None = None,
-                 on_expired: Callable[[int], None] = lambda n: None, io_seconds: Latencies | None = None) -> None:
+                 on_expired: Callable[[int], None] = lambda n: None, io_seconds: Latencies | None = None,
+                 changes: TierChanges | None = None) -> None:
         self.usage = usage
+        self.changes = changes if changes is not None else TierChanges()  # what the cards store and drop
         self.holds = holds
         self.io_seconds = io_seconds if io_seconds is not None else Latencies()  # every card's I/O calls
         self.on_corrupt = on_corrupt  # the scan deleted n broken objects
@@ -120,7 +123,7 @@ class ManagedCard:
                                latencies=hooks.io_seconds)
         self.serial: str | None = None
         self.room = CardRoom(lambda: self.card, cfg, self.describe)
-        self.index = CardIndex(hooks.usage, cfg.eviction_policy)
+        self.index = self.new_index()
         self.keeper = IndexKeeper(self)
         self.health = CardHealth(cfg.io_timeout_strikes, self.describe)
         self.counters = CardCounters()
@@ -190,7 +193,7 @@ class ManagedCard:
     async def adopt(self) -> None:
         """Take the card's index snapshot (if usable), size the card, and check the index against the card
         in the background."""
-        self.index = CardIndex(self.hooks.usage, self.cfg.eviction_policy)
+        self.index = self.new_index()
         await self.keeper.load()
         if self.cfg.card_capacity is not None:
             self.room.set(self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
@@ -223,9 +226,16 @@ class ManagedCard:
         except OSError:
             pass
 
+    def new_index(self) -> CardIndex:
+        """An empty index for this card: keeping keys, and noting its changes as this card's tier (its
+        serial), when the gateway publishes events (``kv_events_endpoint``; ``kvgate.tiers.events``)."""
+        return CardIndex(self.hooks.usage, self.cfg.eviction_policy, keys=self.cfg.kv_events_endpoint is not None,
+                         changes=self.hooks.changes, tier=self.serial)
+
     def serve(self, card: Card, location: str, serial: str) -> None:
         """The card was opened and claimed at ``location``: it is in service from now on."""
         self.card, self.location, self.serial = card, location, serial
+        self.index.tier = serial
         self.health.active = True
 
     def reopen(self, card: Card, location: str) -> None:
@@ -371,6 +381,8 @@ class ManagedCard:
         r = self.index.row(key_digest(fkey))
         if r >= 0:
             self.index.touch(r)
+            if self.index.keys:  # a row loaded from the snapshot learns its key here
+                self.index.learn_key(r, fkey)
 
     def note_unreadable(self, fkey: bytes) -> None:
         """The card holds the object in a format only a newer kvgate reads: a miss here, left in place."""
@@ -701,10 +713,13 @@ class ManagedCard:
         if not fkeys:
             return 0
         try:
-            return await self.io.run(_exists_prefix, self.card, fkeys, self._not_before(), urgent=urgent)
+            n = await self.io.run(_exists_prefix, self.card, fkeys, self._not_before(), urgent=urgent)
         except OSError as e:
             self.note_result(e)
             return 0
+        if self.index.keys and n:
+            self.index.learn_keys(fkeys[:n])
+        return n
 
     async def probe_each(self, fkeys: list[bytes], urgent: bool = False) -> list[bool]:
         """Whether the card holds each key (the card itself is asked; a failed probe is all False)."""
@@ -721,6 +736,8 @@ class ManagedCard:
             return out
         for i, r in zip(ask, res):
             out[i] = r is True
+        if self.index.keys:
+            self.index.learn_keys([k for k, found in zip(fkeys, out) if found])
         return out
 
     # ---- status -------------------------------------------------------------------

@@ -17,6 +17,19 @@ digest table, the dialog table and the policy's memory of recent keys come
 to under 100 (``kvgate bench --objects``; docs/benchmarks.md, "A card of millions of
 objects").  A digest collision would put two keys on one row; a read checks
 the full key in the header, so it is a miss, never a wrong byte.
+
+Keys, for the tiers' changes (``kvgate.tiers.events``): with ``keys`` (a
+gateway with ``kv_events_endpoint`` set) each row also keeps its client key
+(without the namespace: the row has its namespace id) in a ``uint8``
+column of ``KEY_BYTES`` per row and a length column (length + 1; 0: not
+known), 65 bytes a row, 65 MB per million rows.  Not numpy's ``S`` dtype:
+it strips trailing NUL bytes, and vLLM's keys end in a 4-byte group index,
+mostly zeros.  A key longer than ``KEY_BYTES`` is not kept (nor one whose
+namespace shares the last namespace id), and its row's changes are not
+emitted (``TierChanges.unkept`` counts them).  Rows loaded from the card's
+index snapshot at start have no key: they are not emitted until a put, a
+probe or a read of that key names it (``learn_key``: ``stored`` then).
+Without ``keys`` there is no such column and no cost.
 """
 
 from __future__ import annotations
@@ -27,7 +40,8 @@ from typing import Final
 import numpy as np
 
 from kvgate.cards.objectformat import ObjectMeta
-from kvgate.keys import NO_DIALOG, key_digest, key_digests
+from kvgate.keys import NO_DIALOG, full_key, key_digest, key_digests
+from kvgate.tiers.events import CLEARED, KEY_BYTES, REMOVED, STORED, TierChanges
 from kvgate.tiers.rows import DigestRows, digest_array, join_digest, split_digest
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
@@ -65,8 +79,17 @@ class CardIndex:
     COLUMNS: Final = {"payload": np.uint32, "head": np.uint16, "created": np.int64, "ns": np.uint16,
                       "flags": np.uint8}
 
-    def __init__(self, usage: NamespaceUsage, policy: str = "prefix") -> None:
-        self.rows = DigestRows({**self.COLUMNS, **SampledPolicy.ROW_COLUMNS})
+    KEY_COLUMNS: Final = {"key": (np.uint8, KEY_BYTES), "klen": np.uint8}
+
+    def __init__(self, usage: NamespaceUsage, policy: str = "prefix", keys: bool = False,
+                 changes: TierChanges | None = None, tier: str | None = None) -> None:
+        """``keys``: keep each row's key, and note rows with a key added and removed in ``changes`` (kept
+        as ``events``) as ``tier``, the card's serial once known (the module docstring)."""
+        self.keys = keys
+        self.events = changes if changes is not None else TierChanges()
+        self.tier = tier
+        self._columns = {**self.COLUMNS, **SampledPolicy.ROW_COLUMNS, **(self.KEY_COLUMNS if keys else {})}
+        self.rows = DigestRows(self._columns)
         self.policy = SampledPolicy(self.rows, policy)
         self.usage = usage
         self.used = 0
@@ -152,7 +175,64 @@ class CardIndex:
         self.changes += 1
         self.usage.card_namespace(ns, stored, 1)
         self.policy.add(r, meta.dialog, meta.position, tail, again)
+        if self.keys:
+            rows.klen[r] = 0
+            self.learn_key(r, fkey)
         return r
+
+    # ---- keys (with ``keys`` only) ------------------------------------------------------
+
+    def learn_key(self, r: int, fkey: bytes) -> None:
+        """Row ``r`` holds ``fkey``: keep its key if it had none (noted as ``stored`` then).  Only with
+        ``keys``; the caller checked that ``r`` is the row of ``fkey``'s digest."""
+        rows = self.rows
+        if rows.klen.item(r):
+            return
+        key = fkey[1 + fkey[0] :]
+        if len(key) > KEY_BYTES or rows.ns.item(r) == _MAX_NAMESPACES - 1:
+            self.events.unkept += 1
+            return
+        rows.key[r, : len(key)] = np.frombuffer(key, np.uint8)
+        rows.klen[r] = len(key) + 1
+        if self.tier is not None and self.events.listening:
+            self.events.note(self.tier, STORED, fkey)
+
+    def learn_keys(self, fkeys: list[bytes]) -> None:
+        """``learn_key`` of each of ``fkeys`` this index holds (a probe found them on the card)."""
+        if not self.keys:
+            return
+        for fkey, r in zip(fkeys, self.find_keys(fkeys).tolist()):
+            if r >= 0:
+                self.learn_key(r, fkey)
+
+    def key_of(self, r: int) -> bytes | None:
+        """The full key of row ``r``, None when not known (no ``keys``, loaded from a snapshot, too long)."""
+        if not self.keys:
+            return None
+        n = self.rows.klen.item(r)
+        if not n:
+            return None
+        return full_key(self.namespaces[self.rows.ns.item(r)], self.rows.key[r, : n - 1].tobytes())
+
+    def held_keys(self, start: int, stop: int) -> list[bytes]:
+        """The full keys known of rows ``start`` to ``stop`` (rows without one left out): 10,000 rows
+        take about 4 ms."""
+        if not self.keys:
+            return []
+        rows = self.rows
+        stop = min(stop, rows.n)
+        lens = rows.klen[start:stop]
+        sel = np.flatnonzero(lens)
+        if not sel.size:
+            return []
+        raw = rows.key[start:stop][sel].tobytes()
+        prefixes = [full_key(ns, b"") for ns in self.namespaces]
+        out = []
+        for j, (i, n, ns) in enumerate(zip(sel.tolist(), (lens[sel] - 1).tolist(),
+                                           rows.ns[start:stop][sel].tolist())):
+            at = j * KEY_BYTES
+            out.append(prefixes[ns] + raw[at : at + n])
+        return out
 
     def _set(self, r: int, digest: bytes, stored: int, payload_len: int, created_ns: int, ns_id: int) -> None:
         rows = self.rows
@@ -182,6 +262,10 @@ class CardIndex:
             del self._big[self.rows.digest(r)]
         self.used -= stored
         self.changes += 1
+        if self.keys and self.tier is not None and self.events.listening:
+            fkey = self.key_of(r)
+            if fkey is not None:
+                self.events.note(self.tier, REMOVED, fkey)
         self.usage.card_namespace(self.namespace(r), -stored, -1)
         self.policy.removing(r)
         self.rows.remove(r)
@@ -240,10 +324,12 @@ class CardIndex:
             for i in np.unique(ns).tolist():
                 mine = ns == i
                 self.usage.card_namespace(self.namespaces[i], -int(stored[mine].sum()), -int(mine.sum()))
-        self.rows = DigestRows({**self.COLUMNS, **SampledPolicy.ROW_COLUMNS})
+        self.rows = DigestRows(self._columns)
         self.policy = SampledPolicy(self.rows, self.policy.kind)
         self._big.clear()
         self.used = 0
+        if self.tier is not None and self.events.listening:
+            self.events.note(self.tier, CLEARED, None)
 
     def __len__(self) -> int:
         return self.rows.n

@@ -25,6 +25,7 @@ from kvgate import memcopy
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.config import size_text
 from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
+from kvgate.tiers.events import CLEARED, RAM_TIER, REMOVED, STORED, TierChanges
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.errors import KvgateError
 
@@ -141,11 +142,18 @@ class RamTier:
     ``ttl`` (seconds, None: none): an entry whose ``meta.created_ns`` is
     older is a miss for ``pin``, ``contains`` and ``size_of``, which drop it
     on the spot (and tell ``on_expired``), so every way of asking agrees.
+
+    ``changes``: where entries made visible (``stored``), dropped (``removed``:
+    evicted, deleted, expired) and cleared are noted, as tier ``"ram"``
+    (``kvgate.tiers.events``); a commit that replaces its key's entry is a
+    ``stored`` only.  With nobody listening that is one attribute check.
     """
 
     def __init__(self, capacity: int, page_size: int = 256 << 10, policy: str = "prefix", ttl: float | None = None,
-                 on_expired: Callable[[int], None] = lambda n: None, usage: NamespaceUsage | None = None):
+                 on_expired: Callable[[int], None] = lambda n: None, usage: NamespaceUsage | None = None,
+                 changes: TierChanges | None = None):
         self.usage = usage if usage is not None else NamespaceUsage()
+        self.changes = changes if changes is not None else TierChanges()
         if capacity < 0:
             raise ValueError("capacity cannot be negative")
         if page_size <= 0:
@@ -271,6 +279,8 @@ class RamTier:
         meta = reservation.meta
         self.policy.add(reservation.full_key, reservation.size, meta.dialog, meta.position, reservation.klass,
                         tail=meta.tail)
+        if self.changes.listening:
+            self.changes.note(RAM_TIER, STORED, reservation.full_key)
 
     def abort(self, reservation: Reservation) -> None:
         """Give back the pages of a reservation that will not be committed."""
@@ -326,6 +336,8 @@ class RamTier:
         entry = self._visible.get(full_key)
         if entry is not None and self.ttl_ns is not None and entry.meta.created_ns + self.ttl_ns < time.time_ns():
             self._unlink(entry)
+            if self.changes.listening:
+                self.changes.note(RAM_TIER, REMOVED, full_key)
             self.on_expired(1)
             return None
         return entry
@@ -345,6 +357,8 @@ class RamTier:
         if entry is None:
             return False
         self._unlink(entry)
+        if self.changes.listening:
+            self.changes.note(RAM_TIER, REMOVED, full_key)
         return True
 
     def clear(self) -> None:
@@ -354,6 +368,8 @@ class RamTier:
         """
         for entry in list(self._visible.values()):
             self._unlink(entry)
+        if self.changes.listening:
+            self.changes.note(RAM_TIER, CLEARED, None)
 
     # -- internals --------------------------------------------------------
 
@@ -371,6 +387,8 @@ class RamTier:
             self._evictions += 1
             self._evicted_bytes += entry.size
             self._unlink(entry)
+            if self.changes.listening:
+                self.changes.note(RAM_TIER, REMOVED, victim)  # type: ignore[arg-type]
 
     def _unlink(self, entry: Entry) -> None:
         """Make a visible entry invisible; free its pages unless it is pinned."""

@@ -216,6 +216,8 @@ def build_index(snap: Snapshot, index: CardIndex) -> None:
     rows.created[sel] = rec["created"]
     rows.ns[sel] = rec["ns"]
     rows.flags[sel] = 0
+    if index.keys:
+        rows.klen[sel] = 0  # a snapshot holds digests, not keys: known once a put, probe or read names them
     index.set_namespaces(snap.namespaces)
     index.used = int(stored.sum())
     dialogs = np.empty((len(rec), 2), np.uint64)
@@ -267,7 +269,7 @@ class IndexKeeper:
         if raw is None:
             log.info("card %s (%s): no index snapshot; scanning the card", mc.where, mc.serial)
             return
-        fresh = CardIndex(mc.hooks.usage, mc.cfg.eviction_policy)
+        fresh = mc.new_index()
 
         def build() -> Snapshot:
             snap = decode(raw, mc.serial or "", mc.cfg.num_dbs)

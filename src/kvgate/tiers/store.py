@@ -681,11 +681,12 @@ class TieredStore:
         RAM tier's entries (tier ``"ram"``), then each card's rows with a key (tier: its serial; rows
         loaded from an index snapshot and not named since have none, ``kvgate.tiers.index``).
 
-        The loop is let go between chunks (a chunk of 10,000 card rows holds it about 4 ms, of RAM keys
-        well under 1 ms), so what changes meanwhile may be missed or listed twice: a reader applies
-        ``changes`` noted after it started on top of what this lists.
+        The loop is let go between chunks (a chunk of 10,000 card rows holds it 3 ms at most, measured
+        over a million rows; the RAM tier's keys are copied once, 11 ms for a million entries, which
+        at the default 256 KiB pages is a 256 GB tier), so what changes meanwhile may be missed or
+        listed twice: a reader applies ``changes`` noted after it started on top of what this lists.
         """
-        keys = self.ram.keys()  # a copy: 1,000,000 keys in about 10 ms, once
+        keys = self.ram.keys()  # a copy: safe across the awaits below
         for i in range(0, len(keys), chunk):
             yield RAM_TIER, keys[i : i + chunk]
             await asyncio.sleep(0)

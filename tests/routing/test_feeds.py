@@ -1,0 +1,84 @@
+"""Feeds: a real EventPublisher's batches reach the KvIndex through a Subscriber; a source whose block
+size differs from the router's is refused, named, and kept out of the index."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from kvgate.errors import InvalidArgument
+from kvgate.kvevents.publisher import EventPublisher
+from kvgate.kvevents.wire import BlockStored
+from kvgate.routing.feeds import Feeds
+from kvgate.routing.hashing import BlockHasher
+from kvgate.routing.index import KvIndex, card_source
+
+HASHES = BlockHasher("sha256", 16, seed="0").hashes(list(range(16 * 10)))
+
+
+def stored(hashes, medium="GPU", block_size=16) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=block_size,
+                       lora_id=None, medium=medium, lora_name=None)
+
+
+def _until(cond, feeds: Feeds | None = None, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        if feeds is not None:
+            feeds.poll(0.05)
+        else:
+            time.sleep(0.02)
+
+
+def test_a_gateways_ram_and_card_topics_reach_the_index(tmp_path) -> None:
+    pub = EventPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    pub.start()
+    idx = KvIndex()
+    feeds = Feeds(idx, 16)
+    try:
+        feed = feeds.add("gw-1", pub.endpoint, pub.replay_endpoint)
+        feeds.poll(0.2)  # joined (the subscriber asks a snapshot first)
+        time.sleep(0.3)  # SUB's subscription reaches the PUB socket
+        pub.publish("kvgate", [stored(HASHES[:4], "CPU")])
+        pub.publish("kvgate@card:S9", [stored(HASHES[:7], "STORAGE")])
+        _until(lambda: idx.count(card_source("S9"), "STORAGE") == 7, feeds)
+        assert idx.count("gw-1", "CPU") == 4 and idx.mounts("gw-1") == {"S9"}
+        assert feed.batches == 2 and feed.refused is None and feeds.refused == {}
+        with pytest.raises(InvalidArgument, match="exists already"):
+            feeds.add("gw-1", pub.endpoint)
+    finally:
+        feeds.close()
+        pub.close()
+
+
+def test_a_source_of_another_block_size_is_refused_loudly(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    pub = EventPublisher(f"ipc://{tmp_path}/pub", None)
+    pub.start()
+    idx = KvIndex()
+
+    async def main() -> None:
+        feeds = Feeds(idx, 16, loop=asyncio.get_running_loop())
+        try:
+            feeds.add("engine-7", pub.endpoint)
+            await asyncio.sleep(0.4)
+            pub.publish("", [stored(HASHES[:3], block_size=0)])  # 0: not said (offloading events) passes
+            pub.publish("", [stored(HASHES[:5], block_size=32)])
+            pub.publish("", [stored(HASHES[:8])])  # ignored once refused
+            end = time.monotonic() + 10
+            while "engine-7" not in feeds.refused or feeds.feeds["engine-7"].last_seq != 3:
+                assert time.monotonic() < end, "timed out"
+                await asyncio.sleep(0.02)
+            reason = feeds.refused["engine-7"]
+            assert "32 tokens" in reason and "blocks of 16" in reason and "block_size" in reason
+            assert idx.count("engine-7", "GPU") == 0  # what it had sent before left the index
+        finally:
+            feeds.close()
+
+    with caplog.at_level(logging.ERROR, logger="kvgate.routing.feeds"):
+        asyncio.run(main())
+    pub.close()
+    assert any("refused engine-7" in r.getMessage() for r in caplog.records)

@@ -137,7 +137,7 @@ def test_a_card_that_keeps_no_list_is_passed_by_and_what_was_learned_waits_for_o
         assert waiting == heads.all(), "what was learned waits for a card that keeps a list"
         heads.put_back(waiting)
         a = card_state("a")
-        sync.long.cards.append(a)
+        sync.card_set.cards.append(a)
         await sync.sync_once()
         assert a.card.heads.ids == heads.all() and heads.take_new() == set()
 

@@ -35,9 +35,9 @@ PERIOD_S = 2.0
 
 
 class HeadSync:
-    def __init__(self, heads: SharedHeads, long: CardSet) -> None:
+    def __init__(self, heads: SharedHeads, card_set: CardSet) -> None:
         self.heads = heads
-        self.long = long
+        self.card_set = card_set  # (its ``cards`` now, each round)
         self.rounds = 0
         self.errors = 0
         self._behind: set[str] = set()  # card serials that missed a round
@@ -46,9 +46,9 @@ class HeadSync:
 
     async def sync_once(self) -> None:
         new = self.heads.take_new()
-        cards = [cs for cs in self.long.cards if cs.active and cs.serial and cs.card.heads is not None]
+        cards = [cs for cs in self.card_set.cards if cs.active and cs.serial and cs.card.heads is not None]
         results = await asyncio.gather(*(self._one(cs, new) for cs in cards), return_exceptions=True)
-        serials = {cs.serial for cs in self.long.cards}
+        serials = {cs.serial for cs in self.card_set.cards}
         for gone in [s for s in self._answers if s not in serials]:  # a card that left the set: its list goes
             del self._answers[gone]
         missed = False

@@ -105,7 +105,7 @@ class _LendRoom:
         self.ram_left = max(store.lendable_bytes(), 1 << 20)
 
     def take(self, key: bytes, size: int, first: bool) -> bool:
-        in_ram = self.store.ram.size_of(key) == size
+        in_ram = self.store.size_in_ram(key) == size
         if not first and (size > self.left or (in_ram and size > self.ram_left)):
             return False
         self.left -= size
@@ -279,7 +279,7 @@ class Operations:
                                f"this gateway is in cluster mode: its cards follow the cluster's view; change them "
                                f"with `kvgate cluster {'register' if req.action == 'add' else req.action}` "
                                f"(etcd {', '.join(self.cfg.cluster_etcd_endpoints)})")
-        cards = self.store.long
+        cards = self.store.card_set
         message = ""
         try:
             if req.action == "add":

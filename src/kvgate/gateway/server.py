@@ -86,9 +86,9 @@ class Gateway:
         self.cfg = cfg
         self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
         self.store = TieredStore(cfg, self.pool)
-        self.card_source = card_source(self.store.long) if card_source is not None else None
+        self.card_source = card_source(self.store.card_set) if card_source is not None else None
         self.heads = SharedHeads()
-        self.head_sync = HeadSync(self.heads, self.store.long)
+        self.head_sync = HeadSync(self.heads, self.store.card_set)
         self.sessions = Sessions(cfg, self.store, self.pool)
         self.kv_events: KvEvents | None = None  # kv_events_endpoint: the tiers' changes as vLLM KV events
         self.latency = Latencies()
@@ -254,11 +254,11 @@ class Gateway:
         if later:
             log.warning("SIGHUP: %s changed in the config; only storage_devices applies while serving, the rest at "
                         "the next start", ", ".join(later))
-        if list(cfg.storage_devices) == self.store.long.patterns:
+        if list(cfg.storage_devices) == self.store.storage_patterns:
             log.info("SIGHUP: storage_devices unchanged")
             return
         log.warning("SIGHUP: storage_devices now %s", ", ".join(cfg.storage_devices))
-        for problem in await self.store.long.apply_devices(list(cfg.storage_devices)):
+        for problem in await self.store.apply_devices(list(cfg.storage_devices)):
             log.error("SIGHUP: %s", problem)
 
     async def stop(self) -> None:
@@ -348,7 +348,7 @@ async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
         raise
     if ready is not None:
         ready.set()
-    notify("READY=1", f"STATUS=serving; {len(gw.store.long.cards)} cards")
+    notify("READY=1", f"STATUS=serving; {len(gw.store.card_states())} cards")
     try:
         await gw.serve_until_stopped()
     finally:

@@ -240,7 +240,7 @@ class Sessions:
         self.by_id[sess.id] = sess
         await reply(conn, HelloReply(
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
-            max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.long.fingerprint,
+            max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.fingerprint,
             placement=self.cfg.key_placement, pid=os.getpid(), lends=sess.lends,
         ), deadline=deadline)
         return sess

@@ -115,8 +115,9 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
              cluster: dict[str, Any] | None = None, latency: Latencies | None = None) -> dict[str, Any]:
     """The gateway's state as one dict of plain values: the ``stats`` reply, and what ``render`` renders."""
     c = store.counters
-    ram = store.ram
-    cards = store.long.status()
+    tiers = store.status()
+    ram = tiers["ram"]
+    cards = tiers["cards"]
     long_tier = {
         "sets": c.long.sets, "gets": c.long.gets, "hits": c.long.hits, "misses": c.long.misses,
         "bytes_read": c.long.bytes_read, "bytes_written": c.long.bytes_written,
@@ -127,9 +128,9 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
     }
     ram_tier = {
         "sets": c.ram.sets, "gets": c.ram.gets, "hits": c.ram.hits, "misses": c.ram.misses,
-        "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram.evictions,
-        "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity, "objects": ram.entries,
-        "pinned_bytes": ram.pinned_bytes,
+        "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram["evictions"],
+        "used_bytes": ram["used_bytes"], "capacity_bytes": ram["capacity_bytes"], "objects": ram["objects"],
+        "pinned_bytes": ram["pinned_bytes"],
     }
     engine = None
     if sessions.engine is not None:
@@ -138,8 +139,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
     return {
         "gateway": {
             "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - started_at, 3),
-            "fingerprint": store.long.fingerprint, "placement": cfg.key_placement, "storage_slots": store.long.slots,
-            "card_generation": store.long.generation,
+            "fingerprint": tiers["fingerprint"], "placement": cfg.key_placement,
+            "storage_slots": tiers["storage_slots"], "card_generation": tiers["card_generation"],
             "socket": cfg.socket_path, "port": tcp_port, "sessions": len(sessions),
             # sessions whose shared memory is used in place (kvgate.gateway.shm): the rest go through the kernel
             "sessions_in_place": sum(s.in_place for s in sessions.by_id.values()),
@@ -158,12 +159,11 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "lookups": c.lookups,
         "corrupt_objects": c.corrupt,
         "expired_objects": c.expired,
-        "io_timeouts": store.long.io_timeouts,
-        "io_errors": store.long.io_errors,
-        "oldest_io_age_s": max(pool.oldest_age(), store.long.oldest_io_age()),
+        "io_timeouts": tiers["io_timeouts"],
+        "io_errors": tiers["io_errors"],
+        "oldest_io_age_s": max(pool.oldest_age(), tiers["oldest_io_age_s"]),
         "cards": cards,
-        "card_moves": {"objects": store.long.mover.moved, "bytes": store.long.mover.moved_bytes,
-                       "failed": store.long.mover.failed},
+        "card_moves": tiers["card_moves"],
         "shared_heads": {"blocks": len(heads), "learned": heads.learned, "replaced": heads.replaced,
                          "refused": heads.refused,
                          "sync_rounds": head_sync.rounds, "sync_errors": head_sync.errors},

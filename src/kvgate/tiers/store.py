@@ -674,7 +674,50 @@ class TieredStore:
         return in_ram, await self.long.clean_namespace(ns)
 
     def card_states(self) -> list[ManagedCard]:
+        """The cards of the set now, in service or not (head sync, the ready message)."""
         return self.long.cards
+
+    # ---- for the gateway: it reaches the tiers only through these ----------------------
+
+    @property
+    def card_set(self) -> CardSet:
+        """The card set itself, for what changes it: the admin's card operations, a cluster's view
+        (``CardSource``), head sync's list of cards."""
+        return self.long
+
+    @property
+    def fingerprint(self) -> str:
+        """The key layout's fingerprint (placement over the cards in service): clients compare it."""
+        return self.long.fingerprint
+
+    @property
+    def storage_patterns(self) -> list[str]:
+        """The ``storage_devices`` entries in force."""
+        return self.long.patterns
+
+    async def apply_devices(self, patterns: list[str]) -> list[str]:
+        """``storage_devices`` changed (SIGHUP): ``CardSet.apply_devices``; what could not be done."""
+        return await self.long.apply_devices(patterns)
+
+    def size_in_ram(self, fkey: bytes) -> int | None:
+        """The payload size of ``fkey`` in the RAM tier (None: not there, or past the ttl)."""
+        return self.ram.size_of(fkey)
+
+    def status(self) -> dict:
+        """The tiers' part of the gateway's status: ``ram`` (the RAM tier's row but its counters, which
+        are ``counters.ram``), ``cards`` (one row each), the layout (``fingerprint``, ``storage_slots``,
+        ``card_generation``), the cards' I/O (``io_timeouts``, ``io_errors``, ``oldest_io_age_s``) and
+        ``card_moves``."""
+        ram, cards = self.ram, self.long
+        return {
+            "ram": {"evictions": ram.evictions, "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity,
+                    "objects": ram.entries, "pinned_bytes": ram.pinned_bytes},
+            "cards": cards.status(),
+            "fingerprint": cards.fingerprint, "storage_slots": cards.slots, "card_generation": cards.generation,
+            "io_timeouts": cards.io_timeouts, "io_errors": cards.io_errors, "oldest_io_age_s": cards.oldest_io_age(),
+            "card_moves": {"objects": cards.mover.moved, "bytes": cards.mover.moved_bytes,
+                           "failed": cards.mover.failed},
+        }
 
     async def held_keys(self, chunk: int = 10_000) -> AsyncIterator[tuple[str, list[bytes]]]:
         """Everything held now whose key is known, as ``(tier, full keys)`` of at most ``chunk`` keys: the

@@ -158,6 +158,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                 "server's raw O_DIRECT read, instead of the "
                                                                 "figures above")
     g.add_argument("--network", action="store_true", help="measure a kvgate:// card (kvgate export) over loopback")
+    g = p.add_argument_group("the router's scoring", "with --route: the router scoring a 32K-token prompt over 64 "
+                                                     "endpoints (an index of overlapping holdings), and hashing it, "
+                                                     "instead of the figures above")
+    g.add_argument("--route", action="store_true", help="measure kvgate router's block hashing and scoring (no I/O)")
     add_trace_arguments(p)
 
 
@@ -313,6 +317,8 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         if _matplotlib_missing(args):
             return 2
+    if getattr(args, "route", False):
+        return run_route_bench(args)
     if getattr(args, "objects", None) is not None:
         return run_objects_bench(args)
     if args.object_size is None:
@@ -355,6 +361,19 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print_table(result)
     return drawn
+
+
+def run_route_bench(args: argparse.Namespace) -> int:
+    """``--route``: the router's ``score`` over a filled index, and the prompt's hashing; in-process, no I/O."""
+    from kvgate.bench.route import print_route, route_bench
+    started = time.monotonic()
+    result = route_bench(reps=300 if args.quick else 3000)
+    result["elapsed_s"] = time.monotonic() - started
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_route(result)
+    return 0
 
 
 def run_objects_bench(args: argparse.Namespace) -> int:

@@ -127,7 +127,8 @@ def test_puts_deletes_and_cleans_note_full_keys_per_tier_and_held_keys_lists_wha
             await asyncio.sleep(0)
             assert fk(long_key) not in seen.keys(serial, STORED)  # too long to keep: not emitted, counted
             assert fk(long_key) in seen.keys("ram", STORED)  # (the RAM tier has every key)
-            assert store.changes.unkept == 1
+            assert await store.lookup([fk(long_key)], DIALOG) == 1
+            assert store.changes.unkept == 1  # the row is marked: a lookup does not try it again
             held = {tier: set() for tier in ("ram", serial)}
             async for tier, fkeys in store.held_keys():
                 held[tier].update(fkeys)
@@ -161,6 +162,19 @@ def test_evictions_and_expiries_on_a_card_note_removed(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_put_that_replaces_an_object_notes_stored_only(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with started_store(tmp_path, **EVENTS) as store:
+            await put(store, [b"again"], Retention.LONG)
+            seen = Seen(store.changes)
+            await put(store, [b"again"], Retention.LONG)
+            await asyncio.sleep(0)
+            assert seen.changes == [TierChange("ram", STORED, [fk(b"again")]),
+                                    TierChange(serial_of(store), STORED, [fk(b"again")])]
+
+    asyncio.run(main())
+
+
 def test_a_card_leaving_the_set_notes_cleared(tmp_path: Path) -> None:
     async def main() -> None:
         async with started_store(tmp_path, n_cards=2, **EVENTS) as store:
@@ -174,22 +188,24 @@ def test_a_card_leaving_the_set_notes_cleared(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_rows_from_the_index_snapshot_are_noted_once_a_read_names_their_key(tmp_path: Path) -> None:
+def test_rows_from_the_index_snapshot_are_noted_once_a_read_or_lookup_names_their_key(tmp_path: Path) -> None:
     async def main() -> None:
         async with started_store(tmp_path, **EVENTS) as store:
-            await put(store, [b"kept"], Retention.LONG)
+            await put(store, [b"read", b"looked-up", b"unnamed"], Retention.LONG)
         async with started_store(tmp_path, **EVENTS) as store:
             serial = serial_of(store)
             mc = store.long.cards[0]
-            assert len(mc.index) == 1 and mc.keeper.loaded == 1
+            assert len(mc.index) == 3 and mc.keeper.loaded == 3
             seen = Seen(store.changes)
             assert [t async for t in store.held_keys()] == []  # known by digest only
             dest = memoryview(bytearray(20_000))
-            sizes, _ = await store.get([GetItem(fk(b"kept"), DIALOG, dest)])
+            sizes, _ = await store.get([GetItem(fk(b"read"), DIALOG, dest)])
             assert sizes == [10_000]
+            assert await store.lookup([fk(b"looked-up")], DIALOG) == 1
             await asyncio.sleep(0)
-            assert seen.keys(serial, STORED) == [fk(b"kept")]
-            assert [t async for t in store.held_keys()] == [(serial, [fk(b"kept")])]
+            assert seen.keys(serial, STORED) == [fk(b"read"), fk(b"looked-up")]
+            held = [k for _tier, ks in [t async for t in store.held_keys()] for k in ks]
+            assert sorted(held) == sorted([fk(b"read"), fk(b"looked-up")])
 
     asyncio.run(main())
 
@@ -207,30 +223,38 @@ def test_with_events_off_no_key_column_exists(tmp_path: Path) -> None:
 
 
 def test_put_and_get_cost_with_and_without_a_subscriber(tmp_path: Path) -> None:
-    """A timing for the report, not an assertion: 32 objects of 10,000 bytes a put, then a get of them."""
+    """A timing for the report, not an assertion: puts of 32 objects of 10,000 bytes, then a get of them,
+    into the RAM tier only (``short``: where a note's cost would show) and through to the card (``long``),
+    with nobody listening, then one subscriber, then nobody again.  Measured (2 shared cores), microseconds
+    per put/get: short 1,126-1,227/672-804 without, 1,104-1,256/639-782 with one; long is card writes,
+    11-19 ms either way.  The RAM tier alone (reserve, commit, pin, unpin, delete of 10,000 keys, lru,
+    median of 7): 14.3 us a key before the tiers noted changes, 13.0 with nobody listening, 13.1 with one
+    subscriber: within the noise."""
 
-    async def rounds(store: TieredStore, tag: bytes, n: int = 60) -> tuple[float, float]:
-        keys = [[tag + b"%d-%d" % (r, i) for i in range(32)] for r in range(n)]
+    async def rounds(store: TieredStore, tag: bytes, retention: Retention, n: int) -> str:
         dests = [memoryview(bytearray(10_000)) for _ in range(32)]
         put_s = get_s = 0.0
-        for ks in keys:
+        for r in range(n):
+            ks = [tag + b"%d-%d" % (r, i) for i in range(32)]
             t0 = time.perf_counter()
-            await put(store, ks, Retention.LONG)
+            await put(store, ks, retention)
             t1 = time.perf_counter()
             await store.get([GetItem(fk(k), DIALOG, d) for k, d in zip(ks, dests)])
             get_s += time.perf_counter() - t1
             put_s += t1 - t0
-        return put_s / n * 1e3, get_s / n * 1e3
+        return f"{put_s / n * 1e6:.0f}/{get_s / n * 1e6:.0f}"
 
     async def main() -> None:
         async with started_store(tmp_path, max_bytes=64 << 20, card_capacity=256 << 20, **EVENTS) as store:
-            await rounds(store, b"warm", 10)
-            quiet = await rounds(store, b"q")
-            seen = Seen(store.changes)
-            heard = await rounds(store, b"h")
-            seen.unsubscribe()
-            quiet2 = await rounds(store, b"r")
-        print(f"\nput/get of 32 x 10,000 B, ms: no subscriber {quiet[0]:.2f}/{quiet[1]:.2f} "
-              f"and {quiet2[0]:.2f}/{quiet2[1]:.2f}; with one {heard[0]:.2f}/{heard[1]:.2f}")
+            for retention, n in ((Retention.SHORT, 100), (Retention.LONG, 20)):
+                tag = retention.name.encode()
+                await rounds(store, tag + b"w", retention, 10)
+                quiet = await rounds(store, tag + b"q", retention, n)
+                seen = Seen(store.changes)
+                heard = await rounds(store, tag + b"h", retention, n)
+                seen.unsubscribe()
+                quiet2 = await rounds(store, tag + b"r", retention, n)
+                print(f"\n{retention.name}: put/get of 32 x 10,000 B, us: nobody listening {quiet} and {quiet2}, "
+                      f"one subscriber {heard}")
 
     asyncio.run(main())

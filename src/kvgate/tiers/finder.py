@@ -121,16 +121,16 @@ class KeyFinder:
         first = homes[0]
         if homes.count(first) == n:  # one home for the whole request: dialog placement, or a single card
             if first is not None:
-                self._look(first, np.arange(n), digests, where, indexed, settled)
+                self._look(first, np.arange(n), digests, where, indexed, settled, fkeys)
         else:
             for mc, ix in group_by_card(zip(homes, range(n))).values():
-                self._look(mc, np.asarray(ix), digests, where, indexed, settled)
+                self._look(mc, np.asarray(ix), digests, where, indexed, settled, fkeys)
         for mc in self.card_set.cards:
             rest = np.flatnonzero(~settled)
             if not rest.size:
                 break
             if mc.active:
-                self._look(mc, rest, digests, where, indexed, settled)
+                self._look(mc, rest, digests, where, indexed, settled, fkeys)
         for i in np.flatnonzero(~settled).tolist():
             home = homes[i]
             if home is not None and home.leaving and key_digest(fkeys[i]) in home.leaving:
@@ -138,8 +138,9 @@ class KeyFinder:
         return where, indexed, digests
 
     def _look(self, mc: ManagedCard, idx: np.ndarray, digests: np.ndarray, where: list[ManagedCard | None],
-              indexed: np.ndarray, settled: np.ndarray) -> None:
-        """Keys ``idx`` in ``mc``'s index: found ones are settled there (past the ttl: a miss, and deleted)."""
+              indexed: np.ndarray, settled: np.ndarray, fkeys: list[bytes]) -> None:
+        """Keys ``idx`` in ``mc``'s index: found ones are settled there (past the ttl: a miss, and deleted).
+        An index that keeps keys (``kvgate.tiers.index``) learns those of rows loaded without one."""
         rows = mc.index.find(digests[idx])
         hit = rows >= 0
         if not hit.any():
@@ -155,6 +156,11 @@ class KeyFinder:
                 idx, rows = idx[~old], rows[~old]
         indexed[idx] = True
         settled[idx] = True
+        if mc.index.keys:  # a numpy pass over the rows found; Python only for rows whose key is not known yet
+            unnamed = mc.index.rows.klen[rows] == 0
+            if unnamed.any():
+                for i, r in zip(idx[unnamed].tolist(), rows[unnamed].tolist()):
+                    mc.index.learn_key(r, fkeys[i])
         if len(idx) == len(where):
             where[:] = [mc] * len(where)
         else:

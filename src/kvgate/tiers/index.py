@@ -22,12 +22,13 @@ Keys, for the tiers' changes (``kvgate.tiers.events``): with ``keys`` (a
 gateway with ``kv_events_endpoint`` set) each row also keeps its client key
 (without the namespace: the row has its namespace id) in a ``uint8``
 column of ``KEY_BYTES`` per row and a length column (length + 1; 0: not
-known): 65 bytes a row, 65 MB per million rows (measured: 131 bytes a row
+known; ``UNKEPT``: too long to keep): 65 bytes a row, 65 MB per million rows (measured: 131 bytes a row
 in all where 66 without keys).  Not numpy's ``S`` dtype:
 it strips trailing NUL bytes, and vLLM's keys end in a 4-byte group index,
 mostly zeros.  A key longer than ``KEY_BYTES`` is not kept (nor one whose
 namespace shares the last namespace id), and its row's changes are not
-emitted (``TierChanges.unkept`` counts them).  Rows loaded from the card's
+emitted (``TierChanges.unkept`` counts such rows).  A put that replaces
+a row notes ``stored`` only, not ``removed`` first.  Rows loaded from the card's
 index snapshot at start have no key: they are not emitted until a put, a
 probe or a read of that key names it (``learn_key``: ``stored`` then).
 Without ``keys`` there is no such column and no cost.
@@ -49,6 +50,7 @@ from kvgate.tiers.usage import NamespaceUsage, namespace_of
 
 EXPIRING: Final = 1  # past the ttl: a miss, its delete is under way
 CHECKED: Final = 2  # seen on the card by the scan under way (kvgate.tiers.restart)
+UNKEPT: Final = 0xFF  # key length column: the row's key is known but too long to keep (its changes are not noted)
 OVERSIZE: Final = 0xFFFF_FFFF  # payload column value of an object whose sizes do not fit the columns
 _MAX_NAMESPACES: Final = 0xFFFF
 
@@ -168,7 +170,7 @@ class CardIndex:
         r = rows.find1(lo, hi)
         again = r >= 0
         if again:
-            self.pop_row(r)
+            self.pop_row(r, replaced=True)
         r = rows.add1(lo, hi)
         ns = namespace_of(fkey)
         self._set(r, digest, stored, payload_len, created_ns, self._namespace_id(ns))
@@ -191,6 +193,8 @@ class CardIndex:
             return
         key = fkey[1 + fkey[0] :]
         if len(key) > KEY_BYTES or rows.ns.item(r) == _MAX_NAMESPACES - 1:
+            # (past the namespace table, an id no longer names one namespace: no full key from it)
+            rows.klen[r] = UNKEPT  # known: not tried again at each lookup of it
             self.events.unkept += 1
             return
         rows.key[r, : len(key)] = np.frombuffer(key, np.uint8)
@@ -211,7 +215,7 @@ class CardIndex:
         if not self.keys:
             return None
         n = self.rows.klen.item(r)
-        if not n:
+        if not n or n == UNKEPT:
             return None
         return full_key(self.namespaces[self.rows.ns.item(r)], self.rows.key[r, : n - 1].tobytes())
 
@@ -223,7 +227,7 @@ class CardIndex:
         rows = self.rows
         stop = min(stop, rows.n)
         lens = rows.klen[start:stop]
-        sel = np.flatnonzero(lens)
+        sel = np.flatnonzero((lens != 0) & (lens != UNKEPT))
         if not sel.size:
             return []
         raw = rows.key[start:stop][sel].tobytes()
@@ -257,13 +261,14 @@ class CardIndex:
         self.pop_row(r)
         return True
 
-    def pop_row(self, r: int) -> None:
+    def pop_row(self, r: int, replaced: bool = False) -> None:
+        """Drop row ``r`` (noted as ``removed`` unless a put ``replaced`` it)."""
         stored, _ = self.sizes(r)
         if self.rows.payload.item(r) == OVERSIZE:
             del self._big[self.rows.digest(r)]
         self.used -= stored
         self.changes += 1
-        if self.keys and self.tier is not None and self.events.listening:
+        if self.keys and not replaced and self.tier is not None and self.events.listening:
             fkey = self.key_of(r)
             if fkey is not None:
                 self.events.note(self.tier, REMOVED, fkey)

@@ -12,7 +12,7 @@ Contract:
   ``fkeys`` are full keys (``kvgate.keys.full_key``).  A card knows rows
   by digest; with events on it keeps each row's key (``CardIndex``), but
   rows loaded from its index snapshot at start have none until a put,
-  probe or read of that key names it (then ``stored``), and keys longer
+  probe, read or lookup of that key names it (then ``stored``), and keys longer
   than ``KEY_BYTES`` are never kept: their changes are not emitted
   (``TierChanges.unkept`` counts them).
 - Batches: per-key notes made during one turn of the event loop are

@@ -30,7 +30,8 @@ namespace shares the last namespace id), and its row's changes are not
 emitted (``TierChanges.unkept`` counts such rows).  A put that replaces
 a row notes ``stored`` only, not ``removed`` first.  Rows loaded from the card's
 index snapshot at start have no key: they are not emitted until a put, a
-probe or a read of that key names it (``learn_key``: ``stored`` then).
+probe, a read or a lookup of that key names it (``learn_key``: ``stored``
+then).
 Without ``keys`` there is no such column and no cost.
 """
 

@@ -45,9 +45,11 @@ def test_a_gateways_ram_and_card_topics_reach_the_index(tmp_path) -> None:
         time.sleep(0.3)  # SUB's subscription reaches the PUB socket
         pub.publish("kvgate", [stored(HASHES[:4], "CPU")])
         pub.publish("kvgate@card:S9", [stored(HASHES[:7], "STORAGE")])
-        _until(lambda: idx.count(card_source("S9"), "STORAGE") == 7, feeds)
-        assert idx.count("gw-1", "CPU") == 4 and idx.mounts("gw-1") == {"S9"}
-        assert feed.batches == 2 and feed.refused is None and feeds.refused == {}
+        pub.publish("kvgate@card:S10", [stored(HASHES[3:10:4], "STORAGE", block_size=64)])  # chunks of 4
+        _until(lambda: idx.count(card_source("S10"), "STORAGE") == 2, feeds)
+        assert idx.count(card_source("S9"), "STORAGE") == 7 and idx.factor("STORAGE", card_source("S10")) == 4
+        assert idx.count("gw-1", "CPU") == 4 and idx.mounts("gw-1") == {"S9", "S10"}
+        assert feed.batches == 3 and feed.refused is None and feeds.refused == {}
         with pytest.raises(InvalidArgument, match="exists already"):
             feeds.add("gw-1", pub.endpoint)
     finally:
@@ -73,7 +75,7 @@ def test_a_source_of_another_block_size_is_refused_loudly(tmp_path, caplog: pyte
                 assert time.monotonic() < end, "timed out"
                 await asyncio.sleep(0.02)
             reason = feeds.refused["engine-7"]
-            assert "32 tokens" in reason and "blocks of 16" in reason and "block_size" in reason
+            assert "GPU blocks of 32 tokens" in reason and "blocks of 16" in reason and "block_size" in reason
             assert idx.count("engine-7", "GPU") == 0  # what it had sent before left the index
         finally:
             feeds.close()

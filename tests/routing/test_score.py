@@ -138,3 +138,20 @@ def test_matches_the_block_by_block_definition_on_random_holdings(seed: int) -> 
         eps.append(Endpoint(f"ep{e}", engine=f"e{e}", gateway=f"g{e}", cards=(("C3",) if e % 5 == 0 else ())))
     got = Scorer(idx).score(HASHES, eps)
     assert [(x.gpu, x.cpu, x.storage) for x in got] == [_reference(idx, HASHES, ep) for ep in eps]
+
+
+def test_offloaded_chunks_keyed_by_their_last_block_count_for_the_whole_chunk() -> None:
+    from kvgate.routing.hashing import offload_keys
+    idx = KvIndex()
+    # a gateway holding vLLM offloading keys of chunks of 4 blocks (hash of each chunk's last block)
+    chunk_hashes = [k[:-4] for k in offload_keys(HASHES[:50], group_idx=0, factor=4)]  # 12 chunks: 48 blocks
+    put(idx, "gw", chunk_hashes, "CPU", "kvgate")
+    idx.set_factor("CPU", "gw", 4)
+    put(idx, "e", HASHES[:6])
+    s = Scorer(idx).score(HASHES, [Endpoint("a", engine="e", gateway="gw")])[0]
+    assert (s.gpu, s.cpu, s.prefill) == (6, 42, 52)
+    idx.set_factor("CPU", "gw", 1)  # read per block, only the chunk ends would count: block 0 is not held
+    s = Scorer(idx).score(HASHES, [Endpoint("a", gateway="gw")])[0]
+    assert s.matched == 0
+    with pytest.raises(InvalidArgument, match="at least 1"):
+        idx.set_factor("CPU", "gw", 0)

@@ -12,11 +12,14 @@ router's event loop).  With ``loop`` the batches are handed to that asyncio loop
 (``call_soon_threadsafe``) and applied there, the loop that scores: the index is never touched from two
 threads.  Without a loop, ``poll()`` reads and applies on the caller's thread (tests, tools).
 
-Checks on every BlockStored of a source: a ``block_size`` other than the router's (``block_size``
+Checks on every BlockStored of a source: a GPU ``block_size`` other than the router's (``block_size``
 setting) means the source's hashes can never match the router's: the feed is REFUSED, loudly (an error
 log naming the setting and both values), its blocks are dropped from the index and its later events
-ignored; ``Feeds.refused`` (source -> reason) is what /health and /metrics show.  A block size of 0 is
-"not said" (vLLM's offloading connector sends 0) and passes.
+ignored; ``Feeds.refused`` (source -> reason) is what /health and /metrics show.  In CPU or STORAGE a
+multiple of the router's block size is an offloaded chunk keyed by its last block's hash (a kvgate
+gateway declares its keys' tokens so): the index is told the factor (``KvIndex.set_factor``); another
+size is refused.  A block size of 0 is "not said" (vLLM's offloading connector sends 0: give ``add`` the
+engine's ``offload_factor``) and passes.
 
 What events cannot tell: the hash algorithm and seed (``prefix_caching_hash_algo``, PYTHONHASHSEED).
 Two engines that differ there publish hashes that simply never match; the front checks them with the
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvgate.errors import InvalidArgument
 from kvgate.kvevents.subscriber import Delivered, Subscriber
-from kvgate.kvevents.wire import BlockStored, EventBatch
+from kvgate.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, BlockStored, EventBatch
 from kvgate.routing.index import KvIndex
 
 __all__ = ["Feed", "Feeds"]
@@ -73,12 +76,16 @@ class Feeds:
         self.feeds: dict[str, Feed] = {}
 
     def add(self, source: str, endpoint: str, replay_endpoint: str | None = None,
-            topics: Sequence[str] | None = None, **subscriber_options: object) -> Feed:
+            topics: Sequence[str] | None = None, offload_factor: int = 1, **subscriber_options: object) -> Feed:
         """Subscribe to ``endpoint`` (and its replay socket) and apply what it publishes under ``source``;
-        with a loop, the subscriber's thread starts now.  ``subscriber_options`` go to ``Subscriber``."""
+        with a loop, the subscriber's thread starts now.  ``offload_factor``: an engine's vLLM offloading
+        ``block_size`` factor (GPU blocks per CPU key; its events say 0 tokens, so it must be told).
+        ``subscriber_options`` go to ``Subscriber``."""
         if source in self.feeds:
             raise InvalidArgument(f"a feed for source {source!r} exists already ({self.feeds[source].endpoint})")
         feed = Feed(source, endpoint, replay_endpoint, None if topics is None else tuple(topics))
+        if offload_factor != 1:
+            self.index.set_factor(MEDIUM_CPU, source, offload_factor)
         feed.subscriber = Subscriber(endpoint, replay_endpoint, topics, **subscriber_options)  # type: ignore[arg-type]
         self.feeds[source] = feed
         if self.loop is not None:
@@ -103,7 +110,7 @@ class Feeds:
             feed.last_seq = seq
             if feed.refused is not None:
                 continue
-            reason = self._check(feed, batch)
+            reason = self._check(feed, topic, batch)
             if reason is not None:
                 self.refuse(feed.source, reason)
                 continue
@@ -111,13 +118,20 @@ class Feeds:
             feed.batches += 1
             feed.events += len(batch.events)
 
-    def _check(self, feed: Feed, batch: EventBatch) -> str | None:
+    def _check(self, feed: Feed, topic: str, batch: EventBatch) -> str | None:
+        source, forced = self.index.resolve(feed.source, topic)
         for ev in batch.events:
-            if isinstance(ev, BlockStored) and ev.block_size and ev.block_size != self.block_size:
-                return (f"KV events of {feed.source} ({feed.endpoint}) are for blocks of {ev.block_size} tokens, "
-                        f"the router hashes blocks of {self.block_size} (setting block_size): their block "
-                        f"hashes can never match; run the router with block_size {ev.block_size} or the "
-                        f"engine with --block-size {self.block_size}")
+            if not isinstance(ev, BlockStored) or not ev.block_size or ev.block_size == self.block_size:
+                continue
+            medium = forced or ev.medium or MEDIUM_GPU
+            if medium != MEDIUM_GPU and ev.block_size % self.block_size == 0:
+                # an offloaded chunk of several blocks, keyed by its last block's hash
+                self.index.set_factor(medium, source, ev.block_size // self.block_size)
+                continue
+            return (f"KV events of {feed.source} ({feed.endpoint}) are for {medium} blocks of {ev.block_size} "
+                    f"tokens, the router hashes blocks of {self.block_size} (setting block_size): their block "
+                    f"hashes can never match; run the router with block_size {ev.block_size} or the engine with "
+                    f"--block-size {self.block_size}")
         return None
 
     def refuse(self, source: str, reason: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
+from kvgate.errors import InvalidArgument
 from kvgate.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, \
     BlockStored, EventBatch
 from kvgate.routing.hashing import block_key
@@ -60,6 +61,7 @@ class KvIndex:
         self.block_sizes: dict[str, int] = {}  # source -> the block_size of its first BlockStored (0: unknown)
         self.events_applied = 0
         self.layout_version = 0  # bumped when a pair gets a bit or a gateway a mount: the scorer's cache key
+        self._factors: dict[tuple[str, str], int] = {}  # (medium, source) -> GPU blocks per published key
 
     # ---- sources ----------------------------------------------------------------------
 
@@ -94,10 +96,42 @@ class KvIndex:
         """Serials of the cards ``gateway_source`` publishes events for (the cards it mounts)."""
         return frozenset(self._mounts.get(gateway_source, ()))
 
+    def set_factor(self, medium: str, source_id: str, factor: int) -> None:
+        """``source_id`` publishes one key per chunk of ``factor`` blocks in ``medium``: vLLM's offloading
+        (``blocks_per_chunk``) and a kvgate gateway serving it key a chunk by its LAST block's hash
+        (``kvgate.routing.hashing.offload_keys``), so a held key at block ``c*factor + factor - 1`` means
+        blocks ``c*factor`` .. that one are held.  The scorer reads it that way; 1 (the default) is per block."""
+        if factor < 1:
+            raise InvalidArgument(f"factor is the blocks per published key, at least 1, got {factor}")
+        if self._factors.get((medium, source_id), 1) != factor:
+            self._factors[(medium, source_id)] = factor
+            self.layout_version += 1
+
+    def factor(self, medium: str, source_id: str) -> int:
+        return self._factors.get((medium, source_id), 1)
+
+    def factor_masks(self) -> dict[int, int]:
+        """factor -> mask of the (source, medium) pairs publishing chunks of that many blocks (factor > 1)."""
+        out: dict[int, int] = {}
+        for pair, f in self._factors.items():
+            b = self._bits.get(pair)
+            if f > 1 and b is not None:
+                out[f] = out.get(f, 0) | 1 << b
+        return out
+
     # ---- events -----------------------------------------------------------------------
 
+    @staticmethod
+    def resolve(source_id: str, topic: str) -> tuple[str, str | None]:
+        """(the source a batch on ``topic`` from ``source_id`` is about, the medium it forces or None);
+        changes nothing (``source_of`` also records the mount)."""
+        mark = topic.find(CARD_TOPIC_MARK)
+        if mark < 0:
+            return source_id, None
+        return card_source(topic[mark + len(CARD_TOPIC_MARK):]), MEDIUM_STORAGE
+
     def source_of(self, source_id: str, topic: str) -> tuple[str, str | None]:
-        """(the source a batch on ``topic`` from ``source_id`` is about, the medium it forces or None)."""
+        """``resolve``, recording that ``source_id`` mounts the card a card topic names."""
         mark = topic.find(CARD_TOPIC_MARK)
         if mark < 0:
             return source_id, None

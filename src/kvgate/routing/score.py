@@ -169,6 +169,8 @@ class Scorer:
             keys = [int.from_bytes(k[-8:], "big") for k in keys]  # type: ignore[index]
         E = len(endpoints)
         masks = index.holder_masks(keys) if E else []
+        if E and index._factors:
+            masks = self._chunked(masks, keys)
         # Runs of positions with the same holders: a prompt's holdings are prefixes, so a 2048-block prompt
         # over 64 endpoints has ~200 runs, not 2048 positions; the first position nobody holds ends the span.
         run_masks: list[int] = []
@@ -204,6 +206,19 @@ class Scorer:
             gj, cj = int(gpu[j]), int(cpu[j])
             out.append(self._make(ep, gj, cj, int(matched[j]) - gj - cj, n))
         return out
+
+    def _chunked(self, masks: list[int], keys: Sequence[int]) -> list[int]:
+        """``masks`` with each chunked pair's bit (``KvIndex.set_factor``) read at the end of the position's
+        chunk: a chunk key held means every block of the chunk is; the last partial chunk is never held."""
+        for f, fmask in self.index.factor_masks().items():
+            ends = self.index.holder_masks(keys[f - 1::f])  # chunk c ends at block c*f + f - 1
+            keep = ~fmask
+            out = []
+            for i, m in enumerate(masks):
+                c = i // f
+                out.append((m & keep) | (ends[c] & fmask if c < len(ends) else 0))
+            masks = out
+        return masks
 
     def _make(self, ep: Endpoint, gpu: int, cpu: int, storage: int, n: int) -> Score:
         t, load = self.tier_costs, self.load_costs

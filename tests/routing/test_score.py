@@ -155,3 +155,16 @@ def test_offloaded_chunks_keyed_by_their_last_block_count_for_the_whole_chunk() 
     assert s.matched == 0
     with pytest.raises(InvalidArgument, match="at least 1"):
         idx.set_factor("CPU", "gw", 0)
+
+
+def test_more_runs_than_the_first_slice_still_reach_the_longest_prefix() -> None:
+    idx = KvIndex()
+    eps = []
+    # 300 engines, engine e holding the first e+1 blocks with a hole-free prefix; each length its own run
+    hashes = BlockHasher("sha256", 16, seed="0").hashes(list(range(16 * 300)))
+    for e in range(300):
+        put(idx, f"e{e}", hashes[:e + 1])
+        eps.append(Endpoint(f"ep{e}", engine=f"e{e}"))
+    got = Scorer(idx).score(hashes, eps)
+    assert [x.gpu for x in got] == list(range(1, 301))
+    assert [(x.gpu, x.cpu, x.storage) for x in got[::37]] == [_reference(idx, hashes, ep) for ep in eps[::37]]

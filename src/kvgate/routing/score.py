@@ -23,9 +23,15 @@ Why this shape: it is the time-to-first-token a request would see, in prefill-bl
 restore and queueing terms linear (they are, to first order).  Lower is better; ``best`` picks the lowest
 cost (ties: most matched blocks, then the first endpoint in the caller's order).
 
-Speed: ``score`` looks each prompt block up once per medium (one dict lookup each, stopping at the first
-block no source holds), then works on a (blocks x sources) bit matrix with numpy, all endpoints at once.
-``kvgate bench --route`` measures it (bar: p99 <= 1 ms for a 32K-token prompt over 64 endpoints).
+Offloaded chunks: a source that publishes one key per chunk of ``f`` blocks (``KvIndex.set_factor``) holds
+a block where it holds the key of the block's chunk (the chunk's last block's hash).
+
+Speed: ``score`` looks each prompt block up once (one dict lookup gives every source and tier), cuts
+the prompt at the first block nobody holds, and folds consecutive blocks with the same holders into runs
+(a fleet's holdings are prefixes: 2048 blocks over 64 endpoints made 126 runs); numpy then works on a
+(runs x endpoints) matrix per tier.  ``kvgate bench --route`` (32K tokens, 64 endpoints, 8 shared cards,
+1.3 M index entries) on the 2-core build machine, shared with other work: p50 0.42 ms, p99 0.76 ms
+(bar 1 ms); the lookups are ~0.13 ms of it, the run fold ~0.1 ms, the 64 ``Score`` objects ~0.09 ms.
 """
 
 from __future__ import annotations
@@ -131,6 +137,8 @@ class Scorer:
     """Scores endpoints against a ``KvIndex``.  ``tier_costs`` / ``load_costs``: overrides of
     ``DEFAULT_TIER_COSTS`` / ``DEFAULT_LOAD_COSTS`` (InvalidArgument for an unknown key or a negative)."""
 
+    first_slice = 256  # runs in the first slice (see ``score``)
+
     def __init__(self, index: KvIndex, tier_costs: Mapping[str, float] | None = None,
                  load_costs: Mapping[str, float] | None = None) -> None:
         self.index = index
@@ -188,14 +196,26 @@ class Scorer:
         if not run_masks:
             return [self._make(ep, 0, 0, 0, n) for ep in endpoints]
         cols_g, cols_c, cols_s = self._columns(endpoints)
-        B = _bit_matrix(run_masks, index.width)  # (runs x bits)
-        lengths = np.diff(np.array(run_starts + [span], dtype=np.int64))
-        g_held = cols_g.held(B)  # (runs x endpoints)
-        c_held = cols_c.held(B)
-        any_held = g_held | c_held | cols_s.held(B)
+        starts = np.array(run_starts + [span], dtype=np.int64)
+        # Runs in growing slices: once every endpoint has a gap inside the slice, the rest cannot count.
+        # Holdings full of holes (every block its own run) stop in the first slice (measured side by side: 1.7 ms
+        # for 2048 runs in one go, 0.5 ms with slices); long shared prefixes have few runs anyway.
         R = len(run_masks)
+        limit = self.first_slice
+        while True:
+            limit = min(limit, R)
+            B = _bit_matrix(run_masks[:limit], index.width)  # (runs x bits)
+            g_held = cols_g.held(B)  # (runs x endpoints)
+            c_held = cols_c.held(B)
+            any_held = g_held | c_held | cols_s.held(B)
+            held_all = any_held.all(axis=0)
+            if limit == R or not held_all.any():
+                break
+            limit *= 4
+        lengths = np.diff(starts[:limit + 1])
         # the matched prefix per endpoint ends at its first run none of its tiers holds
-        gap_run = np.where(any_held.all(axis=0), R, np.argmin(any_held, axis=0))
+        gap_run = np.where(held_all, limit, np.argmin(any_held, axis=0))
+        R = limit
         ends = np.concatenate(([0], np.cumsum(lengths)))
         matched = ends[gap_run]
         in_prefix = np.arange(R)[:, None] < gap_run[None, :]

@@ -185,3 +185,22 @@ def test_snapshot_time(gateway_factory):
     print(f"\nsnapshot of {n} objects: {took:.2f} s ({n / took:,.0f} objects/s)", file=sys.stderr)
     card = next(t for t, _, _ in got if t != "gw")
     assert sorted(set(hashes(got, BlockStored, card))) == sorted(vkey(i)[:32] for i in range(n))
+
+
+def test_an_endpoint_in_use_stops_the_start_naming_the_key(tmp_path):
+    from tests.helpers import run_kvgate
+    (tmp_path / "card").mkdir()
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for flags, key in ((["--kv-events-endpoint", f"tcp://127.0.0.1:{port}"], "kv_events_endpoint"),
+                           (["--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{port}"], "kv_events_replay_endpoint")):
+            r = run_kvgate("serve", "--storage-devices", str(tmp_path / "card"), "--port", "0", "--metrics-port", "0",
+                           "--socket", str(tmp_path / "s.sock"), *flags, timeout=60)
+            assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+            errors = [ln for ln in r.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+            assert len(errors) == 1 and f"config key {key}: cannot bind" in errors[0], r.stderr
+            assert not (tmp_path / "s.sock").exists()
+    finally:
+        taken.close(0)

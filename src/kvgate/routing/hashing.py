@@ -117,7 +117,7 @@ class BlockHasher:
     one": this process's PYTHONHASHSEED if set, else vLLM's fixed default seed for the sha256 algorithms.
     An xxhash algorithm with no seed is refused (InvalidArgument): vLLM seeds it randomly per process.
     ``cache_size``: blocks kept in the LRU of ``(parent, tokens) -> hash`` (0: none); at 2048 blocks a
-    32K-token prompt, the default keeps about 64 such prompts (about 30 MB).
+    32K-token prompt, the default keeps about 64 such prompts (measured: about 50 MB when full).
 
     Not thread-safe (the LRU); the router calls it from its event loop.
     """

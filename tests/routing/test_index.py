@@ -87,3 +87,13 @@ def test_unknown_removals_and_sources_are_harmless() -> None:
     idx.clear("never")
     assert len(idx) == 0 and not idx.holds("never", "GPU", HASHES[0])
     assert idx.events_applied == 2
+
+
+def test_holder_masks_agree_with_holders_for_hybrid_groups() -> None:
+    idx = KvIndex()
+    idx.apply("hyb", "", batch(stored(HASHES[:6], group=0), stored(HASHES[2:8], group=1)))
+    idx.apply("plain", "", batch(stored(HASHES[1:5])))
+    idx.apply("gw", "t", batch(stored(HASHES[:8], "CPU", group=1)))
+    assert idx.holder_masks(KEYS) == [idx.holders(k) for k in KEYS]
+    hyb = 1 << idx.bit_of("GPU", "hyb")
+    assert [bool(m & hyb) for m in idx.holder_masks(KEYS)] == [False, False, True, True, True, True, False, False]

@@ -240,7 +240,15 @@ class KvIndex:
         if len(self._held) == 1:
             (held,) = self._held.values()
             return list(map(held.get, keys, repeat(0)))
-        return [self.holders(k) for k in keys]
+        # several groups (a hybrid model): one lookup pass per group, then the rule of ``holders``
+        out = [-1] * len(keys)
+        anyone = [0] * len(keys)
+        for g, held in self._held.items():
+            unseen = ~self._seen[g]
+            got = list(map(held.get, keys, repeat(0)))
+            out = [o & (m | unseen) for o, m in zip(out, got)]
+            anyone = [a | m for a, m in zip(anyone, got)]
+        return [o & a for o, a in zip(out, anyone)]
 
     def holds(self, source_id: str, medium: str, block_hash: bytes | int) -> bool:
         """Whether ``source_id`` holds the block in ``medium``."""

@@ -295,3 +295,32 @@ def test_a_restarted_publisher_is_joined_again(addrs, loop):
     finally:
         sub.close()
         pub.close()
+
+
+def test_closing_during_a_snapshot_stops_its_provider(addrs, loop):
+    produced = []
+
+    async def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield "t", [stored(b"%d" % i)]
+            i += 1
+            await asyncio.sleep(0)
+
+    pub = EventPublisher(*addrs, snapshot=endless, loop=loop)
+    pub.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVHWM, 5)
+    dealer.connect(addrs[1])
+    dealer.send_multipart([b"", END_SEQ])
+    deadline = time.monotonic() + 5
+    while pub.stats["snapshot_batches"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pub.close()
+    dealer.close(0)
+    time.sleep(0.2)
+    n = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == n, "the provider kept running after close"
+    assert not [t for t in asyncio.all_tasks(loop) if not t.done()]

@@ -206,6 +206,13 @@ class EventPublisher:
                     self._send_batch(*item)
         except Exception:  # noqa: BLE001 - a dead publisher thread must say why
             log.exception("KV event publisher stopped")
+        finally:
+            self._stop.set()  # a snapshot's pump on the loop sees it and ends
+            for _, frames, _ in self._jobs:
+                close = getattr(frames, "close", None)
+                if close is not None:
+                    close()  # cancels a running snapshot's pump
+            self._jobs.clear()
 
     def _send_batch(self, topic: str, events: list[Event], ts: float) -> None:
         dropped = self.stats["dropped"]
@@ -310,6 +317,8 @@ class EventPublisher:
         try:
             async for chunk in self._snapshot():
                 while chunks.qsize() >= self.SNAPSHOT_CHUNKS_AHEAD:
+                    if self._stop.is_set():  # the thread is gone: nobody takes chunks any more
+                        return
                     await asyncio.sleep(0.002)
                 chunks.put(chunk)
         finally:

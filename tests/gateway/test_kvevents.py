@@ -163,6 +163,8 @@ def test_a_late_joiner_gets_a_snapshot_and_malformed_requests_change_nothing(gat
         finally:
             sub.close()
     assert gw.alive()
+    st = gw.stats()["kv_events"]
+    assert st["malformed_requests"] == 4 and st["snapshots"] >= 1 and st["dropped"] == 0, st
 
 
 def test_snapshot_time(gateway_factory):

@@ -133,6 +133,14 @@ class KvEvents:
             pub, self.publisher = self.publisher, None
             await asyncio.get_running_loop().run_in_executor(None, pub.close)
 
+    def status(self) -> dict[str, Any]:
+        """Counters for the gateway's status: changes taken, batches handed over, and the publisher's
+        (published, dropped, holes, replays, snapshots, malformed_requests, ...)."""
+        pub = self.publisher
+        return {"topic": self.topic, "changes": self.stats["changes"], "batches": self.stats["batches"],
+                "namespaces_declared": len(self.forms), "last_seq": pub.last_seq if pub is not None else 0,
+                **(dict(pub.stats) if pub is not None else {})}
+
     # --- changes ------------------------------------------------------------------------------------
 
     def _on_change(self, change: Any) -> None:

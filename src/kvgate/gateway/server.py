@@ -299,10 +299,13 @@ class Gateway:
             await asyncio.sleep(1.0)
 
     def snapshot(self) -> dict[str, Any]:
-        return status_mod.snapshot(self.cfg, self.store, self.pool, self.heads, self.head_sync, self.sessions,
+        snap = status_mod.snapshot(self.cfg, self.store, self.pool, self.heads, self.head_sync, self.sessions,
                                    self.listeners, self.started_at, self.tcp_port,
                                    cluster=self.card_source.status() if self.card_source is not None else None,
                                    latency=self.latency)
+        if self.kv_events is not None:
+            snap["kv_events"] = self.kv_events.status()
+        return snap
 
 
 

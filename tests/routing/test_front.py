@@ -11,10 +11,12 @@ import time
 import aiohttp
 import pytest
 
-from kvgate.kvevents.wire import MEDIUM_CPU, BlockStored, EventBatch
+from kvgate.kvevents.publisher import EventPublisher
+from kvgate.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, BlockStored
 from kvgate.routing.endpoints import compare_settings, parse_load
 from kvgate.routing.front import Router
 from kvgate.routing.settings import EndpointSpec, build
+from tests.helpers import free_port
 from tests.routing.front_engines import FakeEngine
 
 
@@ -266,25 +268,44 @@ def test_endpoint_with_other_hash_settings_is_refused_naming_them():
     run(go())
 
 
-def _stored(keys, medium=None):
-    return EventBatch(ts=0.0, events=[BlockStored(block_hashes=list(keys), parent_block_hash=None, token_ids=[],
-                                                  block_size=4, lora_id=None, medium=medium, lora_name=None)])
+def _stored(keys, medium=None, block_size=4):
+    return [BlockStored(block_hashes=list(keys), parent_block_hash=None, token_ids=[], block_size=block_size,
+                        lora_id=None, medium=medium, lora_name=None)]
 
 
-def test_cache_aware_routes_to_the_endpoint_holding_the_prompt_and_scores_it():
+async def _published(pub: EventPublisher, events, cond, timeout=10.0):
+    """Publish ``events`` until the router's feed has applied them (a SUB socket joins some ms after
+    connecting: what is published before is not received; re-storing a block is idempotent)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the router did not apply the published events"
+        pub.publish("kv", events)
+        await asyncio.sleep(0.05)
+
+
+def test_cache_aware_routes_by_the_kv_events_it_reads_and_scores():
     async def go():
-        a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
-        r = await _router([a, b], policy="cache-aware", block_size=4)
+        a, b, c = await FakeEngine("a").start(), await FakeEngine("b").start(), await FakeEngine("c").start()
+        ports = [free_port() for _ in range(4)]
+        pubs = [EventPublisher(f"tcp://127.0.0.1:{p}") for p in ports[:3]]
+        for p in pubs:
+            p.start()
+        eb, gwa, ec = pubs
+        eps = [{"url": a.url, "gateway_events": gwa.endpoint}, {"url": b.url, "events": eb.endpoint},
+               {"url": c.url, "events": ec.endpoint}]
+        r = await _router([a, b, c], policy="cache-aware", block_size=4, endpoints=eps)
         try:
             prompt = "abcdefghijklmnop"  # 16 tokens in the fake tokenizer: 4 blocks of 4
-            keys = r.hasher.keys([ord(c) for c in prompt])
+            keys = r.hasher.keys([ord(ch) for ch in prompt])
             async with aiohttp.ClientSession() as s:
-                # nothing indexed: least-loaded fallback (a, the first of two idle ones)
+                # nothing indexed: least-loaded fallback (a, the first of the idle ones)
                 async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": prompt}) as resp:
                     assert (await resp.json())["engine"] == "a"
                 assert a.tokenize_calls[-1] == {"model": "m", "prompt": prompt}
-                r.index.apply(b.url, "kv", _stored(keys[:3]))           # b's GPU holds 3 blocks
-                r.index.apply(a.url, "kv", _stored(keys[:1], MEDIUM_CPU))  # a's CPU holds 1
+                # b's engine holds 3 blocks on its GPU, a's gateway 1 in its RAM
+                await _published(eb, _stored(keys[:3]), lambda: r.index.count(b.url, MEDIUM_GPU) == 3)
+                await _published(gwa, _stored(keys[:1], MEDIUM_CPU),
+                                 lambda: r.index.count(a.url + "#gateway", MEDIUM_CPU) == 1)
                 async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": prompt}) as resp:
                     assert (await resp.json())["engine"] == "b"
                 async with s.post(_base(r) + "/v1/score", json={"model": "m", "prompt": prompt}) as resp:
@@ -293,21 +314,30 @@ def test_cache_aware_routes_to_the_endpoint_holding_the_prompt_and_scores_it():
                 by = {e["url"]: e for e in sc["endpoints"]}
                 assert (by[b.url]["gpu"], by[b.url]["matched"], by[b.url]["prefill"]) == (3, 3, 1)
                 assert (by[a.url]["cpu"], by[a.url]["gpu"], by[a.url]["matched"]) == (1, 0, 1)
-                async with s.post(_base(r) + "/v1/score", json={"token_ids": [ord(c) for c in prompt[:8]]}) as resp:
+                async with s.post(_base(r) + "/v1/score", json={"token_ids": [ord(ch) for ch in prompt[:8]]}) as resp:
                     sc = await resp.json()
                 assert sc["blocks"] == 2 and {e["url"]: e["matched"] for e in sc["endpoints"]}[b.url] == 2
                 async with s.post(_base(r) + "/v1/score", json={"model": "m"}) as resp:
                     assert resp.status == 400
+                # c's engine hashes blocks of 8 tokens: its feed, then the endpoint, are refused
+                await _published(ec, _stored(keys[:1], block_size=8), lambda: r.feeds.refused)
+                async with s.get(_base(r) + "/health") as resp:
+                    h = await resp.json()
+                state = {e["url"]: e for e in h["endpoints"]}[c.url]
+                assert state["state"] == "refused" and "blocks of 8 tokens" in state["reason"], state
                 async with s.get(_base(r) + "/metrics") as resp:
                     text = await resp.text()
             assert 'kvgate_router_matched_blocks_total{tier="gpu"} 3.0' in text
             assert "kvgate_router_fallbacks_total 1.0" in text
             assert "kvgate_router_decision_seconds_count 2.0" in text
             assert "kvgate_router_tokenize_seconds_count" in text
+            assert f'kvgate_router_endpoint_refused{{endpoint="{c.url}"}} 1.0' in text
         finally:
             await r.close()
-            await a.stop()
-            await b.stop()
+            for p in pubs:
+                p.close()
+            for e in (a, b, c):
+                await e.stop()
     run(go())
 
 

@@ -45,10 +45,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate.errors import InvalidArgument
 from kvgate.routing.endpoints import EndpointPool, EndpointState
+from kvgate.routing.feeds import Feeds
 from kvgate.routing.hashing import BlockHasher
 from kvgate.routing.index import KvIndex
 from kvgate.routing.policies import CacheAware, Decision, make_policy
-from kvgate.routing.settings import RouterSettings
+from kvgate.routing.score import Endpoint
+from kvgate.routing.settings import EndpointSpec, RouterSettings
 
 log = logging.getLogger("kvgate.router")
 
@@ -110,11 +112,23 @@ class Metrics:
                           ["endpoint"], registry=r)
 
 
+def sources(spec: EndpointSpec) -> Endpoint:
+    """The index source ids of an endpoint's KV event feeds: its engine's under its URL, its gateway's
+    under ``<url>#gateway`` (None where it publishes none)."""
+    return Endpoint(name=spec.url, engine=spec.url if spec.events else None,
+                    gateway=f"{spec.url}#gateway" if spec.gateway_events else None)
+
+
 class Router:
-    """The front: ``start`` polls the endpoints once, then serves on ``settings.host:port`` (``port`` 0: a
-    free one, see ``port`` after start); ``close`` stops serving and polling.  ``index``: the KV index the
-    cache-aware policy and ``/v1/score`` read (the KV event feeds fill it; empty: decisions fall back to
-    load).  Raises InvalidArgument at construction for hash settings no router can reproduce."""
+    """The front: ``start`` polls the endpoints once, subscribes to their KV events (``kvgate.routing.feeds``,
+    into ``index``), then serves on ``settings.host:port`` (``port`` 0: a free one, see ``port`` after start);
+    ``close`` stops serving, polling and the feeds.  ``index``: the KV index the cache-aware policy and
+    ``/v1/score`` read (empty: decisions fall back to load).  Raises InvalidArgument at construction for
+    hash settings no router can reproduce.
+
+    Refusals both ways: an endpoint refused for its settings has its feeds refused (its blocks leave the
+    index); an endpoint whose engine's feed is refused (its events' block size differs from the router's)
+    is refused for routing, with the feed's message."""
 
     def __init__(self, settings: RouterSettings, index: KvIndex | None = None) -> None:
         self.settings = settings
@@ -124,6 +138,9 @@ class Router:
         # /v1/score scores whatever the policy: share the policy's scorer when it has one
         self.scoring = self.policy if isinstance(self.policy, CacheAware) else CacheAware(self.index)
         self.metrics = Metrics()
+        for spec in settings.endpoints:
+            self.scoring.sources[spec.url] = sources(spec)
+        self.feeds: Feeds | None = None
         self.session: aiohttp.ClientSession | None = None
         self.pool: EndpointPool | None = None
         self._runner: web.AppRunner | None = None
@@ -137,7 +154,16 @@ class Router:
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                              auto_decompress=False)
         self.pool = EndpointPool(self.settings, self.session)
+        if any(spec.events or spec.gateway_events for spec in self.settings.endpoints):
+            self.feeds = Feeds(self.index, self.settings.block_size, asyncio.get_running_loop())
+            for spec in self.settings.endpoints:
+                src = sources(spec)
+                if spec.events:
+                    self.feeds.add(src.engine, spec.events, spec.events_replay)
+                if spec.gateway_events:
+                    self.feeds.add(src.gateway, spec.gateway_events, spec.gateway_replay)
         await self.pool.start()
+        self.sync_refusals()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)  # long prompts: 64 MiB of JSON
@@ -166,9 +192,27 @@ class Router:
             self._runner = None
         if self.pool is not None:
             await self.pool.close()
+        if self.feeds is not None:
+            self.feeds.close()
+            self.feeds = None
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+    def sync_refusals(self) -> None:
+        """Carry refusals between the endpoints and their feeds (class docstring).  Cheap: run before each
+        decision and each /health or /metrics answer."""
+        if self.feeds is None:
+            return
+        refused = self.feeds.refused
+        for ep in self.pool.endpoints:
+            src = self.scoring.sources[ep.url]
+            if ep.refused:
+                for s in (src.engine, src.gateway):
+                    if s is not None and s not in refused:
+                        self.feeds.refuse(s, ep.refused)
+            elif src.engine is not None and src.engine in refused:
+                ep.refused = f"{ep.url} refused: {refused[src.engine]}"
 
     # ---- tokenizing and deciding
     async def tokens(self, kind: str, body: dict[str, Any], candidates: list[EndpointState]) -> list[int] | None:
@@ -211,6 +255,7 @@ class Router:
         return toks
 
     async def decide(self, kind: str, body: dict[str, Any]) -> Decision:
+        self.sync_refusals()
         candidates = self.pool.routable()
         hashes = None
         if self.policy.needs_tokens and candidates:
@@ -350,13 +395,18 @@ class Router:
                            "running": s.running, "waiting": s.waiting, "cost": s.cost} for s in scores]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.sync_refusals()
         eps = [e.as_json() for e in self.pool.endpoints]
         ok = bool(self.pool.routable())
-        return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.policy.name,
-                                  "endpoints": eps}, status=200 if ok else 503)
+        out: dict[str, Any] = {"status": "ok" if ok else "unavailable", "policy": self.policy.name,
+                               "endpoints": eps}
+        if self.feeds is not None:
+            out["feeds"] = [f.stats() for f in self.feeds.feeds.values()]
+        return web.json_response(out, status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         m = self.metrics
+        self.sync_refusals()
         for e in self.pool.endpoints:
             m.up.labels(e.url).set(1 if e.up else 0)
             m.refused.labels(e.url).set(1 if e.refused else 0)

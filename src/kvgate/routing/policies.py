@@ -70,7 +70,7 @@ class CacheAware:
         self._least = LeastLoaded()
 
     def endpoint(self, ep: EndpointState) -> Endpoint:
-        base = self.sources.get(ep.url)
+        base = self.sources.get(ep.url)  # absent: an endpoint known only by its URL (tests, tools)
         return Endpoint(name=ep.url, engine=base.engine if base else ep.url,
                         gateway=base.gateway if base else None, cards=base.cards if base else (),
                         running=ep.running + ep.inflight, waiting=ep.waiting)

@@ -7,7 +7,10 @@ win over the file.  ``endpoints`` in YAML is a list of URLs or of maps::
     endpoints:
       - http://10.0.0.1:8000
       - url: http://10.0.0.2:8000
-        events: [tcp://10.0.0.2:5557]     # the engine's KV events (optional; the cache-aware policy reads them)
+        events: tcp://10.0.0.2:5557        # the engine's KV events (--kv-events-config endpoint; optional)
+        events_replay: tcp://10.0.0.2:5558 # its replay socket (optional)
+        gateway_events: tcp://10.0.0.2:5570  # its kvgate gateway's (kv_events_endpoint; optional)
+        gateway_replay: tcp://10.0.0.2:5571  # (kv_events_replay_endpoint)
         block_size: 16                     # what the operator states of this engine: checked against the
         hash_algo: sha256                  # router's own at start and whenever it comes back (a mismatch
         hash_seed: "0"                     # refuses the endpoint, naming the setting and both values)
@@ -31,11 +34,15 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 @dataclass(frozen=True)
 class EndpointSpec:
     """One engine behind the router: its base URL (``http://host:port``, no ``/v1``), the ZMQ endpoints of
-    the KV events that describe it (its engine's, its gateway's), and the hash settings the operator states
-    for it (None: not stated; the router then checks only what the engine itself reports)."""
+    the KV events that describe it (its engine's, its gateway's: PUB and replay; None: it publishes none,
+    and the cache-aware policy sees nothing it holds), and the hash settings the operator states for it
+    (None: not stated; the router then checks only what the engine itself reports)."""
 
     url: str
-    events: tuple[str, ...] = ()
+    events: str | None = None
+    events_replay: str | None = None
+    gateway_events: str | None = None
+    gateway_replay: str | None = None
     block_size: int | None = None
     hash_algo: str | None = None
     hash_seed: str | None = None
@@ -94,24 +101,32 @@ def _seed(value: Any, key: str) -> str | None:
     return str(value)
 
 
+_ENDPOINT_KEYS = ("url", "events", "events_replay", "gateway_events", "gateway_replay", "block_size", "hash_algo",
+                  "hash_seed")
+
+
 def _endpoint(item: Any, key: str) -> EndpointSpec:
     if isinstance(item, str):
         return EndpointSpec(_url(item, key))
     if not isinstance(item, Mapping):
         raise ConfigError(f"{key}: an endpoint is a URL or a map with url (and events, block_size, hash_algo, "
                           f"hash_seed), got {item!r}")
-    unknown = set(item) - {"url", "events", "block_size", "hash_algo", "hash_seed"}
+    unknown = set(item) - set(_ENDPOINT_KEYS)
     if unknown:
         raise ConfigError(f"{key}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; an endpoint has "
-                          f"url, events, block_size, hash_algo, hash_seed")
-    events = item.get("events", ())
-    if isinstance(events, str):
-        events = (events,)
-    if not isinstance(events, (list, tuple)) or not all(isinstance(e, str) and e for e in events):
-        raise ConfigError(f"{key}.events: a list of ZMQ endpoints like tcp://host:5557, got {events!r}")
+                          f"{', '.join(_ENDPOINT_KEYS)}")
+    zmq = {}
+    for k in ("events", "events_replay", "gateway_events", "gateway_replay"):
+        v = item.get(k)
+        if v is not None and (not isinstance(v, str) or "://" not in v):
+            raise ConfigError(f"{key}.{k}: a ZMQ endpoint like tcp://10.0.0.2:5557, got {v!r}")
+        zmq[k] = v
+    for replay, pub in (("events_replay", "events"), ("gateway_replay", "gateway_events")):
+        if zmq[replay] and not zmq[pub]:
+            raise ConfigError(f"{key}.{replay} goes with {key}.{pub} (the PUB socket it replays)")
     return EndpointSpec(
         url=_url(item.get("url"), f"{key}.url"),
-        events=tuple(events),
+        **zmq,
         block_size=None if item.get("block_size") is None else _block_size(item["block_size"], f"{key}.block_size"),
         hash_algo=None if item.get("hash_algo") is None else _algo(item["hash_algo"], f"{key}.hash_algo"),
         hash_seed=_seed(item.get("hash_seed"), f"{key}.hash_seed"),

@@ -161,6 +161,24 @@ def test_connect_failure_is_retried_on_the_next_choice():
     run(go())
 
 
+def test_cache_aware_tokenizes_on_the_next_endpoint_when_one_is_gone():
+    async def go():
+        a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
+        r = await _router([a, b], policy="cache-aware", poll=60)
+        try:
+            await a.stop()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(_base(r) + "/v1/completions", json={"prompt": "abcd"}) as resp:
+                    assert (await resp.json())["engine"] == "b"
+            assert b.tokenize_calls == [{"prompt": "abcd"}]
+            assert not r.pool.endpoints[0].up and "/tokenize could not connect" in r.pool.endpoints[0].reason
+        finally:
+            await r.close()
+            await a.stop()
+            await b.stop()
+    run(go())
+
+
 def test_round_robin_and_least_loaded_choices():
     async def go():
         a, b = await FakeEngine("a").start(), await FakeEngine("b", running=3, waiting=1).start()

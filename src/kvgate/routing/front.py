@@ -217,7 +217,7 @@ class Router:
     # ---- tokenizing and deciding
     async def tokens(self, kind: str, body: dict[str, Any], candidates: list[EndpointState]) -> list[int] | None:
         """The prompt's token ids as the engine makes them (``kind``: "completion" or "chat"), or None when
-        they cannot be had (no prompt of a known shape, or /tokenize failed on the first candidate)."""
+        they cannot be had (no prompt of a known shape, /tokenize refused, or no candidate reachable)."""
         if kind == "completion":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -235,24 +235,25 @@ class Router:
                     ask[k] = body[k]
         if body.get("model") is not None:
             ask["model"] = body["model"]
-        if not candidates:
-            return None
-        t0 = time.perf_counter()
-        try:
-            async with self.session.post(f"{candidates[0].url}/tokenize", json=ask) as r:
-                if r.status != 200:
-                    log.debug("router: /tokenize on %s answered %s", candidates[0].url, r.status)
-                    return None
-                data = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-            log.debug("router: /tokenize on %s failed: %s", candidates[0].url, e)
-            return None
-        finally:
-            self.metrics.tokenize.observe(time.perf_counter() - t0)
-        toks = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(toks, list):
-            return None
-        return toks
+        for ep in candidates[:2]:  # one that cannot connect is taken out and the next one asked
+            t0 = time.perf_counter()
+            try:
+                async with self.session.post(f"{ep.url}/tokenize", json=ask) as r:
+                    if r.status != 200:
+                        log.debug("router: /tokenize on %s answered %s", ep.url, r.status)
+                        return None
+                    data = await r.json(content_type=None)
+            except _CONNECT_ERRORS as e:
+                self.pool.mark_down(ep, f"POST /tokenize could not connect: {type(e).__name__}: {e}")
+                continue
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                log.debug("router: /tokenize on %s failed: %s", ep.url, e)
+                return None
+            finally:
+                self.metrics.tokenize.observe(time.perf_counter() - t0)
+            toks = data.get("tokens") if isinstance(data, dict) else None
+            return toks if isinstance(toks, list) else None
+        return None
 
     async def decide(self, kind: str, body: dict[str, Any]) -> Decision:
         self.sync_refusals()

@@ -17,6 +17,7 @@ import zmq
 
 from kvgate.bench.processes import free_port
 from kvgate.errors import InvalidArgument
+from kvgate.gateway.status import render
 from kvgate.kvevents.subscriber import Subscriber
 from kvgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, seq_bytes
 from tests.helpers import kvgate_env, venv_python
@@ -165,6 +166,8 @@ def test_a_late_joiner_gets_a_snapshot_and_malformed_requests_change_nothing(gat
     assert gw.alive()
     st = gw.stats()["kv_events"]
     assert st["malformed_requests"] == 4 and st["snapshots"] >= 1 and st["dropped"] == 0, st
+    metrics = render(gw.stats()).decode()  # the same counters on /metrics
+    assert "kvgate_kv_events_malformed_requests_total 4.0" in metrics, metrics
 
 
 def test_snapshot_time(gateway_factory):

@@ -278,6 +278,15 @@ class _SnapshotCollector:
             yield GaugeMetricFamily("kvgate_cluster_layout_mismatches",
                                     "other gateways on this view epoch with another key layout fingerprint",
                                     value=len(cluster["layout_mismatch"]))
+        events = s.get("kv_events")
+        if events is not None:  # kv_events_endpoint set: the publisher's counters (docs/events.md)
+            for name, doc in (("changes", "tier changes taken for publishing"),
+                              ("published", "KV event batches published"),
+                              ("dropped", "KV event batches dropped on a full queue (subscribers get a snapshot)"),
+                              ("replays", "replay requests answered"),
+                              ("snapshots", "snapshots sent to subscribers"),
+                              ("malformed_requests", "replay requests of no known shape, ignored")):
+                yield CounterMetricFamily(f"kvgate_kv_events_{name}", doc, value=events.get(name, 0))
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")
         info.add_metric([], {"fingerprint": s["gateway"]["fingerprint"]})
         yield info

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
 import pytest
@@ -84,3 +85,49 @@ def test_a_source_of_another_block_size_is_refused_loudly(tmp_path, caplog: pyte
         asyncio.run(main())
     pub.close()
     assert any("refused engine-7" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_a_restarted_router_rebuilds_its_view_of_a_real_gateway_within_10_s(gateway_factory) -> None:
+    """The issue's bar: a router restarted with a gateway full of blocks routes as well as before within
+    10 s. The gateway's RAM tier and its card hold 20,000 vLLM-form keys (4 prompts of 5,000 blocks); a
+    first router view and a second one joined from nothing (a new Feeds, as after a restart) score every
+    prompt the same, the second within 10 s of joining."""
+    from kvgate.bench.processes import free_port
+    from kvgate.routing.score import Endpoint, Scorer
+
+    pub, rep = free_port(), free_port()
+    gw = gateway_factory(["--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+                          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}", "--card-capacity", "1G"])
+    prompts = [BlockHasher("sha256", 16, seed=str(p)).hashes(list(range(16 * 5000))) for p in range(4)]
+    with gw.client("v", block_keys="vllm", block_size=16) as c:
+        for hs in prompts:
+            for i in range(0, len(hs), 1000):
+                keys = [h + (0).to_bytes(4, "big") for h in hs[i:i + 1000]]
+                c.put_many(keys, [b"kv"] * len(keys))
+    in_ram = gw.stats()["tiers"]["ram"]["objects"]  # the RAM tier keeps the latest (a page each)
+    endpoint = [Endpoint("e1", gateway="gw-1")]
+    partial = BlockHasher("sha256", 16, seed="9").hashes(list(range(16 * 30)))  # held by no one
+
+    def view() -> tuple[KvIndex, Feeds, float]:
+        idx = KvIndex()
+        feeds = Feeds(idx, 16)
+        t0 = time.monotonic()
+        feeds.add("gw-1", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}")
+        card = lambda: sum(idx.count(card_source(s), "STORAGE") for s in idx.mounts("gw-1"))  # noqa: E731
+        _until(lambda: (idx.count("gw-1", "CPU"), card()) == (in_ram, 20_000), feeds, timeout=30)
+        feeds.poll(0.3)
+        return idx, feeds, time.monotonic() - t0
+
+    first, feeds1, _ = view()
+    before = [Scorer(first).score(hs, endpoint)[0] for hs in prompts + [partial]]
+    feeds1.close()  # the router goes away; a new one joins the same gateway
+    second, feeds2, took = view()
+    try:
+        after = [Scorer(second).score(hs, endpoint)[0] for hs in prompts + [partial]]
+    finally:
+        feeds2.close()
+    print(f"\nrestarted router's view of {in_ram} + 20,000 blocks: {took:.2f} s", file=sys.stderr)
+    assert took < 10, f"the restarted router's view took {took:.1f} s"
+    assert [(s.cpu, s.storage, s.prefill) for s in after] == [(s.cpu, s.storage, s.prefill) for s in before]
+    assert all(s.matched == 5000 for s in after[:4]) and after[4].matched == 0

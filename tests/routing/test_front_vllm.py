@@ -1,7 +1,9 @@
 """``kvgate router`` in front of two real vLLM CPU engines (the tests' tiny random-weight Llama, one start
-each, started together): completions and chats, plain and streamed, come back as the engine answers
-them directly; the settings check reads the engine's real /server_info (dev mode) and /tokenize; after a
-SIGKILL of one engine, requests keep succeeding on the other and /health and /metrics say it is down."""
+each, started together, each publishing its KV events): a prompt one engine has computed goes to that
+engine (the router's hashes of /tokenize's tokens meet the engine's own block hashes); completions and
+chats, plain and streamed, come back as the engine answers them directly; the settings check reads the
+engine's real /server_info (dev mode); after a SIGKILL of one engine, requests keep succeeding on the
+other and /health and /metrics say it is down."""
 
 from __future__ import annotations
 
@@ -62,12 +64,18 @@ class Engine:
     def __init__(self, tmp: Path, name: str, model: Path, dev: bool, template: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        pub, replay = free_port(), free_port()
+        self.events, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        # vLLM binds its PUB socket only to a wildcard address (tcp://*:PORT); to a host it connects
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
         self.log_path = tmp / f"{name}.log"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev else "0"}
         env.pop("PYTHONHASHSEED", None)
         argv = [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-                "--max-model-len", "2048", "--enable-prefix-caching", "--chat-template", str(template)]
+                "--max-model-len", "2048", "--enable-prefix-caching", "--chat-template", str(template),
+                "--kv-events-config", json.dumps(events)]
         with open(self.log_path, "wb") as f:
             self.proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -95,9 +103,13 @@ def test_router_in_front_of_two_vllm_engines(tmp_path: Path) -> None:
     try:
         for e in engines:
             wait_until(e.up, 300, f"engine {e.url} up")
+        config = tmp_path / "router.yaml"
+        config.write_text(json.dumps({"endpoints": [{"url": e.url, "events": e.events, "events_replay": e.replay}
+                                                    for e in engines]}))  # JSON is YAML
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # the engines run without one
         router = subprocess.Popen(
-            [sys.executable, "-m", "kvgate", "router", "--endpoint", engines[0].url, "--endpoint", engines[1].url,
-             "--host", "127.0.0.1", "--port", "0", "--block-size", str(BLOCK)],
+            [sys.executable, "-m", "kvgate", "router", "--config", str(config),
+             "--host", "127.0.0.1", "--port", "0", "--block-size", str(BLOCK)], env=env,
             stdout=subprocess.PIPE, stderr=open(tmp_path / "router.log", "wb"), text=True)
         line = router.stdout.readline()  # its one line once it serves (logs go to stderr); '' if it exits
         assert "serving on" in line and "2 of 2 endpoints routable" in line, \
@@ -109,6 +121,23 @@ def test_router_in_front_of_two_vllm_engines(tmp_path: Path) -> None:
         a, b = json.loads(health)["endpoints"]
         assert a["state"] == "up" and "block_size" not in a["unchecked"] and "hash_algo" not in a["unchecked"]
         assert b["state"] == "up" and "block_size" in b["unchecked"]
+
+        # cache-aware for real: a prompt engine b has computed (its own KV events say so) goes to b
+        cached = {"model": "tiny", "prompt": "shelf " + PROMPT, "max_tokens": 1, "temperature": 0}
+        assert _post(engines[1].url + "/v1/completions", cached)[0] == 200
+
+        def scored() -> dict | None:
+            got = {e["url"]: e for e in json.loads(_post(base + "/v1/score", cached)[1])["endpoints"]}
+            return got if got[engines[1].url]["gpu"] > 0 else None
+
+        by = wait_until(scored, 30, "engine b's KV events in the router's index")
+        blocks = json.loads(_post(base + "/v1/score", cached)[1])["blocks"]
+        assert by[engines[1].url]["gpu"] == blocks >= 2 and by[engines[0].url]["matched"] == 0, by
+        for _ in range(3):
+            assert _post(base + "/v1/completions", cached)[0] == 200
+        _s, metrics = _get(base + "/metrics")
+        assert f'kvgate_router_requests_total{{endpoint="{engines[1].url}",policy="cache-aware"}} 3.0' \
+            in metrics.decode(), metrics.decode()
 
         requests = [
             ("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}),

@@ -93,6 +93,28 @@ def test_stream_passes_each_chunk_as_the_engine_sends_it():
     run(go())
 
 
+def test_a_client_leaving_mid_stream_is_seen_at_once_and_frees_its_in_flight_count():
+    async def go():
+        a = await FakeEngine("a").start()
+        a.release.clear()
+        r = await _router([a])
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(_base(r) + "/v1/completions", json={"prompt": "hi", "stream": True}) as resp:
+                    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+                    assert r.pool.endpoints[0].inflight == 1
+                    resp.close()  # the client goes away with the engine still streaming
+            await _until(lambda: r.pool.endpoints[0].inflight == 0)
+            a.release.set()
+            async with aiohttp.ClientSession() as s:  # the router still serves
+                async with s.post(_base(r) + "/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 200
+        finally:
+            await r.close()
+            await a.stop()
+    run(go())
+
+
 def test_unhealthy_endpoint_is_taken_out_and_comes_back():
     async def go():
         a, b = await FakeEngine("a").start(), await FakeEngine("b").start()

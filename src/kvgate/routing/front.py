@@ -177,7 +177,10 @@ class Router:
 
     async def start(self) -> None:
         await self.open()
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that leaves cancels its handler at once, which closes the connection
+        # to the engine (vLLM aborts the request there); without it the handler waits for the engine's
+        # next chunk to find the client gone, which for a queued request can be a long prefill away
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -75,8 +75,6 @@ class EndpointState:
     inflight: int = 0
     model_ids: tuple[str, ...] = ()
     last_poll: float = 0.0
-    ever_up: bool = False
-    _checked: bool = field(default=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -219,7 +217,7 @@ class EndpointPool:
                     log.error("router: %s", refused)
                 ep.refused = refused
             await self._models(ep)
-            ep.up, ep.reason, ep.ever_up = True, None, True
+            ep.up, ep.reason = True, None
             log.info("router: endpoint %s is up%s", ep.url, " but refused" if ep.refused else "")
             self._changed(ep)
         try:

@@ -131,3 +131,43 @@ def test_a_restarted_router_rebuilds_its_view_of_a_real_gateway_within_10_s(gate
     assert took < 10, f"the restarted router's view took {took:.1f} s"
     assert [(s.cpu, s.storage, s.prefill) for s in after] == [(s.cpu, s.storage, s.prefill) for s in before]
     assert all(s.matched == 5000 for s in after[:4]) and after[4].matched == 0
+
+
+def test_an_engine_hashing_with_another_seed_or_algorithm_is_refused_on_its_first_block() -> None:
+    """vLLM shows its PYTHONHASHSEED nowhere, but a prompt's first block comes with its tokens: the feed
+    hashes them as the router does (``Feeds.apply`` straight, no sockets: the check is the subject)."""
+    from kvgate.kvevents.wire import EventBatch
+
+    router = BlockHasher("sha256", 16)  # no seed, as an engine started without PYTHONHASHSEED
+    tokens = list(range(100, 148))
+
+    def first_block(engine: BlockHasher, **kw) -> EventBatch:
+        h = engine.hashes(tokens)
+        ev = BlockStored(block_hashes=[int.from_bytes(x[-8:], "big") for x in h], parent_block_hash=None,
+                         token_ids=tokens, block_size=16, lora_id=None, medium="GPU", lora_name=None, **kw)
+        return EventBatch(0.0, [ev])
+
+    idx = KvIndex()
+    feeds = Feeds(idx, 16, hasher=router)
+    for name in ("same", "seeded", "xxhash", "salted"):
+        feeds.feeds[name] = feeds_feed(name)
+    feeds.apply(feeds.feeds["same"], [("", 1, first_block(BlockHasher("sha256", 16)))])
+    assert idx.count("same", "GPU") == 3 and feeds.refused == {}
+    feeds.apply(feeds.feeds["seeded"], [("", 1, first_block(BlockHasher("sha256", 16, seed="7")))])
+    reason = feeds.refused["seeded"]
+    assert "hash_algo sha256, hash_seed none" in reason and "PYTHONHASHSEED" in reason, reason
+    assert idx.count("seeded", "GPU") == 0
+    feeds.apply(feeds.feeds["xxhash"], [("", 1, first_block(BlockHasher("xxhash", 16, seed="1")))])
+    assert "xxhash" in feeds.refused
+    # a block whose hash has extra keys (a cache salt, LoRA, images) is not one the router reproduces: no verdict
+    feeds.apply(feeds.feeds["salted"], [("", 1, first_block(BlockHasher("sha256", 16, seed="7"),
+                                                            extra_keys=[("salt",), None, None]))])
+    assert "salted" not in feeds.refused and idx.count("salted", "GPU") == 3
+    with pytest.raises(InvalidArgument, match="block size 32 is not 16"):
+        Feeds(idx, 16, hasher=BlockHasher("sha256", 32))
+
+
+def feeds_feed(name: str):
+    from kvgate.routing.feeds import Feed
+
+    return Feed(name, f"tcp://{name}:1")

@@ -21,10 +21,13 @@ gateway declares its keys' tokens so): the index is told the factor (``KvIndex.s
 size is refused.  A block size of 0 is "not said" (vLLM's offloading connector sends 0: give ``add`` the
 engine's ``offload_factor``) and passes.
 
-What events cannot tell: the hash algorithm and seed (``prefix_caching_hash_algo``, PYTHONHASHSEED).
-Two engines that differ there publish hashes that simply never match; the front checks them with the
-engine itself (its reported settings, ``kvgate.routing.endpoints.compare_settings``) and refuses the
-endpoint, which the router should also pass to ``Feeds.refuse`` so its feed stops counting.
+The hash algorithm and seed (``prefix_caching_hash_algo``, PYTHONHASHSEED) are not fields of an event,
+and vLLM shows its seed nowhere; but a GPU ``BlockStored`` of a prompt's first block (no parent, no extra
+keys) carries the block's token ids, so with ``hasher`` (the router's ``BlockHasher``) the feed hashes
+them as the router would and refuses a source whose hash differs: an engine started with another seed or
+algorithm is refused, named, on the first new prompt it caches, stated or not (about 3 us a check).  The
+front also checks what the engine reports or the operator states
+(``kvgate.routing.endpoints.compare_settings``) and passes a refusal to ``Feeds.refuse``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from kvgate.errors import InvalidArgument
 from kvgate.kvevents.subscriber import Delivered, Subscriber
 from kvgate.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, BlockStored, EventBatch
+from kvgate.routing.hashing import DEFAULT_NONE_HASH_SEED, BlockHasher, block_key
 from kvgate.routing.index import KvIndex
 
 __all__ = ["Feed", "Feeds"]
@@ -67,12 +71,18 @@ class Feed:
 
 class Feeds:
     """The router's feeds into ``index``.  ``block_size``: the router's (the hasher's); ``loop``: the
-    asyncio loop that owns the index (None: apply on the thread that calls ``poll``)."""
+    asyncio loop that owns the index (None: apply on the thread that calls ``poll``); ``hasher``: the
+    router's, to check the engines' first-block hashes (None: not checked); used on the thread that
+    applies, as the router's own use of it is (it is not thread-safe)."""
 
-    def __init__(self, index: KvIndex, block_size: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, index: KvIndex, block_size: int, loop: asyncio.AbstractEventLoop | None = None,
+                 hasher: BlockHasher | None = None) -> None:
+        if hasher is not None and hasher.block_size != block_size:
+            raise InvalidArgument(f"Feeds: the hasher's block size {hasher.block_size} is not {block_size}")
         self.index = index
         self.block_size = block_size
         self.loop = loop
+        self.hasher = hasher
         self.feeds: dict[str, Feed] = {}
 
     def add(self, source: str, endpoint: str, replay_endpoint: str | None = None,
@@ -121,7 +131,13 @@ class Feeds:
     def _check(self, feed: Feed, topic: str, batch: EventBatch) -> str | None:
         source, forced = self.index.resolve(feed.source, topic)
         for ev in batch.events:
-            if not isinstance(ev, BlockStored) or not ev.block_size or ev.block_size == self.block_size:
+            if not isinstance(ev, BlockStored) or not ev.block_size:
+                continue
+            if ev.block_size == self.block_size:
+                if forced is None and (ev.medium or MEDIUM_GPU) == MEDIUM_GPU:
+                    reason = self._check_hash(feed, ev)
+                    if reason is not None:
+                        return reason
                 continue
             medium = forced or ev.medium or MEDIUM_GPU
             if medium != MEDIUM_GPU and ev.block_size % self.block_size == 0:
@@ -133,6 +149,22 @@ class Feeds:
                     f"hashes can never match; run the router with block_size {ev.block_size} or the engine with "
                     f"--block-size {self.block_size}")
         return None
+
+    def _check_hash(self, feed: Feed, ev: BlockStored) -> str | None:
+        """A prompt's first block (no parent, no LoRA, no extra keys: what ``BlockHasher`` reproduces)
+        hashed as the router does; a mismatch names the router's settings and what to change."""
+        h = self.hasher
+        if (h is None or ev.parent_block_hash is not None or not ev.block_hashes or ev.lora_id is not None
+                or ev.lora_name is not None or len(ev.token_ids) < h.block_size
+                or (ev.extra_keys and any(k for k in ev.extra_keys))):
+            return None
+        if h.keys(ev.token_ids[:h.block_size])[0] == block_key(ev.block_hashes[0]):
+            return None
+        seed = "none" if h.seed == DEFAULT_NONE_HASH_SEED else repr(h.seed)
+        return (f"KV events of {feed.source} ({feed.endpoint}) hash a prompt's first block otherwise than the "
+                f"router (hash_algo {h.algo}, hash_seed {seed}): the engine runs with another "
+                f"--prefix-caching-hash-algo or PYTHONHASHSEED, so its blocks can never match; start it with the "
+                f"router's or give the router the engine's (hash_algo, hash_seed)")
 
     def refuse(self, source: str, reason: str) -> None:
         """Stop counting ``source``: its blocks leave the index and its later events are ignored (a

@@ -15,8 +15,9 @@ Mirrors ``vllm/v1/core/kv_cache_utils.py`` (``init_none_hash``, ``hash_block_tok
   the engine must be started with ``PYTHONHASHSEED``, and the router given the same value).
 
 An engine agrees with the router only when algorithm, seed and block size are the same; the block size
-is checked against the engines' events (``kvgate.routing.feeds``), the algorithm and seed are not in
-events, so the front checks them with the engine itself.
+is checked against the engines' events, and so are algorithm and seed: a prompt's first block comes with
+its tokens, which the router hashes and compares (``kvgate.routing.feeds``); the front also checks what
+the engine reports (``kvgate.routing.endpoints``).
 
 KV events carry vLLM's hashes as ``int`` by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low
 64 bits, big-endian) or as the raw bytes; ``block_key`` maps both to the same int, which is what the

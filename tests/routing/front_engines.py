@@ -25,6 +25,8 @@ class FakeEngine:
         self.tokenize_calls: list[dict[str, Any]] = []
         self.release = asyncio.Event()  # a stream's chunks after the first wait for this
         self.release.set()
+        self.first = asyncio.Event()  # a stream's first chunk (its "first token") waits for this
+        self.first.set()
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -92,6 +94,7 @@ class FakeEngine:
         out = web.StreamResponse()
         out.content_type = "text/event-stream"
         await out.prepare(request)
+        await self.first.wait()
         for i in range(3):
             await out.write(f"data: {json.dumps({'engine': self.name, 'i': i})}\n\n".encode())
             if i == 0:

@@ -53,6 +53,8 @@ def test_completion_and_chat_pass_through_unchanged():
                 async with s.post(_base(r) + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     got = await resp.json()
+                    assert resp.headers["x-kvgate-endpoint"] == a.url
+                    assert "x-kvgate-matched" not in resp.headers  # round-robin scores nothing
                 assert got == {"id": "x", "engine": "a", "echo": body}
                 chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
                 async with s.post(_base(r) + "/v1/chat/completions", json=chat) as resp:
@@ -82,6 +84,7 @@ def test_stream_passes_each_chunk_as_the_engine_sends_it():
                 async with s.post(_base(r) + "/v1/completions", json={"prompt": "hi", "stream": True}) as resp:
                     assert resp.status == 200
                     assert resp.headers["content-type"].startswith("text/event-stream")
+                    assert resp.headers["x-kvgate-endpoint"] == a.url
                     first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
                     assert json.loads(first[len(b"data: "):]) == {"engine": "a", "i": 0}
                     a.release.set()  # only now does the engine send the rest
@@ -348,6 +351,20 @@ def test_cache_aware_routes_by_the_kv_events_it_reads_and_scores():
                                  lambda: r.index.count(a.url + "#gateway", MEDIUM_CPU) == 1)
                 async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": prompt}) as resp:
                     assert (await resp.json())["engine"] == "b"
+                    # the answer says which engine and why: 3 blocks on its GPU, 1 left to compute
+                    assert resp.headers["x-kvgate-endpoint"] == b.url
+                    assert resp.headers["x-kvgate-matched"].startswith("gpu=3 cpu=0 storage=0 prefill=1 cost=")
+                # a streamed request's prefill counts against its endpoint until its first token comes back
+                state_b = r.pool.endpoints[1]
+                b.first.clear()
+                streamed = asyncio.create_task(s.post(_base(r) + "/v1/completions",
+                                                      json={"model": "m", "prompt": prompt, "stream": True}))
+                await _until(lambda: state_b.prefilling == 1)
+                b.first.set()
+                async with await streamed as resp:
+                    assert resp.headers["x-kvgate-endpoint"] == b.url
+                    await resp.read()
+                assert state_b.prefilling == 0 and state_b.inflight == 0
                 async with s.post(_base(r) + "/v1/score", json={"model": "m", "prompt": prompt}) as resp:
                     sc = await resp.json()
                 assert sc["blocks"] == 4 and sc["tokens"] == 16
@@ -367,9 +384,9 @@ def test_cache_aware_routes_by_the_kv_events_it_reads_and_scores():
                 assert state["state"] == "refused" and "blocks of 8 tokens" in state["reason"], state
                 async with s.get(_base(r) + "/metrics") as resp:
                     text = await resp.text()
-            assert 'kvgate_router_matched_blocks_total{tier="gpu"} 3.0' in text
+            assert 'kvgate_router_matched_blocks_total{tier="gpu"} 6.0' in text
             assert "kvgate_router_fallbacks_total 1.0" in text
-            assert "kvgate_router_decision_seconds_count 2.0" in text
+            assert "kvgate_router_decision_seconds_count 3.0" in text
             assert "kvgate_router_tokenize_seconds_count" in text
             assert f'kvgate_router_endpoint_refused{{endpoint="{c.url}"}} 1.0' in text
         finally:

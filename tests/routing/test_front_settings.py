@@ -90,3 +90,22 @@ def test_a_signal_stops_the_router_cleanly(sig):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+def test_cost_weights_come_from_the_config_and_bad_ones_are_named() -> None:
+    from kvgate.routing.front import Router
+    from kvgate.routing.score import DEFAULT_LOAD_COSTS
+
+    s = build({"endpoints": ["http://e:1"], "tier_costs": {"storage": 1}, "load_costs": {"prefill_ahead": 0.5}})
+    assert dict(s.tier_costs) == {"gpu": 0.0, "cpu": 0.1, "storage": 1.0}
+    assert dict(s.load_costs) == {**DEFAULT_LOAD_COSTS, "prefill_ahead": 0.5}
+    r = Router(s)
+    assert r.policy.scorer.tier_costs["storage"] == 1.0 and r.scoring is r.policy
+    assert Router(build({"endpoints": ["http://e:1"], "policy": "round-robin", "tier_costs": {"cpu": 2}})
+                  ).scoring.scorer.tier_costs["cpu"] == 2.0  # /v1/score weighs as configured too
+    for bad, match in [({"tier_costs": {"ssd": 1}}, "tier_costs: unknown key 'ssd'"),
+                       ({"load_costs": {"waiting": -1}}, "load_costs\\['waiting'\\] must be a number >= 0"),
+                       ({"load_costs": {"waiting": "lots"}}, "must be a number"),
+                       ({"tier_costs": [1, 2]}, "tier_costs: a map of gpu, cpu, storage")]:
+        with pytest.raises(ConfigError, match=match):
+            build({"endpoints": ["http://e:1"], **bad})

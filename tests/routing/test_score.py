@@ -83,6 +83,20 @@ def test_load_trades_against_cache() -> None:
     assert best(Scorer(idx, load_costs={"waiting": 1}).score(HASHES, [warm, cold])).endpoint == "warm"
 
 
+def test_a_long_prefill_ahead_sends_a_cached_prompt_where_it_restores_instead() -> None:
+    idx, eps = fleet()
+    gpu = Endpoint("gpu", engine="e-gpu", running=1, prefill_ahead=90)  # 40 left, behind a 90-block prefill
+    card = Endpoint("card", engine="e-card", gateway="g-card")  # 20 in RAM, 80 from its card, idle
+    s = Scorer(idx).score(HASHES, [gpu, card])
+    assert s[0].cost == 40 + DEFAULT_LOAD_COSTS["running"] + 90 * DEFAULT_LOAD_COSTS["prefill_ahead"]  # 134
+    assert s[1].cost == pytest.approx(20 * DEFAULT_TIER_COSTS["cpu"] + 80 * DEFAULT_TIER_COSTS["storage"])  # 22
+    assert best(s).endpoint == "card"
+    gpu.prefill_ahead = 0  # through that prefill: 44 against the card's 22
+    assert best(Scorer(idx).score(HASHES, [gpu, card])).endpoint == "card"  # 44 vs 22: still the card
+    gpu.running = 0
+    assert Scorer(idx).score(HASHES, [gpu, card])[0].cost == 40
+
+
 def test_ties_go_to_more_matched_then_the_first_and_costs_are_checked() -> None:
     idx, _ = fleet()
     a, b = Endpoint("a", engine="e-cold"), Endpoint("b", engine="e-cold")

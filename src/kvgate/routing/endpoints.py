@@ -63,7 +63,9 @@ def parse_load(text: str) -> tuple[int, int] | None:
 @dataclass
 class EndpointState:
     """One endpoint as the router sees it now.  ``reason``: why it is down (the last failure);
-    ``refused``: why its settings make it unroutable (a message naming the setting and both values)."""
+    ``refused``: why its settings make it unroutable (a message naming the setting and both values);
+    ``inflight``: the router's requests to it not yet answered; ``prefilling``: the prompt blocks those
+    still compute, as scored, until each answers its first byte (cache-aware only)."""
 
     spec: EndpointSpec
     up: bool = False
@@ -73,6 +75,7 @@ class EndpointState:
     running: int = 0
     waiting: int = 0
     inflight: int = 0
+    prefilling: int = 0
     model_ids: tuple[str, ...] = ()
     last_poll: float = 0.0
 
@@ -94,6 +97,7 @@ class EndpointState:
         state = "refused" if self.refused else ("up" if self.up else "down")
         return {"url": self.url, "state": state, "reason": self.refused or (None if self.up else self.reason),
                 "running": self.running, "waiting": self.waiting, "inflight": self.inflight,
+                "prefilling": self.prefilling,
                 "unchecked": list(self.unchecked)}
 
 

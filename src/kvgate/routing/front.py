@@ -49,7 +49,7 @@ from kvgate.routing.feeds import Feeds
 from kvgate.routing.hashing import BlockHasher
 from kvgate.routing.index import KvIndex
 from kvgate.routing.policies import CacheAware, Decision, make_policy
-from kvgate.routing.score import Endpoint
+from kvgate.routing.score import Endpoint, Scorer
 from kvgate.routing.settings import EndpointSpec, RouterSettings
 
 log = logging.getLogger("kvgate.router")
@@ -59,6 +59,32 @@ SOURCE_HEADER = "x-kv-cache-source-host-port"
 # connection to the router, not to the engine)
 _FORWARD = ("authorization", "x-request-id", "traceparent", "tracestate")
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+class _PrefillAhead:
+    """A request's share of its endpoint's ``prefilling`` (the blocks it was scored to compute), counted
+    from its dispatch until its first byte comes back (or it fails), once."""
+
+    __slots__ = ("ep", "blocks")
+
+    def __init__(self, ep: EndpointState, blocks: int) -> None:
+        self.ep, self.blocks = ep, blocks
+        ep.prefilling += blocks
+
+    def done(self) -> None:
+        self.ep.prefilling -= self.blocks
+        self.blocks = 0
+
+
+def _route_headers(url: str, decision: Decision) -> dict[str, str]:
+    """What the answer tells of the choice: ``x-kvgate-endpoint`` (the engine that answered) and, when the
+    policy scored, ``x-kvgate-matched`` (its matched blocks per tier, the blocks left to prefill, its cost)."""
+    out = {"x-kvgate-endpoint": url}
+    for s in decision.scores or ():
+        if s.endpoint == url:
+            out["x-kvgate-matched"] = (f"gpu={s.gpu} cpu={s.cpu} storage={s.storage} prefill={s.prefill} "
+                                       f"cost={s.cost:.3g}")
+    return out
 
 
 def _error(status: int, message: str, kind: str = "router_error") -> web.Response:
@@ -127,16 +153,17 @@ class Router:
     hash settings no router can reproduce.
 
     Refusals both ways: an endpoint refused for its settings has its feeds refused (its blocks leave the
-    index); an endpoint whose engine's feed is refused (its events' block size differs from the router's)
-    is refused for routing, with the feed's message."""
+    index); an endpoint whose engine's feed is refused (its events' block size, or the hash of a prompt's first
+    block, differs from the router's) is refused for routing, with the feed's message."""
 
     def __init__(self, settings: RouterSettings, index: KvIndex | None = None) -> None:
         self.settings = settings
         self.index = index if index is not None else KvIndex()
         self.hasher = BlockHasher(settings.hash_algo, settings.block_size, settings.hash_seed)
-        self.policy = make_policy(settings.policy, self.index)
+        scorer = Scorer(self.index, dict(settings.tier_costs), dict(settings.load_costs))
+        self.policy = make_policy(settings.policy, self.index, scorer)
         # /v1/score scores whatever the policy: share the policy's scorer when it has one
-        self.scoring = self.policy if isinstance(self.policy, CacheAware) else CacheAware(self.index)
+        self.scoring = self.policy if isinstance(self.policy, CacheAware) else CacheAware(self.index, scorer)
         self.metrics = Metrics()
         for spec in settings.endpoints:
             self.scoring.sources[spec.url] = sources(spec)
@@ -155,7 +182,7 @@ class Router:
                                              auto_decompress=False)
         self.pool = EndpointPool(self.settings, self.session)
         if any(spec.events or spec.gateway_events for spec in self.settings.endpoints):
-            self.feeds = Feeds(self.index, self.settings.block_size, asyncio.get_running_loop())
+            self.feeds = Feeds(self.index, self.settings.block_size, asyncio.get_running_loop(), self.hasher)
             for spec in self.settings.endpoints:
                 src = sources(spec)
                 if spec.events:
@@ -316,9 +343,11 @@ class Router:
         headers["content-type"] = "application/json"
         stream = bool(body.get("stream"))
         tries = decision.order[:2]
+        prefill = {s.endpoint: s.prefill for s in decision.scores or ()}
         last_error = ""
         for i, ep in enumerate(tries):
             ep.inflight += 1
+            ahead = _PrefillAhead(ep, prefill.get(ep.url, 0))
             try:
                 try:
                     resp = await self.session.post(ep.url + path, data=payload, headers=headers)
@@ -331,27 +360,31 @@ class Router:
                     continue
                 self.metrics.requests.labels(ep.url, self.policy.name).inc()
                 try:
-                    return await self._answer(request, resp, stream)
+                    return await self._answer(request, resp, stream, _route_headers(ep.url, decision), ahead)
                 finally:
                     resp.release()
             finally:
                 ep.inflight -= 1
+                ahead.done()
         self.metrics.failures.labels("connect").inc()
         return _error(502, f"no endpoint could be reached ({len(tries)} tried): {last_error}")
 
-    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool,
+                      route: dict[str, str], ahead: "_PrefillAhead") -> web.StreamResponse:
         ctype = resp.headers.get("content-type", "application/json")
         if not stream or resp.status != 200:
             data = await resp.read()
-            out = web.Response(status=resp.status, body=data)
+            ahead.done()
+            out = web.Response(status=resp.status, body=data, headers=route)
             out.headers["content-type"] = ctype
             return out
-        out = web.StreamResponse(status=resp.status)
+        out = web.StreamResponse(status=resp.status, headers=route)
         out.headers["content-type"] = ctype
         out.headers["cache-control"] = "no-cache"
         await out.prepare(request)
         # each chunk as the engine sends it: a client sees every SSE event when the engine emits it
         async for chunk in resp.content.iter_any():
+            ahead.done()  # the first token is out: its prefill no longer delays what comes next
             await out.write(chunk)
         await out.write_eof()
         return out

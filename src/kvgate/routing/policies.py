@@ -73,7 +73,7 @@ class CacheAware:
         base = self.sources.get(ep.url)  # absent: an endpoint known only by its URL (tests, tools)
         return Endpoint(name=ep.url, engine=base.engine if base else ep.url,
                         gateway=base.gateway if base else None, cards=base.cards if base else (),
-                        running=ep.running + ep.inflight, waiting=ep.waiting)
+                        running=ep.running + ep.inflight, waiting=ep.waiting, prefill_ahead=ep.prefilling)
 
     def score(self, candidates: Sequence[EndpointState], hashes: Sequence[bytes]) -> list[Score]:
         return self.scorer.score(hashes, [self.endpoint(e) for e in candidates])
@@ -92,11 +92,12 @@ class CacheAware:
         return Decision([candidates[i] for i in rank], [scores[i] for i in rank])
 
 
-def make_policy(name: str, index: KvIndex | None = None) -> RoundRobin | LeastLoaded | CacheAware:
+def make_policy(name: str, index: KvIndex | None = None,
+                scorer: Scorer | None = None) -> RoundRobin | LeastLoaded | CacheAware:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
     if name == "cache-aware":
-        return CacheAware(index)
+        return CacheAware(index, scorer)
     raise ValueError(f"unknown policy {name!r}")

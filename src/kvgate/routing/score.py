@@ -4,6 +4,7 @@ The cost of sending a prompt of ``n`` blocks to an endpoint, in units of "one bl
 
     cost = prefill + gpu * tier_costs["gpu"] + cpu * tier_costs["cpu"] + storage * tier_costs["storage"]
            + running * load_costs["running"] + waiting * load_costs["waiting"]
+           + prefill_ahead * load_costs["prefill_ahead"]
 
 - ``prefill = n - matched``: the blocks the endpoint must compute.  ``matched`` is the longest prefix of
   the prompt's blocks the endpoint can get from ANY of its tiers (the first block held by none of them
@@ -18,6 +19,12 @@ The cost of sending a prompt of ``n`` blocks to an endpoint, in units of "one bl
   decode steps it shares the batch with), each waiting one ``load_costs["waiting"]`` (default 32: the
   prefill queued ahead of us).  With these, an idle endpoint that must compute 32 more blocks than a busy
   one is chosen over the busy one when the busy one has a queued request: the knobs set that trade-off.
+  ``prefill_ahead``: the blocks still to compute of the requests this router sent the endpoint that have
+  not answered their first token yet (default 1 per block: a prefill ahead of ours in the engine's batch
+  delays our first token by about its own compute).  The engine's metrics say how many requests run, not
+  how much prefill they still do; the router knows that of its own requests, and a prompt sent where its
+  KV is but behind another's long prefill can wait longer than it would to restore it elsewhere
+  (``make bench-fleet``: docs/router.md, "A fleet, measured").
 
 Why this shape: it is the time-to-first-token a request would see, in prefill-block units, with the
 restore and queueing terms linear (they are, to first order).  Lower is better; ``best`` picks the lowest
@@ -46,10 +53,10 @@ from kvgate.errors import InvalidArgument
 from kvgate.kvevents.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from kvgate.routing.index import KvIndex, card_source
 
-__all__ = ["DEFAULT_TIER_COSTS", "DEFAULT_LOAD_COSTS", "Endpoint", "Score", "Scorer", "best"]
+__all__ = ["DEFAULT_TIER_COSTS", "DEFAULT_LOAD_COSTS", "Endpoint", "Score", "Scorer", "best", "check_costs"]
 
 DEFAULT_TIER_COSTS: dict[str, float] = {"gpu": 0.0, "cpu": 0.1, "storage": 0.25}
-DEFAULT_LOAD_COSTS: dict[str, float] = {"running": 4.0, "waiting": 32.0}
+DEFAULT_LOAD_COSTS: dict[str, float] = {"running": 4.0, "waiting": 32.0, "prefill_ahead": 1.0}
 
 
 @dataclass
@@ -57,7 +64,8 @@ class Endpoint:
     """One place a request can go.  ``engine``: the index source id of its engine's own events (None: it
     publishes none); ``gateway``: the source id of its gateway's events (None: no gateway); ``cards``: card
     serials it can read besides those its gateway publishes (``KvIndex.mounts``); ``running`` /
-    ``waiting``: its engine's current requests (from its metrics)."""
+    ``waiting``: its engine's current requests (from its metrics); ``prefill_ahead``: prompt blocks still to
+    compute of requests sent to it that have not answered their first token."""
 
     name: str
     engine: str | None = None
@@ -65,6 +73,7 @@ class Endpoint:
     cards: tuple[str, ...] = ()
     running: int = 0
     waiting: int = 0
+    prefill_ahead: int = 0
 
 
 @dataclass(slots=True)
@@ -94,12 +103,12 @@ def best(scores: Sequence[Score]) -> Score:
     return min(enumerate(scores), key=lambda p: (p[1].cost, -p[1].matched, p[0]))[1]
 
 
-def _check_costs(given: Mapping[str, float] | None, defaults: dict[str, float], what: str) -> dict[str, float]:
+def check_costs(given: Mapping[str, float] | None, defaults: dict[str, float], what: str) -> dict[str, float]:
     out = dict(defaults)
     for k, v in (given or {}).items():
         if k not in defaults:
             raise InvalidArgument(f"{what}: unknown key {k!r}; the keys are {', '.join(defaults)}")
-        if not v >= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise InvalidArgument(f"{what}[{k!r}] must be a number >= 0, got {v!r}")
         out[k] = float(v)
     return out
@@ -142,8 +151,8 @@ class Scorer:
     def __init__(self, index: KvIndex, tier_costs: Mapping[str, float] | None = None,
                  load_costs: Mapping[str, float] | None = None) -> None:
         self.index = index
-        self.tier_costs = _check_costs(tier_costs, DEFAULT_TIER_COSTS, "tier_costs")
-        self.load_costs = _check_costs(load_costs, DEFAULT_LOAD_COSTS, "load_costs")
+        self.tier_costs = check_costs(tier_costs, DEFAULT_TIER_COSTS, "tier_costs")
+        self.load_costs = check_costs(load_costs, DEFAULT_LOAD_COSTS, "load_costs")
         self._cols_key: Any = None
         self._cols: tuple[_Columns, _Columns, _Columns] | None = None
 
@@ -244,5 +253,6 @@ class Scorer:
         t, load = self.tier_costs, self.load_costs
         prefill = n - gpu - cpu - storage
         cost = (prefill + gpu * t["gpu"] + cpu * t["cpu"] + storage * t["storage"]
-                + ep.running * load["running"] + ep.waiting * load["waiting"])
+                + ep.running * load["running"] + ep.waiting * load["waiting"]
+                + ep.prefill_ahead * load["prefill_ahead"])
         return Score(ep.name, gpu, cpu, storage, prefill, ep.running, ep.waiting, cost, n)

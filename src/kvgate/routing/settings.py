@@ -14,6 +14,8 @@ win over the file.  ``endpoints`` in YAML is a list of URLs or of maps::
         block_size: 16                     # what the operator states of this engine: checked against the
         hash_algo: sha256                  # router's own at start and whenever it comes back (a mismatch
         hash_seed: "0"                     # refuses the endpoint, naming the setting and both values)
+    tier_costs: {gpu: 0, cpu: 0.1, storage: 0.25}   # a restored block's cost, in blocks of prefill
+    load_costs: {running: 4, waiting: 32, prefill_ahead: 1}   # (kvgate.routing.score)
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kvgate.errors import ConfigError
+from kvgate.errors import ConfigError, InvalidArgument
+from kvgate.routing.score import DEFAULT_LOAD_COSTS, DEFAULT_TIER_COSTS, check_costs
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -65,6 +68,9 @@ class RouterSettings:
     poll_interval: float = 1.0
     # a connect that takes longer than this counts as a failure (the request goes to the next choice)
     connect_timeout: float = 2.0
+    # the cache-aware cost's weights (kvgate.routing.score), every key given: defaults filled in by build
+    tier_costs: tuple[tuple[str, float], ...] = tuple(DEFAULT_TIER_COSTS.items())
+    load_costs: tuple[tuple[str, float], ...] = tuple(DEFAULT_LOAD_COSTS.items())
 
 
 def _url(value: Any, key: str) -> str:
@@ -163,6 +169,15 @@ def build(values: Mapping[str, Any]) -> RouterSettings:
         x = v.get(k, getattr(RouterSettings, k))
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
             raise ConfigError(f"{k}: a number of seconds > 0, got {x!r}")
+    costs = {}
+    for k, defaults in (("tier_costs", DEFAULT_TIER_COSTS), ("load_costs", DEFAULT_LOAD_COSTS)):
+        given = v.get(k) or {}
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{k}: a map of {', '.join(defaults)} to numbers, got {given!r}")
+        try:
+            costs[k] = tuple(check_costs(dict(given), defaults, k).items())
+        except (InvalidArgument, TypeError) as e:
+            raise ConfigError(str(e)) from None
     return RouterSettings(
         endpoints=endpoints,
         host=str(v.get("host", RouterSettings.host)),
@@ -173,6 +188,7 @@ def build(values: Mapping[str, Any]) -> RouterSettings:
         hash_seed=_seed(v.get("hash_seed"), "hash_seed"),
         poll_interval=float(v.get("poll_interval", RouterSettings.poll_interval)),
         connect_timeout=float(v.get("connect_timeout", RouterSettings.connect_timeout)),
+        **costs,
     )
 
 

@@ -152,7 +152,7 @@ def test_an_engine_hashing_with_another_seed_or_algorithm_is_refused_on_its_firs
     for name in ("same", "seeded", "xxhash", "salted"):
         feeds.feeds[name] = feeds_feed(name)
     feeds.apply(feeds.feeds["same"], [("", 1, first_block(BlockHasher("sha256", 16)))])
-    assert idx.count("same", "GPU") == 3 and feeds.refused == {}
+    assert idx.count("same", "GPU") == 3 and feeds.refused == {} and feeds.feeds["same"].hashes_checked == 1
     feeds.apply(feeds.feeds["seeded"], [("", 1, first_block(BlockHasher("sha256", 16, seed="7")))])
     reason = feeds.refused["seeded"]
     assert "hash_algo sha256, hash_seed none" in reason and "PYTHONHASHSEED" in reason, reason

@@ -131,6 +131,10 @@ def test_router_in_front_of_two_vllm_engines(tmp_path: Path) -> None:
             return got if got[engines[1].url]["gpu"] > 0 else None
 
         by = wait_until(scored, 30, "engine b's KV events in the router's index")
+        # the prompt's first block came with its tokens: hashed as the router does, and equal (a real
+        # engine's events, so the seed/algorithm check refuses nobody who agrees)
+        feeds = {f["source"]: f for f in json.loads(_get(base + "/health")[1])["feeds"]}
+        assert feeds[engines[1].url]["hashes_checked"] >= 1 and feeds[engines[1].url]["refused"] is None, feeds
         blocks = json.loads(_post(base + "/v1/score", cached)[1])["blocks"]
         assert by[engines[1].url]["gpu"] == blocks >= 2 and by[engines[0].url]["matched"] == 0, by
         for _ in range(3):

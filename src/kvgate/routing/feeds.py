@@ -61,12 +61,14 @@ class Feed:
     events: int = 0
     last_seq: int | None = None
     refused: str | None = None
+    hashes_checked: int = 0  # first blocks hashed as the router does, and found equal
     subscriber: Subscriber | None = field(default=None, repr=False)
 
     def stats(self) -> dict[str, object]:
         sub = self.subscriber.stats if self.subscriber is not None else {}
         return {"source": self.source, "endpoint": self.endpoint, "batches": self.batches, "events": self.events,
-                "last_seq": self.last_seq, "refused": self.refused, **sub}
+                "last_seq": self.last_seq, "refused": self.refused,
+                "hashes_checked": self.hashes_checked, **sub}
 
 
 class Feeds:
@@ -159,6 +161,7 @@ class Feeds:
                 or (ev.extra_keys and any(k for k in ev.extra_keys))):
             return None
         if h.keys(ev.token_ids[:h.block_size])[0] == block_key(ev.block_hashes[0]):
+            feed.hashes_checked += 1
             return None
         seed = "none" if h.seed == DEFAULT_NONE_HASH_SEED else repr(h.seed)
         return (f"KV events of {feed.source} ({feed.endpoint}) hash a prompt's first block otherwise than the "

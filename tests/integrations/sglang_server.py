@@ -136,17 +136,21 @@ class SGLangServer:
         out["seconds"] = round(time.monotonic() - t0, 3)
         return out
 
-    def complete(self, token_ids: list[int], *, max_tokens: int = 8, timeout: float = 300.0) -> dict:
+    def complete(self, token_ids: list[int], *, max_tokens: int = 8, timeout: float = 300.0,
+                 via: str | None = None) -> dict:
         """An OpenAI completion of a token-id prompt, greedy: the reply, plus ``output_ids`` (the
         completion's token ids), ``meta_info.cached_tokens_details`` (where its cached tokens came
-        from) and ``seconds``, as ``generate`` gives them."""
+        from) and ``seconds``, as ``generate`` gives them.  ``via``: a base URL to send it to instead
+        (a router in front of this server); the answer's headers are in ``headers``."""
         body = {"model": self.model_dir, "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True, "return_cached_tokens_details": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+        base = via or f"http://127.0.0.1:{self.port}"
+        req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         t0 = time.monotonic()
         with urllib.request.urlopen(req, timeout=timeout) as r:
             out = json.loads(r.read())
+            out["headers"] = {k.lower(): v for k, v in r.headers.items()}
         out["seconds"] = round(time.monotonic() - t0, 3)
         out["output_ids"] = out["choices"][0]["token_ids"]
         out["meta_info"] = {"cached_tokens_details": (out.get("sglext") or {}).get("cached_tokens_details"),

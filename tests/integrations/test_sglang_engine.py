@@ -11,7 +11,7 @@ tokenizer; prompts are token ids.  CUDA-only kernel ops are stood in for by
 Two server starts, one per scenario:
 
 server 1: prompt P (720 tokens) is computed (an OpenAI completion); its 45 full pages are backed
-          up to kvgate.
+          up to kvgate; ``kvgate router`` in front of it answers P as the server does.
 server 2 (a restart: nothing in SGLang's device or host cache):
   - the same completion of P is restored from kvgate (the gateway counts the hits), same greedy
     output as server 1;
@@ -22,9 +22,14 @@ server 2 (a restart: nothing in SGLang's device or host cache):
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -56,6 +61,29 @@ def gateway_hits(gw: GatewayProcess) -> int:
     return sum(r["hits"] for ns, r in gw.stats()["namespaces"].items() if ns.startswith("sglang|"))
 
 
+def through_router(workdir, server: SGLangServer) -> dict:
+    """``kvgate router`` in front of the running server (one endpoint, SGLang's page size as the block
+    size): its start line, P completed through it, its /health and /metrics."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate", "router", "--endpoint", f"http://127.0.0.1:{server.port}",
+                             "--block-size", str(PAGE), "--host", "127.0.0.1", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=open(workdir / "router.log", "wb"), text=True)
+    out: dict = {}
+    try:
+        line = proc.stdout.readline()
+        out["line"] = line
+        if "serving on 127.0.0.1:" in line:
+            base = "http://127.0.0.1:" + line.split("serving on 127.0.0.1:")[1].split()[0]
+            out["routed"] = server.complete(P, via=base)
+            for path in ("health", "metrics"):
+                with urllib.request.urlopen(f"{base}/{path}", timeout=10) as r:
+                    out[path] = r.read().decode()
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out["rc"] = proc.wait(20)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sglang_engine")
@@ -71,6 +99,7 @@ def runs(tmp_path_factory):
             out["computed"] = s1.complete(P)
             # Backups are asynchronous (write_through, then the backup thread): wait for all of P's pages.
             out["sets_after_1"] = gw.wait_ram_sets(FULL_PAGES)
+            out["router"] = through_router(workdir, s1)
         finally:
             s1.stop()
             out["log1"] = s1.log()
@@ -102,6 +131,19 @@ def test_a_restarted_server_restores_the_prompt_from_kvgate(runs):
     assert len(restored["output_ids"]) == 8 and restored["output_ids"] == computed["output_ids"]
     print(f"\nTTFT proxy (e2e, 8 tokens): computed {computed['seconds']} s, restored {restored['seconds']} s, "
           f"{hits} pages from kvgate")
+
+
+def test_kvgate_router_in_front_of_sglang(runs):
+    """The router takes an SGLang server as an endpoint: routable, its page size checked against the
+    router's block size (SGLang's /server_info), the completion as the server gives it directly."""
+    r = runs["router"]
+    assert "1 of 1 endpoints routable" in r["line"], r
+    assert r["routed"]["output_ids"] == runs["computed"]["output_ids"]
+    (ep,) = json.loads(r["health"])["endpoints"]
+    assert r["routed"]["headers"]["x-kvgate-endpoint"] == ep["url"]
+    assert ep["state"] == "up" and "block_size" not in ep["unchecked"], ep
+    assert f'kvgate_router_requests_total{{endpoint="{ep["url"]}",policy="cache-aware"}} 1.0' in r["metrics"]
+    assert r["rc"] == 0
 
 
 def test_the_readme_config_draws_no_warning_about_prefix_keys(runs):

@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang
+.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang bench-fleet demo-fleet
 
 # setup.py builds the optional C fault helper (src/kvgate/gateway/_faultlog.c) in place; without a
 # compiler the install goes on without it (kvgate.gateway.faultlog says what that costs).
@@ -118,6 +118,17 @@ cluster-demo: $(STAMP) services
 # three namespaces (~10 min on two cores).
 demo-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/integrations/test_three_engines.py
+
+# A fleet: three vLLM CPU engines, each with its gateway, one shared card, behind `kvgate router`;
+# multi-turn conversations of the trace in benchmarks/data replayed once per policy: prompt tokens
+# served from cache against an oracle, TTFT per policy (~6 min on two cores).
+bench-fleet: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/fleet.py $(ARGS)
+
+# The same fleet, six conversations, round-robin then cache-aware: every request printed with the
+# engine the router chose and what it credited it with (blocks per tier, prefill left, cost) (~4 min).
+demo-fleet: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/fleet.py --demo $(ARGS)
 
 # TTFT of an 8K-token prompt: computed vs restored through kvgate vs vLLM's fs tier,
 # after engine restarts, and what a miss costs (~10 min; ARGS="--miss-only": the miss cost alone, ~3 min).

@@ -54,11 +54,14 @@ def test_bad_settings_name_the_key(values, named):
 
 
 def test_bad_yaml_file(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="missing.yaml: No such file"):
         load(str(tmp_path / "missing.yaml"), {})
     (tmp_path / "list.yaml").write_text("- a\n")
-    with pytest.raises(ConfigError, match="must hold a map"):
+    with pytest.raises(ConfigError, match="list.yaml: expected a mapping of keys to values"):
         load(str(tmp_path / "list.yaml"), {})
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load(str(tmp_path / "bad.yaml"), {})
 
 
 def test_cli_errors_are_one_line_and_exit_2(capsys):

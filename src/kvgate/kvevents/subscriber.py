@@ -98,15 +98,21 @@ class Subscriber:
             self._catch_up(-1, out)
         if not self._sub.poll(int(timeout * 1000), zmq.POLLIN):
             return out
+        for msg in self._pending_live():
+            self._take(msg, out)
+        return out
+
+    def _pending_live(self):
+        """The live messages waiting on the SUB socket (at most 10,000: a poll returns, then comes back),
+        parsed; malformed ones are counted by ``_parse`` and skipped."""
         for _ in range(10_000):
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             msg = self._parse(frames)
             if msg is not None:
-                self._take(msg, out)
-        return out
+                yield msg
 
     def __iter__(self) -> Iterator[Delivered]:
         while not self._stop.is_set():
@@ -246,17 +252,11 @@ class Subscriber:
                 return
             ready = dict(poller.poll(int(min(left, 0.5) * 1000)))
             if self._sub in ready:
-                for _ in range(10_000):
-                    try:
-                        frames = self._sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    msg = self._parse(frames)
-                    if msg is not None:
-                        self._live_max = max(self._live_max or 0, msg[1])
-                        if len(self._live) == self._live.maxlen:
-                            self._live_lost = True
-                        self._live.append(msg)
+                for msg in self._pending_live():
+                    self._live_max = max(self._live_max or 0, msg[1])
+                    if len(self._live) == self._live.maxlen:
+                        self._live_lost = True
+                    self._live.append(msg)
             if dealer in ready:
                 for _ in range(10_000):
                     try:

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-import yaml
-
+from kvgate.config import load_yaml
 from kvgate.errors import ConfigError, InvalidArgument
 from kvgate.routing.score import DEFAULT_LOAD_COSTS, DEFAULT_TIER_COSTS, check_costs
 
@@ -194,19 +193,6 @@ def build(values: Mapping[str, Any]) -> RouterSettings:
 
 def load(path: str | None, overrides: Mapping[str, Any]) -> RouterSettings:
     """The YAML file at ``path`` (None: none) with ``overrides`` (the flags given) on top, checked."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"--config: {path} must hold a map of router keys, got {type(data).__name__}")
-        values.update(data)
+    values: dict[str, Any] = load_yaml(path) if path is not None else {}
     values.update({k: val for k, val in overrides.items() if val is not None})
     return build(values)

@@ -12,7 +12,7 @@ import pytest
 from etcd3aio import Etcd3Client
 
 from kvgate.cluster.follower import ViewFollower
-from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, View
+from kvgate.cluster.registry import CardRecord, CardState, GatewayReport, Registry, RegistryUnavailable, View
 from kvgate.config import Config
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
 from tests.helpers import wait_until_async
@@ -274,7 +274,16 @@ def test_an_etcd_outage_leaves_no_watch_task_behind_and_views_after_it_are_appli
             await wait_until_async(lambda: follower.unreachable, 10, "the outage seen")
             await asyncio.sleep(2)  # watches made again and broken again
             etcd.start()
-            await reg.publish(View.of(2, [a, b], SLOTS))
+            # the client's channel reconnects on its own backoff after the refused connects: an operator's
+            # publish right after the restart may be refused once, as here; it retries, as one would
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    await reg.publish(View.of(2, [a, b], SLOTS))
+                    break
+                except RegistryUnavailable:
+                    assert time.monotonic() < deadline, "etcd back, but view 2 could not be published in 15 s"
+                    await asyncio.sleep(0.2)
             await wait_until_async(lambda: follower.epoch == 2, 10, "view 2 applied after the outage")
         finally:
             task.cancel()

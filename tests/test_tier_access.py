@@ -1,13 +1,12 @@
 """Outside ``kvgate.tiers`` the tiers are reached only through the store (``TieredStore``'s methods and
-properties: ``fingerprint``, ``status``, ``card_set``, ``size_in_ram``, ...), never through its RAM tier or
-card set attributes (``store.ram``, ``store.long``): what those hold is the tiers' own business, and the
-store's methods say what a caller means.
+properties: ``fingerprint``, ``status``, ``card_set``, ``size_in_ram``, ...), never through its tiers
+(``store.ram``, ``store.cards``, ``store.tiers``; ``store.long`` was the card set's name): what those hold
+is the tiers' own business, and the store's methods say what a caller means.
 
-Read from the source (no import runs): every attribute ``ram`` or ``long`` taken of something named
-``store`` (``store.ram``, ``self.store.long``, ``gw.store.ram.size_of``), and the text ``store.ram`` /
-``store.long`` anywhere (strings and comments that would name them for ``getattr``).
+Read from the source (no import runs): every attribute ``ram``, ``cards``, ``tiers`` or ``long`` taken of
+something named ``store`` (``store.ram``, ``self.store.cards``, ``gw.store.ram.size_of``), and the text
+``store.ram`` and the like anywhere (strings and comments that would name them for ``getattr``).
 """
-
 from __future__ import annotations
 
 import ast
@@ -15,8 +14,8 @@ import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "kvgate"
-TIER_ATTRIBUTES = {"ram", "long"}
-TEXT = re.compile(r"\bstore\.(ram|long)\b")
+TIER_ATTRIBUTES = {"ram", "long", "cards", "tiers"}
+TEXT = re.compile(r"\bstore\.(ram|long|cards|tiers)\b")
 
 
 def _is_store(node: ast.expr) -> bool:
@@ -51,5 +50,6 @@ def test_no_module_outside_the_tiers_names_a_stores_ram_tier_or_card_set() -> No
 
 def test_the_scan_finds_each_form() -> None:
     source = ("a = store.ram.size_of(k)\nb = self.store.long.fingerprint\nc = gw._store.ram\n"
-              "d = store.counters.long.sets\ne = getattr(x, 'store.long')\n")
-    assert [w.split(":")[0] for w in reaches_into_store(source)] == ["1", "2", "3", "5"]
+              "d = store.counters.long.sets\ne = getattr(x, 'store.long')\nf = self.store.cards.set\n"
+              "g = store.tiers[0]\n")
+    assert [w.split(":")[0] for w in reaches_into_store(source)] == ["1", "2", "3", "5", "6", "7"]

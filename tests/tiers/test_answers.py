@@ -18,12 +18,12 @@ from kvgate.tiers.eviction import LONG
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.finder import KeyFinder
 from tests.tiers.common import background_deletes_done, scanned_card_set
-from kvgate.tiers.ram import RamTier
+from kvgate.tiers.ram import RamPages
 
 PAGE = 4096
 
 
-def put_ram(tier: RamTier, key: bytes, created_ns: int) -> None:
+def put_ram(tier: RamPages, key: bytes, created_ns: int) -> None:
     res = tier.reserve(key, 100, ObjectMeta(created_ns=created_ns), LONG)
     assert res is not None
     tier.commit(res)
@@ -31,7 +31,7 @@ def put_ram(tier: RamTier, key: bytes, created_ns: int) -> None:
 
 def test_ram_entry_past_the_ttl_is_a_miss_for_every_question() -> None:
     expired: list[int] = []
-    tier = RamTier(16 * PAGE, PAGE, ttl=2.0, on_expired=expired.append)
+    tier = RamPages(16 * PAGE, PAGE, ttl=2.0, on_expired=expired.append)
     now = time.time_ns()
     for k in (b"old1", b"old2", b"old3"):
         put_ram(tier, k, now - 3_000_000_000)
@@ -45,7 +45,7 @@ def test_ram_entry_past_the_ttl_is_a_miss_for_every_question() -> None:
 
 
 def test_ram_without_ttl_keeps_old_entries() -> None:
-    tier = RamTier(4 * PAGE, PAGE)
+    tier = RamPages(4 * PAGE, PAGE)
     put_ram(tier, b"k", 1)
     assert tier.contains(b"k")
 

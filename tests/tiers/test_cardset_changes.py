@@ -232,9 +232,9 @@ async def _put_on_card(store, d: int, indexed: bool = True) -> None:
     items = [PutItem(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(_keys_of(d))]
     assert await store.put(items, Retention.LONG) == [True] * 4
     for k in _keys_of(d):
-        store.ram.delete(k)
+        store.ram.pages.delete(k)
         if not indexed:
-            for mc in store.long.cards:
+            for mc in store.cards.set.cards:
                 mc.note_gone(k)
 
 
@@ -251,7 +251,7 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
-            cards = store.long
+            cards = store.cards.set
             (old,) = cards.cards
             theirs = range(40)  # written by "another gateway": on the card, in no index here
             for d in theirs:
@@ -305,7 +305,7 @@ def test_two_joins_before_the_mover_settles_cost_no_hits_either(tmp_path: Path, 
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=1, key_placement=placement, storage_slots=64) as store:
-            cards = store.long
+            cards = store.cards.set
             (card0,) = cards.cards
             theirs = range(60)
             for d in theirs:  # written by "another gateway": on card0, in no index here

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvgate.cards import ObjectMeta
 from kvgate.keys import encode_namespace, full_key
 from kvgate.tiers.events import CLEARED, KEY_BYTES, REMOVED, STORED, TierChange, TierChanges
-from kvgate.tiers.ram import RamTier
+from kvgate.tiers.ram import RamPages
 from kvgate.tiers.store import GetItem, PutItem, TieredStore
 from kvgate.types import Retention
 from tests.helpers import wait_until_async
@@ -34,20 +34,20 @@ class Seen:
         return [c.kind for c in self.changes if c.tier == tier]
 
 
-def ram_put(ram: RamTier, key: bytes, size: int = 100) -> None:
+def ram_put(ram: RamPages, key: bytes, size: int = 100) -> None:
     res = ram.reserve(key, size, ObjectMeta(created_ns=time.time_ns()), Retention.SHORT)
     assert res is not None
     ram.commit(res)
 
 
 def serial_of(store: TieredStore, i: int = 0) -> str:
-    serial = store.long.cards[i].serial
+    serial = store.cards.set.cards[i].serial
     assert serial is not None
     return serial
 
 
 def test_the_ram_tier_notes_commits_evictions_deletes_expiries_and_clears() -> None:
-    ram = RamTier(4 << 10, page_size=1 << 10, ttl=3600)
+    ram = RamPages(4 << 10, page_size=1 << 10, ttl=3600)
     seen = Seen(ram.changes)
     for k in (b"a", b"b", b"c", b"d"):
         ram_put(ram, k)
@@ -65,7 +65,7 @@ def test_the_ram_tier_notes_commits_evictions_deletes_expiries_and_clears() -> N
 
 def test_notes_of_one_loop_turn_are_one_change_per_run_and_a_raising_subscriber_is_dropped() -> None:
     async def main() -> None:
-        ram = RamTier(64 << 10, page_size=1 << 10)
+        ram = RamPages(64 << 10, page_size=1 << 10)
         seen = Seen(ram.changes)
 
         def bad(_change: TierChange) -> None:
@@ -152,7 +152,7 @@ def test_evictions_and_expiries_on_a_card_note_removed(tmp_path: Path) -> None:
             assert stored == [fk(k) for k in keys]
             assert len(evicted) == 5 and set(evicted) < set(stored)
             await asyncio.sleep(0.6)
-            mc = store.long.cards[0]
+            mc = store.cards.set.cards[0]
             for k in keys:
                 mc.entry(fk(k))  # past the ttl: deleted, its row goes once the delete is done
             await wait_until_async(lambda: len(mc.index) == 0, 10, "the expired objects' deletes")
@@ -181,7 +181,7 @@ def test_a_card_leaving_the_set_notes_cleared(tmp_path: Path) -> None:
             seen = Seen(store.changes)
             await put(store, [b"a", b"b", b"c"], Retention.LONG)
             serial = serial_of(store, 1)
-            await store.long.remove(serial, force=True)
+            await store.cards.set.remove(serial, force=True)
             await asyncio.sleep(0)
             assert seen.changes[-1] == TierChange(serial, CLEARED, [])
 
@@ -194,7 +194,7 @@ def test_rows_from_the_index_snapshot_are_noted_once_a_read_or_lookup_names_thei
             await put(store, [b"read", b"looked-up", b"unnamed"], Retention.LONG)
         async with started_store(tmp_path, **EVENTS) as store:
             serial = serial_of(store)
-            mc = store.long.cards[0]
+            mc = store.cards.set.cards[0]
             assert len(mc.index) == 3 and mc.keeper.loaded == 3
             seen = Seen(store.changes)
             assert [t async for t in store.held_keys()] == []  # known by digest only
@@ -214,7 +214,7 @@ def test_with_events_off_no_key_column_exists(tmp_path: Path) -> None:
     async def main() -> None:
         async with started_store(tmp_path) as store:
             await put(store, [b"a"], Retention.LONG)
-            index = store.long.cards[0].index
+            index = store.cards.set.cards[0].index
             assert not index.keys and not hasattr(index.rows, "key") and not hasattr(index.rows, "klen")
             held = [t async for t in store.held_keys()]
             assert held == [("ram", [fk(b"a")])]  # the RAM tier has its keys anyway

@@ -12,13 +12,13 @@ import pytest
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.keys import dialog_digest, full_key
 from kvgate.tiers.eviction import LONG, SHORT
-from kvgate.tiers.ram import Entry, RamTier, copy_into, copy_out
+from kvgate.tiers.ram import Entry, RamPages, copy_into, copy_out
 
 PAGE = 4096
 META = ObjectMeta()
 
 
-def put(tier: RamTier, key: bytes, data: bytes | np.ndarray, meta: ObjectMeta = META, klass: int = SHORT) -> Entry | None:
+def put(tier: RamPages, key: bytes, data: bytes | np.ndarray, meta: ObjectMeta = META, klass: int = SHORT) -> Entry | None:
     buf = memoryview(data if isinstance(data, (bytes, bytearray)) else data.tobytes())
     res = tier.reserve(key, len(buf), meta, klass)
     if res is None:
@@ -28,7 +28,7 @@ def put(tier: RamTier, key: bytes, data: bytes | np.ndarray, meta: ObjectMeta = 
     return res
 
 
-def get(tier: RamTier, key: bytes) -> bytes | None:
+def get(tier: RamPages, key: bytes) -> bytes | None:
     entry = tier.pin(key)
     if entry is None:
         return None
@@ -44,7 +44,7 @@ def rand_bytes(rng: np.random.Generator, n: int) -> bytes:
     return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def check_pages(tier: RamTier, held: list[Entry] = ()) -> None:
+def check_pages(tier: RamPages, held: list[Entry] = ()) -> None:
     """Every used page belongs to exactly one live entry or reservation."""
     pages: list[int] = []
     for entry in list(tier.iter_entries()) + list(held):
@@ -62,7 +62,7 @@ def check_pages(tier: RamTier, held: list[Entry] = ()) -> None:
 
 def test_round_trip_odd_sizes():
     rng = np.random.default_rng(1)
-    tier = RamTier(64 * PAGE, PAGE)
+    tier = RamPages(64 * PAGE, PAGE)
     blobs = {b"k%d" % n: rand_bytes(rng, n) for n in (1, 17, 4095, 4096, 4097, 12345, 3 * PAGE)}
     for key, data in blobs.items():
         res = tier.reserve(key, len(data), META, SHORT)
@@ -80,7 +80,7 @@ def test_round_trip_odd_sizes():
 
 
 def test_zero_size_object_takes_no_pages():
-    tier = RamTier(2 * PAGE, PAGE)
+    tier = RamPages(2 * PAGE, PAGE)
     assert put(tier, b"empty", b"") is not None
     assert tier.used_pages == 0 and tier.contains(b"empty")
     assert get(tier, b"empty") == b""
@@ -88,7 +88,7 @@ def test_zero_size_object_takes_no_pages():
 
 def test_multi_extent_round_trip():
     rng = np.random.default_rng(2)
-    tier = RamTier(8 * PAGE, PAGE)
+    tier = RamPages(8 * PAGE, PAGE)
     for i in range(4):
         put(tier, b"p%d" % i, rand_bytes(rng, PAGE))
     tier.delete(b"p0")
@@ -104,7 +104,7 @@ def test_multi_extent_round_trip():
 
 def test_copies_from_threads():
     rng = np.random.default_rng(3)
-    tier = RamTier(64 * PAGE, PAGE)
+    tier = RamPages(64 * PAGE, PAGE)
     blobs = [rand_bytes(rng, 5 * PAGE + i) for i in range(8)]
     reservations = [tier.reserve(b"t%d" % i, len(b), META, SHORT) for i, b in enumerate(blobs)]
     with ThreadPoolExecutor(2) as pool:
@@ -122,7 +122,7 @@ def test_copies_from_threads():
 
 
 def test_copy_size_mismatch_raises():
-    tier = RamTier(4 * PAGE, PAGE)
+    tier = RamPages(4 * PAGE, PAGE)
     res = tier.reserve(b"k", 100, META, SHORT)
     with pytest.raises(ValueError):
         copy_into(res.views(), bytes(99))
@@ -138,7 +138,7 @@ def test_copy_size_mismatch_raises():
 
 
 def test_eviction_when_full_and_capacity_respected():
-    tier = RamTier(4 * PAGE, PAGE, policy="lru")
+    tier = RamPages(4 * PAGE, PAGE, policy="lru")
     for i in range(6):
         assert put(tier, b"k%d" % i, bytes([i]) * PAGE) is not None
         assert tier.used_pages <= tier.total_pages
@@ -151,7 +151,7 @@ def test_eviction_when_full_and_capacity_respected():
 
 def test_random_workload_keeps_accounting():
     rng = random.Random(4)
-    tier = RamTier(40 * PAGE + 123, PAGE)  # a partial page is not usable
+    tier = RamPages(40 * PAGE + 123, PAGE)  # a partial page is not usable
     assert tier.capacity == 40 * PAGE
     pinned: list[Entry] = []
     held: list[Entry] = []
@@ -191,10 +191,10 @@ def test_random_workload_keeps_accounting():
 
 
 def test_reserve_larger_than_capacity_and_disabled_tier():
-    tier = RamTier(4 * PAGE, PAGE)
+    tier = RamPages(4 * PAGE, PAGE)
     assert tier.reserve(b"k", 4 * PAGE + 1, META, SHORT) is None
     assert tier.reserve(b"k", 4 * PAGE, META, SHORT) is not None
-    for off in (RamTier(0, PAGE), RamTier(PAGE - 1, PAGE)):
+    for off in (RamPages(0, PAGE), RamPages(PAGE - 1, PAGE)):
         assert off.capacity == 0
         assert off.reserve(b"k", 0, META, SHORT) is None
         assert off.reserve(b"k", 10, META, SHORT) is None
@@ -202,7 +202,7 @@ def test_reserve_larger_than_capacity_and_disabled_tier():
 
 
 def test_abort_frees_pages():
-    tier = RamTier(4 * PAGE, PAGE)
+    tier = RamPages(4 * PAGE, PAGE)
     res = tier.reserve(b"k", 3 * PAGE, META, SHORT)
     assert tier.used_pages == 3
     tier.abort(res)
@@ -218,7 +218,7 @@ def test_abort_frees_pages():
 
 
 def test_reservation_is_never_evicted():
-    tier = RamTier(2 * PAGE, PAGE)
+    tier = RamPages(2 * PAGE, PAGE)
     res = tier.reserve(b"slow", PAGE, META, SHORT)
     put(tier, b"a", b"a" * PAGE)
     put(tier, b"b", b"b" * PAGE)  # evicts a, not the reservation
@@ -232,7 +232,7 @@ def test_reservation_is_never_evicted():
 
 
 def test_pinned_entries_are_never_evicted():
-    tier = RamTier(4 * PAGE, PAGE, policy="lru")
+    tier = RamPages(4 * PAGE, PAGE, policy="lru")
     for i in range(4):
         put(tier, b"k%d" % i, bytes([i]) * PAGE)
     pinned = tier.pin(b"k0")  # the LRU victim, were it not pinned
@@ -247,7 +247,7 @@ def test_pinned_entries_are_never_evicted():
 
 
 def test_nothing_evicted_in_vain_when_all_pinned():
-    tier = RamTier(3 * PAGE, PAGE)
+    tier = RamPages(3 * PAGE, PAGE)
     entries = []
     for i in range(3):
         put(tier, b"k%d" % i, bytes([i]) * PAGE)
@@ -261,7 +261,7 @@ def test_nothing_evicted_in_vain_when_all_pinned():
 
 @pytest.mark.parametrize("how", ["replace", "delete", "clear"])
 def test_dropped_pinned_entry_keeps_its_pages_until_unpin(how):
-    tier = RamTier(3 * PAGE, PAGE)
+    tier = RamPages(3 * PAGE, PAGE)
     old = b"o" * PAGE
     put(tier, b"k", old)
     entry = tier.pin(b"k")
@@ -289,7 +289,7 @@ def test_dropped_pinned_entry_keeps_its_pages_until_unpin(how):
 
 
 def test_double_pin_frees_at_last_unpin():
-    tier = RamTier(2 * PAGE, PAGE)
+    tier = RamPages(2 * PAGE, PAGE)
     put(tier, b"k", b"k" * PAGE)
     a, b = tier.pin(b"k"), tier.pin(b"k")
     assert a is b and a.pins == 2
@@ -307,7 +307,7 @@ def test_double_pin_frees_at_last_unpin():
 def test_uniform_objects_stay_one_extent(policy):
     rng = random.Random(5)
     size = 3 * PAGE - 100
-    tier = RamTier(31 * PAGE, PAGE, policy)  # 31 = 10 objects + 1 leftover page
+    tier = RamPages(31 * PAGE, PAGE, policy)  # 31 = 10 objects + 1 leftover page
     pinned: list[Entry] = []
     for step in range(600):
         key = b"k%d" % rng.randrange(40)
@@ -330,7 +330,7 @@ def test_uniform_objects_stay_one_extent(policy):
 
 
 def test_prefix_tier_evicts_dialog_tails():
-    tier = RamTier(4 * PAGE, PAGE, policy="prefix")
+    tier = RamPages(4 * PAGE, PAGE, policy="prefix")
     d = dialog_digest(b"dialog")
     for p in range(4):
         put(tier, b"d%d" % p, b"x" * PAGE, ObjectMeta(d, p))
@@ -343,7 +343,7 @@ def test_prefix_tier_evicts_dialog_tails():
 
 
 def simulate(policy: str, *, seed: int = 2024, hold_pins: bool = False, concurrency: int = 32) -> dict[str, int]:
-    """An engine-like workload through a real ``RamTier``; what is left restorable.
+    """An engine-like workload through a real ``RamPages``; what is left restorable.
 
     200 dialogs of 1-16 one-page blocks; the tier holds ~30% of all blocks.
     Requests run ``concurrency`` at a time, round-robin, one block per tick,
@@ -356,7 +356,7 @@ def simulate(policy: str, *, seed: int = 2024, hold_pins: bool = False, concurre
     rng = random.Random(seed)
     n_dialogs = 200
     lengths = [rng.randint(1, 16) for _ in range(n_dialogs)]
-    tier = RamTier(int(sum(lengths) * 0.3) * PAGE, PAGE, policy)
+    tier = RamPages(int(sum(lengths) * 0.3) * PAGE, PAGE, policy)
     digests = [dialog_digest(b"dialog-%d" % d) for d in range(n_dialogs)]
     keys = [[full_key(b"ns", b"%d:%d" % (d, p)) for p in range(lengths[d])] for d in range(n_dialogs)]
     rank = list(range(n_dialogs))
@@ -415,7 +415,7 @@ def simulate(policy: str, *, seed: int = 2024, hold_pins: bool = False, concurre
             "hit_blocks": hits, "resident": tier.entries, "evictions": tier.evictions}
 
 
-def restorable_blocks(tier: RamTier, keys: list[list[bytes]]) -> int:
+def restorable_blocks(tier: RamPages, keys: list[list[bytes]]) -> int:
     """Sum over dialogs of the leading run of present blocks: what engines can restore."""
     total = 0
     for chain in keys:
@@ -426,7 +426,7 @@ def restorable_blocks(tier: RamTier, keys: list[list[bytes]]) -> int:
     return total
 
 
-def count_holes(tier: RamTier, keys: list[list[bytes]]) -> int:
+def count_holes(tier: RamPages, keys: list[list[bytes]]) -> int:
     """Present blocks that follow a missing one in their dialog: worthless."""
     holes = 0
     for chain in keys:
@@ -453,7 +453,7 @@ def test_prefix_policy_keeps_more_restorable_prefix_than_lru(hold_pins):
 def test_the_end_of_a_write_reaches_the_policy_as_a_tail() -> None:
     from kvgate.tiers.eviction import Segment
 
-    tier = RamTier(4 * PAGE, PAGE)
+    tier = RamPages(4 * PAGE, PAGE)
     for i, tail in enumerate((False, True)):
         res = tier.reserve(b"k%d" % i, PAGE, ObjectMeta(dialog_digest(b"d"), i, tail=tail), LONG)
         assert res is not None

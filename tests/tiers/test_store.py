@@ -52,7 +52,7 @@ async def started_store(tmp_path: Path, n_cards: int = 1, **cfg) -> AsyncIterato
                         IoPool(cfg["thread_pool_size"]))
     await store.start()
     try:
-        await wait_until_async(lambda: all(mc.scanned for mc in store.long.cards), 10, "every card's start-up scan")
+        await wait_until_async(lambda: all(mc.scanned for mc in store.cards.set.cards), 10, "every card's start-up scan")
         yield store
     finally:
         await store.stop()
@@ -69,10 +69,10 @@ def test_a_put_reaches_the_tiers_its_retention_names(tmp_path: Path) -> None:
             assert await put(store, [b"long"], Retention.LONG) == [True]
             assert await put(store, [b"short"], Retention.SHORT) == [True]
             assert await put(store, [b"none"], Retention.NONE) == [False]
-            mc = store.long.cards[0]
-            assert store.ram.contains(fk(b"long")) and fk(b"long") in mc.index and mc.card.exists(fk(b"long"))
-            assert store.ram.contains(fk(b"short")) and not mc.card.exists(fk(b"short"))
-            assert not store.ram.contains(fk(b"none")) and not mc.card.exists(fk(b"none"))
+            mc = store.cards.set.cards[0]
+            assert store.ram.pages.contains(fk(b"long")) and fk(b"long") in mc.index and mc.card.exists(fk(b"long"))
+            assert store.ram.pages.contains(fk(b"short")) and not mc.card.exists(fk(b"short"))
+            assert not store.ram.pages.contains(fk(b"none")) and not mc.card.exists(fk(b"none"))
             assert (store.counters.ram.sets, store.counters.long.sets) == (2, 1)
         # A restart keeps what reached a card, and only that.
         async with started_store(tmp_path) as store:
@@ -92,7 +92,7 @@ def test_get_answers_ram_and_card_hits_and_says_miss_and_too_small(tmp_path: Pat
     async def main() -> None:
         async with started_store(tmp_path) as store:
             assert await put(store, [b"in-ram", b"on-card"], Retention.LONG) == [True, True]
-            store.ram.delete(fk(b"on-card"))  # on the card only
+            store.ram.pages.delete(fk(b"on-card"))  # on the card only
             assert await get(store, b"in-ram", size + 100) == (size, 0, payload(b"in-ram"))
             assert store.counters.ram.hits == 1 and store.counters.long.gets == 0, "a RAM hit asks no card"
             assert await get(store, b"on-card", size + 100) == (size, 0, payload(b"on-card"))
@@ -112,13 +112,13 @@ def test_lookup_counts_leading_keys_present_in_ram_or_on_any_card(tmp_path: Path
             keys = [b"k%d" % i for i in range(8)]
             # Two dialogs whose objects live on different cards.
             d1, d2 = DIALOG, next(d for d in (dialog_digest(b"d%d" % i) for i in range(100))
-                                  if store.long.card_for(fk(b"k1"), d) is not store.long.card_for(fk(b"k1"), DIALOG))
+                                  if store.cards.set.card_for(fk(b"k1"), d) is not store.cards.set.card_for(fk(b"k1"), DIALOG))
             assert await put(store, [b"k0"], Retention.SHORT) == [True]  # RAM only
             assert await put(store, [b"k1"], Retention.LONG, d1) == [True]
             assert await put(store, [b"k2"], Retention.LONG, d2) == [True]
             for k in (b"k1", b"k2"):
-                store.ram.delete(fk(k))  # on a card only: the one of its dialog, not the one asked with
-            home = store.long.card_for(fk(b"k3"), DIALOG)
+                store.ram.pages.delete(fk(k))  # on a card only: the one of its dialog, not the one asked with
+            home = store.cards.set.card_for(fk(b"k3"), DIALOG)
             home.card.write(fk(b"k3"), memoryview(payload(b"k3")), ObjectMeta(DIALOG, 3, time.time_ns()))  # unindexed
             assert await put(store, keys[5:], Retention.LONG) == [True] * 3  # k4 is never stored
             for ask in (d1, d2):  # k3 is found only on its card for the dialog asked with
@@ -140,10 +140,10 @@ def test_a_prewarm_read_past_its_deadline_leaves_the_reused_reservation_alone(tm
     async def main() -> None:
         async with started_store(tmp_path, io_timeout_ms=int(DEADLINE_S * 1000), thread_pool_size=1) as store:
             assert await store.put([PutItem(b"old", memoryview(old), meta)], Retention.LONG) == [True]
-            store.ram.delete(b"old")  # on the card only: prewarm reads it into a reservation
-            slowed = Slowed(store.long.cards[0].card, "_read_in_place")  # into our own memory
+            store.ram.pages.delete(b"old")  # on the card only: prewarm reads it into a reservation
+            slowed = Slowed(store.cards.set.cards[0].card, "_read_in_place")  # into our own memory
             assert await store.prewarm([b"old"], meta.dialog) == 0  # the deadline passed
-            assert store.ram.free_pages == store.ram.total_pages  # the reservation was given back
+            assert store.ram.pages.free_pages == store.ram.pages.total_pages  # the reservation was given back
             # The next object of the same size gets the same pages.
             assert await store.put([PutItem(b"new", memoryview(new), meta)], Retention.SHORT) == [True]
             assert await asyncio.to_thread(slowed.done.wait, 30), "the slowed read never ended"
@@ -161,7 +161,7 @@ def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_c
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=2) as store:
-            home = store.long.card_for(fk(b"k0"), DIALOG)
+            home = store.cards.set.card_for(fk(b"k0"), DIALOG)
             entered, release = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
             write_many = home.card.write_many
@@ -175,16 +175,16 @@ def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_c
             keys = [b"k0", b"k1", b"k2"]
             putting = asyncio.ensure_future(put(store, keys, Retention.LONG))
             await asyncio.wait_for(entered.wait(), 10)
-            remove = asyncio.ensure_future(store.long.remove(home.serial))
+            remove = asyncio.ensure_future(store.cards.set.remove(home.serial))
             await asyncio.sleep(0.05)
             release.set()
             await remove
             assert await putting == [True] * 3
-            other = store.long.card_for(fk(b"k0"), DIALOG)
+            other = store.cards.set.card_for(fk(b"k0"), DIALOG)
             assert other is not None and other is not home
             assert all(fk(k) in other.index for k in keys)
             for k in keys:
-                store.ram.delete(fk(k))  # on the card only
+                store.ram.pages.delete(fk(k))  # on the card only
             items = [GetItem(fk(k), DIALOG, memoryview(bytearray(10_000))) for k in keys]
             sizes, _ = await store.get(items)
             assert sizes == [10_000] * 3
@@ -201,9 +201,9 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
     async def main() -> None:
         async with started_store(tmp_path, n_cards=2) as store:
             assert await put(store, [b"k"], Retention.LONG) == [True]
-            store.ram.delete(fk(b"k"))  # on its card only
-            old = store.long.card_for(fk(b"k"), DIALOG)
-            (new,) = [mc for mc in store.long.cards if mc is not old]
+            store.ram.pages.delete(fk(b"k"))  # on its card only
+            old = store.cards.set.card_for(fk(b"k"), DIALOG)
+            (new,) = [mc for mc in store.cards.set.cards if mc is not old]
             entered, release = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
             read_many_into = old.card.read_many_into
@@ -220,7 +220,7 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
             # What the mover does: the object lands on its new card, and the old copy goes.
             meta = ObjectMeta(DIALOG, 0, time.time_ns())
             (stored,) = await new.write([(fk(b"k"), memoryview(payload(b"k")), meta)])
-            assert store.long.note_written(new, fk(b"k"), stored, len(payload(b"k")), meta)
+            assert store.cards.set.note_written(new, fk(b"k"), stored, len(payload(b"k")), meta)
             await background_deletes_done(old)
             release.set()
             sizes, _ = await getting
@@ -233,7 +233,7 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
 def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_share_of_ram(tmp_path: Path) -> None:
     """``lend_ram``: a lent object's pages keep its bytes while it is replaced and the tier is written over;
     past ``LEND_SHARE`` of the tier nothing more is lent (a stalled reply cannot starve puts of pages)."""
-    from kvgate.tiers.store import LEND_SHARE
+    from kvgate.tiers.ramtier import LEND_SHARE
 
     async def main() -> None:
         async with started_store(tmp_path, max_bytes=8 << 20) as store:
@@ -243,7 +243,7 @@ def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_
             loans = store.lend_ram([fk(k) for k in keys[:20]], [size] * 20)
             lent = [i for i, loan in enumerate(loans) if loan is not None]
             assert lent and len(lent) < 20, "the share was never reached, or nothing was lent"
-            assert store.ram.pinned_bytes <= store.ram.capacity * LEND_SHARE
+            assert store.ram.pages.pinned_bytes <= store.ram.pages.capacity * LEND_SHARE
             assert store.lend_ram([fk(keys[0])], [size - 1]) == [None], "a size that changed is not lent"
             # replace every lent object and write the rest of the tier over: puts still find pages
             items = [PutItem(fk(k), memoryview(b"\xee" * size), ObjectMeta(DIALOG, 0, time.time_ns()))
@@ -254,7 +254,7 @@ def test_lent_objects_stay_unchanged_until_given_back_and_never_pin_more_than_a_
             for i in lent:
                 assert b"".join(bytes(v) for v in loans[i].views) == payload(keys[i])
             store.return_ram(loans)
-            assert store.ram.pinned_bytes == 0
+            assert store.ram.pages.pinned_bytes == 0
 
     asyncio.run(main())
 
@@ -273,7 +273,7 @@ def test_card_objects_are_lent_as_open_files_while_cached_at_their_size_within_t
             size = len(payload(b"x"))
             keys = [f"file-{i}".encode() for i in range(4)]
             assert all(await put(store, keys, Retention.LONG))
-            card = store.long.cards[0].card
+            card = store.cards.set.cards[0].card
             cold = card.object_path(fk(keys[3]))
             fd = os.open(cold, os.O_RDONLY)
             os.fsync(fd)  # clean pages only are dropped
@@ -295,7 +295,7 @@ def test_card_objects_are_lent_as_open_files_while_cached_at_their_size_within_t
                 if f is not None:
                     with pytest.raises(OSError):
                         os.fstat(f.fd)
-            store.files_lent_max = 1
+            store.cards.files_lent_max = 1
             assert all(await put(store, keys[:2], Retention.LONG))
             files = await store.lend_files([fk(k) for k in keys[:2]], DIALOG, [size, size])
             assert files[0] is not None and files[1] is None and store.files_lent == 1
@@ -327,7 +327,7 @@ def test_files_a_card_opens_after_its_deadline_are_closed_when_the_call_ends(tmp
         async with started_store(tmp_path, max_bytes=0, io_timeout_ms=int(DEADLINE_S * 1000)) as store:
             keys = [f"late-{i}".encode() for i in range(4)]
             assert all(await put(store, keys, Retention.LONG))
-            card = store.long.cards[0].card
+            card = store.cards.set.cards[0].card
             opened = threading.Event()
             real = card.open_cached_many
 
@@ -356,19 +356,19 @@ def test_size_hints_come_from_the_ram_tier_and_the_card_indexes_without_touching
         async with started_store(tmp_path, n_cards=2, ttl=3600) as store:
             sizes = {b"ram": 100, b"card-a": 3000, b"card-b": 70_000}
             other = next(d for d in (dialog_digest(b"dialog %d" % i) for i in range(100))
-                         if store.long.card_for(fk(b"card-b"), d) is not store.long.card_for(fk(b"card-a"), DIALOG))
+                         if store.cards.set.card_for(fk(b"card-b"), d) is not store.cards.set.card_for(fk(b"card-a"), DIALOG))
             items = [PutItem(fk(k), memoryview(payload(k, n)), ObjectMeta(other if k == b"card-b" else DIALOG, 0,
                                                                           time.time_ns()))
                      for k, n in sizes.items()]
             assert all(await store.put(items[:1], Retention.SHORT))
             assert all(await store.put(items[1:], Retention.LONG))
-            store.ram.delete(fk(b"card-a"))
-            store.ram.delete(fk(b"card-b"))
+            store.ram.pages.delete(fk(b"card-a"))
+            store.ram.pages.delete(fk(b"card-b"))
             old = PutItem(fk(b"old"), memoryview(payload(b"old")), ObjectMeta(DIALOG, 0, time.time_ns() - 7200 * 10**9))
             assert all(await store.put([old], Retention.LONG))
-            store.ram.delete(fk(b"old"))
+            store.ram.pages.delete(fk(b"old"))
             keys = [fk(k) for k in (b"card-b", b"absent", b"ram", b"card-a", b"old")]
-            assert fk(b"card-b") not in store.long.card_for(fk(b"card-a"), DIALOG).index  # on the other card
+            assert fk(b"card-b") not in store.cards.set.card_for(fk(b"card-a"), DIALOG).index  # on the other card
             for dialog in (DIALOG, other):
                 assert store.size_hints(keys, dialog) == [70_000, None, 100, 3000, None]
 
@@ -413,20 +413,20 @@ def test_a_put_from_client_memory_with_no_ram_copy_is_written_by_the_card_unstag
         async def main() -> None:
             async with started_store(tmp_path, max_bytes=0) as store:
                 taken: list[list[int]] = []
-                take = store.staging.take
+                take = store.cards.staging.take
 
                 async def counted_take(sizes: list[int]) -> list[memoryview]:
                     taken.append(sizes)
                     return await take(sizes)
 
-                store.staging.take = counted_take  # type: ignore[method-assign]
+                store.cards.staging.take = counted_take  # type: ignore[method-assign]
                 items = [PutItem(fk(k), region.slice(i * size, size), ObjectMeta(DIALOG, i, time.time_ns()), True)
                          for i, k in enumerate(keys)]
                 assert await store.put(items, Retention.LONG) == [True] * 3
                 for it in items:
                     it.src.release()
-                assert taken == [] and store.staging.budget.used == 0  # nothing staged
-                assert not any(store.ram.contains(fk(k)) for k in keys)
+                assert taken == [] and store.cards.staging.budget.used == 0  # nothing staged
+                assert not any(store.ram.pages.contains(fk(k)) for k in keys)
                 gets = [GetItem(fk(k), DIALOG, memoryview(bytearray(size))) for k in keys]
                 sizes, _ = await store.get(gets)
                 assert sizes == [size] * 3
@@ -462,8 +462,8 @@ def test_a_put_whose_staging_faults_still_lets_every_other_card_write_finish_fir
                 dialogs = [dialog_digest(b"d%d" % i) for i in range(64)]
                 by_card: dict[int, bytes] = {}
                 for d in dialogs:
-                    by_card.setdefault(id(store.long.card_for(fk(b"x"), d)), d)
-                (x, dx), (y, dy) = [(mc, by_card[id(mc)]) for mc in store.long.cards]
+                    by_card.setdefault(id(store.cards.set.card_for(fk(b"x"), d)), d)
+                (x, dx), (y, dy) = [(mc, by_card[id(mc)]) for mc in store.cards.set.cards]
                 y.card.writes_client_memory = False  # as a Redis card: its source is staged
                 loop = asyncio.get_running_loop()
                 entered, ended = asyncio.Event(), []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvgate.keys import encode_namespace, full_key
-from kvgate.tiers.ram import RamTier
+from kvgate.tiers.ram import RamPages
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.tiers.usage import OTHER, NamespaceUsage, namespace_of
 
@@ -48,7 +48,7 @@ def test_undecodable_namespaces_keep_apart() -> None:
 
 def test_ram_tier_rows_match_its_totals_through_replace_and_eviction() -> None:
     u = NamespaceUsage()
-    ram = RamTier(64 << 10, page_size=4096, usage=u)
+    ram = RamPages(64 << 10, page_size=4096, usage=u)
     for i in range(40):  # 40 x 4 KiB into 64 KiB: most are evicted
         for ns in ("a", "b"):
             res = ram.reserve(fk(ns, b"%d" % (i % 25)), 4096, ObjectMeta(), 1)

@@ -1,4 +1,4 @@
-"""The RAM tier: a bounded, preallocated, paged store of KV blocks.
+"""The RAM tier's memory (``RamPages``): a bounded, preallocated, paged store of KV blocks.
 
 Why preallocated: first-touch anonymous memory fills at about 0.5 GiB/s on
 the gateway's machines (every 4 KiB page is a fault and a zeroing), while
@@ -71,7 +71,7 @@ class Entry:
 
     __slots__ = ("full_key", "size", "meta", "klass", "extents", "pins", "_state", "_tier")
 
-    def __init__(self, tier: RamTier, full_key: bytes, size: int, meta: ObjectMeta, klass: int,
+    def __init__(self, tier: RamPages, full_key: bytes, size: int, meta: ObjectMeta, klass: int,
                  extents: tuple[tuple[int, int], ...]):
         self.full_key = full_key
         self.size = size
@@ -119,8 +119,9 @@ class Entry:
 Reservation = Entry
 
 
-class RamTier:
-    """Bounded RAM tier with page allocation and policy-driven eviction.
+class RamPages:
+    """The RAM tier's memory: preallocated pages, the entries in them, and policy-driven eviction
+    (``kvgate.tiers.ramtier.RamTier`` is the tier the store asks, built on it).
 
     Threading contract: every method of this class (reserve, commit, abort,
     pin, unpin, delete, clear, the counters...) is called from ONE thread, the

@@ -1,7 +1,7 @@
 """Buffers of ours that the store reuses: put staging, and the card part of replies sent or lent.
 
 Fresh memory fills at about 0.5 GiB/s here (a page fault and a zeroing per
-4 KiB, see ``RamTier``): a fresh buffer per put cost more than the card write
+4 KiB, see ``RamPages``): a fresh buffer per put cost more than the card write
 itself, and a fresh buffer per lent get held the card part of it to 1.1 GiB/s
 against 11 for the read (``kvgate bench``, 2 MiB objects).  Both run on the
 event loop only; no locks.

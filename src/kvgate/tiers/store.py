@@ -1,4 +1,9 @@
-"""The tiered store: RAM tier in front of the long tier, as the gateway uses them.
+"""The tiered store: an ordered list of tiers, the RAM tier in front of the cards, as the gateway uses them.
+
+Each tier speaks one contract (``kvgate.tiers.contract``: know, find, read
+into, write, delete, list and the changes it notes); the store asks them in
+order and owns what crosses them: a put written through, a prewarm read from
+below into the front tier, holds, loans, the counters.
 
 Threading contract: every coroutine here runs on the event loop.  Bookkeeping
 (RAM allocation, card indexes, counters) happens on the loop, so it needs no
@@ -11,14 +16,17 @@ Writes are write-through: a put of retention ``long`` is acknowledged once
 the object is in the RAM tier *and* on its card, and still there when the
 put answers (not evicted by its own batch, not larger than the card's
 capacity), so what was acknowledged survives a gateway restart.  ``short``
-stays in RAM only; ``none`` is not stored at all.
+stays in RAM only; ``none`` is not stored at all.  In general: every tier
+that ``keeps`` the retention writes it, the tiers below the front one from
+the front one's copy, and the put is acknowledged by the last of them.
 
-Reads answer by one rule, the same for lookup, exists, get, prewarm and
-delete: a key is present when the RAM tier holds it, else where
-``KeyFinder.find`` says (any card's index, whatever the dialog; else a probe
-of its placement card for the request's dialog).  With ``ttl``, an object
-older than that is a miss in every one of them.  A request's keys are
-looked up in the card indexes at once (``KeyFinder.find_many``).
+Reads answer by the contract's one rule, the same for lookup, exists, get,
+prewarm and delete: a key is present when some tier holds it (the RAM tier,
+else any card's index whatever the dialog, else a probe of its placement
+card for the request's dialog), and is read from the first that does; what
+no tier knows without I/O is asked of the tiers' media in order.  With
+``ttl``, an object older than that is a miss in every one of them.  A
+request's keys are looked up in each tier at once (``Tier.known``).
 
 Changes: what each tier stores and drops is noted in ``changes``
 (``kvgate.tiers.events``); ``held_keys`` lists what is held now, in
@@ -29,72 +37,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import resource
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvgate import memcopy
-from kvgate.memcopy import MemoryFault
-from kvgate.latency import Latencies
 from kvgate.cards import ObjectMeta
-from kvgate.cards.base import CachedObjectFile, close_files
+from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config, ConfigError
-from kvgate.keys import full_key, key_digest
-from kvgate.tiers.io import IoPool, gather_all
-from kvgate.tiers.card import ManagedCard, TierHooks, expired
-from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
-from kvgate.tiers.counters import StoreCounters, TierCounters
-from kvgate.tiers.events import RAM_TIER, TierChanges
-from kvgate.tiers.finder import FoundOnCard, KeyFinder, found_on_cards, group_by_card
+from kvgate.latency import Latencies
+from kvgate.tiers.card import ManagedCard, TierHooks
+from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.cardtier import CardTier
+from kvgate.tiers.contract import ABSENT, PRESENT, UNKNOWN, GetItem, Known, PutItem, Tier
+from kvgate.tiers.counters import StoreCounters
+from kvgate.tiers.events import TierChanges
 from kvgate.tiers.holds import Holds
-from kvgate.tiers.ram import RamTier, RamTooLarge, copy_into, copy_out
-from kvgate.tiers.reads import CardRead, ReadOutcome
-from kvgate.tiers.staging import BufferCache, Staging
+from kvgate.tiers.io import IoPool, gather_all
+from kvgate.tiers.ram import RamTooLarge, copy_into
+from kvgate.tiers.ramtier import RamLoan, RamTier
+from kvgate.tiers.staging import BufferCache
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.types import Retention, SizeCode
 
+__all__ = ["GetItem", "PutItem", "RamLoan", "TieredStore"]
+
 log = logging.getLogger("kvgate.store")
 
-CLEAN_RAM_BATCH = 4096  # RAM-tier entries a namespace's clean drops between two turns of the loop
-LEND_SHARE = 0.25  # of the RAM tier, at most, pinned by lent replies at once (``TieredStore.lend_ram``)
 REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
-# Open files lent at once (``TieredStore.lend_files``), at most this share of the process's file limit:
-# the rest is for cards, clients and the files reads open for a moment.
-FILES_LENT_SHARE = 0.25
-
-
-@dataclass(slots=True)
-class PutItem:
-    fkey: bytes
-    src: memoryview
-    meta: ObjectMeta
-    # src lies in a client's shared region (which it may write again once answered), not in a buffer of ours
-    in_region: bool = False
-
-
-@dataclass(slots=True)
-class GetItem:
-    fkey: bytes
-    dialog: bytes
-    dest: memoryview
-
-
-@dataclass(slots=True)
-class RamLoan:
-    """A RAM-tier object lent to a reply (``TieredStore.lend_ram``): its pages stay put, unchanged, until
-    it is given back; ``views`` hold its ``size`` bytes, in order."""
-
-    size: int
-    views: list[memoryview]
-    entry: object  # the pinned ``ram.Entry``: for ``return_ram`` only
 
 
 class TieredStore:
-    """The RAM tier in front of the card set: puts, gets, lookups, lends, deletes (module docstring).
+    """The tiers in order, asked by one rule: puts, gets, lookups, lends, deletes (module docstring).
 
     Called by the gateway's operation handlers, on the event loop only; every
     coroutine keeps the loop free of copies and I/O by running them in
@@ -109,35 +84,31 @@ class TieredStore:
         self.usage = NamespaceUsage()
         self.changes = TierChanges()  # what the tiers store and drop (kvgate.tiers.events)
         try:
-            self.ram = RamTier(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
-                               on_expired=self._count_expired, usage=self.usage, changes=self.changes)
+            self.ram = RamTier(cfg, pool, self.counters.ram, self.usage, self.changes, self._count_expired)
         except RamTooLarge as e:
             raise ConfigError(f"config key 'max_bytes': {e}: lower max_bytes") from None
         self.holds = Holds()
         self.card_io_seconds = Latencies()
-        self.long = CardSet(cfg, pool, TierHooks(self.usage, self.holds, on_corrupt=self._count_corrupt,
-                                                 on_expired=self._count_expired, io_seconds=self.card_io_seconds,
-                                                 changes=self.changes))
-        self.finder = KeyFinder(self.long)
-        self.staging = Staging(2 * cfg.max_frame_bytes)
+        self.cards = CardTier(cfg, pool, self.counters, TierHooks(
+            self.usage, self.holds, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
+            io_seconds=self.card_io_seconds, changes=self.changes))
+        self.tiers: list[Tier] = [self.ram, self.cards]  # fastest first: the order every read asks them in
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
-        self.files_lent = 0  # open now (lend_files, not yet return_files)
-        self.files_lent_max = int(resource.getrlimit(resource.RLIMIT_NOFILE)[0] * FILES_LENT_SHARE)
         memcopy.check()
 
     def _count_expired(self, n: int) -> None:
         self.counters.expired += n
 
-    async def start(self) -> None:
-        await self.long.start()
-
     def _count_corrupt(self, n: int) -> None:
         self.counters.corrupt += n
 
+    async def start(self) -> None:
+        await self.cards.start()
+
     async def stop(self) -> None:
-        await self.long.stop()
+        await self.cards.stop()
 
     # ---- put ------------------------------------------------------------------
 
@@ -152,110 +123,33 @@ class TieredStore:
         return stored
 
     async def _put(self, items: list[PutItem], retention: Retention) -> list[bool]:
-        """Store items; True per item once it is where its retention asks.
+        """Store items in every tier that keeps ``retention``; True per item once the last of them has it.
 
-        The RAM copy is made first and pinned while the card write runs from
-        it: the card then writes bytes the gateway owns, so a write that runs
-        past its deadline can never publish a client buffer that was reused
-        after the client got its (failed) answer.  An item with no RAM copy
-        in one piece (tier off or full, object larger than it, pages not
-        contiguous) is staged in a buffer of ours first, within the staging
-        budget, unless it lies in a client's region and its card
-        ``writes_client_memory``: such a card reads a guarded region only
-        through the kernel (``kvgate.gateway.shm``), and publishes only what
-        it read before the write's guard was abandoned.  Copies out of
-        client memory are ``memcopy`` copies: ``MemoryFault`` when the
-        client shrank it, and its card stores nothing of it then.
+        The RAM copy is made first and pinned while the tiers below write
+        from it: they then write bytes the gateway owns, so a card write that
+        runs past its deadline can never publish a client buffer that was
+        reused after the client got its (failed) answer.  An item with no
+        RAM copy in one piece (tier off or full, object larger than it,
+        pages not contiguous) is written from the client's bytes, which a
+        card stages first (``CardTier.write``).
         """
-        if retention is Retention.NONE or not items:
+        if not items or retention not in self.ram.keeps:
             return [False] * len(items)
-        klass = retention
-        c = self.counters
-        reservations = [self.ram.reserve(it.fkey, len(it.src), it.meta, klass) for it in items]
-        copies = [(it, res) for it, res in zip(items, reservations) if res is not None]
-
-        def copy_work(chunk: list) -> None:
-            for it, res in chunk:
-                copy_into(res.views(), it.src)
-
+        below = [t for t in self.tiers[1:] if retention in t.keeps]
+        stored, pinned = await self.ram.write_pinned(items, retention, pin=bool(below))
+        if not below:
+            return stored
         try:
-            await self.pool.map_chunks(copy_work, copies, min_chunk=2)
-        except BaseException:
-            for _it, res in copies:
-                self.ram.abort(res)
-            raise
-        pinned = []
-        for it, res in copies:
-            self.ram.commit(res)
-            c.ram.sets += 1
-            c.ram.bytes_written += len(it.src)
-            entry = self.ram.pin(it.fkey) if klass is Retention.LONG else None
-            pinned.append(entry)
-        if klass is not Retention.LONG:
-            return [res is not None for res in reservations]
-
-        source: dict[int, memoryview] = {}
-        for (it, _res), entry in zip(copies, pinned):
-            views = entry.views() if entry is not None else []
-            if len(views) == 1:
-                source[id(it)] = views[0]
-        from_client = {id(it) for it in items if id(it) not in source and it.in_region}
-        card_ok = [False] * len(items)
-        card_left: list[int] = []
-        faults: list[MemoryFault] = []
-
-        async def one_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
-            # What has no RAM copy is staged here, for this card: a card that writes client
-            # memory itself (through the kernel) is given the client's bytes instead.
-            direct = cs.card.writes_client_memory
-            staged = [i for i in idx if id(items[i]) not in source
-                      and not (direct and id(items[i]) in from_client)]
-            buffers = await self.staging.take([len(items[i].src) for i in staged]) if staged else []
-            try:
-                if staged:
-                    await self.pool.map_chunks(_stage, [(b, items[i]) for b, i in zip(buffers, staged)],
-                                               min_chunk=2)
-                src = {i: source.get(id(items[i]), items[i].src) for i in idx}
-                src.update(zip(staged, buffers))
-                results = await cs.write([(items[i].fkey, src[i], items[i].meta) for i in idx])
-                # Indexed before the next await: the card's room for them passes from its writes in
-                # flight to its index with no gap another put could fill (ManagedCard._take_room).
-                if not last_try and not self.long.serves(cs):
-                    card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
-                    return
-                for i, r in zip(idx, results):
-                    it = items[i]
-                    if isinstance(r, int):
-                        card_ok[i] = self.long.note_written(cs, it.fkey, r, len(it.src), it.meta)
-                        c.long.sets += 1
-                        c.long.bytes_written += len(it.src)
-                    elif isinstance(r, MemoryFault):
-                        faults.append(r)
-                    else:
-                        log.debug("write to card %s failed: %s", cs.location, r)
-            finally:
-                if staged:
-                    await self.staging.give_back(buffers)
-            for i in idx:  # a later object of this batch may have evicted an earlier one
-                card_ok[i] = card_ok[i] and items[i].fkey in cs.index
-
-        async def every_card(groups: dict, last_try: bool = False) -> None:
-            # Every card's write ends before any error leaves: they read the pinned RAM copies.
-            await gather_all(*(one_card(cs, idx, last_try) for cs, idx in groups.values()))
-
-        try:
-            await every_card(group_by_card((self.long.card_for(it.fkey, it.meta.dialog), i)
-                                           for i, it in enumerate(items)))
-            if card_left:  # once: a writer never notices a card removed under it
-                await every_card(group_by_card((self.long.card_for(items[i].fkey, items[i].meta.dialog), i)
-                                               for i in card_left), last_try=True)
+            sources: dict[int, memoryview] = {}
+            for it, entry in zip(items, pinned):
+                views = entry.views() if entry is not None else []
+                if len(views) == 1:
+                    sources[id(it)] = views[0]
+            for tier in below:
+                stored = await tier.write(items, retention, sources)
         finally:
-            for entry in pinned:
-                if entry is not None:
-                    self.ram.unpin(entry)
-        if faults:  # the client shrank its region under the write: as a fault while staging says
-            raise faults[0]
-        return card_ok
+            self.ram.unpin(pinned)
+        return stored
 
     # ---- get ------------------------------------------------------------------
 
@@ -265,72 +159,7 @@ class TieredStore:
         ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
         gateway's own memory, which card reads may fill in place (``Abandon.own``).
         """
-        c = self.counters
-        sizes: list[int] = [SizeCode.MISS] * len(items)
-        needed = [0] * len(items)
-        ram_plans: list[tuple[int, GetItem, object]] = []
-        misses: list[int] = []
-        for i, it in enumerate(items):
-            entry = self.ram.pin(it.fkey)
-            c.ram.gets += 1
-            if entry is None:
-                c.ram.misses += 1
-                misses.append(i)
-            elif entry.size > len(it.dest):
-                self.ram.unpin(entry)
-                sizes[i], needed[i] = SizeCode.TOO_SMALL, entry.size
-            else:
-                ram_plans.append((i, it, entry))
-
-        def copy_work(chunk: list) -> None:
-            for _i, it, entry in chunk:
-                copy_out(entry.views(), it.dest[: entry.size])
-
-        async def from_ram() -> None:
-            try:
-                await self.pool.map_chunks(copy_work, ram_plans, min_chunk=2, urgent=urgent)
-            finally:
-                for _i, _it, entry in ram_plans:
-                    self.ram.unpin(entry)
-            for i, _it, entry in ram_plans:
-                sizes[i] = entry.size
-                c.ram.hits += 1
-                c.ram.bytes_read += entry.size
-
-        again: list[tuple[ManagedCard, int]] = []
-        tried: dict[int, list[ManagedCard]] = {}  # item -> the cards that did not have it
-
-        async def from_card(cs: ManagedCard, idx: list[int], last_try: bool = False) -> None:
-            results = await cs.read([(items[i].fkey, items[i].dest) for i in idx], urgent, own)
-            for i, r in zip(idx, results):
-                if not last_try and r.outcome is ReadOutcome.MISSING:
-                    lacked = tried.setdefault(i, [])
-                    lacked.append(cs)
-                    elsewhere = self.finder.elsewhere(items[i].fkey, items[i].dialog, lacked)
-                    if elsewhere is not None:
-                        again.append((elsewhere, i))
-                        continue
-                self._account_read(cs, items[i], r, i, sizes, needed)
-
-        card_for = self.long.card_for
-        where, _indexed, _digests = self.finder.find_many([items[i].fkey for i in misses],
-                                                        [card_for(items[i].fkey, items[i].dialog) for i in misses])
-        groups = group_by_card(zip(where, misses))
-        # Every part ends before the answer: one that failed (a shrunk region)
-        # must not leave others still writing the destinations.
-        parts = [*([from_ram()] if ram_plans else []), *(from_card(cs, idx) for cs, idx in groups.values())]
-        if len(parts) == 1:  # no task for the one part of most gets (all from RAM, or all from one card)
-            await parts[0]
-        elif parts:
-            await gather_all(*parts)
-        # A miss read again where the key is now, or on the cards its slot had before (one round per card
-        # set change the mover has not settled, at most).
-        for round_ in range(UNSETTLED_LAYOUTS):
-            if not again:
-                break
-            retry, again = again, []
-            await gather_all(*(from_card(cs, idx, last_try=round_ == UNSETTLED_LAYOUTS - 1)
-                               for cs, idx in group_by_card(retry).values()))
+        sizes, needed, _metas = await self._read(items, 0, urgent, own)
         for it, size in zip(items, sizes):
             row = self.usage.row(it.fkey)
             row.gets += 1
@@ -339,240 +168,203 @@ class TieredStore:
                 row.bytes_read += size
         return sizes, needed
 
-    def _account_read(self, cs: ManagedCard, it: GetItem, r: CardRead, i: int, sizes: list[int],
-                      needed: list[int]) -> None:
-        c = self.counters
-        c.long.gets += 1
-        if r.header is not None:
-            if self.cfg.ttl is not None and expired(r.header.meta.created_ns, self.cfg.ttl):
-                # not indexed (or not yet known to be this old): the header told
-                c.expired += 1
-                c.long.misses += 1
-                self._spawn_delete(cs, it.fkey)
-                return
-            sizes[i] = r.header.payload_len
-            c.long.hits += 1
-            c.long.bytes_read += r.header.payload_len
-            cs.note_hit(it.fkey, r.header.payload_len)
-            return
-        c.long.misses += 1
-        if r.outcome is ReadOutcome.TOO_SMALL:
-            sizes[i], needed[i] = SizeCode.TOO_SMALL, r.needed
-        elif r.outcome is ReadOutcome.CORRUPT:
-            c.corrupt += 1
-        cs.note_failed_read(it.fkey, r)
+    async def _read(self, items: list[GetItem], first: int, urgent: bool = False, own: bool = False,
+                    gets: bool = True) -> tuple[list[int], list[int], list[ObjectMeta | None]]:
+        """Read items from the tiers ``first`` on by the contract's rule: each from the first tier that knows
+        it, or from the first that ``probes``; every tier's part at once.  A miss where a tier thought it
+        held the key (evicted meanwhile) is read again from the tiers after it."""
+        n = len(items)
+        sizes: list[int] = [SizeCode.MISS] * n
+        needed = [0] * n
+        metas: list[ObjectMeta | None] = [None] * n
+        parts = self._route(items, list(range(n)), first, gets)
+        while parts:
+            done: list[tuple[int, list[int], tuple]] = []
 
-    @staticmethod
-    def _spawn_delete(cs: ManagedCard, fkey: bytes) -> None:
-        digest = key_digest(fkey)
-        cs.note_gone_digest(digest)
-        cs.spawn_delete([digest])
+            async def part(t: int, idx: list[int]) -> None:
+                done.append((t, idx, await self.tiers[t].read_into([items[i] for i in idx], urgent, own, gets)))
 
-    # ---- lookups ----------------------------------------------------------------
+            if len(parts) == 1:  # no task for the one part of most gets (all from RAM, or all from one card)
+                await part(*next(iter(parts.items())))
+            else:  # every part ends before the answer: one that failed must not leave others writing dests
+                await gather_all(*(part(t, idx) for t, idx in parts.items()))
+            parts = {}
+            for t, idx, (s, nd, m) in done:
+                fell = [i for i, si in zip(idx, s) if si == SizeCode.MISS]
+                for i, si, ni, mi in zip(idx, s, nd, m):
+                    sizes[i], needed[i], metas[i] = si, ni, mi
+                if fell and t + 1 < len(self.tiers):
+                    for t2, idx2 in self._route(items, fell, t + 1, gets).items():
+                        parts.setdefault(t2, []).extend(idx2)
+        return sizes, needed, metas
+
+    def _route(self, items: list[GetItem], idx: list[int], first: int, gets: bool = True) -> dict[int, list[int]]:
+        """Which tier (``first`` on) each item is read from: the first that knows it without I/O, else the
+        first that probes; items no such tier takes are misses (counted as such by the tiers they pass)."""
+        out: dict[int, list[int]] = {}
+        left = idx
+        for t in range(first, len(self.tiers)):
+            if not left:
+                break
+            tier = self.tiers[t]
+            if tier.probes:
+                out[t] = left
+                break
+            held = np.zeros(len(left), bool)
+            for dialog, pos in _by_dialog([items[i].dialog for i in left]).items():
+                known = tier.known([items[left[p]].fkey for p in pos], dialog)
+                held[pos] = known.state == PRESENT
+            taken = [i for i, h in zip(left, held.tolist()) if h]
+            if gets:
+                passed = len(left) - len(taken)
+                tier.counters.gets += passed  # asked, by the rule, and not there
+                tier.counters.misses += passed
+            if taken:
+                out[t] = taken
+            left = [i for i, h in zip(left, held.tolist()) if not h]
+        return out
+
+    # ---- lends ------------------------------------------------------------------
 
     def lend_ram(self, fkeys: list[bytes], sizes: list[int]) -> list[RamLoan | None]:
-        """The RAM-tier objects of ``fkeys``, pinned so that a reply can be sent straight from their pages;
-        None for each key the RAM tier lacks, or holds at another size than ``sizes`` says (the reply's
-        layout is made: read those with ``get``, which counts them).
-
-        A reply of many MiB built by copying out of the tier costs a fresh
-        buffer's page faults and the copy: 1.4 GiB/s here, against 3.6 for
-        the loopback socket that carries it.  Counted as hits now; every
-        loan goes back through ``return_ram``, on the loop, once its reply
-        has gone (or failed).
-        """
-        c = self.counters
-        out: list[RamLoan | None] = []
-        for k, size in zip(fkeys, sizes, strict=True):
-            # Replies held by slow or stalled clients must not pin the tier: past a share of it, an
-            # object is copied out instead (its pin then lasts the copy), so puts always find pages.
-            room = size <= self.lendable_bytes()
-            entry = self.ram.pin(k) if room and self.ram.size_of(k) == size else None
-            if entry is None:  # (or its ttl ran out between the two)
-                out.append(None)
-                continue
-            self._count_lent(c.ram, k, entry.size)
-            out.append(RamLoan(entry.size, entry.views(), entry))
-        return out
+        """The RAM-tier objects of ``fkeys``, pinned so that a reply can be sent straight from their pages
+        (``RamTier.lend``); None for each key it would not lend (read those with ``get``, which counts
+        them).  Every loan goes back through ``return_ram``, on the loop, once its reply has gone."""
+        loans = self.ram.lend(fkeys, sizes)
+        for k, loan in zip(fkeys, loans):
+            if loan is not None:
+                self._count_lent(k, loan.size)
+        return loans
 
     def lendable_bytes(self) -> int:
         """How many more RAM-tier bytes ``lend_ram`` would lend now."""
-        return max(0, int(self.ram.capacity * LEND_SHARE) - self.ram.pinned_bytes)
+        return self.ram.lendable_bytes()
 
     def return_ram(self, loans: list[RamLoan | None], buffers: Sequence[memoryview] = ()) -> None:
         """Unpin what ``lend_ram`` lent (each loan once), and keep ``buffers`` (``reply_buffers``'s,
         filled by card reads that have returned, sent or read by now) for the next reply."""
-        for loan in loans:
-            if loan is not None:
-                self.ram.unpin(loan.entry)
+        self.ram.give_back(loans)
         self.reply_buffers.give(buffers)
 
     async def lend_files(self, fkeys: list[bytes], dialog: bytes, sizes: list[int],
                          urgent: bool = False) -> list[CachedObjectFile | None]:
-        """The card objects of ``fkeys`` as their files, open, for a client to read itself: one copy, made
-        by the client, where a card read into a buffer of ours and the client's read of that cost two.
-        None for each key on a card that lends no files (``Card.lends_files``), not wholly in the page
-        cache, at another size than ``sizes`` says, past its TTL, or past the files this process may hold
-        open (``files_lent_max``): read those with ``get``, which counts them.  Counted as hits now;
-        every file goes back through ``return_files``, on the loop.
-        """
-        out: list[CachedObjectFile | None] = [None] * len(fkeys)
-        room = self.files_lent_max - self.files_lent
-        if room <= 0 or not fkeys:
-            return out
-        take = list(range(min(room, len(fkeys))))
-        card_for = self.long.card_for
-        where, _indexed, _digests = self.finder.find_many([fkeys[i] for i in take],
-                                                        [card_for(fkeys[i], dialog) for i in take])
-        groups = [(cs, idx) for cs, idx in group_by_card(zip(where, take)).values() if cs.card.lends_files]
-        self.files_lent += len(take)  # held while opening: concurrent gets cannot pass the limit together
+        """The card objects of ``fkeys`` as their files, open, for a client to read itself
+        (``CardTier.lend_files``); None for each key not lent (read those with ``get``, which counts
+        them).  Counted as hits now (a RAM-tier miss first); every file goes back through
+        ``return_files``, on the loop."""
+        files = await self.cards.lend_files(fkeys, dialog, sizes, urgent)
+        ram = self.counters.ram
+        for k, f in zip(fkeys, files):
+            if f is not None:
+                ram.gets += 1
+                ram.misses += 1
+                self._count_lent(k, f.header.payload_len)
+        return files
 
-        async def one_card(cs: ManagedCard, idx: list[int]) -> None:
-            for i, f in zip(idx, await cs.open_cached([fkeys[i] for i in idx], urgent)):
-                out[i] = f
+    def return_files(self, files: Sequence[CachedObjectFile]) -> None:
+        """Close the files ``lend_files`` lent (each once), their client done with them."""
+        self.cards.return_files(files)
 
-        try:
-            await gather_all(*(one_card(cs, idx) for cs, idx in groups))
-        except BaseException:
-            close_files(out)
-            self.files_lent -= len(take)
-            raise
-        c, ttl = self.counters, self.cfg.ttl
-        for i, f in enumerate(out):
-            if f is None:
-                continue
-            h = f.header
-            if h.payload_len != sizes[i] or (ttl is not None and expired(h.meta.created_ns, ttl)):
-                os.close(f.fd)  # get says what became of it
-                out[i] = None
-                continue
-            c.ram.gets += 1
-            c.ram.misses += 1
-            c.files_lent += 1
-            self._count_lent(c.long, fkeys[i], h.payload_len)
-            where[i].note_hit(fkeys[i], h.payload_len)  # type: ignore[union-attr]
-        self.files_lent -= sum(f is None for f in out[: len(take)])
-        return out
+    @property
+    def files_lent(self) -> int:
+        """Files ``lend_files`` lent and not yet returned."""
+        return self.cards.files_lent
 
-    def _count_lent(self, tier: TierCounters, fkey: bytes, size: int) -> None:
-        """A hit of ``tier`` lent to a reply (``lend_ram``, ``lend_files``), counted as ``get`` counts one."""
-        tier.gets += 1
-        tier.hits += 1
-        tier.bytes_read += size
+    def _count_lent(self, fkey: bytes, size: int) -> None:
+        """A hit lent to a reply, in its namespace's row, as ``get`` counts one."""
         row = self.usage.row(fkey)
         row.gets += 1
         row.hits += 1
         row.bytes_read += size
 
-    def return_files(self, files: Sequence[CachedObjectFile]) -> None:
-        """Close the files ``lend_files`` lent (each once), their client done with them."""
-        close_files(files)
-        self.files_lent -= len(files)
+    # ---- lookups ----------------------------------------------------------------
 
     def size_hints(self, fkeys: list[bytes], dialog: bytes) -> list[int | None]:
-        """Each key's payload size where this gateway knows it without touching a card, else None: the RAM
-        tier's, then one index call per card for the rest (``KeyFinder.find_many``), not a probe per key."""
-        out = [self.ram.size_of(k) for k in fkeys]
-        rest = [i for i, s in enumerate(out) if s is None]
-        if not rest:
-            return out
-        card_for = self.long.card_for
-        where, indexed, digests = self.finder.find_many([fkeys[i] for i in rest],
-                                                        [card_for(fkeys[i], dialog) for i in rest])
-        for mc, idx in group_by_card((where[j], j) for j in np.flatnonzero(indexed).tolist()).values():
-            rows = mc.index.find(digests[idx])
-            found = rows >= 0  # (all of them: find_many found them just now)
-            for j, p in zip(np.asarray(idx)[found].tolist(), mc.index.payload_of(rows[found])):
-                out[rest[j]] = p
+        """Each key's payload size where a tier knows it without I/O, else None (``Tier.sizes``, each tier
+        asked for the keys the ones before it do not know)."""
+        out: list[int | None] = [None] * len(fkeys)
+        rest = list(range(len(fkeys)))
+        for tier in self.tiers:
+            if not rest:
+                break
+            for i, size in zip(rest, tier.sizes([fkeys[i] for i in rest], dialog)):
+                out[i] = size
+            rest = [i for i in rest if out[i] is None]
         return out
 
-    def _known_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], start: int, hint: bool = False,
-                      ) -> tuple[int, list[ManagedCard], list[FoundOnCard]]:
-        """From ``start``: how far the leading keys are known present without touching a card, the
-        home cards of the run of keys after that which no tier knows (to probe), up to the next key
-        that is known present or known missing, and (``hint``) the keys of the known prefix found on
-        a card only, not in RAM, grouped by card.
+    def _known_prefix(self, fkeys: list[bytes], dialog: bytes, start: int, urgent: bool,
+                      ) -> tuple[int, int, list[tuple[Tier, list[bytes], Known, np.ndarray]]]:
+        """From ``start``: how far the leading keys are known present by some tier without I/O, where the
+        run of keys after that which no tier knows of ends (to probe), and what each tier was asked
+        (``(tier, keys, Known, their positions)``).  Tiers that found keys of the prefix ``prepare``
+        them once the answer is out.
 
-        The card indexes answer for all the keys at once (``find_many``); a
-        lookup runs this for 1,000s of keys on every engine step.  An empty
-        RAM tier is not asked at all.
+        Each tier answers all its keys at once (``Tier.known``): a lookup runs
+        this for 1,000s of keys on every engine step.
         """
-        keys, homes = fkeys[start:], homes[start:]
-        if self.ram.entries:
-            in_ram = self.ram.contains
-            ram = np.array([in_ram(k) for k in keys], bool)
-            ask = np.flatnonzero(~ram)
-            where_asked, indexed_asked, digests_asked = self.finder.find_many([keys[i] for i in ask],
-                                                                            [homes[i] for i in ask])
-            where: list[ManagedCard | None] = list(homes)
-            for j, i in enumerate(ask.tolist()):
-                where[i] = where_asked[j]
-            indexed = np.zeros(len(keys), bool)
-            indexed[ask] = indexed_asked
-            digests = np.zeros((len(keys), 2), np.uint64)
-            digests[ask] = digests_asked
-            present = indexed | ram
-        else:
-            where, indexed, digests = self.finder.find_many(keys, homes)
-            present = indexed
-        misses = np.flatnonzero(~present)
-        n = int(misses[0]) if misses.size else len(keys)
-        hints = found_on_cards(where, keys, digests, indexed[:n]) if hint and n else []
-        unknown: list[ManagedCard] = []
-        for i in range(n, len(keys)):
-            cs = where[i]
-            if present[i] or cs is None:
+        keys = fkeys[start:]
+        m = len(keys)
+        every = np.arange(m)
+        state = np.full(m, ABSENT, np.int8)  # the best any tier said: PRESENT > UNKNOWN > ABSENT
+        asked: list[tuple[Tier, list[bytes], Known, np.ndarray]] = []
+        for tier in self.tiers:
+            pos = np.flatnonzero(state != PRESENT) if asked else every
+            if not pos.size:
                 break
-            unknown.append(cs)
-        return start + n, unknown, hints
+            if pos.size == m:  # (whole arrays: a lookup's keys are mostly in one tier or none)
+                known = tier.known(keys, dialog)
+                asked.append((tier, keys, known, every))
+                state = np.maximum(state, known.state)
+                continue
+            sub = [keys[i] for i in pos.tolist()]
+            known = tier.known(sub, dialog)
+            asked.append((tier, sub, known, pos))
+            state[pos] = np.maximum(state[pos], known.state)
+        missing = np.flatnonzero(state != PRESENT)
+        n = int(missing[0]) if missing.size else m
+        if n:
+            loop = asyncio.get_running_loop()
+            for tier, sub, known, pos in asked:
+                found = (known.state == PRESENT) & (pos < n)
+                if found.any():
+                    # once the answer is out: a read hint serves the load that follows it, and its 30 µs
+                    # (1,000 keys on one card) need not wait in front of the reply
+                    loop.call_soon(tier.prepare, sub, known, found, urgent)
+        known_after = np.flatnonzero(state[n:] != UNKNOWN)
+        end = n + int(known_after[0]) if known_after.size else m
+        return start + n, start + end, asked
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys are present (the module's rule)."""
         self.counters.lookups += 1
-        homes = self.long.cards_for(fkeys, dialog)
         n = 0
         while True:
-            n, unknown, hints = self._known_prefix(fkeys, homes, n, self.cfg.prepare_reads)
-            if hints:
-                self._hint_later(hints, urgent)
-            if not unknown:
+            base = n
+            n, end, asked = self._known_prefix(fkeys, dialog, n, urgent)
+            if n == end:  # the next key is known missing by every tier (or there is none)
                 return n
-            found = await self.finder.probe_prefix(fkeys[n : n + len(unknown)], unknown, dialog, urgent)
-            n += found
-            if found < len(unknown):
+            # The run n:end no tier knows of: asked of the media of the tiers that cannot tell, in order.
+            for tier, sub, known, pos in asked:
+                if n == end:
+                    break
+                j = int(np.searchsorted(pos, n - base))
+                if j < len(pos) and pos[j] == n - base and known.state[j] == UNKNOWN:
+                    n += await tier.probe_prefix(sub, dialog, known, j, j + end - n, urgent)
+            if n < end:
                 return n
-
-    def _hint_later(self, hints: list, urgent: bool) -> None:
-        """Read hints once the answer is out: they serve the load that follows it, and their 30 µs
-        (1,000 keys on one card) need not wait in front of the reply."""
-        asyncio.get_running_loop().call_soon(self.finder.hint_reads, hints, urgent)
 
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Whether each key is present (the module's rule).  Counted as a lookup: it is the lookup of
         vLLM's tier, SGLang's backend and LMCache's adapter (``hold``), which never call ``lookup``."""
         self.counters.lookups += 1
-        in_ram = self.ram.contains
-        homes = self.long.cards_for(fkeys, dialog)
-        present = [in_ram(k) for k in fkeys]
-        ask = [i for i, p in enumerate(present) if not p]
-        asked = [fkeys[i] for i in ask]
-        where, indexed, digests = self.finder.find_many(asked, [homes[i] for i in ask])
-        unknown: list[int] = []
-        unknown_homes: list[ManagedCard | None] = []
-        for j, i in enumerate(ask):
-            cs = where[j]
-            if indexed[j]:
-                present[i] = True
-            elif cs is not None:
-                unknown.append(i)
-                unknown_homes.append(cs)
-        if self.cfg.prepare_reads and indexed.any():
-            self._hint_later(found_on_cards(where, asked, digests, indexed), urgent)
-        if unknown:
-            found = await self.finder.probe_each([fkeys[i] for i in unknown], unknown_homes, dialog, urgent)
-            for i, f in zip(unknown, found):
-                present[i] = f
-        return present
+        present = np.zeros(len(fkeys), bool)
+        for tier in self.tiers:
+            ask = np.flatnonzero(~present)
+            if not ask.size:
+                break
+            sub = fkeys if ask.size == len(fkeys) else [fkeys[i] for i in ask.tolist()]
+            present[ask] = await tier.find(sub, dialog, urgent)
+        return present.tolist()
 
     async def hold(self, session: int, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Per key, whether it is present and now held for ``session`` (``kvgate.tiers.holds``)."""
@@ -581,174 +373,121 @@ class TieredStore:
         return [p and next(held) for p in present]
 
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
-        n_ram = sum(self.ram.delete(k) for k in fkeys)
-        n_long = await self.finder.delete(fkeys, dialog)
-        return max(n_ram, n_long)
+        """Delete the keys from every tier; how many objects there were (the most any tier held)."""
+        return max([await tier.delete(fkeys, dialog) for tier in self.tiers])
 
     async def prewarm(self, fkeys: list[bytes], dialog: bytes) -> int:
-        """Pull the leading run of present keys (the module's rule) into the RAM tier; returns how many are in RAM."""
-        plans = []
-        in_ram = 0
-        for k, home in zip(fkeys, self.long.cards_for(fkeys, dialog)):
-            if self.ram.contains(k):
-                in_ram += 1
-                continue
-            cs, entry = self.finder.find(k, home)
-            if cs is None:
+        """Read the leading run of present keys (the module's rule) into the front tier; returns how many of
+        them are there now."""
+        front = self.ram
+        in_front = (front.known(fkeys, dialog).state == PRESENT).tolist()
+        sizes: list[int | None] = [None] * len(fkeys)
+        rest = [i for i, f in enumerate(in_front) if not f]
+        for tier in self.tiers[1:]:
+            if not rest:
                 break
-            if entry is not None:
-                size = entry.payload_len
-            else:  # no index holds it: ask its card (as lookup and get do)
-                size = await self._unindexed_size(cs, k)
-                if size is None:  # the card set changed and the mover has not settled it yet: cards of before
-                    for before in self.long.earlier_homes(k, dialog, cs):
-                        size = await self._unindexed_size(before, k)
-                        if size is not None:
-                            cs = before
-                            break
-                if size is None:
-                    break
-            # The meta is the header's once read (its creation time counts for the ttl in RAM too).
-            res = self.ram.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=time.time_ns()), Retention.LONG)
+            got = await tier.find_sizes([fkeys[i] for i in rest], dialog)
+            for i, size in zip(rest, got):
+                sizes[i] = size
+            rest = [i for i in rest if sizes[i] is None]
+        plans = []
+        count = 0
+        for i, k in enumerate(fkeys):
+            if in_front[i]:
+                count += 1
+                continue
+            size = sizes[i]
+            if size is None:
+                break
+            res = front.reserve(k, size, ObjectMeta(dialog=dialog, created_ns=time.time_ns()))
             if res is None:
                 break
-            plans.append((k, cs, res, size))
-
-        async def one_card(cs: ManagedCard, group: list) -> int:
-            dests = []
-            for _k, _cs, res, size in group:
-                views = res.views()
-                dests.append(views[0] if len(views) == 1 else memoryview(bytearray(size)))
-            results = await cs.read([(p[0], d) for p, d in zip(group, dests)], own=True)
-            done = 0
-            for (k, _cs, res, size), dest, r in zip(group, dests, results):
-                header = r.header
-                if header is not None and header.payload_len == size:
-                    if self.cfg.ttl is not None and expired(header.meta.created_ns, self.cfg.ttl):
-                        self.ram.abort(res)
-                        self.counters.expired += 1
-                        self._spawn_delete(cs, k)
-                        continue
-                    views = res.views()
-                    if len(views) != 1:
-                        await self.pool.run(copy_into, views, dest)
-                    res.meta = header.meta
-                    self.ram.commit(res)
-                    cs.note_hit(k, size)
-                    self.counters.long.bytes_read += size
-                    done += 1
-                    continue
-                self.ram.abort(res)
-                if r.outcome is ReadOutcome.CORRUPT:
-                    self.counters.corrupt += 1
-                if r.outcome in (ReadOutcome.CORRUPT, ReadOutcome.MISSING):
-                    cs.note_gone(k)
-            return done
-
-        groups = group_by_card((p[1], p) for p in plans)
-        done = await asyncio.gather(*(one_card(cs, group) for cs, group in groups.values()))
-        return in_ram + sum(done)
-
-    async def _unindexed_size(self, cs: ManagedCard, fkey: bytes) -> int | None:
-        """Payload size of an object on the card, from its header (None: not there)."""
-        (r,) = await cs.read([(fkey, memoryview(bytearray(0)))])
-        if r.header is not None:
-            return r.header.payload_len
-        return r.needed if r.outcome is ReadOutcome.TOO_SMALL else None
+            views = res.views()
+            plans.append((k, res, size, views[0] if len(views) == 1 else memoryview(bytearray(size))))
+        if not plans:
+            return count
+        try:
+            got, _needed, metas = await self._read([GetItem(k, dialog, dest) for k, _res, _size, dest in plans], 1,
+                                                   own=True, gets=False)  # a prewarm is no client's get
+        except BaseException:
+            for _k, res, _size, _dest in plans:
+                front.abort(res)
+            raise
+        for (k, res, size, dest), s, meta in zip(plans, got, metas):
+            if s != size or meta is None:
+                front.abort(res)
+                continue
+            views = res.views()
+            if len(views) != 1:
+                await self.pool.run(copy_into, views, dest)
+            front.commit(res, meta)
+            count += 1
+        return count
 
     async def clean(self) -> int:
-        n = self.ram.entries
-        self.ram.clear()
-        return max(n, await self.long.clean())
+        """Drop everything from every tier; the most objects any tier held."""
+        return max([await tier.clean() for tier in self.tiers])
 
     async def clean_namespace(self, ns: bytes) -> tuple[int, int]:
-        """Delete every object of namespace ``ns`` (its encoded form): from the RAM tier, in batches of
-        ``CLEAN_RAM_BATCH`` with the loop let go between them, and from every card (batched in their I/O
-        threads).  -> (objects dropped from RAM, objects deleted from cards)."""
-        prefix = full_key(ns, b"")  # the length byte keeps "ab" from matching a namespace "abc"
-        mine = [k for k in self.ram.keys() if k.startswith(prefix)]
-        in_ram = 0
-        for i in range(0, len(mine), CLEAN_RAM_BATCH):
-            in_ram += sum(self.ram.delete(k) for k in mine[i : i + CLEAN_RAM_BATCH])
-            await asyncio.sleep(0)
-        return in_ram, await self.long.clean_namespace(ns)
+        """Delete every object of namespace ``ns`` (its encoded form) from every tier, the loop let go
+        between batches.  -> (objects dropped from the RAM tier, objects deleted from the tiers below)."""
+        counts = [await tier.clean_namespace(ns) for tier in self.tiers]
+        return counts[0], sum(counts[1:])
+
+    async def held_keys(self, chunk: int = 10_000) -> AsyncIterator[tuple[str, list[bytes]]]:
+        """Everything held now whose key is known, as ``(tier, full keys)`` of at most ``chunk`` keys, tier
+        by tier (``Tier.held_keys``: the RAM tier as ``"ram"``, each card as its serial).
+
+        The loop is let go between chunks, so what changes meanwhile may be
+        missed or listed twice: a reader applies ``changes`` noted after it
+        started on top of what this lists.
+        """
+        for tier in self.tiers:
+            async for found in tier.held_keys(chunk):
+                yield found
+
+    # ---- for the gateway: it reaches the tiers only through these ----------------------
 
     def card_states(self) -> list[ManagedCard]:
         """The cards of the set now, in service or not (head sync, the ready message)."""
-        return self.long.cards
-
-    # ---- for the gateway: it reaches the tiers only through these ----------------------
+        return self.cards.set.cards
 
     @property
     def card_set(self) -> CardSet:
         """The card set itself, for what changes it: the admin's card operations, a cluster's view
         (``CardSource``), head sync's list of cards."""
-        return self.long
+        return self.cards.set
 
     @property
     def fingerprint(self) -> str:
         """The key layout's fingerprint (placement over the cards in service): clients compare it."""
-        return self.long.fingerprint
+        return self.cards.set.fingerprint
 
     @property
     def storage_patterns(self) -> list[str]:
         """The ``storage_devices`` entries in force."""
-        return self.long.patterns
+        return self.cards.set.patterns
 
     async def apply_devices(self, patterns: list[str]) -> list[str]:
         """``storage_devices`` changed (SIGHUP): ``CardSet.apply_devices``; what could not be done."""
-        return await self.long.apply_devices(patterns)
+        return await self.cards.set.apply_devices(patterns)
 
     def size_in_ram(self, fkey: bytes) -> int | None:
         """The payload size of ``fkey`` in the RAM tier (None: not there, or past the ttl)."""
-        return self.ram.size_of(fkey)
+        return self.ram.pages.size_of(fkey)
 
     def status(self) -> dict:
         """The tiers' part of the gateway's status: ``ram`` (the RAM tier's row but its counters, which
-        are ``counters.ram``), ``cards`` (one row each), the layout (``fingerprint``, ``storage_slots``,
-        ``card_generation``), the cards' I/O (``io_timeouts``, ``io_errors``, ``oldest_io_age_s``) and
-        ``card_moves``."""
-        ram, cards = self.ram, self.long
-        return {
-            "ram": {"evictions": ram.evictions, "used_bytes": ram.used_bytes, "capacity_bytes": ram.capacity,
-                    "objects": ram.entries, "pinned_bytes": ram.pinned_bytes},
-            "cards": cards.status(),
-            "fingerprint": cards.fingerprint, "storage_slots": cards.slots, "card_generation": cards.generation,
-            "io_timeouts": cards.io_timeouts, "io_errors": cards.io_errors, "oldest_io_age_s": cards.oldest_io_age(),
-            "card_moves": {"objects": cards.mover.moved, "bytes": cards.mover.moved_bytes,
-                           "failed": cards.mover.failed},
-        }
-
-    async def held_keys(self, chunk: int = 10_000) -> AsyncIterator[tuple[str, list[bytes]]]:
-        """Everything held now whose key is known, as ``(tier, full keys)`` of at most ``chunk`` keys: the
-        RAM tier's entries (tier ``"ram"``), then each card's rows with a key (tier: its serial; rows
-        loaded from an index snapshot and not named since have none, ``kvgate.tiers.index``).
-
-        The loop is let go between chunks (a chunk of 10,000 card rows holds it 3 ms at most, measured
-        over a million rows; the RAM tier's keys are copied once, 11 ms for a million entries, which
-        at the default 256 KiB pages is a 256 GB tier), so what changes meanwhile may be missed or
-        listed twice: a reader applies ``changes`` noted after it started on top of what this lists.
-        """
-        keys = self.ram.keys()  # a copy: safe across the awaits below
-        for i in range(0, len(keys), chunk):
-            yield RAM_TIER, keys[i : i + chunk]
-            await asyncio.sleep(0)
-        del keys
-        for mc in list(self.long.cards):
-            index = mc.index
-            if not index.keys or mc.serial is None:
-                continue
-            start = 0
-            while start < len(mc.index):
-                index = mc.index  # (a clean or a fresh index replaces it between chunks)
-                found = index.held_keys(start, start + chunk)
-                start += chunk
-                if found:
-                    yield mc.serial, found
-                await asyncio.sleep(0)
+        are ``counters.ram``), and the card tier's (``CardTier.status``)."""
+        return {"ram": self.ram.status(), **self.cards.status()}
 
 
-def _stage(chunk: list[tuple[memoryview, PutItem]]) -> None:
-    """Copy items' sources into staging buffers of ours (``memcopy``: a shrunk region is a ``MemoryFault``)."""
-    for buf, it in chunk:
-        memcopy.copy(buf, it.src)
+def _by_dialog(dialogs: list[bytes]) -> dict[bytes, list[int]]:
+    """Positions per dialog (a get's items name theirs; most name one)."""
+    first = dialogs[0] if dialogs else b""
+    if dialogs.count(first) == len(dialogs):
+        return {first: list(range(len(dialogs)))} if dialogs else {}
+    out: dict[bytes, list[int]] = {}
+    for i, d in enumerate(dialogs):
+        out.setdefault(d, []).append(i)
+    return out

@@ -299,6 +299,21 @@ class Config:
     kv_events_topic: str = _key(_parse_str, "kvgate", "topic of the events of this gateway's RAM tier; a card's "
                                 "events go out under <topic>@card:<serial>")
     kv_events_buffer: int = _key(_parse_int, 10_000, "event batches kept for replay", minimum=1)
+    # Peers: gateways that read from each other what their tiers hold (a prefix one engine computed, another
+    # restores).  Off by default: a peer reads the whole cache, so both ends need the token.
+    peer_listen: str | None = _key(
+        _parse_str, None, "HOST:PORT where this gateway serves what its tiers hold to peer gateways, read only "
+        "(needs peer_token_file; off when unset)", optional=True, metavar="HOST:PORT")
+    peers: list[str] = _key(
+        _parse_str_list, [], "peer gateways (the HOST:PORT of their peer_listen) this one reads a missing object "
+        "from, after its own tiers", metavar="HOST:PORT", many=True)
+    peer_token_file: str | None = _key(
+        _parse_str, None, "file holding the token peer gateways present to each other (peer_listen, peers)",
+        optional=True)
+    # A peer's answer must come sooner than the engine could recompute the prefix: a 2K-token prefix takes
+    # tens of ms on a GPU, so a peer slower than this is as good as absent.
+    peer_timeout_ms: int = _key(_parse_int, 500, "deadline of one call to a peer (a batch of lookups or reads); "
+                                "past it the objects are misses and the engine recomputes them", minimum=1)
     log_level: str = _key(_parse_str, "info", "log level", choices=("debug", "info", "warning", "error"))
     cluster_etcd_endpoints: list[str] = _key(
         _parse_str_list, [],
@@ -412,6 +427,15 @@ def _check_combination(cfg: Config) -> None:
     if cfg.max_bytes and cfg.max_bytes < cfg.ram_page_size:
         raise ConfigError(f"config key 'max_bytes': must be 0 or at least ram_page_size "
                           f"({size_text(cfg.ram_page_size)}), got {size_text(cfg.max_bytes)}")
+    if (cfg.peer_listen or cfg.peers) and not cfg.peer_token_file:
+        key = "peer_listen" if cfg.peer_listen else "peers"
+        raise ConfigError(f"config key '{key}': peers read each other's whole cache, so both ends present a "
+                          "token: set peer_token_file (the same file, or the same token, on every peer)")
+    for key, addresses in (("peer_listen", [cfg.peer_listen] if cfg.peer_listen else []), ("peers", cfg.peers)):
+        for a in addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= _PORT_MAX:
+                raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r}")
     socket_bytes = len(os.fsencode(cfg.socket_path))
     if socket_bytes > SOCKET_PATH_MAX:
         raise ConfigError(f"config key 'socket': {cfg.socket_path} is {socket_bytes} bytes long; a Unix socket path "

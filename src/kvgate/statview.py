@@ -142,6 +142,19 @@ def cards_tables(snap: dict[str, Any]) -> list[Table]:
     return [t, io]
 
 
+def peers_table(snap: dict[str, Any]) -> Table:
+    """The peer gateways this one reads from (``peers``), and what peers read from it (``peer_listen``)."""
+    t = _table("peers", ["peer", "asked", "pulled", "bytes", "failures", "resting"], left=1)
+    for p in snap.get("peers", []):
+        t.add_row(cell(p["address"]), str(p["gets"]), str(p["hits"]), fmt_bytes(p["bytes_read"]),
+                  str(p["failures"]), f"{p['resting_s']:.0f} s" if p.get("resting_s") else "-")
+    served = snap.get("peer_listen")
+    if served is not None:
+        t.add_row(f"(served on {cell(served['listen'])})", "-", str(served["served_objects"]),
+                  fmt_bytes(served["served_bytes"]), f"{served['refused']} refused", "-")
+    return t
+
+
 def card_list_table(cards: list[dict[str, Any]], generation: int, fingerprint: str) -> Table:
     """``kvgate cards``: the card set, pending cards too, with each card's slots."""
     t = _table(f"cards (generation {generation}, layout {cell(fingerprint)})",
@@ -211,6 +224,8 @@ def view(snap: dict[str, Any], namespaces_only: bool = False, before: tuple[dict
     if before is not None:
         parts.append(rates_table(before[0], snap, before[1]))
     parts += [tiers_table(snap), *cards_tables(snap)]
+    if snap.get("peers") or snap.get("peer_listen"):
+        parts.append(peers_table(snap))
     if snap.get("namespaces"):
         parts += namespaces_tables(snap)
     parts.append(footer(snap))

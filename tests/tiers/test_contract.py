@@ -27,6 +27,7 @@ class DictTier:
     name = "dict"
     medium = STORAGE
     probes = False
+    promote = False
 
     def __init__(self, keeps: frozenset[Retention] = frozenset()) -> None:
         self.keeps = keeps

@@ -36,6 +36,7 @@ from kvgate.gateway.sdnotify import notify
 from kvgate.gateway.connection import tcp_listeners, unix_listener
 from kvgate.gateway.headsync import HeadSync
 from kvgate.gateway.kvevents import KvEvents
+from kvgate.gateway.peerserve import PeerServer
 from kvgate.gateway.listeners import Listeners
 from kvgate.gateway.operations import Operations
 from kvgate.gateway.peers import loopback_uids_visible
@@ -91,6 +92,7 @@ class Gateway:
         self.head_sync = HeadSync(self.heads, self.store.card_set)
         self.sessions = Sessions(cfg, self.store, self.pool)
         self.kv_events: KvEvents | None = None  # kv_events_endpoint: the tiers' changes as vLLM KV events
+        self.peer_server: PeerServer | None = None  # peer_listen: what the tiers hold, read by peer gateways
         self.latency = Latencies()
         self.operations = Operations(cfg, self.store, self.pool, self.heads, self.snapshot, self.latency)
         self.listeners = Listeners(cfg, self.sessions, self.operations, self._spawn)
@@ -141,6 +143,16 @@ class Gateway:
             except ConfigError as e:
                 raise StartupError(f"config key {e}") from None
             self.kv_events = kv_events
+        if cfg.peer_listen:
+            try:
+                peer_server = PeerServer(cfg, self.store, self.pool)
+                await peer_server.start()
+            except ConfigError as e:
+                raise StartupError(f"config key {e}") from None
+            except OSError as e:
+                raise StartupError(f"config key 'peer_listen': cannot listen on {cfg.peer_listen}: "
+                                   f"{e.strerror or e}") from None
+            self.peer_server = peer_server
         socket_dir = os.path.dirname(os.path.abspath(cfg.socket_path))
         if cfg.socket is None:  # the default's directory (XDG_RUNTIME_DIR, or /tmp) is the gateway's to make
             os.makedirs(socket_dir, exist_ok=True)
@@ -186,6 +198,10 @@ class Gateway:
                     f"{e.strerror}") from None
             self.http.start()
             where.append(f"metrics http://{cfg.metrics_bind_address}:{self.http.port}/metrics")
+        if self.peer_server is not None:
+            where.append(f"peers kvgate://{self.peer_server.host}:{self.peer_server.port}/peer")
+        if cfg.peers:
+            where.append(f"pulls from {', '.join(cfg.peers)}")
         if cfg.status_file:
             self._spawn(self._status_file_loop())
         ram_mib = cfg.max_bytes / (1 << 20)
@@ -273,6 +289,9 @@ class Gateway:
         if self.kv_events is not None:
             await self.kv_events.close()
             self.kv_events = None
+        if self.peer_server is not None:
+            await self.peer_server.close()
+            self.peer_server = None
         await self.store.stop()
         self.sessions.close_all()
         self.sessions.peers.close()
@@ -305,6 +324,8 @@ class Gateway:
                                    latency=self.latency)
         if self.kv_events is not None:
             snap["kv_events"] = self.kv_events.status()
+        if self.peer_server is not None:
+            snap["peer_listen"] = self.peer_server.status()
         return snap
 
 

@@ -163,6 +163,7 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "io_errors": tiers["io_errors"],
         "oldest_io_age_s": max(pool.oldest_age(), tiers["oldest_io_age_s"]),
         "cards": cards,
+        "peers": tiers["peers"],  # peer gateways this one reads from (peers), one row each
         "card_moves": tiers["card_moves"],
         "shared_heads": {"blocks": len(heads), "learned": heads.learned, "replaced": heads.replaced,
                          "refused": heads.refused,
@@ -287,6 +288,23 @@ class _SnapshotCollector:
                               ("snapshots", "snapshots sent to subscribers"),
                               ("malformed_requests", "replay requests of no known shape, ignored")):
                 yield CounterMetricFamily(f"kvgate_kv_events_{name}", doc, value=events.get(name, 0))
+        for name, doc, family in (("gets", "objects asked of the peer", CounterMetricFamily),
+                                  ("hits", "objects pulled from the peer, verified", CounterMetricFamily),
+                                  ("bytes_read", "payload bytes pulled from the peer", CounterMetricFamily),
+                                  ("failures", "calls to the peer that failed or ran past peer_timeout_ms",
+                                   CounterMetricFamily)):
+            m = family(f"kvgate_peer_{name}", f"Per peer gateway (peers): {doc}", labels=["peer"])
+            for peer in s.get("peers", []):
+                m.add_metric([peer["address"]], peer[name])
+            yield m
+        served = s.get("peer_listen")
+        if served is not None:  # peer_listen set: what peers read from this gateway
+            for name, doc in (("served_objects", "objects peer gateways pulled from this one"),
+                              ("served_bytes", "payload bytes peer gateways pulled from this one"),
+                              ("refused", "peer connections or requests refused (token, protocol, limits)")):
+                yield CounterMetricFamily(f"kvgate_peer_listen_{name}", doc, value=served[name])
+            yield GaugeMetricFamily("kvgate_peer_listen_connections", "peer connections open now",
+                                    value=served["connections"])
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")
         info.add_metric([], {"fingerprint": s["gateway"]["fingerprint"]})
         yield info

@@ -62,6 +62,7 @@ class CardTier:
     medium = STORAGE
     keeps = frozenset({Retention.LONG})
     probes = True
+    promote = False
 
     def __init__(self, cfg: Config, pool: IoPool, counters: StoreCounters, hooks: TierHooks) -> None:
         self.cfg = cfg

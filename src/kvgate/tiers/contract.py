@@ -93,6 +93,8 @@ class Tier(Protocol):
     a tier that only serves reads none).  ``probes``: whether it may hold
     keys ``known`` cannot tell of (a card's objects not indexed yet), so
     that a get reads from it every key the tiers before it lack.
+    ``promote``: what it serves is copied into the front tier (a peer's
+    objects: the engine's next load of them is then local).
     ``counters``: its gets, hits, misses and bytes (``TierCounters``).
     """
 
@@ -100,6 +102,7 @@ class Tier(Protocol):
     medium: str
     keeps: frozenset[Retention]
     probes: bool
+    promote: bool
     counters: TierCounters
 
     def known(self, fkeys: list[bytes], dialog: bytes) -> Known:

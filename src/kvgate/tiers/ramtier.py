@@ -47,6 +47,7 @@ class RamTier:
     medium = CPU
     keeps = frozenset({Retention.SHORT, Retention.LONG})
     probes = False
+    promote = False
 
     def __init__(self, cfg: Config, pool: IoPool, counters: TierCounters, usage: NamespaceUsage,
                  changes: TierChanges, on_expired) -> None:

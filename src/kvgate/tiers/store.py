@@ -56,6 +56,7 @@ from kvgate.tiers.events import TierChanges
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.ram import RamTooLarge, copy_into
+from kvgate.tiers.peertier import PeerTier
 from kvgate.tiers.ramtier import RamLoan, RamTier
 from kvgate.tiers.staging import BufferCache
 from kvgate.tiers.usage import NamespaceUsage
@@ -92,7 +93,9 @@ class TieredStore:
         self.cards = CardTier(cfg, pool, self.counters, TierHooks(
             self.usage, self.holds, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
             io_seconds=self.card_io_seconds, changes=self.changes))
-        self.tiers: list[Tier] = [self.ram, self.cards]  # fastest first: the order every read asks them in
+        self.peers = [PeerTier(cfg, a) for a in cfg.peers]  # read only, last: asked only for what we lack
+        self.tiers: list[Tier] = [self.ram, self.cards, *self.peers]  # fastest first: the order reads ask them in
+        self.local = 2  # the tiers that are this gateway's own (what it serves to peers: never a peer's)
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
@@ -109,6 +112,8 @@ class TieredStore:
 
     async def stop(self) -> None:
         await self.cards.stop()
+        for peer in self.peers:
+            peer.close()
 
     # ---- put ------------------------------------------------------------------
 
@@ -159,7 +164,10 @@ class TieredStore:
         ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
         gateway's own memory, which card reads may fill in place (``Abandon.own``).
         """
-        sizes, needed, _metas = await self._read(items, 0, urgent, own)
+        sizes, needed, metas, served = await self._read(items, 0, urgent, own)
+        if any(t >= 0 and self.tiers[t].promote for t in served):
+            await self._promote([(it, size, meta) for it, size, meta, t in zip(items, sizes, metas, served)
+                                 if t >= 0 and self.tiers[t].promote], own)
         for it, size in zip(items, sizes):
             row = self.usage.row(it.fkey)
             row.gets += 1
@@ -168,16 +176,28 @@ class TieredStore:
                 row.bytes_read += size
         return sizes, needed
 
+    async def _promote(self, served: list[tuple[GetItem, int, ObjectMeta | None]], own: bool) -> None:
+        """Copy objects a ``promote`` tier (a peer) served into the RAM tier, kept ``short``: the engine's next
+        load of them is local, and this gateway's cards stay for what its own engine stored."""
+        puts = [PutItem(it.fkey, it.dest[:size], meta, in_region=not own)
+                for it, size, meta in served if size >= 0 and meta is not None]
+        if puts:
+            await self.ram.write(puts, Retention.SHORT)
+
     async def _read(self, items: list[GetItem], first: int, urgent: bool = False, own: bool = False,
-                    gets: bool = True) -> tuple[list[int], list[int], list[ObjectMeta | None]]:
-        """Read items from the tiers ``first`` on by the contract's rule: each from the first tier that knows
-        it, or from the first that ``probes``; every tier's part at once.  A miss where a tier thought it
-        held the key (evicted meanwhile) is read again from the tiers after it."""
+                    gets: bool = True, stop: int | None = None,
+                    ) -> tuple[list[int], list[int], list[ObjectMeta | None], list[int]]:
+        """Read items from the tiers ``first`` to ``stop`` (default: all) by the contract's rule: each from the
+        first tier that knows it, or from the first that ``probes``; every tier's part at once.  A miss where
+        a tier thought it held the key (evicted meanwhile) is read again from the tiers after it.  ->
+        ``(sizes, needed, metas, served)``: ``served`` the index of the tier that answered each (-1: none)."""
         n = len(items)
+        stop = len(self.tiers) if stop is None else stop
         sizes: list[int] = [SizeCode.MISS] * n
         needed = [0] * n
         metas: list[ObjectMeta | None] = [None] * n
-        parts = self._route(items, list(range(n)), first, gets)
+        served = [-1] * n
+        parts = self._route(items, list(range(n)), first, gets, stop)
         while parts:
             done: list[tuple[int, list[int], tuple]] = []
 
@@ -193,17 +213,20 @@ class TieredStore:
                 fell = [i for i, si in zip(idx, s) if si == SizeCode.MISS]
                 for i, si, ni, mi in zip(idx, s, nd, m):
                     sizes[i], needed[i], metas[i] = si, ni, mi
-                if fell and t + 1 < len(self.tiers):
-                    for t2, idx2 in self._route(items, fell, t + 1, gets).items():
+                    if si >= 0:
+                        served[i] = t
+                if fell and t + 1 < stop:
+                    for t2, idx2 in self._route(items, fell, t + 1, gets, stop).items():
                         parts.setdefault(t2, []).extend(idx2)
-        return sizes, needed, metas
+        return sizes, needed, metas, served
 
-    def _route(self, items: list[GetItem], idx: list[int], first: int, gets: bool = True) -> dict[int, list[int]]:
+    def _route(self, items: list[GetItem], idx: list[int], first: int, gets: bool = True,
+               stop: int | None = None) -> dict[int, list[int]]:
         """Which tier (``first`` on) each item is read from: the first that knows it without I/O, else the
         first that probes; items no such tier takes are misses (counted as such by the tiers they pass)."""
         out: dict[int, list[int]] = {}
         left = idx
-        for t in range(first, len(self.tiers)):
+        for t in range(first, len(self.tiers) if stop is None else stop):
             if not left:
                 break
             tier = self.tiers[t]
@@ -353,18 +376,27 @@ class TieredStore:
             if n < end:
                 return n
 
-    async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
-        """Whether each key is present (the module's rule).  Counted as a lookup: it is the lookup of
-        vLLM's tier, SGLang's backend and LMCache's adapter (``hold``), which never call ``lookup``."""
+    async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False, local: bool = False,
+                     ) -> list[bool]:
+        """Whether each key is present (the module's rule; ``local``: in this gateway's own tiers, not its
+        peers').  Counted as a lookup: it is the lookup of vLLM's tier, SGLang's backend and LMCache's
+        adapter (``hold``), which never call ``lookup``."""
         self.counters.lookups += 1
         present = np.zeros(len(fkeys), bool)
-        for tier in self.tiers:
+        for tier in self.tiers[: self.local] if local else self.tiers:
             ask = np.flatnonzero(~present)
             if not ask.size:
                 break
             sub = fkeys if ask.size == len(fkeys) else [fkeys[i] for i in ask.tolist()]
             present[ask] = await tier.find(sub, dialog, urgent)
         return present.tolist()
+
+    async def read_for_peer(self, items: list[GetItem]) -> tuple[list[int], list[ObjectMeta | None]]:
+        """A peer gateway's pull: each item read from this gateway's own tiers (never passed on to its peers:
+        two gateways that list each other must not pull in a loop) into ``dest``, a buffer of ours.
+        Counted as gets.  -> (sizes, metas)."""
+        sizes, _needed, metas, _served = await self._read(items, 0, own=True, stop=self.local)
+        return sizes, metas
 
     async def hold(self, session: int, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Per key, whether it is present and now held for ``session`` (``kvgate.tiers.holds``)."""
@@ -407,8 +439,8 @@ class TieredStore:
         if not plans:
             return count
         try:
-            got, _needed, metas = await self._read([GetItem(k, dialog, dest) for k, _res, _size, dest in plans], 1,
-                                                   own=True, gets=False)  # a prewarm is no client's get
+            got, _needed, metas, _served = await self._read([GetItem(k, dialog, dest) for k, _res, _size, dest in plans], 1,
+                                                   own=True, gets=False, stop=self.local)  # no client's get
         except BaseException:
             for _k, res, _size, _dest in plans:
                 front.abort(res)
@@ -479,7 +511,7 @@ class TieredStore:
     def status(self) -> dict:
         """The tiers' part of the gateway's status: ``ram`` (the RAM tier's row but its counters, which
         are ``counters.ram``), and the card tier's (``CardTier.status``)."""
-        return {"ram": self.ram.status(), **self.cards.status()}
+        return {"ram": self.ram.status(), **self.cards.status(), "peers": [p.status() for p in self.peers]}
 
 
 def _by_dialog(dialogs: list[bytes]) -> dict[bytes, list[int]]:

@@ -1,0 +1,240 @@
+"""A peer gateway as a tier of the store (``kvgate.tiers.contract``): read only, last in the list.
+
+A peer serves what its own tiers hold (its RAM tier first) on its
+``peer_listen`` address, in the network card's wire (``kvgate.cards.network``):
+so this tier is a ``NetworkCard`` on ``kvgate://HOST:PORT/peer``, and every
+object it pulls is verified as any card read is (header, key, length, payload
+hash) before a byte of it is reported present.  It keeps nothing (``keeps``
+is empty) and knows nothing without asking (``known`` says UNKNOWN), so the
+store asks it only for keys no tier of its own holds: never on a local hit.
+
+Deadlines: every call is bounded by ``peer_timeout_ms``; past it the batch
+is abandoned (``Abandon``: nothing more is written into the destinations)
+and its keys are misses, so the engine recomputes.  A peer that dies or
+lies mid-pull costs a recompute, never a wrong byte.  Calls run on threads
+of the tier's own, never on the card I/O pool: a slow peer never delays a
+card read.
+
+What it serves is copied into the RAM tier by the store (``promote``), so
+the engine's next load of it is local.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from kvgate.cards import ObjectMeta
+from kvgate.cards.network import NetworkCard
+from kvgate.cards.objectformat import BufferTooSmall, Header
+from kvgate.config import Config
+from kvgate.memcopy import Abandon
+from kvgate.tiers.contract import STORAGE, UNKNOWN, GetItem, Known, PutItem
+from kvgate.tiers.counters import TierCounters
+from kvgate.tiers.io import IoPool
+from kvgate.types import Retention, SizeCode
+
+log = logging.getLogger("kvgate.peers")
+
+PEER_SERIAL = "peer"  # what a peer's listener answers to in the hello: kvgate://HOST:PORT/peer
+PEER_THREADS = 2  # calls to one peer at once: a lookup and a pull
+SIZES_KEPT = 1 << 16  # object sizes a peer's lookups told, kept for the reads that follow them
+# After a failed call a peer is left alone this long, doubling while it keeps failing: a peer that is
+# down (or a host that drops packets) must not cost every lookup its deadline.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+class PeerTier:
+    """One peer gateway (``peers`` entry ``address``), read through its ``peer_listen``."""
+
+    medium = STORAGE
+    keeps: frozenset[Retention] = frozenset()
+    probes = True
+    promote = True
+
+    def __init__(self, cfg: Config, address: str) -> None:
+        self.address = address
+        self.name = f"peer {address}"
+        self.counters = TierCounters()
+        self.timeout = cfg.peer_timeout_ms / 1000
+        self.card = NetworkCard(f"kvgate://{address}/{PEER_SERIAL}", io_timeout_ms=cfg.peer_timeout_ms,
+                                max_object_bytes=cfg.max_frame_bytes, token_file=cfg.peer_token_file)
+        self.io = IoPool(PEER_THREADS, name="kvgate-peer")
+        self.failures = 0  # calls that failed or ran past the deadline
+        self.skipped = 0  # calls not made: the peer failed a moment ago (backoff)
+        self._backoff = 0.0
+        self._quiet_until = 0.0  # time.monotonic() before which the peer is not asked
+        self._sizes: dict[bytes, int] = {}  # key -> payload size, as the peer's lookups said (``sizes``)
+        self._said: str | None = None  # the last failure logged (each new one once)
+
+    def close(self) -> None:
+        self.card.close()
+        self.io.shutdown(wait=False)
+
+    def _resting(self) -> bool:
+        """Whether the peer failed a moment ago: then it is not asked (its keys are misses) until its
+        backoff ends."""
+        if self._quiet_until and time.monotonic() < self._quiet_until:
+            self.skipped += 1
+            return True
+        return False
+
+    async def _call(self, fn, *args):
+        """``fn(*args)`` on the tier's threads within the deadline; None when it failed, ran past it, or the
+        peer is resting after a failure."""
+        if self._resting():
+            return None
+        try:
+            result = await asyncio.wait_for(self.io.run(fn, *args), self.timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            self._failed(e)
+            return None
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
+        self._backoff, self._quiet_until = 0.0, 0.0
+
+    def _failed(self, e: BaseException) -> None:
+        self.failures += 1
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2 or BACKOFF_FIRST_S)
+        self._quiet_until = time.monotonic() + self._backoff
+        why = str(e) or type(e).__name__
+        if why != self._said:
+            self._said = why
+            log.warning("peer %s: %s (its objects are misses; asked again in %.0f s)", self.address, why,
+                        self._backoff)
+
+    # ---- presence -----------------------------------------------------------------
+
+    def known(self, fkeys: list[bytes], dialog: bytes) -> Known:
+        return Known(np.full(len(fkeys), UNKNOWN, np.int8))
+
+    async def find(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
+        """Asked of the peer, which answers with each present object's size where it knows it: kept for
+        ``sizes``, so the read that follows a lookup is sized right, not probed first."""
+        if not fkeys:
+            return []
+        got = await self._call(self.card.exists_many, fkeys)
+        if got is None:
+            return [False] * len(fkeys)
+        errors = [r for r in got if isinstance(r, BaseException)]
+        if errors:
+            self._failed(errors[0])
+        else:
+            self._said = None
+        out = []
+        for k, r in zip(fkeys, got):
+            if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
+                if len(self._sizes) >= SIZES_KEPT:
+                    self._sizes.clear()  # (a cache of hints: dropping it costs a size probe each)
+                self._sizes[k] = r
+                out.append(True)
+            else:
+                out.append(r is True)
+        return out
+
+    async def probe_prefix(self, fkeys: list[bytes], dialog: bytes, known: Known, start: int, end: int,
+                           urgent: bool = False) -> int:
+        found = await self.find(fkeys[start:end], dialog, urgent)
+        return found.index(False) if False in found else len(found)
+
+    def prepare(self, fkeys, known, present, urgent: bool = False) -> None:
+        pass
+
+    def sizes(self, fkeys: list[bytes], dialog: bytes) -> list[int | None]:
+        """What the peer's last lookups said (``find``), without asking it again."""
+        get = self._sizes.get
+        return [get(k) for k in fkeys]
+
+    async def find_sizes(self, fkeys: list[bytes], dialog: bytes) -> list[int | None]:
+        return [None] * len(fkeys)  # a prewarm reads this gateway's own tiers only
+
+    # ---- reads ----------------------------------------------------------------------
+
+    async def read_into(self, items: list[GetItem], urgent: bool = False, own: bool = False, gets: bool = True,
+                        ) -> tuple[list[int], list[int], list[ObjectMeta | None]]:
+        """Pull each item into its dest, verified; an empty dest asks for the size (``TOO_SMALL`` with it),
+        which the peer's lookup answers without sending the object."""
+        n = len(items)
+        sizes: list[int] = [SizeCode.MISS] * n
+        needed = [0] * n
+        metas: list[ObjectMeta | None] = [None] * n
+        c = self.counters if gets else TierCounters()
+        c.gets += n
+        sizing = [i for i, it in enumerate(items) if not len(it.dest)]
+        pulling = [i for i, it in enumerate(items) if len(it.dest)]
+        if sizing:
+            found = await self.find([items[i].fkey for i in sizing], b"")
+            for i, f in zip(sizing, found):
+                size = self._sizes.get(items[i].fkey) if f else None
+                if size:
+                    sizes[i], needed[i] = SizeCode.TOO_SMALL, size
+                elif size == 0:
+                    sizes[i] = 0
+            c.misses += len(sizing)
+        if pulling:
+            results = await self._pull([items[i] for i in pulling], own)
+            failure: BaseException | None = None
+            for i, r in zip(pulling, results):
+                if isinstance(r, Header):
+                    sizes[i], metas[i] = r.payload_len, r.meta
+                    c.hits += 1
+                    self.counters.bytes_read += r.payload_len
+                    continue
+                c.misses += 1
+                if isinstance(r, BufferTooSmall):
+                    sizes[i], needed[i] = SizeCode.TOO_SMALL, r.needed
+                elif r is not None and not isinstance(r, LookupError):  # missing is an answer, not a failure
+                    failure = failure or r
+            if failure is not None:  # (once a batch: a lost connection fails every item of it)
+                self._failed(failure)
+            elif any(r is not None for r in results):
+                self._answered()
+        return sizes, needed, metas
+
+    async def _pull(self, items: list[GetItem], own: bool) -> list[Header | BaseException | None]:
+        """``read_many_into`` on the tier's threads within the deadline; past it (or when the call failed) the
+        destinations are abandoned (nothing more lands in them) and every item is None."""
+        if self._resting():
+            return [None] * len(items)
+        guard = Abandon(own)
+        try:
+            return await asyncio.wait_for(
+                self.io.run(self.card.read_many_into, [(it.fkey, it.dest) for it in items], guard), self.timeout)
+        except BaseException as e:
+            guard.abandon()  # from here on nothing more lands in the destinations
+            if not isinstance(e, (OSError, asyncio.TimeoutError)):
+                raise
+            self._failed(e)
+            return [None] * len(items)
+
+    async def write(self, items: list[PutItem], retention: Retention,
+                    sources: dict[int, memoryview] | None = None) -> list[bool]:
+        return [False] * len(items)  # read only: a peer's tiers are its own
+
+    # ---- dropping: a peer's objects are its own ---------------------------------------------
+
+    async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
+        return 0
+
+    async def clean(self) -> int:
+        return 0
+
+    async def clean_namespace(self, ns: bytes) -> int:
+        return 0
+
+    async def held_keys(self, chunk: int = 10_000) -> AsyncIterator[tuple[str, list[bytes]]]:
+        return
+        yield  # (an async generator that lists nothing: a peer publishes its own events)
+
+    def status(self) -> dict:
+        c = self.counters
+        return {"address": self.address, "gets": c.gets, "hits": c.hits, "misses": c.misses,
+                "bytes_read": c.bytes_read, "failures": self.failures, "skipped": self.skipped,
+                "resting_s": round(max(0.0, self._quiet_until - time.monotonic()), 3)}

@@ -1,0 +1,167 @@
+"""Peer gateways against real processes: one gateway (``peers``) reads what another (``peer_listen``) holds.
+
+Gateway A serves its tiers on ``peer_listen``; gateway B lists A in
+``peers``, each with its own card.  What a client stored in A's RAM tier
+only is found and read through B, verified, and copied into B's RAM tier so
+that the next read is local; B never asks A for what it holds itself; a key
+neither holds is a miss.  A's listener lets in only a peer with its token,
+serves reads only, and refuses a batch over the limit without reading it;
+A killed costs B misses within ``peer_timeout_ms``, never an error to its
+client, and B then leaves it alone for a while instead of paying the
+deadline on every lookup.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvgate import statview
+from kvgate.cards.network import wire as w
+from tests.helpers import GatewayProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+NS = "peer-ns"
+
+
+def data(i: int, size: int = 300_000) -> bytes:
+    return bytes([(i * 7 + j) % 251 for j in range(256)]) * (size // 256)
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    token = tmp_path / "peer.token"
+    token.write_text("peer-secret\n")
+    port = free_port()
+    a = GatewayProcess(tmp_path, ["--max-bytes", "64M", "--shared-memory-size", "16M",
+                                  "--peer-listen", f"127.0.0.1:{port}", "--peer-token-file", str(token)],
+                       card=tmp_path / "card-a", name="A")
+    b = GatewayProcess(tmp_path, ["--max-bytes", "64M", "--shared-memory-size", "16M",
+                                  "--peers", f"127.0.0.1:{port}", "--peer-token-file", str(token),
+                                  "--peer-timeout-ms", "2000"], card=tmp_path / "card-b", name="B")
+    a.start()
+    b.start()
+    try:
+        yield a, b, port, token
+    finally:
+        b.cleanup()
+        a.cleanup()
+
+
+def peer_row(gw: GatewayProcess) -> dict:
+    (row,) = gw.stats()["peers"]
+    return row
+
+
+def test_a_gateway_reads_what_its_peer_holds(pair) -> None:
+    a, b, port, _token = pair
+    keys = [f"k{i}".encode() for i in range(6)]
+    with a.client(NS) as c:
+        assert c.put_many(keys, [data(i) for i in range(6)], retention="short") == [True] * 6  # A's RAM only
+    with b.client(NS) as c:
+        assert c.lookup(keys) == 6
+        assert c.lookup([*keys[:2], b"nowhere", keys[3]]) == 2
+        assert c.get_many(keys) == [data(i) for i in range(6)]
+        row = peer_row(b)
+        assert row["hits"] == 6 and row["bytes_read"] == 6 * len(data(0)), row
+        # now in B's RAM tier: read there, A not asked again
+        assert c.get_many(keys[:3]) == [data(i) for i in range(3)]
+        assert peer_row(b)["gets"] == row["gets"]
+        assert b.stats()["tiers"]["ram"]["objects"] == 6
+        assert c.get_many([b"nowhere"]) == [None]
+    served = a.stats()["peer_listen"]
+    assert served["served_objects"] == 6 and served["refused"] == 0, served
+    # kvgate stat shows both sides, within 80 columns
+    for gw, named in ((b, f"127.0.0.1:{port}"), (a, "served on")):
+        con = Console(width=80, record=True, color_system=None)
+        con.print(statview.view(gw.stats()))
+        text = con.export_text()
+        assert named in text and max(len(line) for line in text.splitlines()) <= 80, text
+    # B's own objects are B's: A is not asked for them
+    with b.client(NS) as c:
+        before = peer_row(b)["gets"]
+        assert c.put_many([b"own"], [data(9)]) == [True]
+        assert c.lookup([b"own"]) == 1 and c.get_many([b"own"]) == [data(9)]
+        assert peer_row(b)["gets"] == before
+
+
+def _hello(port: int, hello: w.Msg) -> tuple[w.Msg, socket.socket]:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(w.frame(hello))
+    prefix = bytearray(w.PREFIX.size)
+    w.recv_exact(s, memoryview(prefix))
+    hlen, _ = w.parse_prefix(prefix, w.MAX_REPLY_HEADER, 0)
+    return w.decode_reply(w.recv_body(s, hlen)), s
+
+
+def _reply(s: socket.socket) -> w.Msg:
+    prefix = bytearray(w.PREFIX.size)
+    w.recv_exact(s, memoryview(prefix))
+    hlen, blen = w.parse_prefix(prefix, w.MAX_REPLY_HEADER, 1 << 30)
+    return w.decode_reply(w.recv_body(s, hlen))
+
+
+def test_the_peer_listener_lets_in_only_a_peer_with_the_token_and_serves_reads_only(pair, tmp_path) -> None:
+    a, _b, port, token = pair
+    with a.client(NS) as c:
+        assert c.put_many([b"secret"], [data(1)], retention="short") == [True]
+    # no token, a wrong one, another card's serial, a request before the hello: refused, named
+    for hello, named in ((w.Hello("peer"), "token"), (w.Hello("peer", token="guess"), "token"),
+                         (w.Hello("some-card", token="peer-secret"), "peer listener"),
+                         (w.ReadMany([b"x"]), "hello first")):
+        reply, s = _hello(port, hello)
+        s.close()
+        assert isinstance(reply, w.Err) and named in reply.message, (hello, reply)
+    # a peer with the token reads, and may not write, delete or clean
+    reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+    assert isinstance(reply, w.Ok)
+    s.sendall(w.frame(w.Clean()))
+    reply = _reply(s)
+    assert isinstance(reply, w.Err) and "exists_many and read_many" in reply.message
+    assert s.recv(1) == b""  # and the connection is closed
+    s.close()
+    # a batch over the limit is refused before a key of it is read
+    reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+    s.sendall(w.frame(w.ReadMany([b"k"] * (w.MAX_BATCH + 1))))
+    reply = _reply(s)
+    assert isinstance(reply, w.Err) and "over the limit" in reply.message
+    s.close()
+    assert a.stats()["peer_listen"]["refused"] >= 6
+    assert "refused" in a.log()
+    # a gateway with another token gets misses, and its log says why
+    other_token = tmp_path / "other.token"
+    other_token.write_text("not-the-secret")
+    c_gw = GatewayProcess(tmp_path, ["--max-bytes", "16M", "--shared-memory-size", "16M", "--peers",
+                                     f"127.0.0.1:{port}", "--peer-token-file", str(other_token)],
+                          card=tmp_path / "card-c", name="C")
+    c_gw.start()
+    try:
+        with c_gw.client(NS) as c:
+            assert c.lookup([b"secret"]) == 0 and c.get_many([b"secret"]) == [None]
+        assert "token is wrong" in c_gw.log()
+        assert peer_row(c_gw)["failures"] >= 1
+    finally:
+        c_gw.cleanup()
+
+
+def test_a_dead_peer_costs_misses_within_the_deadline(pair) -> None:
+    a, b, _port, _token = pair
+    keys = [f"d{i}".encode() for i in range(4)]
+    with a.client(NS) as c:
+        assert c.put_many(keys, [data(i) for i in range(4)], retention="short") == [True] * 4
+    with b.client(NS) as c:
+        assert c.get_many(keys[:2]) == [data(0), data(1)]
+        a.kill()
+        t0 = time.monotonic()
+        assert c.lookup(keys[2:]) == 0
+        assert c.get_many(keys[2:]) == [None, None]
+        assert time.monotonic() - t0 < 10
+        assert c.get_many(keys[:2]) == [data(0), data(1)]  # what it pulled before is its own now
+    row = peer_row(b)
+    # the first call found it gone; the next ones were not made (it rests, doubling while it stays away)
+    assert b.alive() and row["failures"] >= 1 and row["skipped"] >= 1 and row["resting_s"] > 0, row

@@ -260,6 +260,23 @@ def test_network_bench_reads_a_served_card_warm_and_cold_against_its_baselines(t
     assert list(workdir.iterdir()) == [], "the card and its server are gone"
 
 
+@pytest.mark.slow
+def test_pull_bench_pulls_from_a_peer_gateway_against_a_raw_stream(tmp_path: Path) -> None:
+    """``--pull``: a gateway process serves its RAM tier on peer_listen; the objects come back verified and
+    equal, each round beside a raw loopback stream; the prompt pull times follow from the measured rate."""
+    workdir = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "kvgate", "bench", "--pull", "--quick", "--json", "--object-size", "256K",
+           "--batch", "4", "--dir", str(workdir), "--kv-bytes-per-token", "1024"]
+    out, _err, _pid = _run_bench(cmd, tmp_path)
+    result = json.loads(out)
+    assert result["config"]["object_size"] == 256 << 10 and result["config"]["batch"] == 4
+    assert result["pull_gib_s"] > 0 and result["raw_gib_s"] > 0 and len(result["ratios"]) == 3
+    assert math.isclose(result["ratio"], sorted(result["ratios"])[1], abs_tol=1e-3)  # the median round
+    times = result["pull_seconds_by_prompt_tokens"]
+    rate = result["pull_gib_s"] * (1 << 30)
+    assert math.isclose(times["8192"], 8192 * 1024 / rate, rel_tol=1e-6), times
+
+
 def test_network_bench_refuses_a_batch_its_raw_requests_cannot_name(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 

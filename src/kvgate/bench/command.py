@@ -162,6 +162,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "endpoints (an index of overlapping holdings), and hashing it, "
                                                      "instead of the figures above")
     g.add_argument("--route", action="store_true", help="measure kvgate router's block hashing and scoring (no I/O)")
+    g = p.add_argument_group("a pull from a peer gateway", "with --pull: --batch objects of --object-size pulled "
+                                                           "from a gateway's peer_listen, verified, against a raw "
+                                                           "loopback stream of the same bytes, instead of the "
+                                                           "figures above")
+    g.add_argument("--pull", action="store_true", help="measure a pull from a peer gateway (peers, peer_listen)")
+    g.add_argument("--kv-bytes-per-token", type=int_arg(1), default=None, metavar="N",
+                   help="with --pull: KV bytes per token of the model, for the time to pull a prompt "
+                        "(default: Llama-3-8B in bf16, 128 KiB)")
     add_trace_arguments(p)
 
 
@@ -325,6 +333,8 @@ def run_bench(args: argparse.Namespace) -> int:
         args.object_size = DEFAULT_OBJECT_SIZE
     if getattr(args, "network", False):
         return run_network_bench(args)
+    if getattr(args, "pull", False):
+        return run_pull_bench(args)
     if wants_trace(args):
         return run_trace_bench(args)
     if getattr(args, "cards", None) is not None:
@@ -373,6 +383,24 @@ def run_route_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_route(result)
+    return 0
+
+
+def run_pull_bench(args: argparse.Namespace) -> int:
+    """``--pull``: a pull from a peer gateway's ``peer_listen`` against a raw loopback stream (``kvgate.bench.pull``)."""
+    from kvgate.bench.pull import DEFAULT_KV_BYTES_PER_TOKEN, print_pull, pull_bench
+    started = time.monotonic()
+    try:
+        result = pull_bench(args.object_size, args.batch or 32, rounds=3 if args.quick else 9, workdir=args.dir,
+                            kv_bytes_per_token=args.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN)
+    except (OSError, RuntimeError, TimeoutError) as e:
+        print(f"kvgate bench --pull: {e}", file=sys.stderr)
+        return 1
+    result["elapsed_s"] = time.monotonic() - started
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_pull(result)
     return 0
 
 

@@ -13,14 +13,22 @@ card read.  Only this gateway's own tiers answer (``TieredStore.local``): a
 pull is never passed on to this gateway's peers, so two gateways that list
 each other never pull in a loop.
 
+Threads: as the card server's connections, each peer connection has a
+thread of its own that reads its requests and sends its replies with
+blocking calls; what touches the store (lookups, lends, reads) runs on the
+event loop, handed over with ``run_coroutine_threadsafe``.  An object in the
+RAM tier is sent straight from its pages, lent for the send
+(``TieredStore.lend_ram``), hashed and written by this thread with one
+``sendmsg``: no copy on this side, and the loop never waits on a socket.
+
 Bounds, against a peer that means harm or is merely broken: at most
 ``PEER_CONNECTIONS`` connections; a hello within ``hello_timeout``; every
 frame's lengths checked before anything is read for them (requests carry no
-body); a batch of at most ``MAX_BATCH`` keys; a ``read_many`` read in rounds
-of at most ``PEER_ROUND_BYTES`` into reused buffers, each round written out
-before the next is read, so a peer asking for 4,096 objects of 256 MiB
-makes this gateway hold one round, not a terabyte.  Reads are not urgent
-(the I/O pool's normal class): the local engine's reads go first.
+body); a batch of at most ``MAX_BATCH`` keys; a ``read_many`` served in
+rounds of at most ``PEER_ROUND_BYTES``, each sent before the next is read or
+lent, so a peer asking for 4,096 objects of 256 MiB makes this gateway hold
+one round, not a terabyte.  Card reads for peers are not urgent (the I/O
+pool's normal class): the local engine's reads go first.
 """
 
 from __future__ import annotations
@@ -29,19 +37,24 @@ import asyncio
 import errno
 import hmac
 import logging
+import socket
+import threading
+from dataclasses import dataclass, field
 
+from kvgate.cards import ObjectMeta
 from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import pack_header
 from kvgate.config import Config, read_token
-from kvgate.keys import NO_DIALOG, payload_hash
-from kvgate.tiers.io import IoPool
+from kvgate.keys import NO_DIALOG, payload_hasher
 from kvgate.tiers.peertier import PEER_SERIAL
-from kvgate.tiers.store import GetItem, TieredStore
+from kvgate.tiers.store import GetItem, RamLoan, TieredStore
 
 log = logging.getLogger("kvgate.peers")
 
-PEER_CONNECTIONS = 64  # a peer gateway holds two (its lookup and pull threads); room for a fleet
-PEER_ROUND_BYTES = 64 << 20  # objects of one read_many read and sent at a time
+PEER_CONNECTIONS = 64  # a peer gateway holds two (its lookup and pull threads): room for a fleet
+PEER_ROUND_BYTES = 64 << 20  # objects of one read_many lent or read, and sent, at a time
+LOOP_TIMEOUT_S = 60.0  # a store call for a peer that takes longer: the gateway is stopping or stuck
+SEND_TIMEOUT_S = 30.0  # a peer that takes no bytes for this long is gone
 
 
 class PeerRefused(Exception):
@@ -52,85 +65,128 @@ class PeerRefused(Exception):
         self.err = err
 
 
+@dataclass
+class _Round:
+    """One round of a ``read_many``: per key its payload views (None: missing) and meta, and what to give back."""
+
+    views: list[list[memoryview] | None]
+    metas: list[ObjectMeta | None]
+    loans: list[RamLoan | None] = field(default_factory=list)
+    buffers: list[memoryview] = field(default_factory=list)
+
+
 class PeerServer:
     """Serves ``store``'s own tiers to peer gateways on ``cfg.peer_listen`` (module docstring)."""
 
-    def __init__(self, cfg: Config, store: TieredStore, pool: IoPool) -> None:
+    def __init__(self, cfg: Config, store: TieredStore) -> None:
         assert cfg.peer_listen and cfg.peer_token_file  # (the config's checks)
         self.cfg = cfg
         self.store = store
-        self.pool = pool
         self.token = read_token(cfg.peer_token_file, "'peer_token_file'")
         host, _, port = cfg.peer_listen.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
-        self.server: asyncio.Server | None = None
-        self.connections = 0
+        self.listener: socket.socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.conns: set[socket.socket] = set()
+        self._lock = threading.Lock()  # conns, and the counters the threads write
         self.served_objects = 0
         self.served_bytes = 0
-        self.refused = 0  # hellos refused (wrong token, not a peer) and requests a peer may not make
+        self.refused = 0  # connections and requests refused (token, not a peer, protocol, limits)
 
     async def start(self) -> None:
-        """Listen; an ``OSError`` when the address cannot be had."""
-        self.server = await asyncio.start_server(self._connection, self.host, self.port)
-        self.port = self.server.sockets[0].getsockname()[1]
+        """Listen (an ``OSError`` when the address cannot be had) and accept on a thread of its own."""
+        self.loop = asyncio.get_running_loop()
+        self.listener = socket.create_server((self.host, self.port), reuse_port=False)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="kvgate-peer-accept", daemon=True).start()
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
+        if self.listener is not None:
+            try:
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.listener.close()
+            self.listener = None
+        with self._lock:
+            conns = list(self.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def status(self) -> dict:
-        return {"listen": f"{self.host}:{self.port}", "connections": self.connections,
-                "served_objects": self.served_objects, "served_bytes": self.served_bytes, "refused": self.refused}
+        with self._lock:
+            return {"listen": f"{self.host}:{self.port}", "connections": len(self.conns),
+                    "served_objects": self.served_objects, "served_bytes": self.served_bytes,
+                    "refused": self.refused}
 
-    # ---- one connection ----------------------------------------------------------
+    # ---- connections (their threads) ---------------------------------------------------
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        if self.connections >= PEER_CONNECTIONS:
-            self.refused += 1
-            await self._send_err(writer, w.Err("unavailable", f"this gateway serves {PEER_CONNECTIONS} peer "
-                                               "connections at most; try again later", errno.EBUSY))
-            return
-        self.connections += 1
+    def _accept(self) -> None:
+        listener = self.listener
+        while listener is not None:
+            try:
+                conn, addr = listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                full = len(self.conns) >= PEER_CONNECTIONS
+                if not full:
+                    self.conns.add(conn)
+                else:
+                    self.refused += 1
+            if full:
+                _send_quietly(conn, w.Err("unavailable", f"this gateway serves {PEER_CONNECTIONS} peer connections "
+                                          "at most; try again later", errno.EBUSY))
+                conn.close()
+                continue
+            threading.Thread(target=self._connection, args=(conn, addr), name=f"kvgate-peer-{addr}",
+                             daemon=True).start()
+
+    def _connection(self, conn: socket.socket, addr) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            hello = await asyncio.wait_for(self._request(reader), self.cfg.hello_timeout)
-            self._check_hello(hello)
-            writer.write(w.frame(w.Ok({"max_object_bytes": self.cfg.max_frame_bytes})))
-            await writer.drain()
+            conn.settimeout(self.cfg.hello_timeout)
+            self._check_hello(self._request(conn))
+            conn.settimeout(SEND_TIMEOUT_S)
+            conn.sendall(w.frame(w.Ok({"max_object_bytes": self.cfg.max_frame_bytes})))
             while True:
-                msg = await self._request(reader)
+                conn.settimeout(None)  # a peer's connection waits idle between its calls
+                msg = self._request(conn)
+                conn.settimeout(SEND_TIMEOUT_S)
                 if isinstance(msg, w.ExistsMany):
                     _check_batch(msg.keys)
-                    # each present object's size where known (the peer sizes its read by it), else true
-                    present = await self.store.exists(msg.keys, NO_DIALOG, local=True)
-                    hints = self.store.size_hints(msg.keys, NO_DIALOG)
-                    values = [(h if h is not None else True) if p else False for p, h in zip(present, hints)]
-                    writer.write(w.frame(w.Results(values, [None] * len(values))))
-                    await writer.drain()
+                    conn.sendall(w.frame(self._on_loop(self._exists(msg.keys))))
                 elif isinstance(msg, w.ReadMany):
                     _check_batch(msg.keys)
-                    await self._read_many(msg.keys, writer)
+                    self._read_many(conn, msg.keys)
                 elif isinstance(msg, w.Check):
-                    writer.write(w.frame(w.Ok(PEER_SERIAL)))
-                    await writer.drain()
+                    conn.sendall(w.frame(w.Ok(PEER_SERIAL)))
                 else:
                     raise PeerRefused(w.Err("bad_request", f"a peer listener serves exists_many and read_many, "
                                             f"not {type(msg).__name__}: peers only read each other's tiers"))
         except PeerRefused as e:
-            self.refused += 1
-            log.warning("peer %s refused: %s", peer, e.err.message)
-            await self._send_err(writer, e.err)
+            self._count_refused()
+            log.warning("peer %s refused: %s", addr, e.err.message)
+            _send_quietly(conn, e.err)
         except w.WireError as e:
-            self.refused += 1
-            log.warning("peer %s broke the protocol: %s", peer, e)
-            await self._send_err(writer, w.Err("bad_request", str(e)))
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError):
-            pass  # it went, or said nothing in time
+            self._count_refused()
+            log.warning("peer %s broke the protocol: %s", addr, e)
+            _send_quietly(conn, w.Err("bad_request", str(e)))
+        except (OSError, TimeoutError, ConnectionError):
+            pass  # it went, stalled, or said nothing in time; or the gateway is stopping
+        except Exception:
+            log.exception("peer %s: connection failed", addr)
         finally:
-            self.connections -= 1
-            writer.close()
+            with self._lock:
+                self.conns.discard(conn)
+            conn.close()
+
+    def _count_refused(self) -> None:
+        with self._lock:
+            self.refused += 1
 
     def _check_hello(self, msg: w.Msg) -> None:
         if not isinstance(msg, w.Hello):
@@ -143,61 +199,105 @@ class PeerServer:
             raise PeerRefused(w.Err("unavailable", "the token is wrong or missing: a peer's peer_token_file must "
                                     "hold this gateway's peer token", errno.EACCES))
 
-    async def _request(self, reader: asyncio.StreamReader) -> w.Msg:
-        prefix = await reader.readexactly(w.PREFIX.size)
+    @staticmethod
+    def _request(conn: socket.socket) -> w.Msg:
+        prefix = bytearray(w.PREFIX.size)
+        w.recv_exact(conn, memoryview(prefix))
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
-        header = await asyncio.wait_for(reader.readexactly(hlen), self.cfg.frame_timeout)
-        return w.decode_request(header)
+        return w.decode_request(w.recv_body(conn, hlen))
 
-    async def _send_err(self, writer: asyncio.StreamWriter, err: w.Err) -> None:
-        try:
-            writer.write(w.frame(err))
-            await asyncio.wait_for(writer.drain(), 1.0)
-        except (ConnectionError, asyncio.TimeoutError, OSError):
-            pass
-        writer.close()
+    def _on_loop(self, coro):
+        """Run ``coro`` on the gateway's loop and wait for it (this is a connection's thread)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(LOOP_TIMEOUT_S)
 
-    async def _read_many(self, keys: list[bytes], writer: asyncio.StreamWriter) -> None:
-        """One ``Item`` per key, in order: the object file, or ``missing``; read and sent in rounds."""
-        hints = self.store.size_hints(keys, NO_DIALOG)
+    def _read_many(self, conn: socket.socket, keys: list[bytes]) -> None:
+        """One ``Item`` per key, in order: the object file, or ``missing``; lent or read, and sent, in rounds."""
+        hints = self._on_loop(self._sizes(keys))
         start = 0
         while start < len(keys):
             end, total = start, 0
             while end < len(keys) and (end == start or total + (hints[end] or 0) <= PEER_ROUND_BYTES):
                 total += hints[end] or 0
                 end += 1
-            await self._round(keys[start:end], hints[start:end], writer)
+            batch = keys[start:end]
+            round_ = self._on_loop(self._take(batch, hints[start:end]))
+            try:
+                self._send_round(conn, batch, round_)
+            finally:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self.store.return_ram, round_.loans, round_.buffers)
             start = end
 
-    async def _round(self, keys: list[bytes], hints: list[int | None], writer: asyncio.StreamWriter) -> None:
-        known = [i for i, h in enumerate(hints) if h is not None]
-        buffers = self.store.reply_buffers.take([hints[i] for i in known])  # type: ignore[misc]
-        try:
-            items = [GetItem(keys[i], NO_DIALOG, buf) for i, buf in zip(known, buffers)]
-            sizes, metas = await self.store.read_for_peer(items) if items else ([], [])
-            views = {i: buf[:size] for i, buf, size in zip(known, buffers, sizes) if size >= 0}
-            hashes = dict(zip(views, await self.pool.run(_hashes, list(views.values())))) if views else {}
-            meta_of = dict(zip(known, metas))
-            for i, key in enumerate(keys):
-                view = views.get(i)
-                if view is None:
-                    writer.write(w.frame(w.Item(w.Err("missing", "not held by this gateway"))))
-                    continue
-                header = pack_header(key, len(view), hashes[i], meta_of[i])
-                writer.write(w.frame(w.Item(), len(header) + len(view)))
-                writer.write(header)
-                writer.write(view)
+    def _send_round(self, conn: socket.socket, keys: list[bytes], round_: _Round) -> None:
+        for key, views, meta in zip(keys, round_.views, round_.metas):
+            if views is None or meta is None:
+                conn.sendall(w.frame(w.Item(w.Err("missing", "not held by this gateway"))))
+                continue
+            size = sum(len(v) for v in views)
+            hasher = payload_hasher()
+            for v in views:
+                hasher.update(v)
+            header = pack_header(key, size, hasher.intdigest(), meta)
+            _send_all(conn, [w.frame(w.Item(), len(header) + size) + header, *views])
+            with self._lock:
                 self.served_objects += 1
-                self.served_bytes += len(view)
-            await writer.drain()
-        finally:
-            # (a transport may still hold views of them: those go to the garbage collector, not to reuse)
-            if writer.transport.get_write_buffer_size() == 0:
-                self.store.reply_buffers.give(buffers)
+                self.served_bytes += size
+
+    # ---- on the loop ---------------------------------------------------------------
+
+    async def _exists(self, keys: list[bytes]) -> w.Results:
+        present = await self.store.exists(keys, NO_DIALOG, local=True)
+        hints = self.store.size_hints(keys, NO_DIALOG)
+        values = [(h if h is not None else True) if p else False for p, h in zip(present, hints)]
+        return w.Results(values, [None] * len(values))
+
+    async def _sizes(self, keys: list[bytes]) -> list[int | None]:
+        return self.store.size_hints(keys, NO_DIALOG)
+
+    async def _take(self, keys: list[bytes], hints: list[int | None]) -> _Round:
+        """The round's objects: lent from the RAM tier where it holds them, else read from the cards into
+        reply buffers; what to give back afterwards (``return_ram``)."""
+        n = len(keys)
+        out = _Round([None] * n, [None] * n)
+        known = [i for i, h in enumerate(hints) if h is not None]
+        out.loans = self.store.lend_ram([keys[i] for i in known], [hints[i] for i in known])  # type: ignore[misc]
+        rest = []
+        for i, loan in zip(known, out.loans):
+            if loan is not None:
+                out.views[i], out.metas[i] = loan.views, loan.entry.meta
+            else:
+                rest.append(i)
+        if rest:
+            out.buffers = self.store.reply_buffers.take([hints[i] for i in rest])  # type: ignore[misc]
+            items = [GetItem(keys[i], NO_DIALOG, buf) for i, buf in zip(rest, out.buffers)]
+            sizes, metas = await self.store.read_for_peer(items)
+            for i, buf, size, meta in zip(rest, out.buffers, sizes, metas):
+                if size >= 0:
+                    out.views[i], out.metas[i] = [buf[:size]], meta
+        return out
 
 
-def _hashes(views: list[memoryview]) -> list[int]:
-    return [payload_hash(v) for v in views]
+def _send_all(conn: socket.socket, parts: list) -> None:
+    """``sendmsg`` of ``parts`` until every byte is out (a socket takes what its buffer has room for)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = conn.sendmsg(views[:512])
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _send_quietly(conn: socket.socket, err: w.Err) -> None:
+    try:
+        conn.settimeout(1.0)
+        conn.sendall(w.frame(err))
+    except OSError:
+        pass
 
 
 def _check_batch(keys: list[bytes]) -> None:

@@ -145,7 +145,7 @@ class Gateway:
             self.kv_events = kv_events
         if cfg.peer_listen:
             try:
-                peer_server = PeerServer(cfg, self.store, self.pool)
+                peer_server = PeerServer(cfg, self.store)
                 await peer_server.start()
             except ConfigError as e:
                 raise StartupError(f"config key {e}") from None

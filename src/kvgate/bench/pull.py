@@ -4,9 +4,10 @@ A gateway process serves its tiers on ``peer_listen``; ``--batch`` objects of
 ``--object-size`` are stored in its RAM tier.  This process reads them as a
 peer does (``PeerTier.read_into``: one ``read_many``, every object verified
 as it lands, each into a destination of its own), and, alternating with it,
-receives the same number of bytes from a raw loopback TCP stream (a sender
-thread, ``sendall``; the receiver ``recv_into`` each destination): the
-physical limit of the same run.  The ratio is the median of the rounds'
+receives the same bytes from a raw loopback TCP stream (a sender thread,
+``sendall`` of one buffer per object, as the peer sends from one RAM entry
+per object; the receiver ``recv_into`` each destination): the physical
+limit of the same run.  The ratio is the median of the rounds'
 ratios (bar: 0.8).  From the pull's rate, the time to pull a prompt's KV at
 ``--kv-bytes-per-token`` for a few prompt lengths: what a router weighs
 against recomputing them (the engine's own prefill time, measured by
@@ -42,15 +43,13 @@ PROMPT_TOKENS = (2048, 8192, 32768, 49152)
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 
 
-def _raw(dests: list[bytearray], payload: bytes) -> float:
-    """Seconds to receive ``len(dests)`` payloads over a fresh loopback pair, each into its destination."""
+def _raw(dests: list[bytearray], sources: list[bytearray]) -> float:
+    """Seconds to send ``sources`` over a fresh loopback pair and receive each into its destination."""
     sender, receiver = loopback_pair()
     try:
-        view = memoryview(payload)
-
         def send() -> None:
-            for _ in dests:
-                sender.sendall(view)
+            for src in sources:
+                sender.sendall(src)
 
         t0 = time.perf_counter()
         thread = threading.Thread(target=send)
@@ -98,6 +97,9 @@ def pull_bench(object_size: int = 2 << 20, batch: int = 32, rounds: int = 9, wor
         tier = PeerTier(cfg, f"127.0.0.1:{port}")
         fkeys = [full_key(encode_namespace(NAMESPACE), k) for k in keys]
         dests = [bytearray(object_size) for _ in keys]
+        # the raw stream's sources: an object each, as the peer's RAM pages are (not one buffer sent N times,
+        # which would stay in the CPU cache)
+        sources = [bytearray(payload) for _ in keys]
 
         async def pull() -> float:
             t0 = time.perf_counter()
@@ -114,11 +116,11 @@ def pull_bench(object_size: int = 2 << 20, batch: int = 32, rounds: int = 9, wor
             pulls, raws = [], []
             for r in range(rounds):
                 if r % 2:
-                    raws.append(_raw(dests, payload))
+                    raws.append(_raw(dests, sources))
                     pulls.append(asyncio.run(pull()))
                 else:
                     pulls.append(asyncio.run(pull()))
-                    raws.append(_raw(dests, payload))
+                    raws.append(_raw(dests, sources))
             if any(bytes(d) != payload for d in dests):
                 raise RuntimeError("a pulled object differs from what was stored")
         finally:

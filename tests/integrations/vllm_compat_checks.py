@@ -70,7 +70,11 @@ def _signatures() -> None:
     assert params(compat.SharedOffloadRegion.create_next_worker_view) == ["tensor_page_size"]
     assert params(compat.GPULoadStoreSpec.__init__) == ["block_ids", "group_sizes", "block_indices"]
     assert params(compat.OffloadingWorker.submit_store) == ["job_id", "src_spec", "dst_spec"]
-    assert params(compat.OffloadingWorker.submit_load) == ["job_id", "src_spec", "dst_spec"]
+    # 0.33 adds expedited=False, passed as True under sync_load_budget_bytes: the CPU worker takes it on both
+    assert params(compat.OffloadingWorker.submit_load) in (["job_id", "src_spec", "dst_spec"],
+                                                           ["job_id", "src_spec", "dst_spec", "expedited"])
+    from kvgate.integrations.vllm.worker import HostCopyOffloadingWorker
+    assert params(HostCopyOffloadingWorker.submit_load) == ["job_id", "src_spec", "dst_spec", "expedited"]
     assert {"job_id", "success", "successful_keys", "transfer_time", "transfer_bytes"} <= fields(compat.JobResult)
     assert {"job_id", "keys", "chunk_ids", "req_context"} <= fields(compat.TransferJob)
     assert {"job_id", "success", "transfer_size", "transfer_time"} <= fields(compat.TransferResult)

@@ -14,7 +14,7 @@ Classes and objects imported (vLLM 0.32.0):
 
 - ``vllm.v1.kv_offload.base``: ``OffloadingSpec``, ``OffloadingManager``,
   ``OffloadingWorker`` (``submit_store`` / ``submit_load(job_id, src_spec,
-  dst_spec)``, ``get_finished``, ``wait``, ``shutdown``), ``TransferResult(job_id,
+  dst_spec)``, in 0.33 ``submit_load(..., expedited=False)``, ``get_finished``, ``wait``, ``shutdown``), ``TransferResult(job_id,
   success, transfer_size, transfer_time)``, ``CanonicalKVCaches`` (``tensors``
   of ``.tensor`` / ``.page_size_bytes``; ``group_data_refs`` of ``.tensor_idx``
   / ``.page_size_bytes``), ``LoadStoreSpec``, ``BlockIDsLoadStoreSpec``

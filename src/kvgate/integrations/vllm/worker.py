@@ -119,7 +119,10 @@ class HostCopyOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._transfer(job_id, src_spec, dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        # vLLM 0.33 passes expedited=True for loads under its sync_load_budget_bytes (0.32 never passes it);
+        # a host copy runs at once either way.
         return self._transfer(job_id, dst_spec, src_spec, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:

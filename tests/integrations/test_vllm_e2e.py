@@ -79,11 +79,15 @@ S = prompt(4)
 def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, requests: list[dict],
                extra: dict | None = None, drain: dict | None = None, frozen: dict | None = None,
                card_away: dict | None = None, add_socket: bool = True, timeout: float = 400,
-               arch: str = "llama", kv_cache_dtype: str | None = None) -> dict:
+               arch: str = "llama", kv_cache_dtype: str | None = None, after_drain: list[dict] | None = None,
+               ) -> dict:
+    """One engine process (``vllm_engine.py``): ``requests``, then the ``drain`` until the gateway holds what
+    they stored, then ``after_drain`` (where ``{"name": ..., "reset_cache": True}`` empties the engine's
+    prefix cache and vLLM's CPU tier), then the ``frozen`` or ``card_away`` phase."""
     out = workdir / f"{name}.json"
     plan = {"model_dir": str(model_dir), "socket": gw.socket, "extra": extra or {}, "requests": requests,
             "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket, "out": str(out),
-            "arch": arch, "kv_cache_dtype": kv_cache_dtype}
+            "arch": arch, "kv_cache_dtype": kv_cache_dtype, "after_drain": after_drain}
     plan_path = workdir / f"{name}.plan.json"
     plan_path.write_text(json.dumps(plan))
     env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})

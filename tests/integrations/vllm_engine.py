@@ -118,6 +118,11 @@ def card_away(llm, plan: dict, SamplingParams) -> tuple[list[dict], dict]:
 def run_requests(llm, requests, SamplingParams) -> list[dict]:
     results = []
     for r in requests:
+        if r.get("reset_cache"):  # empty the engine's prefix cache and vLLM's CPU tier: the next restore
+            ok = llm.reset_prefix_cache(reset_connector=True)  # comes from a secondary tier
+            results.append({"name": r["name"], "done": bool(ok)})
+            print(f"[engine] {r['name']}: reset_prefix_cache -> {ok}", flush=True)
+            continue
         prompt = {"prompt_token_ids": r["prompt_token_ids"]}
         if r.get("cache_salt"):
             prompt["cache_salt"] = r["cache_salt"]
@@ -195,6 +200,8 @@ def main() -> None:
             llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], short, use_tqdm=False)
             time.sleep(0.2)
         print(f"[engine] gateway sets after drain: {sets}", flush=True)
+
+    results += run_requests(llm, plan.get("after_drain") or [], SamplingParams)
 
     frozen = plan.get("frozen")
     if frozen:

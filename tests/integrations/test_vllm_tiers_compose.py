@@ -13,7 +13,8 @@ those a request's ``kv_load_tiers`` allows.  Engine 1 has
   served the gets;
 - emptied again, P restored through ``fs`` only: the same, and A served
   nothing more;
-- emptied again, P with no filter: from the first tier of the list, kvgate.
+- emptied again, P with no filter: from one of them (kvgate's lookups are
+  asynchronous and fs's are not, so which answers first is a race).
 
 Engine 2 runs on gateway B, with its own card, which lists A as a peer: P,
 held only by A, is restored through B by a pull from A (verified, kept in
@@ -86,11 +87,11 @@ def test_kvgate_beside_vllms_fs_tier_and_a_pull_from_a_peer_gateway(tmp_path):
         r = by[name]
         assert r["external_prefix_cache_hits_delta"] == CACHEABLE, (name, r)
         assert r["output_token_ids"] == first["output_token_ids"], name
-    # gateway A stored P's chunks once, and served them to the two restores that could come from it
+    # gateway A stored P's chunks once, and served P-kvgate's (and P-first's when it answered first), never P-fs's
     assert a_tiers["ram"]["sets"] == FULL_CHUNKS, a_tiers
     served = a_tiers["ram"]["hits"] + a_tiers["long"]["hits"]
-    assert served == 2 * FULL_CHUNKS, (f"gateway A served {served} chunks: P-kvgate's and P-first's "
-                                       f"{FULL_CHUNKS} each expected, none of P-fs's", a_tiers)
+    assert served in (FULL_CHUNKS, 2 * FULL_CHUNKS), (f"gateway A served {served} chunks: P-kvgate's {FULL_CHUNKS}, "
+                                                      "and P-first's if it answered first", a_tiers)
 
     # engine 2, on gateway B: P came from A by a pull, verified, and is now in B's RAM tier
     again = pulled["by_name"]["P"]

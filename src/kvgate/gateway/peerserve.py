@@ -45,6 +45,7 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import pack_header
 from kvgate.config import Config, read_token
+from kvgate.errors import KvgateError
 from kvgate.keys import NO_DIALOG, payload_hasher
 from kvgate.tiers.peertier import PEER_SERIAL
 from kvgate.tiers.store import GetItem, RamLoan, TieredStore
@@ -57,7 +58,7 @@ LOOP_TIMEOUT_S = 60.0  # a store call for a peer that takes longer: the gateway 
 SEND_TIMEOUT_S = 30.0  # a peer that takes no bytes for this long is gone
 
 
-class PeerRefused(Exception):
+class PeerRefused(KvgateError, RuntimeError):
     """A request this listener does not serve: answered with ``err`` and the connection closed."""
 
     def __init__(self, err: w.Err) -> None:

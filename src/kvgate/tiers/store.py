@@ -165,7 +165,8 @@ class TieredStore:
         gateway's own memory, which card reads may fill in place (``Abandon.own``).
         """
         sizes, needed, metas, served = await self._read(items, 0, urgent, own)
-        if any(t >= 0 and self.tiers[t].promote for t in served):
+        # (a pass over the items only where some tier promotes: none does without peers)
+        if any(t.promote for t in self.tiers) and any(t >= 0 and self.tiers[t].promote for t in served):
             await self._promote([(it, size, meta) for it, size, meta, t in zip(items, sizes, metas, served)
                                  if t >= 0 and self.tiers[t].promote], own)
         for it, size in zip(items, sizes):

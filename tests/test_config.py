@@ -171,3 +171,20 @@ def test_a_negative_size_given_as_its_own_word_reaches_the_keys_check(flags, cap
     assert main(["fingerprint", "--storage-devices", "/nowhere", *flags]) == 2
     err = capsys.readouterr().err
     assert "a size cannot be negative" in err and "usage:" not in err, err
+
+
+def test_peer_advertise_is_where_a_cluster_pulls_from_and_required_behind_a_wildcard_listen():
+    peer = {"peer_token_file": "/t", "cluster_etcd_endpoints": ["127.0.0.1:2379"]}
+    assert config.peer_address(from_mapping({**peer, "peer_listen": "10.0.0.1:5600"})) == "10.0.0.1:5600"
+    assert config.peer_address(from_mapping({"storage_devices": ["/d"]})) == ""
+    for wildcard in ("0.0.0.0:5600", ":::5600", "[::]:5600"):
+        with pytest.raises(ConfigError, match="config key 'peer_advertise'.*every address"):
+            from_mapping({**peer, "peer_listen": wildcard})
+        cfg = from_mapping({**peer, "peer_listen": wildcard, "peer_advertise": "10.0.0.1:5600"})
+        assert config.peer_address(cfg) == "10.0.0.1:5600"
+    from_mapping({"storage_devices": ["/d"], "peer_token_file": "/t", "peer_listen": "0.0.0.0:5600"})  # no cluster
+    for bad, named in (({"peer_advertise": "10.0.0.1"}, "HOST:PORT"),
+                       ({"peer_advertise": "0.0.0.0:5600"}, "wildcard"),
+                       ({"peer_listen": None, "peer_advertise": "10.0.0.1:5600"}, "peer_listen")):
+        with pytest.raises(ConfigError, match=f"config key 'peer_advertise'.*{named}"):
+            from_mapping({**peer, "peer_listen": "0.0.0.0:5600", **bad})

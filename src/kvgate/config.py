@@ -314,6 +314,11 @@ class Config:
     # tens of ms on a GPU, so a peer slower than this is as good as absent.
     peer_timeout_ms: int = _key(_parse_int, 500, "deadline of one call to a peer (a batch of lookups or reads); "
                                 "past it the objects are misses and the engine recomputes them", minimum=1)
+    # In cluster mode a gateway finds its peers in the registry, at the address each advertises there.
+    peer_advertise: str | None = _key(
+        _parse_str, None, "cluster mode: HOST:PORT other gateways pull from, reported in the registry; peer_listen "
+        "when unset, and required when peer_listen listens on a wildcard host (0.0.0.0, ::)", optional=True,
+        metavar="HOST:PORT")
     log_level: str = _key(_parse_str, "info", "log level", choices=("debug", "info", "warning", "error"))
     cluster_etcd_endpoints: list[str] = _key(
         _parse_str_list, [],
@@ -431,15 +436,43 @@ def _check_combination(cfg: Config) -> None:
         key = "peer_listen" if cfg.peer_listen else "peers"
         raise ConfigError(f"config key '{key}': peers read each other's whole cache, so both ends present a "
                           "token: set peer_token_file (the same file, or the same token, on every peer)")
-    for key, addresses in (("peer_listen", [cfg.peer_listen] if cfg.peer_listen else []), ("peers", cfg.peers)):
+    for key, addresses in (("peer_listen", [cfg.peer_listen] if cfg.peer_listen else []), ("peers", cfg.peers),
+                           ("peer_advertise", [cfg.peer_advertise] if cfg.peer_advertise else [])):
         for a in addresses:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) <= _PORT_MAX:
                 raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r}")
+    if cfg.peer_advertise:
+        if not cfg.peer_listen:
+            raise ConfigError("config key 'peer_advertise': it says where peers reach this gateway's peer_listen, "
+                              "which is unset: set peer_listen too, or remove peer_advertise")
+        if is_wildcard(cfg.peer_advertise):
+            raise ConfigError(f"config key 'peer_advertise': {cfg.peer_advertise} is a wildcard address, which "
+                              "other gateways cannot reach: give this host's address")
+    elif cfg.cluster_mode and cfg.peer_listen and is_wildcard(cfg.peer_listen):
+        raise ConfigError(f"config key 'peer_advertise': peer_listen {cfg.peer_listen} listens on every address, "
+                          "so the registry cannot tell other gateways which one reaches this one: set "
+                          "peer_advertise to the HOST:PORT they should pull from")
     socket_bytes = len(os.fsencode(cfg.socket_path))
     if socket_bytes > SOCKET_PATH_MAX:
         raise ConfigError(f"config key 'socket': {cfg.socket_path} is {socket_bytes} bytes long; a Unix socket path "
                           f"has at most {SOCKET_PATH_MAX}: choose a shorter one")
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
+
+
+def is_wildcard(address: str) -> bool:
+    """Whether ``address`` (HOST:PORT) listens on every address of its host (not one a peer can dial)."""
+    return address.rpartition(":")[0] in WILDCARD_HOSTS
+
+
+def peer_address(cfg: Config) -> str:
+    """Where other gateways pull from this one (``peer_advertise``, else ``peer_listen``); "" without a
+    peer listener."""
+    if not cfg.peer_listen:
+        return ""
+    return cfg.peer_advertise or cfg.peer_listen
 
 
 def load_yaml(path: str) -> dict[str, Any]:

@@ -28,6 +28,13 @@ no tier knows without I/O is asked of the tiers' media in order.  With
 ``ttl``, an object older than that is a miss in every one of them.  A
 request's keys are looked up in each tier at once (``Tier.known``).
 
+Peers: the peer tiers (``kvgate.tiers.peertier``) come last, after the
+tiers of this gateway's own (``local``), and may change while it serves
+(``set_peers``: a cluster's registry names them).  ``tiers`` and ``peers``
+are then replaced, never changed in place, so a call that took the list
+before goes on with it; a peer that left is closed once no call that could
+hold it (``get``, ``lookup``, ``exists``) is in flight.
+
 Changes: what each tier stores and drops is noted in ``changes``
 (``kvgate.tiers.events``); ``held_keys`` lists what is held now, in
 chunks.  Together they are what a gateway publishes as KV events.
@@ -96,6 +103,11 @@ class TieredStore:
         self.peers = [PeerTier(cfg, a) for a in cfg.peers]  # read only, last: asked only for what we lack
         self.tiers: list[Tier] = [self.ram, self.cards, *self.peers]  # fastest first: the order reads ask them in
         self.local = 2  # the tiers that are this gateway's own (what it serves to peers: never a peer's)
+        # set_peers: calls in flight per peer set (its number), and peers that left, closed once no call of
+        # their set or an earlier one is in flight (``_close_retired``)
+        self._peer_set = 0
+        self._readers: dict[int, int] = {}
+        self._retired: list[tuple[int, PeerTier]] = []
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
@@ -112,8 +124,57 @@ class TieredStore:
 
     async def stop(self) -> None:
         await self.cards.stop()
-        for peer in self.peers:
+        for peer in [*self.peers, *(p for _, p in self._retired)]:
             peer.close()
+        self._retired = []
+
+    # ---- peers --------------------------------------------------------------------
+
+    def set_peers(self, addresses: Sequence[str]) -> None:
+        """The peer gateways (HOST:PORT of their peer listeners) asked from now on, in this order.
+
+        A peer already asked keeps its tier (its connections, backoff and counters); a new one gets a
+        tier; ``peers`` and ``tiers`` are replaced by new lists (a call in flight goes on with the list it
+        took).  A peer that left is closed once no call that could hold it is in flight.  On the loop.
+        """
+        wanted = list(dict.fromkeys(addresses))
+        if wanted == [p.address for p in self.peers]:
+            return
+        have = {p.address: p for p in self.peers}
+        peers = [have.pop(a) if a in have else PeerTier(self.cfg, a) for a in wanted]
+        self.peers = peers
+        self.tiers = [*self.tiers[: self.local], *peers]
+        self._retired += [(self._peer_set, p) for p in have.values()]
+        self._peer_set += 1
+        log.info("peers: %s", ", ".join(wanted) or "none")
+        self._close_retired()
+
+    def _enter(self) -> int:
+        """A call that may reach the peers begins: the peer set it sees (``_leave`` it when it ends)."""
+        n = self._peer_set
+        self._readers[n] = self._readers.get(n, 0) + 1
+        return n
+
+    def _leave(self, n: int) -> None:
+        left = self._readers[n] - 1
+        if left:
+            self._readers[n] = left
+            return
+        del self._readers[n]
+        if self._retired:
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Close the peers that left which no call in flight can hold: every call that began while they were
+        in the set (or before) has ended."""
+        oldest = min(self._readers, default=self._peer_set)
+        keep = []
+        for n, peer in self._retired:
+            if n < oldest:
+                peer.close()
+            else:
+                keep.append((n, peer))
+        self._retired = keep
 
     # ---- put ------------------------------------------------------------------
 
@@ -164,11 +225,16 @@ class TieredStore:
         ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
         gateway's own memory, which card reads may fill in place (``Abandon.own``).
         """
-        sizes, needed, metas, served = await self._read(items, 0, urgent, own)
+        tiers = self.tiers  # the one list this get asks (``served`` indexes it), whatever set_peers does
+        entered = self._enter()
+        try:
+            sizes, needed, metas, served = await self._read(items, 0, urgent, own, tiers=tiers)
+        finally:
+            self._leave(entered)
         # (a pass over the items only where some tier promotes: none does without peers)
-        if any(t.promote for t in self.tiers) and any(t >= 0 and self.tiers[t].promote for t in served):
+        if any(t.promote for t in tiers) and any(t >= 0 and tiers[t].promote for t in served):
             await self._promote([(it, size, meta) for it, size, meta, t in zip(items, sizes, metas, served)
-                                 if t >= 0 and self.tiers[t].promote], own)
+                                 if t >= 0 and tiers[t].promote], own)
         for it, size in zip(items, sizes):
             row = self.usage.row(it.fkey)
             row.gets += 1
@@ -186,24 +252,26 @@ class TieredStore:
             await self.ram.write(puts, Retention.SHORT)
 
     async def _read(self, items: list[GetItem], first: int, urgent: bool = False, own: bool = False,
-                    gets: bool = True, stop: int | None = None,
+                    gets: bool = True, stop: int | None = None, tiers: list[Tier] | None = None,
                     ) -> tuple[list[int], list[int], list[ObjectMeta | None], list[int]]:
         """Read items from the tiers ``first`` to ``stop`` (default: all) by the contract's rule: each from the
         first tier that knows it, or from the first that ``probes``; every tier's part at once.  A miss where
         a tier thought it held the key (evicted meanwhile) is read again from the tiers after it.  ->
-        ``(sizes, needed, metas, served)``: ``served`` the index of the tier that answered each (-1: none)."""
+        ``(sizes, needed, metas, served)``: ``served`` the index of the tier that answered each (-1: none)
+        in ``tiers`` (default: ``self.tiers`` as it is now: asked throughout, whatever ``set_peers`` does)."""
         n = len(items)
-        stop = len(self.tiers) if stop is None else stop
+        tiers = self.tiers if tiers is None else tiers
+        stop = len(tiers) if stop is None else stop
         sizes: list[int] = [SizeCode.MISS] * n
         needed = [0] * n
         metas: list[ObjectMeta | None] = [None] * n
         served = [-1] * n
-        parts = self._route(items, list(range(n)), first, gets, stop)
+        parts = self._route(items, list(range(n)), first, gets, stop, tiers)
         while parts:
             done: list[tuple[int, list[int], tuple]] = []
 
             async def part(t: int, idx: list[int]) -> None:
-                done.append((t, idx, await self.tiers[t].read_into([items[i] for i in idx], urgent, own, gets)))
+                done.append((t, idx, await tiers[t].read_into([items[i] for i in idx], urgent, own, gets)))
 
             if len(parts) == 1:  # no task for the one part of most gets (all from RAM, or all from one card)
                 await part(*next(iter(parts.items())))
@@ -217,20 +285,22 @@ class TieredStore:
                     if si >= 0:
                         served[i] = t
                 if fell and t + 1 < stop:
-                    for t2, idx2 in self._route(items, fell, t + 1, gets, stop).items():
+                    for t2, idx2 in self._route(items, fell, t + 1, gets, stop, tiers).items():
                         parts.setdefault(t2, []).extend(idx2)
         return sizes, needed, metas, served
 
     def _route(self, items: list[GetItem], idx: list[int], first: int, gets: bool = True,
-               stop: int | None = None) -> dict[int, list[int]]:
-        """Which tier (``first`` on) each item is read from: the first that knows it without I/O, else the
-        first that probes; items no such tier takes are misses (counted as such by the tiers they pass)."""
+               stop: int | None = None, tiers: list[Tier] | None = None) -> dict[int, list[int]]:
+        """Which tier of ``tiers`` (default ``self.tiers``; ``first`` on) each item is read from: the first that
+        knows it without I/O, else the first that probes; items no such tier takes are misses (counted as such
+        by the tiers they pass)."""
+        tiers = self.tiers if tiers is None else tiers
         out: dict[int, list[int]] = {}
         left = idx
-        for t in range(first, len(self.tiers) if stop is None else stop):
+        for t in range(first, len(tiers) if stop is None else stop):
             if not left:
                 break
-            tier = self.tiers[t]
+            tier = tiers[t]
             if tier.probes:
                 out[t] = left
                 break
@@ -361,6 +431,13 @@ class TieredStore:
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
         """How many leading keys are present (the module's rule)."""
         self.counters.lookups += 1
+        entered = self._enter()
+        try:
+            return await self._lookup(fkeys, dialog, urgent)
+        finally:
+            self._leave(entered)
+
+    async def _lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool) -> int:
         n = 0
         while True:
             base = n
@@ -384,12 +461,16 @@ class TieredStore:
         adapter (``hold``), which never call ``lookup``."""
         self.counters.lookups += 1
         present = np.zeros(len(fkeys), bool)
-        for tier in self.tiers[: self.local] if local else self.tiers:
-            ask = np.flatnonzero(~present)
-            if not ask.size:
-                break
-            sub = fkeys if ask.size == len(fkeys) else [fkeys[i] for i in ask.tolist()]
-            present[ask] = await tier.find(sub, dialog, urgent)
+        entered = self._enter()
+        try:
+            for tier in self.tiers[: self.local] if local else self.tiers:
+                ask = np.flatnonzero(~present)
+                if not ask.size:
+                    break
+                sub = fkeys if ask.size == len(fkeys) else [fkeys[i] for i in ask.tolist()]
+                present[ask] = await tier.find(sub, dialog, urgent)
+        finally:
+            self._leave(entered)
         return present.tolist()
 
     async def read_for_peer(self, items: list[GetItem]) -> tuple[list[int], list[ObjectMeta | None]]:

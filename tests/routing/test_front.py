@@ -316,13 +316,13 @@ def _stored(keys, medium=None, block_size=4):
                         lora_id=None, medium=medium, lora_name=None)]
 
 
-async def _published(pub: EventPublisher, events, cond, timeout=10.0):
+async def _published(pub: EventPublisher, events, cond, timeout=10.0, topic="kv"):
     """Publish ``events`` until the router's feed has applied them (a SUB socket joins some ms after
     connecting: what is published before is not received; re-storing a block is idempotent)."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "the router did not apply the published events"
-        pub.publish("kv", events)
+        pub.publish(topic, events)
         await asyncio.sleep(0.05)
 
 

@@ -46,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgate.errors import InvalidArgument
 from kvgate.routing.endpoints import EndpointPool, EndpointState
 from kvgate.routing.feeds import Feeds
+from kvgate.routing.handoff import Handoff, handoff_blocks, prefill_body
 from kvgate.routing.hashing import BlockHasher
 from kvgate.routing.index import KvIndex
 from kvgate.routing.policies import CacheAware, Decision, make_policy
@@ -134,6 +135,12 @@ class Metrics:
                         ["endpoint"], registry=r)
         self.refused = Gauge("kvgate_router_endpoint_refused", "1 when the endpoint's hash settings differ "
                              "from the router's", ["endpoint"], registry=r)
+        self.handoffs = Counter("kvgate_router_handoffs", "split requests (prefill and decode endpoints), by "
+                                "outcome: stored, timeout, present, short, untokenized, prefill-failed",
+                                ["outcome"], registry=r)
+        self.handoff_wait = Histogram("kvgate_router_handoff_wait_seconds", "from a prefill's answer until its KV "
+                                      "is restorable by the decode endpoint (or handoff_timeout)", registry=r,
+                                      buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.load = Gauge("kvgate_router_endpoint_load", "running + waiting (last poll) + router in-flight",
                           ["endpoint"], registry=r)
 
@@ -165,6 +172,7 @@ class Router:
         # /v1/score scores whatever the policy: share the policy's scorer when it has one
         self.scoring = self.policy if isinstance(self.policy, CacheAware) else CacheAware(self.index, scorer)
         self.metrics = Metrics()
+        self.handoff = Handoff(self.index, scorer, settings.handoff_timeout, settings.peer_pulls)
         for spec in settings.endpoints:
             self.scoring.sources[spec.url] = sources(spec)
         self.feeds: Feeds | None = None
@@ -286,16 +294,21 @@ class Router:
         return None
 
     async def decide(self, kind: str, body: dict[str, Any]) -> Decision:
+        """The policy's order of the routable endpoints for a whole request (tokenizing when it wants)."""
         self.sync_refusals()
-        candidates = self.pool.routable()
         hashes = None
-        if self.policy.needs_tokens and candidates:
-            toks = await self.tokens(kind, body, candidates)
-            candidates = self.pool.routable()  # the round trip may have seen one go
-            t0 = time.perf_counter()
+        if self.policy.needs_tokens and self.pool.routable():
+            toks = await self.tokens(kind, body, self.pool.routable())
             hashes = self.hasher.hashes(toks) if toks else None
-        else:
-            t0 = time.perf_counter()
+        return self.choose(hashes)
+
+    def choose(self, hashes: list[bytes] | None, role: str | None = None) -> Decision:
+        """The policy's order of the routable endpoints (of those that ``prefills`` / ``decodes`` when
+        ``role`` names one) for a prompt with these block hashes (None: unknown)."""
+        candidates = self.pool.routable()
+        if role is not None:
+            candidates = [e for e in candidates if getattr(e.spec, role)]
+        t0 = time.perf_counter()
         decision = self.policy.order(candidates, hashes)
         self.metrics.decision.observe(time.perf_counter() - t0)
         if decision.fallback:
@@ -334,13 +347,20 @@ class Router:
                 add_remote_source(body, source, rid)
             except InvalidArgument as e:
                 return _error(400, str(e), "invalid_request_error")
-        decision = await self.decide(kind, body)
+        if self.settings.split:
+            return await self._split(request, path, kind, body, headers)
+        return await self._forward(request, path, body, headers, await self.decide(kind, body), {})
+
+    async def _forward(self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str],
+                       decision: Decision, extra: dict[str, str]) -> web.StreamResponse:
+        """Send the request to the decision's first endpoint (its second when the first cannot connect) and
+        answer the client as that engine answers, with the route headers and ``extra``."""
         if not decision.order:
             self.metrics.failures.labels("no_endpoint").inc()
             return _error(503, "no endpoint is routable: " + "; ".join(
                 f"{e.url} {e.refused or e.reason}" for e in self.pool.endpoints))
         payload = json.dumps(body).encode()
-        headers["content-type"] = "application/json"
+        headers = {**headers, "content-type": "application/json"}
         stream = bool(body.get("stream"))
         tries = decision.order[:2]
         prefill = {s.endpoint: s.prefill for s in decision.scores or ()}
@@ -360,7 +380,8 @@ class Router:
                     continue
                 self.metrics.requests.labels(ep.url, self.policy.name).inc()
                 try:
-                    return await self._answer(request, resp, stream, _route_headers(ep.url, decision), ahead)
+                    return await self._answer(request, resp, stream, {**_route_headers(ep.url, decision), **extra},
+                                              ahead)
                 finally:
                     resp.release()
             finally:
@@ -368,6 +389,69 @@ class Router:
                 ahead.done()
         self.metrics.failures.labels("connect").inc()
         return _error(502, f"no endpoint could be reached ({len(tries)} tried): {last_error}")
+
+    async def _split(self, request: web.Request, path: str, kind: str, body: dict[str, Any],
+                     headers: dict[str, str]) -> web.StreamResponse:
+        """A request split into a prefill and a decode (``kvgate.routing.handoff``)."""
+        self.sync_refusals()
+        toks = await self.tokens(kind, body, self.pool.routable()) if self.pool.routable() else None
+        hashes = self.hasher.hashes(toks) if toks else None
+        decode = self.choose(hashes, "decodes")
+        if not decode.order or toks is None or hashes is None:
+            self.metrics.handoffs.labels("untokenized").inc()
+            return await self._forward(request, path, body, headers, decode, {"x-kvgate-handoff": "untokenized"})
+        dec = decode.order[0]
+        need = handoff_blocks(len(toks), self.settings.block_size, len(hashes))
+        dec_gw = self.scoring.sources[dec.url].gateway
+        others = [self.scoring.sources[e.url].gateway for e in self.pool.endpoints]
+        if need == 0:
+            outcome, extra = "short", {}
+        elif self.handoff.restorable(hashes, dec_gw, others) >= need:
+            outcome, extra = "present", {}
+        else:
+            outcome, extra = await self._prefill(path, body, headers, hashes, need, dec_gw)
+        self.metrics.handoffs.labels(outcome).inc()
+        return await self._forward(request, path, body, headers, decode, {**extra, "x-kvgate-handoff": outcome})
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
+                       need: int, dec_gw: str | None) -> tuple[str, dict[str, str]]:
+        """Run the prefill of a split request on the best prefill endpoint, then wait for its KV to be
+        restorable by the decode's gateway: (outcome, headers for the answer)."""
+        choice = self.choose(hashes, "prefills")
+        if not choice.order:
+            return "prefill-failed", {}
+        ep = choice.order[0]
+        score = next((s for s in choice.scores or () if s.endpoint == ep.url), None)
+        ahead = _PrefillAhead(ep, score.prefill if score else 0)
+        ep.inflight += 1
+        try:
+            async with self.session.post(ep.url + path, json=prefill_body(body), headers=headers) as r:
+                await r.read()
+                status = r.status
+        except _CONNECT_ERRORS as e:
+            self.pool.mark_down(ep, f"a prefill could not connect: {type(e).__name__}: {e}")
+            status = None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("router: the prefill on %s failed (%s: %s); the decode computes the prompt", ep.url,
+                        type(e).__name__, e)
+            status = None
+        finally:
+            ep.inflight -= 1
+            ahead.done()
+        extra = {"x-kvgate-prefill": ep.url}
+        if status != 200:
+            if status is not None:
+                log.warning("router: the prefill on %s answered %s; the decode computes the prompt", ep.url, status)
+            return "prefill-failed", extra
+        self.metrics.requests.labels(ep.url, self.policy.name).inc()
+        prefill_gw = self.scoring.sources[ep.url].gateway
+        stored, waited = await self.handoff.wait(hashes, need, dec_gw, [prefill_gw])
+        self.metrics.handoff_wait.observe(waited)
+        if not stored:
+            log.warning("router: the prompt's KV (%d blocks) was not restorable by %s within %.1f s of its prefill "
+                        "on %s (handoff_timeout): the decode recomputes what it lacks", need, dec_gw,
+                        self.handoff.timeout, ep.url)
+        return ("stored" if stored else "timeout"), extra
 
     async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool,
                       route: dict[str, str], ahead: "_PrefillAhead") -> web.StreamResponse:

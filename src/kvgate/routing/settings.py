@@ -14,6 +14,7 @@ win over the file.  ``endpoints`` in YAML is a list of URLs or of maps::
         block_size: 16                     # what the operator states of this engine: checked against the
         hash_algo: sha256                  # router's own at start and whenever it comes back (a mismatch
         hash_seed: "0"                     # refuses the endpoint, naming the setting and both values)
+        role: prefill                      # both (default), prefill or decode: kvgate.routing.handoff
     tier_costs: {gpu: 0, cpu: 0.1, storage: 0.25}   # a restored block's cost, in blocks of prefill
     load_costs: {running: 4, waiting: 32, prefill_ahead: 1}   # (kvgate.routing.score)
 """
@@ -30,6 +31,7 @@ from kvgate.errors import ConfigError, InvalidArgument
 from kvgate.routing.score import DEFAULT_LOAD_COSTS, DEFAULT_TIER_COSTS, check_costs
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
+ROLES = ("both", "prefill", "decode")  # what an endpoint does for a request (kvgate.routing.handoff)
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
@@ -48,6 +50,15 @@ class EndpointSpec:
     block_size: int | None = None
     hash_algo: str | None = None
     hash_seed: str | None = None
+    role: str = "both"
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("both", "prefill")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("both", "decode")
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,19 @@ class RouterSettings:
     # the cache-aware cost's weights (kvgate.routing.score), every key given: defaults filled in by build
     tier_costs: tuple[tuple[str, float], ...] = tuple(DEFAULT_TIER_COSTS.items())
     load_costs: tuple[tuple[str, float], ...] = tuple(DEFAULT_LOAD_COSTS.items())
+    # prefill/decode split (kvgate.routing.handoff): how long the decode waits for the prefill's KV to be
+    # restorable by the decode endpoint before it is sent anyway (and recomputes what is missing).  The
+    # prefill engine stores its KV after it answers; on the CPU test engines a 2-block prompt is in the
+    # gateway's events within ~10-50 ms, so 2 s is only reached when something is wrong.
+    handoff_timeout: float = 2.0
+    # the endpoints' gateways pull from one another (each lists the others in `peers`, or cluster mode):
+    # a block held by any endpoint's gateway counts as restorable by every endpoint's
+    peer_pulls: bool = False
+
+    @property
+    def split(self) -> bool:
+        """Whether requests are split into a prefill and a decode (some endpoint is prefill or decode only)."""
+        return any(e.role != "both" for e in self.endpoints)
 
 
 def _url(value: Any, key: str) -> str:
@@ -107,7 +131,7 @@ def _seed(value: Any, key: str) -> str | None:
 
 
 _ENDPOINT_KEYS = ("url", "events", "events_replay", "gateway_events", "gateway_replay", "block_size", "hash_algo",
-                  "hash_seed")
+                  "hash_seed", "role")
 
 
 def _endpoint(item: Any, key: str) -> EndpointSpec:
@@ -135,7 +159,14 @@ def _endpoint(item: Any, key: str) -> EndpointSpec:
         block_size=None if item.get("block_size") is None else _block_size(item["block_size"], f"{key}.block_size"),
         hash_algo=None if item.get("hash_algo") is None else _algo(item["hash_algo"], f"{key}.hash_algo"),
         hash_seed=_seed(item.get("hash_seed"), f"{key}.hash_seed"),
+        role=_role(item.get("role", "both"), f"{key}.role"),
     )
+
+
+def _role(value: Any, key: str) -> str:
+    if value not in ROLES:
+        raise ConfigError(f"{key}: {value!r} is not a role; one of {', '.join(ROLES)} (both: prefill and decode)")
+    return value
 
 
 def build(values: Mapping[str, Any]) -> RouterSettings:
@@ -164,7 +195,19 @@ def build(values: Mapping[str, Any]) -> RouterSettings:
     port = v.get("port", RouterSettings.port)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"port: a TCP port 0..65535, got {port!r}")
-    for k in ("poll_interval", "connect_timeout"):
+    if any(e.role != "both" for e in endpoints):
+        for what, can in (("prefill", lambda e: e.role != "decode"), ("decode", lambda e: e.role != "prefill")):
+            if not any(can(e) for e in endpoints):
+                raise ConfigError(f"endpoints: some endpoint has a role, but none can {what}; give one role "
+                                  f"{what} or both")
+        blind = [e.url for e in endpoints if not e.gateway_events]
+        if blind:
+            raise ConfigError(f"endpoints: {', '.join(blind)}: gateway_events not given; with prefill and decode "
+                              f"endpoints every endpoint needs them (the router sends a decode once its "
+                              f"gateway's events show the prompt's KV where that endpoint can restore it)")
+    if not isinstance(v.get("peer_pulls", False), bool):
+        raise ConfigError(f"peer_pulls: true or false, got {v['peer_pulls']!r}")
+    for k in ("poll_interval", "connect_timeout", "handoff_timeout"):
         x = v.get(k, getattr(RouterSettings, k))
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
             raise ConfigError(f"{k}: a number of seconds > 0, got {x!r}")
@@ -187,6 +230,8 @@ def build(values: Mapping[str, Any]) -> RouterSettings:
         hash_seed=_seed(v.get("hash_seed"), "hash_seed"),
         poll_interval=float(v.get("poll_interval", RouterSettings.poll_interval)),
         connect_timeout=float(v.get("connect_timeout", RouterSettings.connect_timeout)),
+        handoff_timeout=float(v.get("handoff_timeout", RouterSettings.handoff_timeout)),
+        peer_pulls=bool(v.get("peer_pulls", False)),
         **costs,
     )
 

@@ -8,6 +8,12 @@ misses ask their cards of before until the mover settles), a card the view
 has ``draining`` drains (read, no writes, copied away), one that is active
 again is undrained, and a card the view no longer has leaves.
 
+Peers: each poll also gives the gateway's store its peers (``set_peers``):
+the config's ``peers`` and the address every other live gateway reports
+(``GatewayReport.peer``) with this one's key layout fingerprint, this
+gateway's own address left out.  A gateway that reports another fingerprint
+is skipped, said once.  A poll that fails leaves the peers as they were.
+
 The last view applied is kept on local disk (``state_path``, written to a
 temp file and renamed): a gateway started while etcd is unreachable applies
 it and serves, and a poll that fails changes nothing (the gateway goes on
@@ -28,7 +34,8 @@ from collections import Counter
 import os
 import time
 from pathlib import Path
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -38,8 +45,11 @@ from kvgate.cards import expand, make_card
 from kvgate.cards.base import HOST
 from kvgate.cluster.liveness import Liveness
 from kvgate.cluster.registry import CardRecord, CardState, etcd_client, GatewayReport, Registry, RegistryConflict, RegistryUnavailable, View
-from kvgate.config import Config
+from kvgate.config import Config, peer_address
 from kvgate.tiers.cardset import CardChangeError, CardSet
+
+if TYPE_CHECKING:
+    from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -59,12 +69,16 @@ class ViewFollower:
 
     Made by the gateway in cluster mode; ``start`` applies the view kept on
     disk (if any) before the gateway serves, ``run`` is its polling task.
-    Each poll also holds out or releases cards by liveness (``Liveness``) and
-    reports this gateway (``GatewayReport``) under a lease of its own.
+    Each poll also holds out or releases cards by liveness (``Liveness``),
+    reports this gateway (``GatewayReport``) under a lease of its own, and,
+    given ``set_peers``, sets the peers this gateway pulls from: ``peers``
+    (the config's) and those of the other gateways' reports, less ``peer``
+    (where this one serves peers; "" when it does not).
     """
 
     def __init__(self, registry: Registry, cards: CardSet, state_path: str | os.PathLike,
-                 poll_s: float = POLL_S, sick_polls: int = 3, gateway_id: str = "") -> None:
+                 poll_s: float = POLL_S, sick_polls: int = 3, gateway_id: str = "", peer: str = "",
+                 peers: Sequence[str] = (), set_peers: Callable[[list[str]], None] | None = None) -> None:
         self.registry = registry
         self.cards = cards
         self.state_path = Path(state_path)
@@ -85,6 +99,11 @@ class ViewFollower:
         self.answering: set[str] = set()  # unreported long enough to be held out, but they answer here
         self.leader: str | None = None  # the leading agent, as last read (every LEADER_POLLS polls)
         self._polls = 0
+        self.peer = peer  # reported: where the other gateways pull from this one
+        self.fixed_peers = list(peers)  # the config's peers, asked first, whatever the registry says
+        self.set_peers = set_peers
+        self.found_peers: list[str] = []  # other gateways' peer addresses of this layout, as last read
+        self.peers_skipped: dict[str, tuple[str, str]] = {}  # gateway -> (its fingerprint, ours): not pulled from
 
     @property
     def epoch(self) -> int:
@@ -162,6 +181,7 @@ class ViewFollower:
                 await self.apply(self.view, retry=True)
         await self._follow_liveness(seen.alive)
         self._compare(seen.gateways)
+        self._follow_peers(seen.gateways)
         await self._report()
         self._polls += 1
         if self._polls % LEADER_POLLS == 1:
@@ -284,10 +304,32 @@ class ViewFollower:
                           gid, self.epoch, gateways[gid].fingerprint, mine)
         self.mismatch = other
 
+    def _follow_peers(self, gateways: dict[str, GatewayReport]) -> None:
+        """The store's peers: the config's, then every other gateway's address with our layout fingerprint
+        (sorted), ours left out.  Another fingerprint is skipped: said once per gateway and pair of them."""
+        if self.set_peers is None:
+            return
+        mine = self.cards.fingerprint
+        found, skipped = set(), {}
+        for gid, r in gateways.items():
+            if gid == self.gateway_id or not r.peer or r.peer == self.peer:
+                continue
+            if r.fingerprint != mine:
+                skipped[gid] = (r.fingerprint, mine)
+                if self.peers_skipped.get(gid) != skipped[gid]:
+                    log.warning("gateway %s (peer %s) has layout fingerprint %s and this one %s: not pulled from "
+                                "until they agree", gid, r.peer, r.fingerprint or "(none yet)", mine or "(none yet)")
+                continue
+            found.add(r.peer)
+        self.peers_skipped = skipped
+        self.found_peers = sorted(found)
+        self.set_peers([a for a in dict.fromkeys([*self.fixed_peers, *self.found_peers]) if a != self.peer])
+
     async def _report(self) -> None:
         """This gateway's report under its lease (granted again when it lapsed, as after an etcd outage)."""
         drained = tuple(sorted(self.drained_here)) if self.view is not None else ()
-        report = GatewayReport(epoch=self.epoch, fingerprint=self.cards.fingerprint, drained=drained)
+        report = GatewayReport(epoch=self.epoch, fingerprint=self.cards.fingerprint, drained=drained,
+                               peer=self.peer)
         try:
             if self._lease == 0 or await self.registry.keep_alive(self._lease) == 0:
                 self._lease = await self.registry.grant(REPORT_TTL_S)
@@ -334,7 +376,8 @@ def _locate_all(records: list[CardRecord], cfg: Config) -> list[str]:
 
 
 class ClusterCards:
-    """A gateway's ``CardSource`` in cluster mode: its etcd client, the registry and a ``ViewFollower``.
+    """A gateway's ``CardSource`` in cluster mode: its etcd client, the registry and a ``ViewFollower`` of
+    its store's card set, which also sets the store's peers (``TieredStore.set_peers``).
 
     ``start`` (before the gateway listens) applies the view kept on disk,
     then connects and polls once, each bounded: with etcd up, a gateway
@@ -344,11 +387,13 @@ class ClusterCards:
 
     CONNECT_S: Final = 2.0  # one connection attempt (etcd answers in milliseconds when it is there)
 
-    def __init__(self, cfg: Config, cards: CardSet) -> None:
+    def __init__(self, cfg: Config, store: TieredStore) -> None:
         self.endpoints = list(cfg.cluster_etcd_endpoints)
         self.client = etcd_client(self.endpoints)
         self.registry = Registry(self.client, cfg.cluster_name, cfg.cluster_call_timeout)
-        self.follower = ViewFollower(self.registry, cards, cfg.cluster_view_file, sick_polls=cfg.cluster_sick_polls)
+        self.follower = ViewFollower(self.registry, store.card_set, cfg.cluster_view_file,
+                                     sick_polls=cfg.cluster_sick_polls, peer=peer_address(cfg), peers=cfg.peers,
+                                     set_peers=store.set_peers)
         self.connected = False
 
     async def _connect(self) -> bool:
@@ -393,4 +438,5 @@ class ClusterCards:
                 "cards_by_state": dict(Counter(r.state.value for r in f.view.cards)) if f.view else {},
                 "gateway_id": f.gateway_id, "leader": f.leader, "held_out": sorted(f.liveness.held),
                 "unreported_but_answering": sorted(f.answering),
-                "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch)}
+                "drained_here": sorted(f.drained_here), "layout_mismatch": list(f.mismatch),
+                "peer": f.peer, "peers_found": list(f.found_peers), "peers_skipped": sorted(f.peers_skipped)}

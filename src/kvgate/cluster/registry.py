@@ -14,7 +14,9 @@ Layout under the cluster's prefix ``/kvgate/<cluster>/``::
                      null, "etcd_member": name or null}, under the agent's lease
     gateways/<id>    a GatewayReport, under the gateway's lease: the epoch it
                      applied, its layout fingerprint, the draining cards it
-                     has copied away (the leader's cue that a drain is done)
+                     has copied away (the leader's cue that a drain is done),
+                     the address it serves peers on (where the other gateways
+                     of its layout pull from)
 
 The leader is elected with etcd3aio's ``Election`` layout
 (``__etcd3aio:election/<prefix>leader/<lease hex>``, the candidate created
@@ -119,6 +121,7 @@ class GatewayReport(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int  # of the view it applied
     fingerprint: str = ""  # its key layout fingerprint: gateways of one epoch must agree
     drained: tuple[str, ...] = ()  # cards the view has draining that this gateway holds nothing of
+    peer: str = ""  # HOST:PORT other gateways pull from (peer_advertise or peer_listen); "": it serves no peers
 
 
 @dataclass(frozen=True, slots=True)

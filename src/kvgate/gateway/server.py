@@ -44,7 +44,7 @@ from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.shm import reap_dead_regions
 from kvgate.heads import SharedHeads
 from kvgate.tiers.io import IoPool, Tasks, realtime_permitted
-from kvgate.tiers.cardset import CardSet, LayoutMismatch
+from kvgate.tiers.cardset import LayoutMismatch
 from kvgate.tiers.store import TieredStore
 from kvgate.errors import KvgateError
 
@@ -57,10 +57,11 @@ class StartupError(KvgateError, RuntimeError):
 
 
 class CardSource(Protocol):
-    """Where a gateway's cards come from besides ``storage_devices``: cluster mode's registry view.
+    """Where a gateway's cards come from besides ``storage_devices``: cluster mode's registry view (and the
+    peers the registry names).
 
     Made by whoever starts the gateway (``kvgate serve``), given the
-    gateway's card set; ``start`` runs before the gateway listens (cards it
+    gateway's store (its card set, ``set_peers``); ``start`` runs before the gateway listens (cards it
     knows serve from the first request), ``run`` is its task while the
     gateway serves, ``close`` comes after the task was cancelled.
     """
@@ -83,11 +84,11 @@ class Gateway:
     it: the store's I/O, region files and the status file go to the ``IoPool``.
     """
 
-    def __init__(self, cfg: Config, card_source: Callable[[CardSet], CardSource] | None = None):
+    def __init__(self, cfg: Config, card_source: Callable[[TieredStore], CardSource] | None = None):
         self.cfg = cfg
         self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
         self.store = TieredStore(cfg, self.pool)
-        self.card_source = card_source(self.store.card_set) if card_source is not None else None
+        self.card_source = card_source(self.store) if card_source is not None else None
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.card_set)
         self.sessions = Sessions(cfg, self.store, self.pool)
@@ -350,7 +351,7 @@ def raise_open_files_limit() -> int:
 
 async def run_gateway(cfg: Config, ready: asyncio.Event | None = None,
                       reload: Callable[[], Config] | None = None,
-                      card_source: Callable[[CardSet], CardSource] | None = None) -> None:
+                      card_source: Callable[[TieredStore], CardSource] | None = None) -> None:
     """Start, serve until SIGINT/SIGTERM, stop cleanly; on SIGHUP, ``reload`` the config (its cards)."""
     import signal
 

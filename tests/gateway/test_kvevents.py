@@ -234,3 +234,23 @@ def test_the_gateway_refuses_a_key_form_it_does_not_know(gateway_factory):
     assert reply.code == p.ErrorCode.BAD_REQUEST and "block_keys" in reply.message, reply
     with gw.client("n", block_keys="vllm", block_size=16) as c:  # a known one is taken
         c.put_many([vkey(1)], [b"x"])
+
+
+def test_a_gateway_announces_the_cards_it_mounts_before_anything_is_stored(gateway_factory):
+    """A router learns which gateways read a card from the card's topic: an empty card is announced too
+    (the prefill/decode hand-off asks whether the decode endpoint's gateway can read a card)."""
+    from kvgate.routing.index import KvIndex
+
+    gw, pub, rep = events_gateway(gateway_factory)
+    serials = [c["serial"] for c in gw.stats()["cards"]]
+    assert serials and all(serials)
+    sub = Subscriber(pub, rep)  # joins after the announcement: it comes by replay
+    try:
+        got = wait_for(sub, lambda got: {f"gw@card:{s}" for s in serials} <= {t for t, _, _ in got})
+    finally:
+        sub.close()
+    index = KvIndex()
+    for topic, _seq, batch in got:
+        index.apply("gw", topic, batch)
+    assert index.mounts("gw") == frozenset(serials)
+    assert len(index) == 0  # an announcement stores nothing

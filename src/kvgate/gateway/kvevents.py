@@ -19,6 +19,10 @@ turns each change into ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
   per flush, at most ``MAX_HASHES`` block hashes per batch (a batch of 10,000 32-byte hashes is about
   350 KB of msgpack; a million in one would stall subscribers' decoders).
 - The publisher's snapshot provider is ``store.held_keys()``, each chunk turned into the same events.
+- Mounts: an empty batch on a card's topic when the card joins this gateway's set (checked at start and
+  every ``MOUNTS_S``), so a router knows which gateways can read a card before anything is stored on it
+  (its prefill/decode hand-off asks "can the decode endpoint's gateway read this card?").  The topic is
+  then one this publisher has published: a replay starts it afresh like the others.
 
 Everything here runs on the event loop; the publisher's thread does the encoding and the sends.
 """
@@ -92,6 +96,7 @@ class KvEvents:
 
     FLUSH_S = 0.01
     MAX_HASHES = 10_000
+    MOUNTS_S = 5.0  # how soon a card that joins the set is announced (a look at the set costs microseconds)
 
     def __init__(self, cfg: Config, store: Any, forms: KeyForms):
         self.cfg = cfg
@@ -102,6 +107,8 @@ class KvEvents:
         self._pending: list[Any] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._unsubscribe: Any = None
+        self._mounted: set[str] = set()
+        self._mounts_handle: asyncio.TimerHandle | None = None
         self.stats = {"changes": 0, "batches": 0}
 
     def topic_of(self, tier: str) -> str:
@@ -118,6 +125,7 @@ class KvEvents:
                                         loop=asyncio.get_running_loop())
         self.publisher.start()
         self._unsubscribe = self.store.changes.subscribe(self._on_change)
+        self.announce_mounts()
         log.info("KV events on %s (replay %s), topic %r", cfg.kv_events_endpoint,
                  cfg.kv_events_replay_endpoint or "off", self.topic)
 
@@ -125,9 +133,10 @@ class KvEvents:
         if callable(self._unsubscribe):
             self._unsubscribe()
         self._unsubscribe = None
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
+        for handle in (self._flush_handle, self._mounts_handle):
+            if handle is not None:
+                handle.cancel()
+        self._flush_handle = self._mounts_handle = None
         self.flush()
         if self.publisher is not None:
             pub, self.publisher = self.publisher, None
@@ -140,6 +149,19 @@ class KvEvents:
         return {"topic": self.topic, "changes": self.stats["changes"], "batches": self.stats["batches"],
                 "namespaces_declared": len(self.forms), "last_seq": pub.last_seq if pub is not None else 0,
                 **(dict(pub.stats) if pub is not None else {})}
+
+    def announce_mounts(self) -> None:
+        """Publish an empty batch on the topic of each card that joined the set since the last look, then
+        look again in ``MOUNTS_S`` (module docstring).  On the loop; never blocks."""
+        self._mounts_handle = None
+        if self.publisher is None:
+            return
+        serials = {c.serial for c in self.store.card_states() if c.serial}
+        for serial in sorted(serials - self._mounted):
+            self.publisher.publish(self.topic_of(serial), [])
+            self.stats["batches"] += 1
+        self._mounted = serials
+        self._mounts_handle = asyncio.get_running_loop().call_later(self.MOUNTS_S, self.announce_mounts)
 
     # --- changes ------------------------------------------------------------------------------------
 

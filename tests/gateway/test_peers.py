@@ -8,7 +8,10 @@ neither holds is a miss.  A's listener lets in only a peer with its token,
 serves reads only, and refuses a batch over the limit without reading it;
 A killed costs B misses within ``peer_timeout_ms``, never an error to its
 client, and B then leaves it alone for a while instead of paying the
-deadline on every lookup.
+deadline on every lookup.  Connections that never say a hello cannot lock
+a peer out: they are displaced at a full listener and closed after
+``hello_timeout``; only a listener full of peers that said theirs refuses a
+newcomer.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from rich.console import Console
 
 from kvgate import statview
 from kvgate.cards.network import wire as w
+from kvgate.gateway.peerserve import PEER_CONNECTIONS
+from kvgate.gateway.status import render
+from kvgate.keys import encode_namespace, full_key
 from tests.helpers import GatewayProcess, free_port
 
 pytestmark = pytest.mark.slow
 
 NS = "peer-ns"
+ABSENT = full_key(encode_namespace(NS), b"absent")
 
 
 def data(i: int, size: int = 300_000) -> bytes:
@@ -56,6 +63,10 @@ def pair(tmp_path: Path):
 def peer_row(gw: GatewayProcess) -> dict:
     (row,) = gw.stats()["peers"]
     return row
+
+
+def served(gw: GatewayProcess) -> dict:
+    return gw.stats()["peer_listen"]
 
 
 def test_a_gateway_reads_what_its_peer_holds(pair) -> None:
@@ -165,3 +176,105 @@ def test_a_dead_peer_costs_misses_within_the_deadline(pair) -> None:
     row = peer_row(b)
     # the first call found it gone; the next ones were not made (it rests, doubling while it stays away)
     assert b.alive() and row["failures"] >= 1 and row["skipped"] >= 1 and row["resting_s"] > 0, row
+
+
+def _silent(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+
+
+def _closed_within(s: socket.socket, limit: float) -> float:
+    """Seconds until the gateway closed ``s`` (nothing read but the close, or an ``Err``); fails past ``limit``."""
+    s.settimeout(limit)
+    t0 = time.monotonic()
+    while True:
+        got = s.recv(4096)
+        if not got:
+            return time.monotonic() - t0
+
+
+def test_silent_connections_do_not_keep_a_peer_out(pair) -> None:
+    a, b, port, _token = pair
+    keys = [f"s{i}".encode() for i in range(3)]
+    with a.client(NS) as c:
+        assert c.put_many(keys, [data(i) for i in range(3)], retention="short") == [True] * 3
+    extra = 8
+    idle = _silent(port, PEER_CONNECTIONS + extra)  # the listener full, and then some, of connections saying nothing
+    try:
+        with b.client(NS) as c:  # B's lookup and pull each displace the oldest of them, at once
+            assert c.lookup(keys) == 3
+            assert c.get_many(keys) == [data(i) for i in range(3)]
+        row = peer_row(b)
+        assert row["hits"] == 3 and row["failures"] == 0, row
+        got = served(a)
+        assert got["served_objects"] == 3 and got["displaced"] >= extra + 1, got
+        assert got["connections"] <= PEER_CONNECTIONS, got
+        metrics = render(a.stats()).decode()  # the same counters on /metrics
+        assert f"kvgate_peer_listen_displaced_total {float(got['displaced'])}" in metrics
+        # the displaced ones were closed (the oldest first), not left open beside the new
+        assert _closed_within(idle[0], 5) < 5
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_connection_without_a_hello_is_closed_after_hello_timeout(tmp_path: Path) -> None:
+    token = tmp_path / "peer.token"
+    token.write_text("peer-secret\n")
+    port = free_port()
+    a = GatewayProcess(tmp_path, ["--peer-listen", f"127.0.0.1:{port}", "--peer-token-file", str(token),
+                                  "--hello-timeout", "1s"], card=tmp_path / "card-a", name="A")
+    a.start()
+    try:
+        (silent,) = _silent(port, 1)
+        (dribbling,) = _silent(port, 1)
+        dribbling.sendall(w.frame(w.Hello("peer", token="peer-secret"))[:3])  # a hello begun, never finished
+        assert 0.5 < _closed_within(silent, 8) < 5
+        assert _closed_within(dribbling, 8) < 5
+        silent.close()
+        dribbling.close()
+        got = served(a)
+        assert got["timed_out"] == 2 and got["connections"] == 0, got
+        # a peer that says its hello at once is in, and stays in past hello_timeout between its requests
+        reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+        assert isinstance(reply, w.Ok)
+        time.sleep(1.5)
+        s.sendall(w.frame(w.ExistsMany([ABSENT])))
+        assert isinstance(_reply(s), w.Results)
+        s.close()
+    finally:
+        a.cleanup()
+
+
+def test_a_listener_full_of_peers_refuses_a_newcomer(pair) -> None:
+    a, b, port, _token = pair
+    peers = []
+    try:
+        for _ in range(PEER_CONNECTIONS):  # every slot a peer that said its hello, then idles
+            reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+            assert isinstance(reply, w.Ok)
+            peers.append(s)
+        refused_before = served(a)["refused"]
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        reply = _reply(s)  # answered at once, before it says anything, and closed
+        assert isinstance(reply, w.Err) and f"{PEER_CONNECTIONS} peer connections" in reply.message, reply
+        assert s.recv(1) == b""
+        s.close()
+        got = served(a)
+        assert got["refused"] == refused_before + 1 and got["displaced"] == 0, got
+        assert got["connections"] == PEER_CONNECTIONS, got
+        # a peer is never displaced: each still answers
+        for s in peers[:3]:
+            s.sendall(w.frame(w.ExistsMany([ABSENT])))
+            assert isinstance(_reply(s), w.Results)
+        # one leaves: its slot is free for the next
+        peers.pop().close()
+        deadline = time.monotonic() + 10
+        while served(a)["connections"] >= PEER_CONNECTIONS:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+        assert isinstance(reply, w.Ok)
+        peers.append(s)
+    finally:
+        for s in peers:
+            s.close()

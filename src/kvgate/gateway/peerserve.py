@@ -22,9 +22,16 @@ RAM tier is sent straight from its pages, lent for the send
 ``sendmsg``: no copy on this side, and the loop never waits on a socket.
 
 Bounds, against a peer that means harm or is merely broken: at most
-``PEER_CONNECTIONS`` connections; a hello within ``hello_timeout``; every
-frame's lengths checked before anything is read for them (requests carry no
-body); a batch of at most ``MAX_BATCH`` keys; a ``read_many`` served in
+``PEER_CONNECTIONS`` connections, and connections without a peer behind
+them cannot keep a peer out: at a full listener a new connection displaces
+the oldest that has not said its hello (one that has sent nothing of it
+first, else one waiting over ``HELLO_GRACE_S``), and only a listener full
+of peers that said their hello refuses it; the whole hello within
+``hello_timeout`` of the connect; a peer's connection closed after
+``PEER_IDLE_S`` without a request (its ``PeerTier`` reconnects when it next
+asks), and every request whole within ``FRAME_TIMEOUT_S`` of its first byte;
+every frame's lengths checked before anything is read for them (requests
+carry no body); a batch of at most ``MAX_BATCH`` keys; a ``read_many`` served in
 rounds of at most ``PEER_ROUND_BYTES``, each sent before the next is read or
 lent, so a peer asking for 4,096 objects of 256 MiB makes this gateway hold
 one round, not a terabyte.  Card reads for peers are not urgent (the I/O
@@ -39,6 +46,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 from kvgate.cards import ObjectMeta
@@ -56,6 +64,18 @@ PEER_CONNECTIONS = 64  # a peer gateway holds two (its lookup and pull threads):
 PEER_ROUND_BYTES = 64 << 20  # objects of one read_many lent or read, and sent, at a time
 LOOP_TIMEOUT_S = 60.0  # a store call for a peer that takes longer: the gateway is stopping or stuck
 SEND_TIMEOUT_S = 30.0  # a peer that takes no bytes for this long is gone
+# A request (at most MAX_REQUEST_HEADER of header, no body) not whole this long after its first byte: the peer
+# is stalled or dribbles on purpose, and its thread and slot are not held for it.
+FRAME_TIMEOUT_S = 30.0
+# At a full listener, a connection whose hello has begun to arrive is displaced only once it has waited this
+# long: a peer's hello follows its connect within milliseconds, even on a loaded host (as the client
+# listeners' HELLO_GRACE_S).
+HELLO_GRACE_S = 1.0
+# A peer's connection that sends no request for this long is closed.  PeerTier keeps its connections open
+# between calls and, finding one closed, makes a new one before it asks (a connect and a hello: one round
+# trip), so this costs a peer that asks at least every few minutes nothing; it frees the slots of a peer
+# whose host vanished without closing them, and of a token holder that opens connections and leaves them.
+PEER_IDLE_S = 300.0
 
 
 class PeerRefused(KvgateError, RuntimeError):
@@ -64,6 +84,20 @@ class PeerRefused(KvgateError, RuntimeError):
     def __init__(self, err: w.Err) -> None:
         super().__init__(err.message)
         self.err = err
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One open connection, as the accept thread weighs it when the listener is full (under ``_lock``)."""
+
+    sock: socket.socket
+    since: float  # time.monotonic() of its accept
+    heard: bool = False  # the first bytes of its hello arrived (advisory: written without the lock)
+    peer: bool = False  # its hello was accepted: a peer with the token, never displaced
+
+
+class _Silent(TimeoutError):
+    """No request began in time: no hello within ``hello_timeout``, or none within ``PEER_IDLE_S``."""
 
 
 @dataclass
@@ -88,11 +122,14 @@ class PeerServer:
         self.host, self.port = host.strip("[]"), int(port)
         self.listener: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.conns: set[socket.socket] = set()
-        self._lock = threading.Lock()  # conns, and the counters the threads write
+        self.conns: dict[socket.socket, _Slot] = {}  # open connections, oldest first
+        self._lock = threading.Lock()  # conns (and closing their sockets), and the counters the threads write
         self.served_objects = 0
         self.served_bytes = 0
         self.refused = 0  # connections and requests refused (token, not a peer, protocol, limits)
+        self.displaced = 0  # connections closed before their hello, to make room at a full listener
+        self.timed_out = 0  # closed for time: no hello in time, a request not whole in time, a reply not taken
+        self.idle_closed = 0  # peers' connections closed after PEER_IDLE_S without a request
 
     async def start(self) -> None:
         """Listen (an ``OSError`` when the address cannot be had) and accept on a thread of its own."""
@@ -110,52 +147,79 @@ class PeerServer:
             self.listener.close()
             self.listener = None
         with self._lock:
-            conns = list(self.conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for conn in self.conns:
+                _shut(conn)
 
     def status(self) -> dict:
         with self._lock:
             return {"listen": f"{self.host}:{self.port}", "connections": len(self.conns),
                     "served_objects": self.served_objects, "served_bytes": self.served_bytes,
-                    "refused": self.refused}
+                    "refused": self.refused, "displaced": self.displaced, "timed_out": self.timed_out,
+                    "idle_closed": self.idle_closed}
 
     # ---- connections (their threads) ---------------------------------------------------
 
     def _accept(self) -> None:
+        """The accept thread: each connection gets a slot (displacing one at a full listener: ``_displaceable``)
+        and a thread of its own.  Never waits on a peer but for the refusal it sends into a fresh socket."""
         listener = self.listener
         while listener is not None:
             try:
                 conn, addr = listener.accept()
             except OSError:
                 return  # closed
+            now = time.monotonic()
             with self._lock:
+                if len(self.conns) >= PEER_CONNECTIONS:
+                    out = self._displaceable(now)
+                    if out is not None:  # its thread wakes from its read and leaves, closing the socket
+                        del self.conns[out.sock]
+                        self.displaced += 1
+                        _shut(out.sock)
                 full = len(self.conns) >= PEER_CONNECTIONS
-                if not full:
-                    self.conns.add(conn)
-                else:
+                if full:
                     self.refused += 1
+                else:
+                    slot = self.conns[conn] = _Slot(conn, now)
             if full:
                 _send_quietly(conn, w.Err("unavailable", f"this gateway serves {PEER_CONNECTIONS} peer connections "
-                                          "at most; try again later", errno.EBUSY))
+                                          "at most, all of them peers that said their hello; try again later",
+                                          errno.EBUSY))
                 conn.close()
                 continue
-            threading.Thread(target=self._connection, args=(conn, addr), name=f"kvgate-peer-{addr}",
+            threading.Thread(target=self._connection, args=(slot, addr), name=f"kvgate-peer-{addr}",
                              daemon=True).start()
 
-    def _connection(self, conn: socket.socket, addr) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _displaceable(self, now: float) -> _Slot | None:
+        """The connection a newcomer displaces at a full listener (under ``_lock``): the oldest that has sent
+        nothing of its hello, else the oldest whose hello has taken ``HELLO_GRACE_S``; None when every slot
+        is a peer's (or a hello just arriving): then the newcomer is refused."""
+        aged = None
+        for slot in self.conns.values():  # oldest first
+            if slot.peer:
+                continue
+            if not slot.heard:
+                return slot
+            if aged is None and now - slot.since >= HELLO_GRACE_S:
+                aged = slot
+        return aged
+
+    def _connection(self, slot: _Slot, addr) -> None:
+        """A connection's thread: its hello, then its requests until it leaves, breaks a rule or idles past
+        ``PEER_IDLE_S``.  Blocks on its socket only, each wait bounded; store calls go to the loop."""
+        conn = slot.sock
         try:
-            conn.settimeout(self.cfg.hello_timeout)
-            self._check_hello(self._request(conn))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello_by = slot.since + self.cfg.hello_timeout
+            self._check_hello(self._request(conn, hello_by - time.monotonic(), hello_by, slot))
+            with self._lock:
+                if self.conns.get(conn) is not slot:
+                    return  # displaced while its hello was checked: the socket is shut already
+                slot.peer = True
             conn.settimeout(SEND_TIMEOUT_S)
             conn.sendall(w.frame(w.Ok({"max_object_bytes": self.cfg.max_frame_bytes})))
             while True:
-                conn.settimeout(None)  # a peer's connection waits idle between its calls
-                msg = self._request(conn)
+                msg = self._request(conn, PEER_IDLE_S)  # a peer's connection waits idle between its calls
                 conn.settimeout(SEND_TIMEOUT_S)
                 if isinstance(msg, w.ExistsMany):
                     _check_batch(msg.keys)
@@ -176,18 +240,30 @@ class PeerServer:
             self._count_refused()
             log.warning("peer %s broke the protocol: %s", addr, e)
             _send_quietly(conn, w.Err("bad_request", str(e)))
-        except (OSError, TimeoutError, ConnectionError):
-            pass  # it went, stalled, or said nothing in time; or the gateway is stopping
+        except _Silent:
+            if slot.peer:
+                self._count("idle_closed")
+                log.debug("peer %s: no request for %.0f s; connection closed (it reconnects)", addr, PEER_IDLE_S)
+            else:
+                self._count("timed_out")
+        except TimeoutError:
+            self._count("timed_out")  # a request not whole in time, or a reply it did not take
+        except (OSError, ConnectionError):
+            pass  # it went, or was displaced; or the gateway is stopping
         except Exception:
             log.exception("peer %s: connection failed", addr)
         finally:
             with self._lock:
-                self.conns.discard(conn)
-            conn.close()
+                if self.conns.get(conn) is slot:
+                    del self.conns[conn]
+                conn.close()  # (under the lock: the accept thread never shuts a socket that is closed)
 
     def _count_refused(self) -> None:
+        self._count("refused")
+
+    def _count(self, counter: str) -> None:
         with self._lock:
-            self.refused += 1
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def _check_hello(self, msg: w.Msg) -> None:
         if not isinstance(msg, w.Hello):
@@ -201,11 +277,27 @@ class PeerServer:
                                     "hold this gateway's peer token", errno.EACCES))
 
     @staticmethod
-    def _request(conn: socket.socket) -> w.Msg:
+    def _request(conn: socket.socket, wait_s: float, by: float | None = None, slot: _Slot | None = None) -> w.Msg:
+        """The next request: its first bytes within ``wait_s`` (else ``_Silent``), the whole frame by ``by``
+        (time.monotonic(); default ``FRAME_TIMEOUT_S`` after its first bytes, else ``TimeoutError``).
+        ``slot``: marked ``heard`` once its first bytes arrived (a hello on its way)."""
         prefix = bytearray(w.PREFIX.size)
-        w.recv_exact(conn, memoryview(prefix))
+        view = memoryview(prefix)
+        if wait_s <= 0:
+            raise _Silent()
+        conn.settimeout(wait_s)
+        try:
+            got = conn.recv_into(view)
+        except TimeoutError:
+            raise _Silent() from None
+        if not got:
+            raise ConnectionResetError("peer closed the connection")
+        if slot is not None:
+            slot.heard = True
+        deadline = by if by is not None else time.monotonic() + FRAME_TIMEOUT_S
+        w.recv_exact(conn, view[got:], deadline)
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
-        return w.decode_request(w.recv_body(conn, hlen))
+        return w.decode_request(w.recv_body(conn, hlen, deadline))
 
     def _on_loop(self, coro):
         """Run ``coro`` on the gateway's loop and wait for it (this is a connection's thread)."""
@@ -291,6 +383,14 @@ def _send_all(conn: socket.socket, parts: list) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+def _shut(conn: socket.socket) -> None:
+    """Wake the connection's thread from its read (it then closes the socket): under ``PeerServer._lock``."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _send_quietly(conn: socket.socket, err: w.Err) -> None:

@@ -301,7 +301,13 @@ class _SnapshotCollector:
         if served is not None:  # peer_listen set: what peers read from this gateway
             for name, doc in (("served_objects", "objects peer gateways pulled from this one"),
                               ("served_bytes", "payload bytes peer gateways pulled from this one"),
-                              ("refused", "peer connections or requests refused (token, protocol, limits)")):
+                              ("refused", "peer connections or requests refused (token, protocol, limits)"),
+                              ("displaced", "peer connections closed before their hello to make room at a full "
+                                            "listener"),
+                              ("timed_out", "peer connections closed for time (no hello within hello_timeout, "
+                                            "a request not whole in time, a reply not taken)"),
+                              ("idle_closed", "peer gateways' connections closed after long without a request "
+                                              "(the peer reconnects)")):
                 yield CounterMetricFamily(f"kvgate_peer_listen_{name}", doc, value=served[name])
             yield GaugeMetricFamily("kvgate_peer_listen_connections", "peer connections open now",
                                     value=served["connections"])

@@ -14,7 +14,7 @@ import pytest
 from kvgate.errors import ConfigError
 from kvgate.kvevents.publisher import EventPublisher
 from kvgate.kvevents.wire import MEDIUM_CPU
-from kvgate.routing.handoff import handoff_blocks, prefill_body
+from kvgate.routing.handoff import handoff_blocks, prefill_body, prompt_cached
 from kvgate.routing.settings import build
 from tests.helpers import free_port
 from tests.routing.front_engines import FakeEngine
@@ -29,6 +29,9 @@ def test_prefill_body_and_blocks_handed_off():
     assert prefill_body(body) == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False,
                                   "max_completion_tokens": 1, "temperature": 0, "n": 1}
     assert body["max_tokens"] == 50  # the client's body is left as it was
+    assert prompt_cached(b'{"usage": {"prompt_tokens_details": {"cached_tokens": 256}}}') == 256
+    for answer in (b'{"usage": {"prompt_tokens_details": null}}', b"[1]", b"not json", b'{"usage": 3}'):
+        assert prompt_cached(answer) is None, answer
     assert handoff_blocks(17, 4, 4) == 4
     assert handoff_blocks(16, 4, 4) == 3  # the last token is computed by the decode: its block is not loaded
     assert handoff_blocks(4, 4, 1) == 0

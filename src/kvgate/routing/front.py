@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgate.errors import InvalidArgument
 from kvgate.routing.endpoints import EndpointPool, EndpointState
 from kvgate.routing.feeds import Feeds
-from kvgate.routing.handoff import Handoff, handoff_blocks, prefill_body
+from kvgate.routing.handoff import Handoff, handoff_blocks, prefill_body, prompt_cached
 from kvgate.routing.hashing import BlockHasher
 from kvgate.routing.index import KvIndex
 from kvgate.routing.policies import CacheAware, Decision, make_policy
@@ -426,7 +426,7 @@ class Router:
         ep.inflight += 1
         try:
             async with self.session.post(ep.url + path, json=prefill_body(body), headers=headers) as r:
-                await r.read()
+                answer = await r.read()
                 status = r.status
         except _CONNECT_ERRORS as e:
             self.pool.mark_down(ep, f"a prefill could not connect: {type(e).__name__}: {e}")
@@ -444,6 +444,9 @@ class Router:
                 log.warning("router: the prefill on %s answered %s; the decode computes the prompt", ep.url, status)
             return "prefill-failed", extra
         self.metrics.requests.labels(ep.url, self.policy.name).inc()
+        cached = prompt_cached(answer)
+        if cached is not None:
+            extra["x-kvgate-prefill-cached"] = str(cached)
         prefill_gw = self.scoring.sources[ep.url].gateway
         stored, waited = await self.handoff.wait(hashes, need, dec_gw, [prefill_gw])
         self.metrics.handoff_wait.observe(waited)

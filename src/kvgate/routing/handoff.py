@@ -24,7 +24,9 @@ prompts, ``/tokenize`` failing): the decode endpoint then does it all.  A prefil
 connect, or an error status) is logged and the decode does it all too: a split request is never failed by
 its prefill.
 
-The answer carries ``x-kvgate-prefill`` (the prefill endpoint, when one ran) and ``x-kvgate-handoff``
+The answer carries ``x-kvgate-prefill`` (the prefill endpoint, when one ran), ``x-kvgate-prefill-cached``
+(the prompt tokens its engine did not compute: its ``usage.prompt_tokens_details.cached_tokens``, when
+the engine reports them) and ``x-kvgate-handoff``
 (``stored``: the KV was in place before the decode; ``timeout``; ``present``: no prefill needed;
 ``short``; ``untokenized``; ``prefill-failed``).  Metrics: ``kvgate_router_handoffs_total{outcome}`` and
 ``kvgate_router_handoff_wait_seconds``.
@@ -40,6 +42,7 @@ Runs on the router's event loop; nothing here blocks (the wait polls the index e
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +50,7 @@ from typing import Any
 from kvgate.routing.index import KvIndex
 from kvgate.routing.score import Endpoint, Scorer
 
-__all__ = ["POLL_S", "prefill_body", "handoff_blocks", "Handoff"]
+__all__ = ["POLL_S", "prefill_body", "prompt_cached", "handoff_blocks", "Handoff"]
 
 # how often the wait looks at the index: events are applied on the same loop as they arrive, and a
 # prompt's blocks come in one or two batches, so 5 ms adds at most 5 ms to a hand-off that takes tens
@@ -66,6 +69,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out["n"] = 1
     return out
+
+
+def prompt_cached(answer: bytes) -> int | None:
+    """The cached prompt tokens an OpenAI-style answer reports (vLLM with --enable-prompt-tokens-details),
+    or None where it says nothing of them."""
+    try:
+        usage = json.loads(answer).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def handoff_blocks(tokens: int, block_size: int, hashes: int) -> int:

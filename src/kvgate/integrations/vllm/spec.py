@@ -5,6 +5,9 @@
         "spec_module_path": "kvgate.integrations.vllm", "cpu_bytes_to_use": 268435456,
         "kvgate.socket": "/run/kvgate.sock"}}'
 
+Unlike vLLM's own spec, decoded tokens' blocks are stored too (``offload_prompt_only`` defaults to
+false here; set it to true to store prompts only).
+
 The ``kvgate.*`` keys add one ``KvgateTier`` after any configured
 ``secondary_tiers``; without them, and without a ``KvgateTier`` entry there,
 one on the gateway's default socket (``kvgate.config.default_socket_path``,
@@ -43,6 +46,12 @@ class KvgateOffloadingSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
+        # vLLM offloads a request's prompt blocks only unless told otherwise (offload_prompt_only, default
+        # true).  kvgate stores the blocks the answer fills too: the next turn of a conversation sends the
+        # answer back as part of its prompt, and with prefill and decode on different engines the decode
+        # engine is the only one that ever computed it.  An explicit offload_prompt_only is kept.
+        if "offload_prompt_only" not in self.extra_config:
+            self.offload_prompt_only = False
         self._kvgate_vllm_config = compat.current_vllm_config()
         tier_cfg = tier_config_from_extra(self.extra_config)
         configured = [t for t in self.secondary_tier_configs if t.get("type") == TIER_TYPE]

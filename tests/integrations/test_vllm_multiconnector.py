@@ -1,0 +1,158 @@
+"""kvgate as one child of vLLM's ``MultiConnector``, beside a second connector, in one real vLLM CPU engine (0.32).
+
+``MultiConnector`` (``kv_connector_extra_config.connectors``: a list of
+child ``kv_transfer_config`` dicts, each with its own ``kv_role`` and
+``kv_connector_extra_config``) saves every request's KV through all of its
+children and loads it from the first child, in list order, that reports
+matched tokens.  On GPUs the second child is a P-to-D transport (NIXL, see
+docs/integrations/vllm.md); NIXL does not run on a CPU, so here it is
+vLLM's ``ExampleConnector``, which writes each prompt's KV to
+``shared_storage_path`` as one safetensors file per layer and runs on the
+CPU platform.
+
+The config is the one the vLLM doc page shows, verbatim
+(``MULTI_CONFIG``): kvgate's ``OffloadingConnector`` first,
+``ExampleConnector`` second.  One engine start:
+
+- P is computed: it is stored through both children (the gateway holds its
+  chunks; ExampleConnector's directory for P has one file per layer, with
+  P's cacheable tokens);
+- the engine's prefix cache and vLLM's CPU tier are emptied
+  (``reset_prefix_cache(reset_connector=True)``, which ``MultiConnector``
+  passes to every child);
+- P again: both children hold it, and kvgate, first in the list, restores
+  it: every cacheable token an external hit, the same greedy output, the
+  gateway served P's chunks, and ExampleConnector, which also reported the
+  match, injected nothing.
+
+Only this order is tested: one engine run cannot have both, and in the
+other order ExampleConnector (whose match is synchronous and complete)
+would restore P and the gateway would serve nothing, which tests vLLM, not
+kvgate.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import GatewayProcess, kvgate_env
+from tests.integrations.test_vllm_e2e import CACHEABLE, ENGINE, FULL_CHUNKS, P, VENV_PY
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VENV_PY.exists(), reason=f"{VENV_PY} is missing: build the vLLM CPU venv first "
+                                                   "(make vllm-venv)"),
+]
+
+NUM_LAYERS = 2  # the tiny Llama vllm_engine.py builds
+SOCKET = "/run/kvgate/kvgate.sock"
+STORAGE = "/var/lib/vllm/example-connector"
+
+#: docs/integrations/vllm.md, "Beside a P/D transport (MultiConnector)", the CPU config (the test puts its own
+#: gateway socket and storage directory in place of SOCKET and STORAGE).
+MULTI_CONFIG = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "spec_name": "KvgateOffloadingSpec", "spec_module_path": "kvgate.integrations.vllm",
+        "cpu_bytes_to_use": 134217728, "kvgate.socket": SOCKET}},
+    {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "shared_storage_path": STORAGE}},
+]}}
+
+
+def multi_config(socket: str, storage: Path) -> dict:
+    text = json.dumps(MULTI_CONFIG).replace(SOCKET, socket).replace(STORAGE, str(storage))
+    assert socket in text and str(storage) in text
+    return json.loads(text)
+
+
+def example_connector_dir(storage: Path, prompt: list[int]) -> Path:
+    """Where ExampleConnector keeps a prompt: md5 of its int64 token ids, all but the last token, down to whole
+    blocks (``align_to_block_size(len - 1)``: P's 2944 cacheable tokens)."""
+    kept = prompt[:CACHEABLE]
+    return storage / hashlib.md5(struct.pack(f"<{len(kept)}q", *kept)).hexdigest()
+
+
+def safetensors_shape(path: Path) -> list[int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))["kv_cache"]["shape"]
+
+
+def run_engine(workdir: Path, name: str, plan: dict, timeout: float = 600) -> dict:
+    """vllm_engine.py with a whole ``kv_transfer_config``; as test_vllm_e2e.run_engine otherwise."""
+    out = workdir / f"{name}.json"
+    plan = {**plan, "out": str(out)}
+    plan_path = workdir / f"{name}.plan.json"
+    plan_path.write_text(json.dumps(plan))
+    env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    env.pop("PYTHONHASHSEED", None)
+    log = workdir / f"{name}.log"
+    try:
+        with open(log, "wb") as f:
+            proc = subprocess.run([str(VENV_PY), str(ENGINE), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
+                                  env=env, cwd=str(workdir), timeout=timeout)
+    finally:
+        # kvgate's child keeps vLLM's CPU tier in /dev/shm under the engine id (the MultiConnector's: children
+        # inherit it), unlinked only in a clean shutdown.
+        id_file = Path(str(out) + ".engine_id")
+        if id_file.exists():
+            leaked = Path(f"/dev/shm/vllm_offload_{id_file.read_text().strip()}.mmap")
+            if leaked.exists():
+                leaked.unlink()
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
+    result = json.loads(out.read_text())
+    result["log"] = text
+    result["by_name"] = {r["name"]: r for r in result["results"]}
+    return result
+
+
+def test_kvgate_first_beside_a_second_connector_in_multiconnector(tmp_path):
+    storage = tmp_path / "example-connector"
+    storage.mkdir()
+    gw = GatewayProcess(tmp_path, ["--max-bytes", "256M", "--shared-memory-size", "64M"], name="gw")
+    gw.start()
+    try:
+        run = run_engine(tmp_path, "multi", {
+            "model_dir": str(tmp_path / "tiny-llama"), "socket": gw.socket,
+            "kv_transfer_config": multi_config(gw.socket, storage),
+            "requests": [{"name": "P", "prompt_token_ids": P}],
+            "drain": {"expect_sets": FULL_CHUNKS, "timeout": 60, "settle": 2.0},
+            "after_drain": [{"name": "reset", "reset_cache": True}, {"name": "P-again", "prompt_token_ids": P}],
+        })
+        tiers = gw.stats()["tiers"]
+    finally:
+        gw.cleanup()
+    by, log = run["by_name"], run["log"]
+    first, again = by["P"], by["P-again"]
+
+    # P computed, and stored through both children
+    assert first["num_cached_tokens"] == 0, first
+    assert run["gateway_sets"] == FULL_CHUNKS and tiers["ram"]["sets"] == FULL_CHUNKS, (run["gateway_sets"], tiers)
+    p_dir = example_connector_dir(storage, P)
+    files = sorted(p_dir.glob("*.safetensors")) if p_dir.is_dir() else []
+    assert len(files) == NUM_LAYERS, (f"ExampleConnector's directory for P holds {[f.name for f in files]}; "
+                                      f"storage has {sorted(p.name for p in storage.iterdir())}")
+    for f in files:
+        assert safetensors_shape(f)[0] == CACHEABLE, (f.name, safetensors_shape(f))
+
+    # emptied, then P restored through kvgate, the first child that reported matched tokens
+    assert by["reset"]["done"], run["results"]
+    assert again["external_prefix_cache_hits_delta"] == CACHEABLE, again
+    assert again["num_cached_tokens"] == CACHEABLE, again
+    assert again["output_token_ids"] == first["output_token_ids"]
+    served = tiers["ram"]["hits"] + tiers["long"]["hits"]
+    assert served == FULL_CHUNKS, tiers
+    assert tiers["ram"]["sets"] == FULL_CHUNKS  # nothing of P stored twice
+    # ExampleConnector matched P too (it logs the hit), but was not chosen: it injected no KV
+    after_reset = log[log.index("[engine] reset: reset_prefix_cache"):log.index("[engine] P-again:")]
+    assert "External Cache Hit!" in after_reset, after_reset[-3000:]
+    assert "Inject KV cache" not in log, log[-4000:]
+    assert "transfers are zero copy" in log  # kvgate's child registered vLLM's CPU tier with the gateway
+    assert "failed unexpectedly" not in log and "BufferError" not in log, log[-4000:]

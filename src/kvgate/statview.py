@@ -144,14 +144,15 @@ def cards_tables(snap: dict[str, Any]) -> list[Table]:
 
 def peers_table(snap: dict[str, Any]) -> Table:
     """The peer gateways this one reads from (``peers``), and what peers read from it (``peer_listen``)."""
-    t = _table("peers", ["peer", "asked", "pulled", "bytes", "failures", "resting"], left=1)
+    t = _table("peers", ["peer", "asked", "pulled", "bytes", "failures", "resting", "known absent"], left=1)
     for p in snap.get("peers", []):
         t.add_row(cell(p["address"]), str(p["gets"]), str(p["hits"]), fmt_bytes(p["bytes_read"]),
-                  str(p["failures"]), f"{p['resting_s']:.0f} s" if p.get("resting_s") else "-")
+                  str(p["failures"]), f"{p['resting_s']:.0f} s" if p.get("resting_s") else "-",
+                  str(p.get("negative_hits", 0)))
     served = snap.get("peer_listen")
     if served is not None:
         t.add_row(f"(served on {cell(served['listen'])})", "-", str(served["served_objects"]),
-                  fmt_bytes(served["served_bytes"]), f"{served['refused']} refused", "-")
+                  fmt_bytes(served["served_bytes"]), f"{served['refused']} refused", "-", "-")
     return t
 
 

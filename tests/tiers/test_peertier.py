@@ -18,20 +18,26 @@ from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import ObjectMeta, pack_header
 from kvgate.config import Config
 from kvgate.keys import encode_namespace, full_key, payload_hash
+from kvgate.tiers import peertier
 from kvgate.tiers.contract import Tier
-from kvgate.tiers.peertier import PeerTier
+from kvgate.tiers.peertier import PeerTier, host_port
 from kvgate.tiers.store import GetItem
 from kvgate.types import SizeCode
+from tests.helpers import free_port
 
 KEY = full_key(encode_namespace("peer-test"), b"k")
 PAYLOAD = bytes(range(256)) * 64
 
 
 class LyingPeer:
-    """Answers a hello with Ok, a lookup with the payload's size, and each read as ``mode`` says."""
+    """Answers a hello with Ok, a lookup with the payload's size, and each read as ``mode`` says.
 
-    def __init__(self, mode: str) -> None:
+    ``held``: the keys it holds (None: every key); ``asked``: each request's op after the hello, in order."""
+
+    def __init__(self, mode: str, held: set[bytes] | None = None) -> None:
         self.mode = mode
+        self.held = held
+        self.asked: list[str] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.stop = threading.Event()
@@ -59,17 +65,26 @@ class LyingPeer:
         try:
             while True:
                 msg = self._request(conn)
+                if not isinstance(msg, w.Hello):
+                    self.asked.append(type(msg).__struct_config__.tag)
                 if isinstance(msg, w.Hello):
                     conn.sendall(w.frame(w.Ok({"max_object_bytes": 1 << 20})))
                 elif isinstance(msg, w.ExistsMany):
-                    conn.sendall(w.frame(w.Results([len(PAYLOAD)] * len(msg.keys), [None] * len(msg.keys))))
+                    conn.sendall(w.frame(w.Results([len(PAYLOAD) if self._holds(k) else False for k in msg.keys],
+                                                   [None] * len(msg.keys))))
                 elif isinstance(msg, w.ReadMany):
                     for k in msg.keys:
-                        self._send_object(conn, k)
+                        if self._holds(k):
+                            self._send_object(conn, k)
+                        else:
+                            conn.sendall(w.frame(w.Item(w.Err("missing", "not held by this gateway"))))
                 else:
                     conn.sendall(w.frame(w.Err("bad_request", "no")))
         except (OSError, w.WireError):
             conn.close()
+
+    def _holds(self, key: bytes) -> bool:
+        return self.held is None or key in self.held
 
     def _send_object(self, conn: socket.socket, key: bytes) -> None:
         payload = bytearray(PAYLOAD)
@@ -129,3 +144,80 @@ def test_a_peer_that_lies_or_stalls_costs_a_miss_never_a_wrong_byte(tmp_path, mo
     finally:
         tier.close()
         peer.close()
+
+
+def test_what_a_peer_lacks_is_not_asked_again_for_a_moment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(peertier, "NEGATIVE_S", 0.5)
+    others = [full_key(encode_namespace("peer-test"), f"o{i}".encode()) for i in range(3)]
+    peer = LyingPeer("honest", held=set())
+    tier = tier_for(peer, tmp_path)
+
+    async def main() -> None:
+        keys = [KEY, *others]
+        assert await tier.find(keys, b"") == [False] * 4
+        assert peer.asked == ["exists_many"]
+        # the lookups a new prompt repeats: answered here, the peer not asked, until NEGATIVE_S has passed
+        for _ in range(3):
+            assert await tier.find(keys, b"") == [False] * 4
+            assert await tier.probe_prefix(keys, b"", tier.known(keys, b""), 0, 4) == 0
+        dest = bytearray(len(PAYLOAD))
+        sizes, _needed, _metas = await tier.read_into([GetItem(KEY, b"", memoryview(dest))])
+        assert sizes == [SizeCode.MISS]
+        assert peer.asked == ["exists_many"], "keys the peer lacks were asked again within NEGATIVE_S"
+        assert tier.negative_hits == 6 * 4 + 1 and tier.status()["negative_hits"] == tier.negative_hits
+        assert tier.counters.gets == 1 and tier.counters.misses == 1
+        # the peer stores one meanwhile: found once the answer lapses, the others asked again with it
+        peer.held.add(KEY)
+        await asyncio.sleep(0.6)
+        assert await tier.find(keys, b"") == [True, False, False, False]
+        assert peer.asked == ["exists_many", "exists_many"]
+        sizes, _needed, _metas = await tier.read_into([GetItem(KEY, b"", memoryview(dest))])
+        assert sizes == [len(PAYLOAD)] and bytes(dest) == PAYLOAD
+        # a pull of a key the peer lacks teaches the same: neither a read nor a lookup of it asks again
+        asked = len(peer.asked)
+        gone = full_key(encode_namespace("peer-test"), b"gone")
+        for _ in range(2):
+            sizes, _needed, _metas = await tier.read_into([GetItem(gone, b"", memoryview(dest))])
+            assert sizes == [SizeCode.MISS]
+        assert await tier.find([gone], b"") == [False]
+        assert peer.asked[asked:] == ["read_many"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        tier.close()
+        peer.close()
+
+
+def test_the_absent_keys_are_bounded_and_a_failed_call_teaches_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(peertier, "NEGATIVE_KEPT", 3)
+    keys = [full_key(encode_namespace("peer-test"), f"b{i}".encode()) for i in range(5)]
+    peer = LyingPeer("honest", held=set())
+    tier = tier_for(peer, tmp_path)
+    dead = PeerTier(Config(storage_devices=[str(tmp_path)], peer_token_file=str(tmp_path / "token")),
+                    f"127.0.0.1:{free_port()}")  # nobody listens there: every call fails
+
+    async def main() -> None:
+        assert await tier.find(keys, b"") == [False] * 5
+        assert tier.status()["known_absent"] == 3  # the two oldest were dropped
+        assert await tier.find(keys, b"") == [False] * 5
+        assert peer.asked == ["exists_many"] * 2 and tier.negative_hits == 3  # those two were asked again
+        # no answer, nothing learnt: the keys are misses through the backoff, then asked again
+        assert await dead.find(keys, b"") == [False] * 5
+        assert dead.failures == 1 and dead.status()["known_absent"] == 0 and dead.negative_hits == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        tier.close()
+        dead.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("address,expected", [
+    ("10.0.0.1:5600", ("10.0.0.1", 5600)), ("10.0.0.1", ("10.0.0.1", None)), ("[::1]:5600", ("::1", 5600)),
+    ("::1", ("::1", None)), ("[::ffff:10.0.0.1]:8000", ("10.0.0.1", 8000)), ("GW-A.example.:9", ("gw-a.example", 9)),
+    ("[fe80::0001]", ("fe80::1", None)), ("host:port", ("host", None)),
+])
+def test_host_port(address: str, expected: tuple) -> None:
+    assert host_port(address) == expected

@@ -292,10 +292,12 @@ class _SnapshotCollector:
                                   ("hits", "objects pulled from the peer, verified", CounterMetricFamily),
                                   ("bytes_read", "payload bytes pulled from the peer", CounterMetricFamily),
                                   ("failures", "calls to the peer that failed or ran past peer_timeout_ms",
-                                   CounterMetricFamily)):
+                                   CounterMetricFamily),
+                                  ("negative_hits", "keys answered absent without asking the peer (it said it "
+                                   "lacks them less than NEGATIVE_S, 2 s, ago)", CounterMetricFamily)):
             m = family(f"kvgate_peer_{name}", f"Per peer gateway (peers): {doc}", labels=["peer"])
             for peer in s.get("peers", []):
-                m.add_metric([peer["address"]], peer[name])
+                m.add_metric([peer["address"]], peer.get(name, 0))
             yield m
         served = s.get("peer_listen")
         if served is not None:  # peer_listen set: what peers read from this gateway

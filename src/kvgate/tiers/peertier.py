@@ -17,13 +17,23 @@ card read.
 
 What it serves is copied into the RAM tier by the store (``promote``), so
 the engine's next load of it is local.
+
+What the peer said it lacks is not asked again for ``NEGATIVE_S``: a lookup
+of a new prompt is repeated at every scheduler step until it is answered, and
+each would otherwise cost a round trip to every peer.  The keys it answered
+absent (a lookup's ``False``, a pull's ``missing``) are kept by digest,
+at most ``NEGATIVE_KEPT``, the oldest dropped first; within ``NEGATIVE_S`` a
+lookup or a read of one is a miss without I/O (``negative_hits``).  A failed
+or skipped call teaches nothing: only an answer is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ipaddress
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -32,6 +42,7 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.network import NetworkCard
 from kvgate.cards.objectformat import BufferTooSmall, Header
 from kvgate.config import Config
+from kvgate.keys import key_digests
 from kvgate.memcopy import Abandon
 from kvgate.tiers.contract import STORAGE, UNKNOWN, GetItem, Known, PutItem
 from kvgate.tiers.counters import TierCounters
@@ -47,6 +58,39 @@ SIZES_KEPT = 1 << 16  # object sizes a peer's lookups told, kept for the reads t
 # down (or a host that drops packets) must not cost every lookup its deadline.
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+# How long a key the peer answered absent stays absent without asking it again: long enough to spare the
+# peer the lookups a new prompt repeats at each scheduler step (tens of milliseconds apart) until it is
+# answered, short enough that a block the peer stores now is pulled at the next turn of the conversation
+# (seconds later at the soonest).
+NEGATIVE_S = 2.0
+NEGATIVE_KEPT = 100_000  # keys remembered absent, per peer (about 150 bytes each); the oldest go first
+
+
+def host_port(address: str) -> tuple[str, int | None]:
+    """``HOST:PORT``, ``[V6]:PORT``, a bare host or a bare IPv6 address -> (host as compared, port or None).
+
+    An IP address is written in its one canonical form (an IPv4-mapped IPv6 address as the IPv4 one), a
+    name in lower case: ``10.0.0.1`` and ``::ffff:10.0.0.1`` are one host, a name and its address are not
+    (nothing is resolved)."""
+    text = address.strip()
+    host, port = text, None
+    if text.startswith("["):
+        end = text.find("]")
+        if end > 0:
+            host, rest = text[1:end], text[end + 1:]
+            if rest.startswith(":") and rest[1:].isdigit():
+                port = int(rest[1:])
+    elif text.count(":") == 1:
+        h, _, p = text.partition(":")
+        host = h
+        if p.isdigit():
+            port = int(p)
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host.lower().rstrip("."), port
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip), port
 
 
 class PeerTier:
@@ -59,6 +103,7 @@ class PeerTier:
 
     def __init__(self, cfg: Config, address: str) -> None:
         self.address = address
+        self.host, self.port = host_port(address)  # as a request's source names it (``TieredStore.peers_for``)
         self.name = f"peer {address}"
         self.counters = TierCounters()
         self.timeout = cfg.peer_timeout_ms / 1000
@@ -71,6 +116,10 @@ class PeerTier:
         self._quiet_until = 0.0  # time.monotonic() before which the peer is not asked
         self._sizes: dict[bytes, int] = {}  # key -> payload size, as the peer's lookups said (``sizes``)
         self._said: str | None = None  # the last failure logged (each new one once)
+        # digests of keys the peer answered absent -> time.monotonic() until which they are taken as absent
+        # without asking it; in the order they were learnt, so the oldest (and the first to lapse) go first
+        self._absent: OrderedDict[bytes, float] = OrderedDict()
+        self.negative_hits = 0  # keys answered absent from ``_absent``, not asked of the peer
 
     def close(self) -> None:
         self.card.close()
@@ -110,6 +159,38 @@ class PeerTier:
             log.warning("peer %s: %s (its objects are misses; asked again in %.0f s)", self.address, why,
                         self._backoff)
 
+    # ---- what the peer said it lacks ---------------------------------------------------
+
+    def _unknown(self, fkeys: list[bytes]) -> list[int]:
+        """The positions of the keys to ask the peer about: all but those it answered absent less than
+        ``NEGATIVE_S`` ago (each of those counted in ``negative_hits``)."""
+        absent = self._absent
+        if not absent:  # (no digests to compute: nothing the peer lacked lately)
+            return list(range(len(fkeys)))
+        now = time.monotonic()
+        while absent:  # the lapsed go, oldest first (all lapse after the same NEGATIVE_S)
+            digest, until = next(iter(absent.items()))
+            if until > now:
+                break
+            del absent[digest]
+        if not absent:
+            return list(range(len(fkeys)))
+        get = absent.get
+        ask = [i for i, d in enumerate(key_digests(fkeys)) if get(d, 0.0) <= now]
+        self.negative_hits += len(fkeys) - len(ask)
+        return ask
+
+    def _learn_absent(self, fkeys: list[bytes]) -> None:
+        """The peer answered that it lacks ``fkeys``: take them as absent for ``NEGATIVE_S``."""
+        absent = self._absent
+        until = time.monotonic() + NEGATIVE_S
+        for d in key_digests(fkeys):
+            if d in absent:
+                absent.move_to_end(d)
+            absent[d] = until
+        while len(absent) > NEGATIVE_KEPT:
+            absent.popitem(last=False)
+
     # ---- presence -----------------------------------------------------------------
 
     def known(self, fkeys: list[bytes], dialog: bytes) -> Known:
@@ -117,26 +198,36 @@ class PeerTier:
 
     async def find(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> list[bool]:
         """Asked of the peer, which answers with each present object's size where it knows it: kept for
-        ``sizes``, so the read that follows a lookup is sized right, not probed first."""
+        ``sizes``, so the read that follows a lookup is sized right, not probed first.  Keys it answered
+        absent a moment ago (``NEGATIVE_S``) are not asked again."""
         if not fkeys:
             return []
-        got = await self._call(self.card.exists_many, fkeys)
+        out = [False] * len(fkeys)
+        ask = self._unknown(fkeys)
+        if not ask:
+            return out
+        sub = fkeys if len(ask) == len(fkeys) else [fkeys[i] for i in ask]
+        got = await self._call(self.card.exists_many, sub)
         if got is None:
-            return [False] * len(fkeys)
+            return out
         errors = [r for r in got if isinstance(r, BaseException)]
         if errors:
             self._failed(errors[0])
         else:
             self._said = None
-        out = []
-        for k, r in zip(fkeys, got):
+        absent = []
+        for i, k, r in zip(ask, sub, got):
             if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
                 if len(self._sizes) >= SIZES_KEPT:
                     self._sizes.clear()  # (a cache of hints: dropping it costs a size probe each)
                 self._sizes[k] = r
-                out.append(True)
-            else:
-                out.append(r is True)
+                out[i] = True
+            elif r is True:
+                out[i] = True
+            elif r is False:
+                absent.append(k)
+        if absent:
+            self._learn_absent(absent)
         return out
 
     async def probe_prefix(self, fkeys: list[bytes], dialog: bytes, known: Known, start: int, end: int,
@@ -179,8 +270,14 @@ class PeerTier:
                     sizes[i] = 0
             c.misses += len(sizing)
         if pulling:
+            ask = self._unknown([items[i].fkey for i in pulling])
+            c.misses += len(pulling) - len(ask)  # answered absent a moment ago: not asked again
+            if len(ask) < len(pulling):
+                pulling = [pulling[j] for j in ask]
+        if pulling:
             results = await self._pull([items[i] for i in pulling], own)
             failure: BaseException | None = None
+            missing: list[bytes] = []
             for i, r in zip(pulling, results):
                 if isinstance(r, Header):
                     sizes[i], metas[i] = r.payload_len, r.meta
@@ -190,8 +287,12 @@ class PeerTier:
                 c.misses += 1
                 if isinstance(r, BufferTooSmall):
                     sizes[i], needed[i] = SizeCode.TOO_SMALL, r.needed
-                elif r is not None and not isinstance(r, LookupError):  # missing is an answer, not a failure
+                elif isinstance(r, LookupError):  # missing is an answer, not a failure
+                    missing.append(items[i].fkey)
+                elif r is not None:
                     failure = failure or r
+            if missing:
+                self._learn_absent(missing)
             if failure is not None:  # (once a batch: a lost connection fails every item of it)
                 self._failed(failure)
             elif any(r is not None for r in results):
@@ -237,4 +338,5 @@ class PeerTier:
         c = self.counters
         return {"address": self.address, "gets": c.gets, "hits": c.hits, "misses": c.misses,
                 "bytes_read": c.bytes_read, "failures": self.failures, "skipped": self.skipped,
+                "negative_hits": self.negative_hits, "known_absent": len(self._absent),
                 "resting_s": round(max(0.0, self._quiet_until - time.monotonic()), 3)}

@@ -10,9 +10,11 @@ vLLM's ``ExampleConnector``, which writes each prompt's KV to
 ``shared_storage_path`` as one safetensors file per layer and runs on the
 CPU platform.
 
-The config is the one the vLLM doc page shows, verbatim
-(``MULTI_CONFIG``): kvgate's ``OffloadingConnector`` first,
-``ExampleConnector`` second.  One engine start:
+The config is the CPU one of docs/integrations/vllm.md ("Beside a P/D
+transport"), read from the page and run as written but for the gateway's
+socket and the storage directory: kvgate's ``OffloadingConnector`` first,
+``ExampleConnector`` second (``test_doc_configs`` checks the page's GPU
+config too, which cannot run here).  One engine start:
 
 - P is computed: it is stored through both children (the gateway holds its
   chunks; ExampleConnector's directory for P has one file per layer, with
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -43,32 +46,58 @@ import pytest
 from tests.helpers import GatewayProcess, kvgate_env
 from tests.integrations.test_vllm_e2e import CACHEABLE, ENGINE, FULL_CHUNKS, P, VENV_PY
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(not VENV_PY.exists(), reason=f"{VENV_PY} is missing: build the vLLM CPU venv first "
-                                                   "(make vllm-venv)"),
-]
-
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "vllm.md"
+SECTION = "## Beside a P/D transport (MultiConnector)"
 NUM_LAYERS = 2  # the tiny Llama vllm_engine.py builds
-SOCKET = "/run/kvgate/kvgate.sock"
+SOCKET = "/run/kvgate/kvgate.sock"  # the doc's paths, which the test replaces with its own
 STORAGE = "/var/lib/vllm/example-connector"
+KVGATE_CHILD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+    "spec_name": "KvgateOffloadingSpec", "spec_module_path": "kvgate.integrations.vllm", "kvgate.socket": SOCKET}}
 
-#: docs/integrations/vllm.md, "Beside a P/D transport (MultiConnector)", the CPU config (the test puts its own
-#: gateway socket and storage directory in place of SOCKET and STORAGE).
-MULTI_CONFIG = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "spec_name": "KvgateOffloadingSpec", "spec_module_path": "kvgate.integrations.vllm",
-        "cpu_bytes_to_use": 134217728, "kvgate.socket": SOCKET}},
-    {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "shared_storage_path": STORAGE}},
-]}}
+
+def doc_configs() -> dict[str, dict]:
+    """The section's ``json`` blocks, by their second child's connector (``NixlConnector``: the GPU config,
+    ``ExampleConnector``: the one this test runs)."""
+    text = DOC.read_text()
+    section = text[text.index(SECTION):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    configs = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
+    by_child: dict[str, dict] = {}
+    for config in configs:
+        names = [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]]
+        by_child["NixlConnector" if "NixlConnector" in names else names[-1]] = config
+    return by_child
+
+
+def children(config: dict) -> list[dict]:
+    assert config["kv_connector"] == "MultiConnector" and config["kv_role"] == "kv_both", config
+    return config["kv_connector_extra_config"]["connectors"]
+
+
+def without_size(child: dict) -> dict:
+    extra = {k: v for k, v in child.get("kv_connector_extra_config", {}).items() if k != "cpu_bytes_to_use"}
+    return {**child, "kv_connector_extra_config": extra}
+
+
+def test_doc_configs():
+    """Both configs are valid JSON of the shape MultiConnector reads, kvgate's child the usual OffloadingConnector
+    entry; NIXL first on GPUs, kvgate first in the one the engine test runs (the doc says why)."""
+    configs = doc_configs()
+    assert set(configs) == {"NixlConnector", "ExampleConnector"}, configs
+    nixl, kvgate = children(configs["NixlConnector"])
+    assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert without_size(kvgate) == KVGATE_CHILD
+    kvgate, example = children(configs["ExampleConnector"])
+    assert without_size(kvgate) == KVGATE_CHILD
+    assert example == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"shared_storage_path": STORAGE}}
 
 
 def multi_config(socket: str, storage: Path) -> dict:
-    text = json.dumps(MULTI_CONFIG).replace(SOCKET, socket).replace(STORAGE, str(storage))
-    assert socket in text and str(storage) in text
-    return json.loads(text)
+    """The doc's CPU config, verbatim but for the gateway socket and the storage directory."""
+    text = json.dumps(doc_configs()["ExampleConnector"])
+    assert text.count(SOCKET) == 1 and text.count(STORAGE) == 1, text
+    return json.loads(text.replace(SOCKET, socket).replace(STORAGE, str(storage)))
 
 
 def example_connector_dir(storage: Path, prompt: list[int]) -> Path:
@@ -113,6 +142,10 @@ def run_engine(workdir: Path, name: str, plan: dict, timeout: float = 600) -> di
     return result
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not VENV_PY.exists(), reason=f"{VENV_PY} is missing: build the vLLM CPU venv first "
+                                                "(make vllm-venv)")
 def test_kvgate_first_beside_a_second_connector_in_multiconnector(tmp_path):
     storage = tmp_path / "example-connector"
     storage.mkdir()

@@ -73,3 +73,20 @@ def test_a_frame_over_the_limit_says_how_to_skip_it():
     with pytest.raises(p.FrameError) as e:  # a header over the header limit cannot be skipped
         p.parse_preamble(p.PREAMBLE.pack(b"KG", 1, 0, p.MAX_HEADER_BYTES + 1, 0), 1 << 30)
     assert not isinstance(e.value, p.FrameTooLarge)
+
+
+def test_a_request_source_costs_older_peers_nothing():
+    """``source`` (Lookup, Exists, Get) is sent only when set, and a gateway from before it skips it."""
+    enc = msgspec.msgpack.encode
+    for cls in (p.Lookup, p.Exists, p.Get):
+        assert b"source" not in enc(cls(keys=[b"a"]))  # an unsourced request is byte for byte as before
+        sourced = cls(keys=[b"a"], source="10.0.0.7:8200")
+        assert p.decode_request(enc(sourced)) == sourced
+
+        class Before(msgspec.Struct, tag_field="op", tag=cls.__struct_config__.tag, omit_defaults=True,
+                     forbid_unknown_fields=False):  # the message as an older gateway decodes it
+            id: int = 0
+            keys: list[bytes] = []
+
+        assert msgspec.msgpack.decode(enc(sourced), type=Before).keys == [b"a"]
+    assert p.decode_request(enc({"op": "lookup", "id": 3, "keys": [b"a"]})).source is None  # an older client's

@@ -116,16 +116,27 @@ class Get(_Msg, tag="get"):
     dialog: bytes | None = None
     # LENT: the client can read card objects out of files the gateway lends it open (GetReply.files)
     files: bool = False
+    source: str | None = None  # as Lookup.source
+
+
+# ``source`` of a lookup, exists or get: "HOST:PORT" or "HOST" where the request's KV was computed (vLLM's
+# kv_transfer_params.remote_kv_source): the gateway asks only its peers on that host, none when no peer of
+# its own is there (it never connects to an address a request names).  None: every peer, as before.  Sent
+# only when set (omit_defaults), and a gateway from before it ignores it (unknown fields are skipped): no new
+# protocol version.
+MAX_SOURCE_CHARS = 300
 
 
 class Lookup(_Msg, tag="lookup"):
     keys: list[bytes] = []
     dialog: bytes | None = None
+    source: str | None = None
 
 
 class Exists(_Msg, tag="exists"):
     keys: list[bytes] = []
     dialog: bytes | None = None
+    source: str | None = None
 
 
 class Delete(_Msg, tag="delete"):

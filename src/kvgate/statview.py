@@ -149,6 +149,10 @@ def peers_table(snap: dict[str, Any]) -> Table:
         t.add_row(cell(p["address"]), str(p["gets"]), str(p["hits"]), fmt_bytes(p["bytes_read"]),
                   str(p["failures"]), f"{p['resting_s']:.0f} s" if p.get("resting_s") else "-",
                   str(p.get("negative_hits", 0)))
+    sources = snap.get("peer_sources") or {}
+    if sources.get("chosen") or sources.get("unknown"):  # requests naming where their KV is (remote_kv_source)
+        t.add_row("(requests by source)", f"{sources.get('chosen', 0)} chosen", "-", "-",
+                  f"{sources.get('unknown', 0)} unknown", "-", "-")
     served = snap.get("peer_listen")
     if served is not None:
         t.add_row(f"(served on {cell(served['listen'])})", "-", str(served["served_objects"]),

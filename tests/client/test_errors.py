@@ -113,7 +113,9 @@ def test_a_wrong_argument_is_invalid_argument_and_both_builtin_kinds(tmp_path) -
         c = Client(a, local=False)
         for call, builtin in ((lambda: c.lookup(b"one key"), TypeError), (lambda: c.lookup([b""]), ValueError),
                               (lambda: c.put_many([b"k"], [b"v"], retention="forever"), ValueError),
-                              (lambda: c.put_many([b"k"], [b"v"], position=2**70), ValueError)):
+                              (lambda: c.put_many([b"k"], [b"v"], position=2**70), ValueError),
+                              (lambda: c.lookup([b"k"], source=b"10.0.0.7:8200"), TypeError),
+                              (lambda: c.get_many([b"k"], source="h" * 301), ValueError)):
             with pytest.raises(builtin) as e:
                 call()
             assert isinstance(e.value, InvalidArgument), repr(e.value)

@@ -278,3 +278,71 @@ def test_a_listener_full_of_peers_refuses_a_newcomer(pair) -> None:
     finally:
         for s in peers:
             s.close()
+
+
+@pytest.fixture
+def trio(tmp_path: Path):
+    """B reads from two peers on one host, A1 and A2 (each with a peer listener of its own)."""
+    token = tmp_path / "peer.token"
+    token.write_text("peer-secret\n")
+    ports = [free_port(), free_port()]
+    serving = [GatewayProcess(tmp_path, ["--max-bytes", "32M", "--shared-memory-size", "16M",
+                                         "--peer-listen", f"127.0.0.1:{port}", "--peer-token-file", str(token)],
+                              card=tmp_path / f"card-a{i}", name=f"A{i}") for i, port in enumerate(ports, 1)]
+    b = GatewayProcess(tmp_path, ["--max-bytes", "32M", "--shared-memory-size", "16M",
+                                  "--peers", *(f"127.0.0.1:{p}" for p in ports), "--peer-token-file", str(token),
+                                  "--peer-timeout-ms", "2000"], card=tmp_path / "card-b", name="B")
+    for gw in (*serving, b):
+        gw.start()
+    try:
+        yield serving, b, ports
+    finally:
+        for gw in (b, *serving):
+            gw.cleanup()
+
+
+def test_a_request_source_chooses_the_peer_asked(trio) -> None:
+    (a1, a2), b, (p1, p2) = trio
+    with a1.client(NS) as c:
+        assert c.put_many([b"both", b"both-get"], [data(1), data(2)], retention="short") == [True, True]
+    with a2.client(NS) as c:
+        assert c.put_many([b"both", b"both-get", b"two", b"two-x", b"two-y", b"two-z"],
+                          [data(1), data(2), data(3), data(4), data(5), data(6)], retention="short") == [True] * 6
+
+    def rows() -> dict[str, dict]:
+        return {row["address"]: row for row in b.stats()["peers"]}
+
+    def asked() -> tuple[int, int]:
+        r = rows()
+        return r[f"127.0.0.1:{p1}"]["lookups"], r[f"127.0.0.1:{p2}"]["lookups"]
+
+    source2 = f"127.0.0.1:{p2}"
+    with b.client(NS) as c:
+        # A2's host:port: A2 alone is asked (both hold the key; without a source A1, listed first, would be)
+        assert c.lookup([b"both"], source=source2) == 1
+        assert c.exists_many([b"two", b"nowhere"], source=source2) == [True, False]
+        assert asked() == (0, 3)
+        assert c.get_many([b"both-get"], source=source2) == [data(2)]  # (sized by a lookup of A2 first)
+        assert served(a2)["served_objects"] == 1 and served(a1)["served_objects"] == 0
+        assert rows()[f"127.0.0.1:{p1}"]["gets"] == 0 and asked() == (0, 4)
+        # the host with another port (an engine's own, as llm-d names it): every peer on the host
+        assert c.lookup([b"two-x"], source="127.0.0.1:8200") == 1
+        assert asked() == (1, 5)
+        # a host no peer is on: no peer asked, the source never dialled; counted, logged once a minute
+        for _ in range(3):
+            assert c.lookup([b"two-y"], source="10.255.0.7:8200") == 0
+        assert c.get_many([b"two-y"], source="10.255.0.7:8200") == [None]
+        assert asked() == (1, 5)
+        assert served(a2)["served_objects"] == 1
+        sources = b.stats()["peer_sources"]
+        assert sources == {"chosen": 4, "unknown": 4}, sources
+        assert b.log().count("names no peer of this gateway") == 1
+        metrics = render(b.stats()).decode()
+        assert "kvgate_peer_unknown_sources_total 4.0" in metrics and "kvgate_peer_sourced_requests_total 4.0" in metrics
+        # no source: every peer, as before
+        assert c.lookup([b"two-z"]) == 1
+        assert asked() == (2, 6)
+    con = Console(width=80, record=True, color_system=None)
+    con.print(statview.view(b.stats()))
+    text = con.export_text()
+    assert "4 unknown" in text and max(len(line) for line in text.splitlines()) <= 80, text

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvgate.errors import BadKey, InvalidArgument
 from kvgate.keys import MAX_KEY_BYTES, as_keys
+from kvgate.protocol import MAX_SOURCE_CHARS
 from kvgate.types import RETENTION_NAMES
 
 Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap
@@ -57,6 +58,18 @@ def check_dialog(dialog: Any) -> bytes | None:
         return bytes(dialog)
     hint = ": encode it (dialog.encode())" if isinstance(dialog, str) else ""
     raise InvalidArgument(f"dialog must be bytes or None, not {type(dialog).__name__}{hint}")
+
+
+def check_source(source: Any) -> str | None:
+    """A request's ``source`` (``HOST:PORT`` or ``HOST`` where its KV was computed; ``kvgate.protocol``): None
+    or a str of at most ``MAX_SOURCE_CHARS`` (an empty one is None)."""
+    if source is None or source == "":
+        return None
+    if not isinstance(source, str):
+        raise InvalidArgument(f"source must be a str (HOST:PORT or HOST) or None, not {type(source).__name__}")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise InvalidArgument(f"source is {len(source)} characters; the limit is {MAX_SOURCE_CHARS} (HOST:PORT)")
+    return source
 
 
 def check_retention(retention: Any) -> str:

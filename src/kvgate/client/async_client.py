@@ -213,18 +213,18 @@ class AsyncClient(core.ClientCore):
         return await self._run(core.put_many_op(keys, buffers, retention, dialog, position), timeout)
 
     async def get_many(self, keys: Sequence[bytes | str], into: Sequence[Buffer] | None = None,
-                       dialog: bytes | None = None, *, timeout: Any = DEFAULT) -> list:
+                       dialog: bytes | None = None, *, source: str | None = None, timeout: Any = DEFAULT) -> list:
         """As ``Client.get_many``: memoryviews of the filled part of ``into``, or bytes; None for a miss."""
-        return await self._run(core.get_many_op(keys, into, dialog), timeout)
+        return await self._run(core.get_many_op(keys, into, dialog, source), timeout)
 
-    async def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
+    async def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *, source: str | None = None,
                      timeout: Any = DEFAULT) -> int:
         """As ``Client.lookup``: how many leading keys are stored."""
-        return await self._run(core.lookup_op(keys, dialog), timeout)
+        return await self._run(core.lookup_op(keys, dialog, source), timeout)
 
     async def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
-                          timeout: Any = DEFAULT) -> list[bool]:
-        return await self._run(core.exists_many_op(keys, dialog), timeout)
+                          source: str | None = None, timeout: Any = DEFAULT) -> list[bool]:
+        return await self._run(core.exists_many_op(keys, dialog, source), timeout)
 
     async def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
                           timeout: Any = DEFAULT) -> int:

@@ -19,7 +19,15 @@ import os
 import socket
 from typing import Any, Callable
 
-from kvgate.client.args import Buffer, byte_views, check_dialog, check_keys, check_position, check_retention
+from kvgate.client.args import (
+    Buffer,
+    byte_views,
+    check_dialog,
+    check_keys,
+    check_position,
+    check_retention,
+    check_source,
+)
 from kvgate.client.regions import SharedMemoryTransport
 from kvgate.client.transport import InlineTransport
 from kvgate.config import default_socket_path
@@ -211,27 +219,30 @@ def put_many_op(keys: Any, buffers: Any, retention: Any, dialog: Any, position: 
     return lambda s: s.transport.put(bkeys, views, retention, dialog, position)
 
 
-def get_many_op(keys: Any, into: Any, dialog: Any) -> Operation:
+def get_many_op(keys: Any, into: Any, dialog: Any, source: Any = None) -> Operation:
     bkeys = check_keys(keys)
     views = None if into is None else byte_views(into, "destination buffers", len(bkeys), writable=True)
     dialog = check_dialog(dialog)
+    source = check_source(source)
     if not bkeys:
         return lambda s: done([])
     if views is None:
-        return lambda s: s.transport.get_packed(bkeys, dialog)
-    return lambda s: s.transport.get_into(bkeys, views, dialog)
+        return lambda s: s.transport.get_packed(bkeys, dialog, source=source)
+    return lambda s: s.transport.get_into(bkeys, views, dialog, source=source)
 
 
 def _asking(msg, answer: Callable[[Any], Any]) -> Operation:
     return lambda s: s.ask(msg, answer)
 
 
-def lookup_op(keys: Any, dialog: Any) -> Operation:
-    return _asking(Lookup(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: r.count)
+def lookup_op(keys: Any, dialog: Any, source: Any = None) -> Operation:
+    return _asking(Lookup(keys=check_keys(keys), dialog=check_dialog(dialog), source=check_source(source)),
+                   lambda r: r.count)
 
 
-def exists_many_op(keys: Any, dialog: Any) -> Operation:
-    return _asking(Exists(keys=check_keys(keys), dialog=check_dialog(dialog)), lambda r: list(r.present))
+def exists_many_op(keys: Any, dialog: Any, source: Any = None) -> Operation:
+    return _asking(Exists(keys=check_keys(keys), dialog=check_dialog(dialog), source=check_source(source)),
+                   lambda r: list(r.present))
 
 
 def delete_many_op(keys: Any, dialog: Any) -> Operation:

@@ -214,29 +214,31 @@ class SharedMemoryTransport(Transport):
 
     # ---- get -------------------------------------------------------------------------------
 
-    def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None) -> Op:
+    def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None, *,
+                 source: str | None = None) -> Op:
         out: list = [None] * len(keys)
         placed = [self._locate(v) for v in views]
         if self.lends:
             mine = [i for i, p in enumerate(placed) if p is None]
             if sum(views[i].nbytes for i in mine) >= LEND_MIN_BYTES:
-                done = yield from self._get_lent(keys, views, mine, dialog, out)
+                done = yield from self._get_lent(keys, views, mine, dialog, out, source)
                 if done:  # only the registered regions' part is left
                     for i in mine:
                         placed[i] = _LENT
         inline = self._inline_here(views, placed)
         for batch in self._staged_batches([i for i, x in enumerate(inline) if not x and placed[i] is not _LENT],
                                           views, placed):
-            yield from self._get_here(keys, views, placed, batch, dialog, out)
+            yield from self._get_here(keys, views, placed, batch, dialog, out, source)
         index = [i for i, x in enumerate(inline) if x]
         if index:
-            got = yield from self.inline.get_into([keys[i] for i in index], [views[i] for i in index], dialog, index)
+            got = yield from self.inline.get_into([keys[i] for i in index], [views[i] for i in index], dialog, index,
+                                                  source=source)
             for i, g in zip(index, got):
                 out[i] = g
         return out
 
     def _get_lent(self, keys: list[bytes], views: list[memoryview], index: list[int], dialog: bytes | None,
-                  out: list) -> Op:
+                  out: list, source: str | None = None) -> Op:
         """Get ``index`` (indexes) into their views by reading them out of the gateway's memory, or out of
         card files it lends open (``kvgate.client.crossmem``); sets ``out[i]``.  False when this process may not
         read its memory (nothing was read then, and this session copies through its region from now on)."""
@@ -246,7 +248,7 @@ class SharedMemoryTransport(Transport):
         while todo:
             reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=LENT,
                                                      capacities=[views[i].nbytes for i in todo], dialog=dialog,
-                                                     files=files_ok))
+                                                     files=files_ok, source=source))
             segments = reply.segments or []
             pairs = iter(zip(segments[0::2], segments[1::2]))
             lent_files = reply.files or []
@@ -334,7 +336,7 @@ class SharedMemoryTransport(Transport):
         return True
 
     def _get_here(self, keys: list[bytes], views: list[memoryview], placed: list, batch: list[int],
-                  dialog: bytes | None, out: list) -> Op:
+                  dialog: bytes | None, out: list, source: str | None = None) -> Op:
         """Get ``batch`` (indexes) into its views: in place in registered regions, the rest through the
         session region (the batch's staged bytes fit in it); sets ``out[i]``."""
         region_ids, offsets = [], []
@@ -351,7 +353,8 @@ class SharedMemoryTransport(Transport):
             idx = [j for j, r in enumerate(region_ids) if r == rid]
             reply, _ = yield from self.wire.call(Get(keys=[keys[batch[j]] for j in idx], region=rid,
                                                      offsets=[offsets[j] for j in idx],
-                                                     capacities=[views[batch[j]].nbytes for j in idx], dialog=dialog))
+                                                     capacities=[views[batch[j]].nbytes for j in idx], dialog=dialog,
+                                                     source=source))
             for k, (j, s) in enumerate(zip(idx, reply.sizes)):
                 if s == TOO_SMALL:
                     raise ObjectTooLarge(batch[j], reply.needed[k] if reply.needed else -1)
@@ -370,7 +373,7 @@ class SharedMemoryTransport(Transport):
         if unstaging:
             yield _copy_pairs(unstaging)
 
-    def get_packed(self, keys: list[bytes], dialog: bytes | None) -> Op:
+    def get_packed(self, keys: list[bytes], dialog: bytes | None, *, source: str | None = None) -> Op:
         """Through the session region while what is left fits in it, inline otherwise.
 
         The gateway packs a region from its start and stops at the first
@@ -380,16 +383,16 @@ class SharedMemoryTransport(Transport):
         gateway always sends the first object whole.
         """
         if self.session_region is None:
-            return (yield from self.inline.get_packed(keys, dialog))
+            return (yield from self.inline.get_packed(keys, dialog, source=source))
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         was_stalled = False
         inline = False
         while todo:
             if inline:
-                again = yield from self.inline.packed_round(keys, todo, dialog, out)
+                again = yield from self.inline.packed_round(keys, todo, dialog, out, source=source)
             else:
-                again = yield from self._packed_round_here(keys, todo, dialog, out)
+                again = yield from self._packed_round_here(keys, todo, dialog, out, source)
             progress = len(again) < len(todo)
             if not progress and not inline:
                 inline = True  # not a stall yet: the inline round decides
@@ -400,10 +403,12 @@ class SharedMemoryTransport(Transport):
             todo = again
         return out
 
-    def _packed_round_here(self, keys: list[bytes], todo: list[int], dialog: bytes | None, out: list) -> Op:
+    def _packed_round_here(self, keys: list[bytes], todo: list[int], dialog: bytes | None, out: list,
+                           source: str | None = None) -> Op:
         """One packed get of the keys ``todo`` into the session region: sets ``out[i]`` per hit, returns the
         keys not done."""
-        reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=SESSION_REGION, dialog=dialog))
+        reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=SESSION_REGION, dialog=dialog,
+                                                 source=source))
         src = self.session_region.view
         again, hits = packed_hits(self.wire, reply, todo, len(src))
         if hits:

@@ -196,7 +196,7 @@ class Client(core.ClientCore):
         return self._run(core.put_many_op(keys, buffers, retention, dialog, position))
 
     def get_many(self, keys: Sequence[bytes | str], into: Sequence[Buffer] | None = None,
-                 dialog: bytes | None = None) -> list:
+                 dialog: bytes | None = None, *, source: str | None = None) -> list:
         """Read objects.  Returns one entry per key, None for a miss.
 
         With ``into`` (one writable buffer per key), each hit is written into
@@ -205,15 +205,20 @@ class Client(core.ClientCore):
         inline results (TCP; over the Unix socket, a buffer in no registered
         region larger than the session region) are received from the socket
         straight into their buffer.  Without, each hit is returned as ``bytes``.
+
+        ``source`` (here and in ``lookup``, ``exists_many``): ``HOST:PORT`` or ``HOST`` where the request's KV
+        was computed (vLLM's ``remote_kv_source``): the gateway then asks only its peers on that host for
+        what it lacks, and no peer when none is there (docs/peers.md).
         """
-        return self._run(core.get_many_op(keys, into, dialog))
+        return self._run(core.get_many_op(keys, into, dialog, source))
 
-    def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
+    def lookup(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *, source: str | None = None) -> int:
         """How many leading keys are stored (a prefix restores up to its first miss)."""
-        return self._run(core.lookup_op(keys, dialog))
+        return self._run(core.lookup_op(keys, dialog, source))
 
-    def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> list[bool]:
-        return self._run(core.exists_many_op(keys, dialog))
+    def exists_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None, *,
+                    source: str | None = None) -> list[bool]:
+        return self._run(core.exists_many_op(keys, dialog, source))
 
     def delete_many(self, keys: Sequence[bytes | str], dialog: bytes | None = None) -> int:
         return self._run(core.delete_many_op(keys, dialog))

@@ -46,11 +46,13 @@ class Transport:
         """Store each view under its key; returns, per key, whether it was stored."""
         raise NotImplementedError
 
-    def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None) -> Op:
-        """Fill each view with its object; returns, per key, a view of the filled part or None."""
+    def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None, *,
+                 source: str | None = None) -> Op:
+        """Fill each view with its object; returns, per key, a view of the filled part or None.  ``source``:
+        where the KV was computed, which chooses the gateway's peers asked (``Get.source``)."""
         raise NotImplementedError
 
-    def get_packed(self, keys: list[bytes], dialog: bytes | None) -> Op:
+    def get_packed(self, keys: list[bytes], dialog: bytes | None, *, source: str | None = None) -> Op:
         """Read each object; returns, per key, its bytes or None."""
         raise NotImplementedError
 
@@ -138,7 +140,7 @@ class InlineTransport(Transport):
         return out
 
     def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None,
-                 index: list[int] | None = None) -> Op:
+                 index: list[int] | None = None, *, source: str | None = None) -> Op:
         """Each hit is received straight into its buffer, never copied.
 
         ``index[i]`` is the caller's index of ``keys[i]`` (named by ``ObjectTooLarge``), when not ``i``.
@@ -147,8 +149,8 @@ class InlineTransport(Transport):
         todo = list(range(len(keys)))
         was_stalled = False
         while todo:
-            reply, sizes = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=INLINE, dialog=dialog),
-                                                     into=[views[i] for i in todo])
+            reply, sizes = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=INLINE, dialog=dialog,
+                                                         source=source), into=[views[i] for i in todo])
             again = []
             for j, (i, s) in enumerate(zip(todo, sizes)):
                 if s == NOT_DONE:
@@ -161,20 +163,22 @@ class InlineTransport(Transport):
             todo = again
         return out
 
-    def get_packed(self, keys: list[bytes], dialog: bytes | None) -> Op:
+    def get_packed(self, keys: list[bytes], dialog: bytes | None, *, source: str | None = None) -> Op:
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         was_stalled = False
         while todo:
-            again = yield from self.packed_round(keys, todo, dialog, out)
+            again = yield from self.packed_round(keys, todo, dialog, out, source=source)
             was_stalled = stalled(todo, again, was_stalled)
             todo = again
         return out
 
-    def packed_round(self, keys: list[bytes], todo: list[int], dialog: bytes | None, out: list) -> Op:
+    def packed_round(self, keys: list[bytes], todo: list[int], dialog: bytes | None, out: list, *,
+                     source: str | None = None) -> Op:
         """One packed get of the keys ``todo`` in a frame (the gateway always sends the first object whole):
         sets ``out[i]`` per hit, returns the keys not done."""
-        reply, body = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=INLINE, dialog=dialog))
+        reply, body = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=INLINE, dialog=dialog,
+                                                    source=source))
         src = memoryview(body or b"")
         again, hits = packed_hits(self.wire, reply, todo, len(src))
         for i, off, s in hits:

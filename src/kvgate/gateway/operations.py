@@ -325,11 +325,13 @@ class Operations:
 
     async def _lookup(self, sess: Session, req: Lookup, keys: list[bytes], dialog: bytes,
                       body: bytes) -> tuple[CountReply, None]:
-        return CountReply(count=await self.store.lookup(keys, dialog, sess.local)), None
+        self.store.note_source(req.source)
+        return CountReply(count=await self.store.lookup(keys, dialog, sess.local, req.source)), None
 
     async def _exists(self, sess: Session, req: Exists, keys: list[bytes], dialog: bytes,
                       body: bytes) -> tuple[ExistsReply, None]:
-        return ExistsReply(present=await self.store.exists(keys, dialog, sess.local)), None
+        self.store.note_source(req.source)
+        return ExistsReply(present=await self.store.exists(keys, dialog, sess.local, source=req.source)), None
 
     async def _delete(self, sess: Session, req: Delete, keys: list[bytes], dialog: bytes,
                       body: bytes) -> tuple[CountReply, None]:
@@ -388,6 +390,7 @@ class Operations:
 
     async def _get(self, sess: Session, req: Get, keys: list[bytes], dialog: bytes, body: bytes):
         n = len(keys)
+        self.store.note_source(req.source)
         paths = self.store.counters.get_paths
         paths["lent" if req.region == LENT else "inline" if req.region == INLINE else
               "session_region" if req.region == SESSION_REGION else "registered_region"] += 1
@@ -398,19 +401,21 @@ class Operations:
             if req.capacities is None or len(req.capacities) != n or len(req.offsets) != n:
                 raise RequestError(ErrorCode.BAD_REQUEST, "a get into a region needs one offset and one capacity per key")
             dests = [region.slice(o, c) for o, c in zip(req.offsets, req.capacities)]
-            sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)], sess.local)
+            sizes, needed = await self.store.get([GetItem(k, dialog, d) for k, d in zip(keys, dests)], sess.local,
+                                                 source=req.source)
             return GetReply(sizes=sizes, needed=needed if TOO_SMALL in sizes else None), None
         if req.region == LENT:
             return await self._get_lent(sess, req, keys, dialog)
         return await self._get_packed(sess, req, keys, dialog)
 
-    async def _sizes(self, sess: Session, keys: list[bytes], dialog: bytes) -> list[int]:
+    async def _sizes(self, sess: Session, keys: list[bytes], dialog: bytes, source: str | None) -> list[int]:
         """Each key's payload size, or MISS: known to the tiers, else asked of the cards (a read into an
-        empty buffer tells it)."""
+        empty buffer tells it) and of the peers ``source`` chooses."""
         hints = self.store.size_hints(keys, dialog)
         unknown = [i for i, h in enumerate(hints) if h is None]
         if unknown:
-            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local)
+            probe, needed = await self.store.get([GetItem(keys[i], dialog, _EMPTY) for i in unknown], sess.local,
+                                                 source=source)
             for i, s, need in zip(unknown, probe, needed):
                 hints[i] = need if s == TOO_SMALL else (s if s >= 0 else MISS)
         return hints  # type: ignore[return-value]
@@ -422,7 +427,7 @@ class Operations:
         its own pages (``TieredStore.lend_ram``, a ``LentBody``); only the
         objects read from cards are copied, into a buffer of ours.
         """
-        hints = await self._sizes(sess, keys, dialog)
+        hints = await self._sizes(sess, keys, dialog, req.source)
         inline = req.region == INLINE
         room = _LendRoom(self.store, self.cfg.max_frame_bytes - (1 << 20)) if inline else None
         region_size = 0 if inline else sess.region(req.region).size
@@ -446,17 +451,17 @@ class Operations:
         if not inline:
             view = sess.region(req.region).view
             got, _needed = await self.store.get([GetItem(keys[i], dialog, view[offsets[i] : offsets[i] + hints[i]])
-                                                 for i in wanted], sess.local)
+                                                 for i in wanted], sess.local, source=req.source)
             for i, s in zip(wanted, got):
                 sizes[i] = NOT_DONE if s == TOO_SMALL else s  # changed size under us: ask again
             return GetReply(sizes=sizes, offsets=offsets), None
-        lent = await self._lend(sess, keys, dialog, wanted, hints, cursor)
+        lent = await self._lend(sess, keys, dialog, wanted, hints, cursor, source=req.source)
         for i, s in zip(wanted, lent.sizes):
             sizes[i] = s
         return GetReply(sizes=sizes, offsets=offsets), lent.body
 
     async def _lend(self, sess: Session, keys: list[bytes], dialog: bytes, wanted: list[int], hints: list,
-                    nbytes: int, files: int = 0) -> "_Lent":
+                    nbytes: int, files: int = 0, source: str | None = None) -> "_Lent":
         """The objects ``wanted`` (``hints``: their sizes, ``nbytes`` in all) as a ``LentBody`` in key order:
         the RAM tier's own pages where it holds them, up to ``files`` card objects as their open files
         (``TieredStore.lend_files``), a buffer of ours filled by the cards for the rest.  Holds ``nbytes``
@@ -479,7 +484,7 @@ class Operations:
             buffers = self.store.reply_buffers.take([hints[i] for i in from_cards])
             dest = dict(zip(from_cards, buffers))
             got, _needed = await self.store.get([GetItem(keys[i], dialog, dest[i]) for i in from_cards], sess.local,
-                                                own=True)
+                                                own=True, source=source)
         except BaseException:
             # Not given back (a cancelled get's copies may still be landing in them): dropped.
             self.store.return_ram(loans)
@@ -516,7 +521,7 @@ class Operations:
                                "(GiveBack) before the next lent get")
         sizes = [MISS] * n
         needed = [0] * n
-        hints = await self._sizes(sess, keys, dialog)
+        hints = await self._sizes(sess, keys, dialog, req.source)
         wanted, total = [], 0
         room = _LendRoom(self.store, self.cfg.max_frame_bytes)
         for i, h in enumerate(hints):
@@ -531,7 +536,7 @@ class Operations:
             wanted.append(i)
             total += h
         files = max(0, FILES_PER_SESSION - sess.files_lent) if req.files else 0
-        lent = await self._lend(sess, keys, dialog, wanted, hints, total, files)
+        lent = await self._lend(sess, keys, dialog, wanted, hints, total, files, req.source)
         segments: list[int] = []
         lent_files: list[int] = []
         views = iter(lent.body.segments)

@@ -164,6 +164,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "oldest_io_age_s": max(pool.oldest_age(), tiers["oldest_io_age_s"]),
         "cards": cards,
         "peers": tiers["peers"],  # peer gateways this one reads from (peers), one row each
+        # requests whose source (vLLM's remote_kv_source) chose the peers asked, and those naming none of them
+        "peer_sources": tiers["peer_sources"],
         "card_moves": tiers["card_moves"],
         "shared_heads": {"blocks": len(heads), "learned": heads.learned, "replaced": heads.replaced,
                          "refused": heads.refused,
@@ -293,12 +295,18 @@ class _SnapshotCollector:
                                   ("bytes_read", "payload bytes pulled from the peer", CounterMetricFamily),
                                   ("failures", "calls to the peer that failed or ran past peer_timeout_ms",
                                    CounterMetricFamily),
+                                  ("lookups", "keys the peer answered lookups of", CounterMetricFamily),
                                   ("negative_hits", "keys answered absent without asking the peer (it said it "
                                    "lacks them less than NEGATIVE_S, 2 s, ago)", CounterMetricFamily)):
             m = family(f"kvgate_peer_{name}", f"Per peer gateway (peers): {doc}", labels=["peer"])
             for peer in s.get("peers", []):
                 m.add_metric([peer["address"]], peer.get(name, 0))
             yield m
+        sources = s.get("peer_sources", {})
+        yield CounterMetricFamily("kvgate_peer_sourced_requests", "requests whose source (vLLM's remote_kv_source) "
+                                  "chose the peers asked: those on its host", value=sources.get("chosen", 0))
+        yield CounterMetricFamily("kvgate_peer_unknown_sources", "requests whose source named no peer of this "
+                                  "gateway: no peer was asked", value=sources.get("unknown", 0))
         served = s.get("peer_listen")
         if served is not None:  # peer_listen set: what peers read from this gateway
             for name, doc in (("served_objects", "objects peer gateways pulled from this one"),

@@ -120,6 +120,7 @@ class PeerTier:
         # without asking it; in the order they were learnt, so the oldest (and the first to lapse) go first
         self._absent: OrderedDict[bytes, float] = OrderedDict()
         self.negative_hits = 0  # keys answered absent from ``_absent``, not asked of the peer
+        self.lookups = 0  # keys the peer answered lookups of (``find``: its exists_many)
 
     def close(self) -> None:
         self.card.close()
@@ -210,6 +211,7 @@ class PeerTier:
         got = await self._call(self.card.exists_many, sub)
         if got is None:
             return out
+        self.lookups += len(sub)
         errors = [r for r in got if isinstance(r, BaseException)]
         if errors:
             self._failed(errors[0])
@@ -338,5 +340,5 @@ class PeerTier:
         c = self.counters
         return {"address": self.address, "gets": c.gets, "hits": c.hits, "misses": c.misses,
                 "bytes_read": c.bytes_read, "failures": self.failures, "skipped": self.skipped,
-                "negative_hits": self.negative_hits, "known_absent": len(self._absent),
+                "lookups": self.lookups, "negative_hits": self.negative_hits, "known_absent": len(self._absent),
                 "resting_s": round(max(0.0, self._quiet_until - time.monotonic()), 3)}

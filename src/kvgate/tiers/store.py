@@ -33,7 +33,10 @@ tiers of this gateway's own (``local``), and may change while it serves
 (``set_peers``: a cluster's registry names them).  ``tiers`` and ``peers``
 are then replaced, never changed in place, so a call that took the list
 before goes on with it; a peer that left is closed once no call that could
-hold it (``get``, ``lookup``, ``exists``) is in flight.
+hold it (``get``, ``lookup``, ``exists``) is in flight.  A request may name
+its ``source`` (where its KV was computed: vLLM's ``remote_kv_source``):
+then only the peers on that host are asked (``peers_for``), none when no
+peer is there.
 
 Changes: what each tier stores and drops is noted in ``changes``
 (``kvgate.tiers.events``); ``held_keys`` lists what is held now, in
@@ -54,6 +57,7 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config, ConfigError
 from kvgate.latency import Latencies
+from kvgate.protocol import MAX_SOURCE_CHARS
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.cardtier import CardTier
@@ -63,7 +67,7 @@ from kvgate.tiers.events import TierChanges
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.ram import RamTooLarge, copy_into
-from kvgate.tiers.peertier import PeerTier
+from kvgate.tiers.peertier import PeerTier, host_port
 from kvgate.tiers.ramtier import RamLoan, RamTier
 from kvgate.tiers.staging import BufferCache
 from kvgate.tiers.usage import NamespaceUsage
@@ -74,6 +78,7 @@ __all__ = ["GetItem", "PutItem", "RamLoan", "TieredStore"]
 log = logging.getLogger("kvgate.store")
 
 REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
+UNKNOWN_SOURCE_LOG_S = 60.0  # a request source that names no peer is logged at most this often
 
 
 class TieredStore:
@@ -108,6 +113,10 @@ class TieredStore:
         self._peer_set = 0
         self._readers: dict[int, int] = {}
         self._retired: list[tuple[int, PeerTier]] = []
+        # requests whose source chose the peers asked, and those whose source named no peer (no peer asked)
+        self.sourced = 0
+        self.unknown_sources = 0
+        self._unknown_logged = -UNKNOWN_SOURCE_LOG_S  # time.monotonic() of the last such log line
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
@@ -148,6 +157,44 @@ class TieredStore:
         self._peer_set += 1
         log.info("peers: %s", ", ".join(wanted) or "none")
         self._close_retired()
+
+    def peers_for(self, source: str | None) -> list[PeerTier]:
+        """The peers a request whose KV was computed at ``source`` (``HOST:PORT`` or ``HOST``; vLLM's
+        ``remote_kv_source``) asks: those on that host (the one at that very ``HOST:PORT`` alone where there
+        is one, else all on the host: the port a request names is often its engine's, not the peer
+        listener's), none when no peer is there.  No source: every peer.
+
+        A source is never an address to connect to (the peer token would go wherever a client says): one
+        that names no peer of this gateway asks no peer at all, since the request says where its KV is and
+        this gateway may not read there (``note_source`` counts and logs it).
+        """
+        if not source:
+            return self.peers
+        host, port = host_port(source[:MAX_SOURCE_CHARS])
+        on_host = [p for p in self.peers if p.host == host]
+        return [p for p in on_host if p.port == port] or on_host
+
+    def _tiers_for(self, source: str | None) -> list[Tier]:
+        """This gateway's own tiers, then the peers ``source`` chooses (``peers_for``): what a request reads."""
+        if not source:
+            return self.tiers
+        return [*self.tiers[: self.local], *self.peers_for(source)]
+
+    def note_source(self, source: str | None) -> None:
+        """Count a request's ``source`` (once a request): one that chose peers (``sourced``), or one that named
+        none of them (``unknown_sources``, logged at most once a minute)."""
+        if not source:
+            return
+        if self.peers_for(source):
+            self.sourced += 1
+            return
+        self.unknown_sources += 1
+        now = time.monotonic()
+        if now - self._unknown_logged >= UNKNOWN_SOURCE_LOG_S:
+            self._unknown_logged = now
+            log.warning("request source %r names no peer of this gateway (peers: %s): no peer asked for its keys "
+                        "(%d such requests so far; logged at most once a minute)", source[:MAX_SOURCE_CHARS],
+                        ", ".join(p.address for p in self.peers) or "none", self.unknown_sources)
 
     def _enter(self) -> int:
         """A call that may reach the peers begins: the peer set it sees (``_leave`` it when it ends)."""
@@ -219,13 +266,15 @@ class TieredStore:
 
     # ---- get ------------------------------------------------------------------
 
-    async def get(self, items: list[GetItem], urgent: bool = False, own: bool = False) -> tuple[list[int], list[int]]:
+    async def get(self, items: list[GetItem], urgent: bool = False, own: bool = False,
+                  source: str | None = None) -> tuple[list[int], list[int]]:
         """Fill each item's dest; returns (sizes, needed) with ``SizeCode.MISS`` / ``TOO_SMALL`` in sizes.
 
         ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
-        gateway's own memory, which card reads may fill in place (``Abandon.own``).
+        gateway's own memory, which card reads may fill in place (``Abandon.own``).  ``source``: where the
+        request's KV was computed, which chooses the peers asked (``peers_for``).
         """
-        tiers = self.tiers  # the one list this get asks (``served`` indexes it), whatever set_peers does
+        tiers = self._tiers_for(source)  # the one list this get asks (``served`` indexes it)
         entered = self._enter()
         try:
             sizes, needed, metas, served = await self._read(items, 0, urgent, own, tiers=tiers)
@@ -386,7 +435,7 @@ class TieredStore:
             rest = [i for i in rest if out[i] is None]
         return out
 
-    def _known_prefix(self, fkeys: list[bytes], dialog: bytes, start: int, urgent: bool,
+    def _known_prefix(self, fkeys: list[bytes], dialog: bytes, start: int, urgent: bool, tiers: list[Tier],
                       ) -> tuple[int, int, list[tuple[Tier, list[bytes], Known, np.ndarray]]]:
         """From ``start``: how far the leading keys are known present by some tier without I/O, where the
         run of keys after that which no tier knows of ends (to probe), and what each tier was asked
@@ -401,7 +450,7 @@ class TieredStore:
         every = np.arange(m)
         state = np.full(m, ABSENT, np.int8)  # the best any tier said: PRESENT > UNKNOWN > ABSENT
         asked: list[tuple[Tier, list[bytes], Known, np.ndarray]] = []
-        for tier in self.tiers:
+        for tier in tiers:
             pos = np.flatnonzero(state != PRESENT) if asked else every
             if not pos.size:
                 break
@@ -428,20 +477,22 @@ class TieredStore:
         end = n + int(known_after[0]) if known_after.size else m
         return start + n, start + end, asked
 
-    async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False) -> int:
-        """How many leading keys are present (the module's rule)."""
+    async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False,
+                     source: str | None = None) -> int:
+        """How many leading keys are present (the module's rule; ``source`` chooses the peers, ``peers_for``)."""
         self.counters.lookups += 1
+        tiers = self._tiers_for(source)
         entered = self._enter()
         try:
-            return await self._lookup(fkeys, dialog, urgent)
+            return await self._lookup(fkeys, dialog, urgent, tiers)
         finally:
             self._leave(entered)
 
-    async def _lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool) -> int:
+    async def _lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool, tiers: list[Tier]) -> int:
         n = 0
         while True:
             base = n
-            n, end, asked = self._known_prefix(fkeys, dialog, n, urgent)
+            n, end, asked = self._known_prefix(fkeys, dialog, n, urgent, tiers)
             if n == end:  # the next key is known missing by every tier (or there is none)
                 return n
             # The run n:end no tier knows of: asked of the media of the tiers that cannot tell, in order.
@@ -455,15 +506,16 @@ class TieredStore:
                 return n
 
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False, local: bool = False,
-                     ) -> list[bool]:
+                     source: str | None = None) -> list[bool]:
         """Whether each key is present (the module's rule; ``local``: in this gateway's own tiers, not its
-        peers').  Counted as a lookup: it is the lookup of vLLM's tier, SGLang's backend and LMCache's
-        adapter (``hold``), which never call ``lookup``."""
+        peers'; ``source`` chooses the peers, ``peers_for``).  Counted as a lookup: it is the lookup of
+        vLLM's tier, SGLang's backend and LMCache's adapter (``hold``), which never call ``lookup``."""
         self.counters.lookups += 1
         present = np.zeros(len(fkeys), bool)
+        tiers = self._tiers_for(source)
         entered = self._enter()
         try:
-            for tier in self.tiers[: self.local] if local else self.tiers:
+            for tier in tiers[: self.local] if local else tiers:
                 ask = np.flatnonzero(~present)
                 if not ask.size:
                     break
@@ -592,8 +644,10 @@ class TieredStore:
 
     def status(self) -> dict:
         """The tiers' part of the gateway's status: ``ram`` (the RAM tier's row but its counters, which
-        are ``counters.ram``), and the card tier's (``CardTier.status``)."""
-        return {"ram": self.ram.status(), **self.cards.status(), "peers": [p.status() for p in self.peers]}
+        are ``counters.ram``), the card tier's (``CardTier.status``), the peers' rows and how requests'
+        sources chose among them (``note_source``)."""
+        return {"ram": self.ram.status(), **self.cards.status(), "peers": [p.status() for p in self.peers],
+                "peer_sources": {"chosen": self.sourced, "unknown": self.unknown_sources}}
 
 
 def _by_dialog(dialogs: list[bytes]) -> dict[bytes, list[int]]:

@@ -282,7 +282,8 @@ def test_a_listener_full_of_peers_refuses_a_newcomer(pair) -> None:
 
 @pytest.fixture
 def trio(tmp_path: Path):
-    """B reads from two peers on one host, A1 and A2 (each with a peer listener of its own)."""
+    """B reads from two peers on one host, A1 and A2 (each with a peer listener of its own); B serves peers
+    on another (loopback) address."""
     token = tmp_path / "peer.token"
     token.write_text("peer-secret\n")
     ports = [free_port(), free_port()]
@@ -291,7 +292,8 @@ def trio(tmp_path: Path):
                               card=tmp_path / f"card-a{i}", name=f"A{i}") for i, port in enumerate(ports, 1)]
     b = GatewayProcess(tmp_path, ["--max-bytes", "32M", "--shared-memory-size", "16M",
                                   "--peers", *(f"127.0.0.1:{p}" for p in ports), "--peer-token-file", str(token),
-                                  "--peer-timeout-ms", "2000"], card=tmp_path / "card-b", name="B")
+                                  "--peer-timeout-ms", "2000", "--peer-listen", f"127.0.0.2:{free_port()}"],
+                       card=tmp_path / "card-b", name="B")
     for gw in (*serving, b):
         gw.start()
     try:
@@ -332,10 +334,12 @@ def test_a_request_source_chooses_the_peer_asked(trio) -> None:
         for _ in range(3):
             assert c.lookup([b"two-y"], source="10.255.0.7:8200") == 0
         assert c.get_many([b"two-y"], source="10.255.0.7:8200") == [None]
+        # B's own host: its KV is here, no peer asked, and nothing to warn of
+        assert c.lookup([b"two-y"], source="127.0.0.2:8200") == 0
         assert asked() == (1, 5)
         assert served(a2)["served_objects"] == 1
         sources = b.stats()["peer_sources"]
-        assert sources == {"chosen": 4, "unknown": 4}, sources
+        assert sources == {"chosen": 4, "here": 1, "unknown": 4}, sources
         assert b.log().count("names no peer of this gateway") == 1
         metrics = render(b.stats()).decode()
         assert "kvgate_peer_unknown_sources_total 4.0" in metrics and "kvgate_peer_sourced_requests_total 4.0" in metrics

@@ -305,6 +305,8 @@ class _SnapshotCollector:
         sources = s.get("peer_sources", {})
         yield CounterMetricFamily("kvgate_peer_sourced_requests", "requests whose source (vLLM's remote_kv_source) "
                                   "chose the peers asked: those on its host", value=sources.get("chosen", 0))
+        yield CounterMetricFamily("kvgate_peer_sourced_here_requests", "requests whose source named this gateway's "
+                                  "own host and no peer on it: no peer was asked", value=sources.get("here", 0))
         yield CounterMetricFamily("kvgate_peer_unknown_sources", "requests whose source named no peer of this "
                                   "gateway: no peer was asked", value=sources.get("unknown", 0))
         served = s.get("peer_listen")

@@ -113,9 +113,12 @@ class TieredStore:
         self._peer_set = 0
         self._readers: dict[int, int] = {}
         self._retired: list[tuple[int, PeerTier]] = []
-        # requests whose source chose the peers asked, and those whose source named no peer (no peer asked)
+        # requests whose source chose the peers asked, named this gateway's own host (no peer asked), or named
+        # no peer (no peer asked either: ``note_source``)
         self.sourced = 0
+        self.sourced_here = 0
         self.unknown_sources = 0
+        self._own_hosts = {host_port(a)[0] for a in (cfg.peer_listen, cfg.peer_advertise) if a}
         self._unknown_logged = -UNKNOWN_SOURCE_LOG_S  # time.monotonic() of the last such log line
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
@@ -181,12 +184,16 @@ class TieredStore:
         return [*self.tiers[: self.local], *self.peers_for(source)]
 
     def note_source(self, source: str | None) -> None:
-        """Count a request's ``source`` (once a request): one that chose peers (``sourced``), or one that named
-        none of them (``unknown_sources``, logged at most once a minute)."""
+        """Count a request's ``source`` (once a request): one that chose peers (``sourced``), one that named this
+        gateway's own host (``peer_listen``, ``peer_advertise``) and no peer there (``sourced_here``: its KV
+        is here), or one that named none of them (``unknown_sources``, logged at most once a minute)."""
         if not source:
             return
         if self.peers_for(source):
             self.sourced += 1
+            return
+        if host_port(source[:MAX_SOURCE_CHARS])[0] in self._own_hosts:
+            self.sourced_here += 1
             return
         self.unknown_sources += 1
         now = time.monotonic()
@@ -647,7 +654,7 @@ class TieredStore:
         are ``counters.ram``), the card tier's (``CardTier.status``), the peers' rows and how requests'
         sources chose among them (``note_source``)."""
         return {"ram": self.ram.status(), **self.cards.status(), "peers": [p.status() for p in self.peers],
-                "peer_sources": {"chosen": self.sourced, "unknown": self.unknown_sources}}
+                "peer_sources": {"chosen": self.sourced, "here": self.sourced_here, "unknown": self.unknown_sources}}
 
 
 def _by_dialog(dialogs: list[bytes]) -> dict[bytes, list[int]]:

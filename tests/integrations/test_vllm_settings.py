@@ -20,6 +20,7 @@ from kvgate.integrations.vllm.settings import (
     key_stability,
     model_identity,
     request_retention,
+    request_source,
     tier_config_from_extra,
 )
 
@@ -81,6 +82,20 @@ def test_request_retention():
     assert request_retention({"kvgate_retention": "SHORT"}, "long") == ("short", None)
     value, warning = request_retention({"kvgate_retention": 3}, "long")
     assert value == "long" and "kvgate_retention" in warning
+
+
+def test_request_source():
+    """llm-d's (and kvgate router's) kv_transfer_params.remote_kv_source as the gateway's source: HOST:PORT."""
+    src = {"kv_request_id": "req-1", "remote_host": "10.0.0.7", "remote_port": 8200}
+    assert request_source({"remote_kv_source": src}) == ("10.0.0.7:8200", None)
+    assert request_source({"remote_kv_source": {**src, "remote_host": "::1"}}) == ("[::1]:8200", None)
+    assert request_source({"remote_kv_source": {**src, "remote_port": "8200"}}) == ("10.0.0.7:8200", None)
+    assert request_source({"remote_kv_source": {"remote_host": "gw-a"}}) == ("gw-a", None)
+    assert request_source(None) == (None, None) and request_source({"kvgate_retention": "long"}) == (None, None)
+    for bad in ("10.0.0.7:8200", {"remote_port": 1}, {**src, "remote_port": 0}, {**src, "remote_port": True},
+                {**src, "remote_host": ""}, {**src, "remote_host": 7}, {**src, "remote_host": "h" * 256}):
+        value, warning = request_source({"remote_kv_source": bad})
+        assert value is None and "remote_kv_source" in warning, bad
 
 
 def test_namespace_changes_with_every_input_and_fits():

@@ -5,7 +5,8 @@
 Each check asserts (exit status 0 when all held): the signatures and fields
 compat names, and each internal it reaches behind a function, used on real
 vLLM objects: the ReqContext factory hook (with the salt probe on top), a
-ReqContext's key positions, an attachment on a TransferJob, an
+request's remote_kv_source through its ReqContext to the tier's lookups and
+loads, a ReqContext's key positions, an attachment on a TransferJob, an
 AsyncLookupManager's thread, a TieringOffloadingSpec's manager, worker and
 regions (a small primary tier in /dev/shm, removed again), the VllmConfig
 found in a caller's frame.  Writes {"vllm": version, "checked": [names]} to OUT.json.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import sys
 import time
@@ -112,6 +114,49 @@ def _positions() -> None:
     job = compat.TransferJob(job_id=1, keys=[key], chunk_ids=None, is_promotion=False, req_context=ctx)
     compat.attach_to_job(job, ("state",))
     assert compat.job_attachment(job) == ("state",)
+
+
+@check("req_context_source")
+def _source() -> None:
+    # llm-d's remote_kv_source reaches the tier in the ReqContext vLLM makes of the request, and the tier's
+    # lookups and loads of the request name it (its gateway then asks only its peers on that host).
+    from kvgate.integrations.ratelimit import RateLimitedLog
+    from kvgate.integrations.vllm.request_state import RequestStates
+    from kvgate.integrations.vllm.settings import TierSettings
+    from kvgate.integrations.vllm.tier import KvgateTier
+
+    source = {"kv_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 8200}
+    req = SimpleNamespace(request_id="r", kv_transfer_params={"remote_kv_source": source}, kv_hints=None,
+                          cache_salt=None)
+    ctx = sched._create_req_context(req)
+    log = RateLimitedLog(logging.getLogger("kvgate-compat-check"))
+    states = RequestStates(TierSettings.build(socket="/nonexistent/kvgate.sock", affinity_chunks=1), log, {})
+    st = states.of(ctx)
+    assert st.source == "10.0.0.7:8200"
+    assert states.of(compat.ReqContext(req_id="plain")).source is None
+    asked: list[tuple[str, str | None]] = []
+
+    class Client:
+        def exists_many(self, keys, dialog=None, *, source=None):
+            asked.append(("exists", source))
+            return [True] * len(keys)
+
+        def get_many(self, keys, into=None, dialog=None, *, source=None):
+            asked.append(("get", source))
+            return list(into)
+
+    conn = SimpleNamespace(get=Client)
+    tier = SimpleNamespace(counters=dict.fromkeys(("lookups", "lookup_hits", "loads", "loaded_chunks",
+                                                   "load_failures"), 0),
+                           _lookup_conn=conn, _requests=states, _aborted=False, _log=log, block_size_bytes=8,
+                           _refuse_bad_chunks=lambda job, what: False, _release=KvgateTier._release,
+                           _rows=lambda ids: [memoryview(bytearray(8)) for _ in ids])
+    key = compat.OffloadKey(b"hash" + (0).to_bytes(4, "big"))
+    assert KvgateTier._batch_exists(tier, [key], ctx) == [True]
+    job = compat.TransferJob(job_id=1, keys=[key], chunk_ids=[0], is_promotion=False, req_context=ctx)
+    compat.attach_to_job(job, (st, None, [None]))
+    assert KvgateTier._run_load(tier, job, conn).success
+    assert asked == [("exists", "10.0.0.7:8200"), ("get", "10.0.0.7:8200")], asked
 
 
 @check("lookup_thread")

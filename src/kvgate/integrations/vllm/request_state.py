@@ -1,4 +1,4 @@
-"""What the vLLM tier keeps per request: whether it is cached, its retention, its dialog mark.
+"""What the vLLM tier keeps per request: whether it is cached, its retention, its dialog mark, its source.
 
 The scheduler thread fixes, once per request, whether the request is cached and what its
 dialog mark comes from (``RequestStates.of``, ``RequestStates.mark``); the tier's I/O threads
@@ -18,7 +18,13 @@ from kvgate.integrations.ratelimit import RateLimitedLog
 from kvgate.integrations.vllm import compat
 from kvgate.integrations.vllm.compat import OffloadKey, ReqContext
 from kvgate.integrations.vllm.engine import RequestSalt
-from kvgate.integrations.vllm.settings import TierSettings, dialog_mark, first_chunk_keys, request_retention
+from kvgate.integrations.vllm.settings import (
+    TierSettings,
+    dialog_mark,
+    first_chunk_keys,
+    request_retention,
+    request_source,
+)
 
 # the tier's logger (vLLM's logging configuration applies under "vllm.")
 logger = logging.getLogger("vllm.kvgate")
@@ -37,6 +43,9 @@ class ReqState:
     dialog: DialogMark | None = None
     shared_tokens: int = 0  # tokens covered by the shared head: chunks ending at or before it are heads
     head_bounds: list[tuple[int, bytes]] = field(default_factory=list)  # (last end token, mark) per head segment
+    # Where the request's KV was computed (kv_transfer_params.remote_kv_source, as HOST:PORT): its lookups and
+    # loads name it, so the gateway asks only its peers on that host (None: every peer).
+    source: str | None = None
 
 
 class RequestStates:
@@ -59,6 +68,9 @@ class RequestStates:
             retention, warning = request_retention(ctx.kv_transfer_params, self.settings.retention)
             if warning:
                 self._log.warning("retention", "kvgate: request %s: %s", ctx.req_id, warning)
+            source, warning = request_source(ctx.kv_transfer_params)
+            if warning:
+                self._log.warning("source", "kvgate: request %s: %s", ctx.req_id, warning)
             enabled = True
             if self.settings.salted_only:
                 salt = ctx.get_state(RequestSalt)
@@ -69,7 +81,7 @@ class RequestStates:
                                           "looked up nor stored in kvgate; refuse_unsalted is set)", ctx.req_id)
                     else:
                         logger.debug("kvgate: request %s has no cache_salt: not cached (skip_unsalted)", ctx.req_id)
-            st = ReqState(retention=retention, enabled=enabled)
+            st = ReqState(retention=retention, enabled=enabled, source=source)
             ctx.set_state(st)
         return st
 

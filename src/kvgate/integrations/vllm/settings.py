@@ -22,6 +22,9 @@ from kvgate.integrations.settings import (  # noqa: F401 - the vLLM tier's names
 
 #: kv_transfer_params key that chooses a request's retention class.
 RETENTION_PARAM = "kvgate_retention"
+#: kv_transfer_params key naming where a request's KV was computed (llm-d's router, ``kvgate router``):
+#: ``{"kv_request_id": ..., "remote_host": HOST, "remote_port": PORT}``.
+SOURCE_PARAM = "remote_kv_source"
 
 #: ``kv_connector_extra_config`` key -> KvgateTier keyword argument: every shared key.
 EXTRA_CONFIG_KEYS: dict[str, str] = dict(SETTING_KEYS)
@@ -57,6 +60,30 @@ def request_retention(params: Mapping[str, Any] | None, default: str) -> tuple[s
         return parse_retention(RETENTION_PARAM, raw), None
     except ConfigError as e:
         return default, f"{e}; using {default!r}"
+
+
+def request_source(params: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """(source, warning) from a request's kv_transfer_params: its ``remote_kv_source`` as ``HOST:PORT``
+    (``[V6]:PORT``; ``HOST`` without a port), which the gateway takes to choose the peers it asks
+    (``Client.exists_many(source=...)``, docs/peers.md).  None: no source, or one that is not a host (the
+    warning says why; the request is looked up as any other)."""
+    if not params:
+        return None, None
+    raw = params.get(SOURCE_PARAM)
+    if raw is None:
+        return None, None
+    host = raw.get("remote_host") if isinstance(raw, Mapping) else None
+    port = raw.get("remote_port") if isinstance(raw, Mapping) else None
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port)
+    if (not isinstance(host, str) or not host.strip() or len(host) > 255
+            or not (port is None or (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536))):
+        return None, (f"kv_transfer_params.{SOURCE_PARAM} is not {{remote_host, remote_port}} of a host "
+                      f"({str(raw)[:80]!r}): every peer of the gateway is asked")
+    host = host.strip()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6
+    return (host if port is None else f"{host}:{port}"), None
 
 
 def chunk_runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:

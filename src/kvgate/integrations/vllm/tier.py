@@ -321,8 +321,9 @@ class KvgateTier(SecondaryTierManager):
             ends = [ctx.get_offload_key_position(k) for k in keys] if st is not None and st.shared_tokens else \
                 [None] * len(keys)
             present = []
+            source = st.source if st is not None else None
             for start, end, dialog in self._requests.runs(st, dm, ends):
-                present += client.exists_many([bytes(k) for k in keys[start:end]], dialog=dialog)
+                present += client.exists_many([bytes(k) for k in keys[start:end]], dialog=dialog, source=source)
         except GatewayDown:
             return [False] * len(keys)
         except Exception as e:
@@ -448,7 +449,8 @@ class KvgateTier(SecondaryTierManager):
             dm = self._requests.dialog(st, client)
             sizes: list[int | None] = []
             for start, end, dialog in self._requests.runs(st, dm, ends):
-                got = client.get_many([bytes(k) for k in keys[start:end]], into=rows[start:end], dialog=dialog)
+                got = client.get_many([bytes(k) for k in keys[start:end]], into=rows[start:end], dialog=dialog,
+                                      source=st.source if st is not None else None)
                 sizes += [None if g is None else g.nbytes for g in got]
                 got = None  # drop the views of the CPU tier that get_many returned
             for k, size, row in zip(keys, sizes, rows):

@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-sglang bench-fleet demo-fleet
+.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-vllm-pull bench-sglang bench-fleet demo-fleet
 
 # setup.py builds the optional C fault helper (src/kvgate/gateway/_faultlog.c) in place; without a
 # compiler the install goes on without it (kvgate.gateway.faultlog says what that costs).
@@ -134,6 +134,11 @@ demo-fleet: $(STAMP) $(VLLM_STAMP)
 # after engine restarts, and what a miss costs (~10 min; ARGS="--miss-only": the miss cost alone, ~3 min).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_ttft.py $(ARGS)
+
+# TTFT of prompts of 1K-8K tokens restored by a pull from a peer gateway's RAM tier vs computed, and the
+# length from which a pull beats recomputing (~5 min).
+bench-vllm-pull: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python benchmarks/vllm_pull.py $(ARGS)
 
 # SGLang HiCache backend: ARGS=io (batch_get_v1 from the gateway's RAM vs memcpy, ~30 s) or
 # ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min).

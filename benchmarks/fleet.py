@@ -26,6 +26,13 @@ Run it with ``make bench-fleet`` (``ARGS=...``); ``make demo-fleet`` is ``--demo
 and each routed request printed with the endpoint the router chose and what it credited it with (the
 answer's ``x-kvgate-endpoint`` / ``x-kvgate-matched`` headers).
 
+``--own-cards``: each gateway has a card of its own instead of the shared one, and pulls what it lacks
+from the other two (``peers``, ``peer_listen``): reuse across engines then goes by pulls, and each
+gateway's pull counters are printed at the end.  ``--pd``: after the policies, the same conversations
+through a router with endpoint roles (engine0 and engine2 prefill, engine1 decodes), each request printed
+with its prefill and decode engines, the hand-off's outcome and what each restored.  ``--demo`` implies
+both.
+
 Processes: the engines run in ``.venv-vllm``; the gateways and the router in this interpreter's.  All of
 them run in their own sessions and are stopped in a ``finally``.
 """
@@ -281,7 +288,9 @@ def send(port: int, tokens: list[int], max_tokens: int) -> dict[str, Any]:
     conn.close()
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft": ttft, "cached": details.get("cached_tokens") or 0, "prompt": len(tokens),
-            "endpoint": resp.getheader("x-kvgate-endpoint", ""), "matched": resp.getheader("x-kvgate-matched", "")}
+            "endpoint": resp.getheader("x-kvgate-endpoint", ""), "matched": resp.getheader("x-kvgate-matched", ""),
+            "prefill": resp.getheader("x-kvgate-prefill", ""), "handoff": resp.getheader("x-kvgate-handoff", ""),
+            "prefill_cached": resp.getheader("x-kvgate-prefill-cached", "")}
 
 
 def replay(port: int, turns: list[Turn], concurrency: int, max_out: int, names: dict[str, str],
@@ -315,7 +324,12 @@ def replay(port: int, turns: list[Turn], concurrency: int, max_out: int, names: 
             r.update(oracle=servable, conv=t.conv, turn=t.turn)
             results[i] = r
             done[(t.conv, t.turn)].set()
-            if demo:
+            if demo and r["handoff"]:
+                log(f"  conv {t.conv:2d} turn {t.turn}  {len(t.tokens):5d} tokens  prefill "
+                    f"{names.get(r['prefill'], '-'):8s} (restored {r['prefill_cached'] or '-':>5s}) -> decode "
+                    f"{names.get(r['endpoint'], r['endpoint'])} (restored {r['cached']:5d})  {r['handoff']:8s}  "
+                    f"TTFT {r['ttft'] * 1000:6.0f} ms")
+            elif demo:
                 log(f"  conv {t.conv:2d} turn {t.turn}  {len(t.tokens):5d} tokens -> "
                     f"{names.get(r['endpoint'], r['endpoint'])}  cached {r['cached']:5d} (oracle {servable:5d})  "
                     f"TTFT {r['ttft'] * 1000:6.0f} ms  {r['matched']}")
@@ -380,8 +394,13 @@ def main() -> int:
     p.add_argument("--policies", default="round-robin,least-loaded,cache-aware")
     p.add_argument("--router", type=json.loads, default={}, metavar="JSON",
                    help='router config keys to add, e.g. \'{"tier_costs": {"storage": 1}}\'')
+    p.add_argument("--own-cards", action="store_true",
+                   help="a card per gateway, each pulling from the others (peers) instead of one shared card")
+    p.add_argument("--pd", action="store_true",
+                   help="then a round with prefill and decode endpoints (engine0, engine2 prefill; engine1 decode)")
     p.add_argument("--demo", action="store_true",
-                   help="fewer conversations, round-robin and cache-aware only, every routed request printed")
+                   help="fewer conversations, round-robin and cache-aware only, every routed request printed; "
+                        "implies --own-cards and --pd")
     p.add_argument("--workdir", default=str(REPO / "var" / "bench-fleet"))
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -389,6 +408,7 @@ def main() -> int:
         args.conversations = min(args.conversations, 6)
         args.policies = "round-robin,cache-aware"
         args.rounds = 1
+        args.own_cards = args.pd = True
     policies = [x for x in args.policies.split(",") if x]
     for x in policies:
         if x not in POLICIES:
@@ -409,6 +429,9 @@ def main() -> int:
         d.mkdir(parents=True, exist_ok=True)
     for old in card.iterdir():  # a run starts from an empty card
         subprocess.run(["rm", "-rf", str(old)], check=True)
+    token = work / "peer.token"
+    token.write_text("fleet-peer-token")
+    peer_ports = [free_port() for _ in range(3)]
     turns = conversations(TRACE, args.conversations, args.min_turns, args.max_turns)
     log(f"workload: {len(turns)} requests of {args.conversations} conversations of {TRACE.name} "
         f"({args.block_tokens} tokens per trace block, {args.system_blocks * BLOCK}-token shared system prompt, "
@@ -423,15 +446,25 @@ def main() -> int:
         specs = []
         for i in range(3):
             pub, rep = free_port(), free_port()
+            if args.own_cards:
+                own = work / f"card{i}"
+                subprocess.run(["rm", "-rf", str(own)], check=True)
+                own.mkdir()
+                where = ["--storage-devices", str(own), "--peer-listen", f"127.0.0.1:{peer_ports[i]}",
+                         "--peers", ",".join(f"127.0.0.1:{p}" for j, p in enumerate(peer_ports) if j != i),
+                         "--peer-token-file", str(token)]
+            else:
+                where = ["--storage-devices", str(card), "--shared-storage", "true"]
             gw = GatewayProcess(work / f"gw{i}", ["--max-bytes", "512M", "--shared-memory-size", "256M", "--port", "0", "--metrics-port", "0",
-                                                  "--storage-devices", str(card), "--shared-storage", "true",
+                                                  *where,
                                                   "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
                                                   "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
                                                   "--kv-events-topic", f"gw{i}"], name=f"gw{i}")
             gw.start()
             gateways.append(gw)
             specs.append((pub, rep))
-        log(f"3 gateways up, one shared card {card}")
+        log("3 gateways up, " + ("each with its own card, pulling from the other two" if args.own_cards
+                                 else f"one shared card {card}"))
         for i, gw in enumerate(gateways):
             engines.append(Engine(work, f"engine{i}", model, gw))
         for e in engines:
@@ -478,6 +511,32 @@ def main() -> int:
                         f"p90 {s['ttft_p90'] * 1000:.0f} ms, {s['seconds']:.0f} s, per engine {s['per_endpoint']}")
                 finally:
                     router.stop()
+        if args.pd:
+            for e in engines:
+                _post(e.url + "/reset_prefix_cache")
+            assign_tokens(turns, 10_000, args.block_tokens, args.system_blocks, args.max_prompt, MODEL["vocab_size"])
+            roles = ("prefill", "decode", "prefill")
+            extra = {**args.router, "peer_pulls": bool(args.own_cards), "handoff_timeout": 10}
+            router = Router(work, "cache-aware", [{**ep, "role": role} for ep, role in zip(endpoints, roles)], extra)
+            try:
+                log(f"prefill/decode: engine0 and engine2 prefill, engine1 decodes; {router.line}")
+                hits0 = engine_hits(engines)
+                res = replay(router.port, turns, args.concurrency, args.max_output, names, True)
+                hits1 = engine_hits(engines)
+                outcomes = collections.Counter(r["handoff"] for r in res)
+                log(f"prefill/decode: {len(res)} requests, hand-offs {dict(outcomes)}, decode restored "
+                    f"{sum(r['cached'] for r in res)} of {sum(r['prompt'] for r in res)} prompt tokens")
+                results["prefill/decode"] = [summary("prefill/decode", res) | {
+                    "each_request": res, "from_gpu": hits1[0] - hits0[0], "restored": hits1[1] - hits0[1]}]
+            finally:
+                router.stop()
+        if args.own_cards:
+            for i, gw in enumerate(gateways):
+                st = gw.stats()
+                pulled = st.get("peers") or []
+                log(f"gw{i}: pulled {sum(p.get('hits', 0) for p in pulled)} objects "
+                    f"({sum(p.get('bytes_read', 0) for p in pulled) / (1 << 20):.1f} MiB) from its peers; served "
+                    f"{(st.get('peer_listen') or {}).get('served_objects', 0)} to them")
     finally:
         for e in engines:
             e.stop()

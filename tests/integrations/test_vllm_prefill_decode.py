@@ -91,7 +91,7 @@ def test_prefill_on_a_decode_on_b_next_turn_prefilled_on_c(tmp_path: Path) -> No
         turn1, h1 = _complete(base, p1, OUT1)
         assert (h1["x-kvgate-prefill"], h1["x-kvgate-endpoint"], h1["x-kvgate-handoff"]) == (a.url, b.url, "stored"), h1
         assert h1["x-kvgate-prefill-cached"] == "0"  # A computed the prompt
-        assert _cached(turn1) == 2 * BLOCK, turn1["usage"]  # B restored both full blocks before the last token
+        assert _cached(turn1) == 2 * BLOCK, turn1["usage"]  # B restored both of the prompt's full blocks
         out1 = turn1["choices"][0]["token_ids"]
         alone1, _ = _complete(c.url, p1, OUT1, salt="one-engine")
         assert _cached(alone1) == 0

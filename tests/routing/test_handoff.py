@@ -20,7 +20,7 @@ from tests.helpers import free_port
 from tests.routing.front_engines import FakeEngine
 from tests.routing.test_front import _base, _published, _router, _stored, _until, run
 
-PROMPT = "abcdefghijklmnopq"  # 17 tokens in the fake tokenizer: 4 blocks of 4, all restorable (16 <= 17 - 1)
+PROMPT = "abcdefghijklmnopq"  # 17 tokens in the fake tokenizer: 4 full blocks of 4
 
 
 def test_prefill_body_and_blocks_handed_off():
@@ -33,8 +33,9 @@ def test_prefill_body_and_blocks_handed_off():
     for answer in (b'{"usage": {"prompt_tokens_details": null}}', b"[1]", b"not json", b'{"usage": 3}'):
         assert prompt_cached(answer) is None, answer
     assert handoff_blocks(17, 4, 4) == 4
-    assert handoff_blocks(16, 4, 4) == 3  # the last token is computed by the decode: its block is not loaded
-    assert handoff_blocks(4, 4, 1) == 0
+    assert handoff_blocks(16, 4, 4) == 4  # the last full block too (vLLM 0.32 loads it)
+    assert handoff_blocks(16, 4, 3) == 3  # never more than the router hashed
+    assert handoff_blocks(3, 4, 0) == 0
     assert handoff_blocks(0, 4, 0) == 0
 
 
@@ -98,8 +99,8 @@ def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
                     assert (await resp.json())["engine"] == "b"
                 assert len(a.bodies) == 1 and len(b.bodies) == 2
 
-                # too short to hand anything off (4 tokens: the one block holds the last token)
-                async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": "wxyz"}) as resp:
+                # too short to hand anything off (3 tokens: no full block)
+                async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": "xyz"}) as resp:
                     assert resp.headers["x-kvgate-handoff"] == "short" and (await resp.json())["engine"] == "b"
 
                 # nothing ever stored: the decode goes after handoff_timeout and computes it all

@@ -11,15 +11,15 @@ completion or chat request in two:
    where the decode endpoint can restore them: its own gateway's RAM tier, a card its gateway mounts, or
    (``peer_pulls``) any endpoint's gateway, which the decode's gateway then pulls from as a peer.  At most
    ``handoff_timeout``: past it the decode is sent anyway and recomputes what it lacks (slower, never wrong).
-3. **Decode.** The original request goes to the best endpoint that decodes; it restores the prompt through
-   kvgate (all but the last token: vLLM computes at least one), decodes, and the answer goes to the client
+3. **Decode.** The original request goes to the best endpoint that decodes; it restores the prompt's full
+   blocks through kvgate, decodes, and the answer goes to the client
    as the engine sends it, streamed or not.  When the request ends, its engine stores the blocks its
    decoded tokens filled, so the next turn of the conversation, prefilled on any engine, restores the
    whole history: the prompt and the answer.
 
 No prefill is sent when the decode endpoint can already restore every block the decode would load (the
 KV is there: a pull or a read costs less than computing it again), nor for a prompt shorter than one
-block plus a token (nothing to hand off), nor when the prompt's tokens cannot be had (a batch of
+block (nothing to hand off), nor when the prompt's tokens cannot be had (a batch of
 prompts, ``/tokenize`` failing): the decode endpoint then does it all.  A prefill that fails (cannot
 connect, or an error status) is logged and the decode does it all too: a split request is never failed by
 its prefill.
@@ -83,9 +83,10 @@ def prompt_cached(answer: bytes) -> int | None:
 
 
 def handoff_blocks(tokens: int, block_size: int, hashes: int) -> int:
-    """Blocks of a ``tokens``-token prompt that a decode restores: full blocks before the last token (vLLM
-    computes at least the last one), at most the ``hashes`` the router has."""
-    return min(hashes, max(tokens - 1, 0) // block_size)
+    """Blocks of a ``tokens``-token prompt that the decode restores and the prefill stores: its full blocks
+    (vLLM 0.32 loads the last full block too and computes the last token again), at most the ``hashes``
+    the router has."""
+    return min(hashes, tokens // block_size)
 
 
 class Handoff:

@@ -84,10 +84,17 @@ def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, re
     """One engine process (``vllm_engine.py``): ``requests``, then the ``drain`` until the gateway holds what
     they stored, then ``after_drain`` (where ``{"name": ..., "reset_cache": True}`` empties the engine's
     prefix cache and vLLM's CPU tier), then the ``frozen`` or ``card_away`` phase."""
-    out = workdir / f"{name}.json"
     plan = {"model_dir": str(model_dir), "socket": gw.socket, "extra": extra or {}, "requests": requests,
-            "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket, "out": str(out),
+            "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket,
             "arch": arch, "kv_cache_dtype": kv_cache_dtype, "after_drain": after_drain}
+    return run_plan(workdir, name, plan, timeout)
+
+
+def run_plan(workdir: Path, name: str, plan: dict, timeout: float = 400) -> dict:
+    """``vllm_engine.py`` on ``plan`` (its keys: see that script) in a process of its own; the results, with
+    the engine's ``log`` and the results ``by_name``.  Fails the test with the log's tail if the run fails."""
+    out = workdir / f"{name}.json"
+    plan = {**plan, "out": str(out)}
     plan_path = workdir / f"{name}.plan.json"
     plan_path.write_text(json.dumps(plan))
     env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
@@ -99,7 +106,8 @@ def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, re
                                   env=env, cwd=str(workdir), timeout=timeout)
     finally:
         # vLLM's tiering spec unlinks its /dev/shm CPU tier only in a clean shutdown; when it
-        # force-kills its engine core (about 5 s after shutdown starts) the file stays.
+        # force-kills its engine core (about 5 s after shutdown starts) the file stays (under a
+        # MultiConnector, kvgate's child keeps the engine's id: the same file).
         id_file = Path(str(out) + ".engine_id")
         if id_file.exists():
             leaked = Path(f"/dev/shm/vllm_offload_{id_file.read_text().strip()}.mmap")

@@ -38,13 +38,12 @@ import hashlib
 import json
 import re
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GatewayProcess, kvgate_env
-from tests.integrations.test_vllm_e2e import CACHEABLE, ENGINE, FULL_CHUNKS, P, VENV_PY
+from tests.helpers import GatewayProcess
+from tests.integrations.test_vllm_e2e import CACHEABLE, FULL_CHUNKS, P, VENV_PY, run_plan
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "vllm.md"
 SECTION = "## Beside a P/D transport (MultiConnector)"
@@ -113,35 +112,6 @@ def safetensors_shape(path: Path) -> list[int]:
         return json.loads(f.read(n))["kv_cache"]["shape"]
 
 
-def run_engine(workdir: Path, name: str, plan: dict, timeout: float = 600) -> dict:
-    """vllm_engine.py with a whole ``kv_transfer_config``; as test_vllm_e2e.run_engine otherwise."""
-    out = workdir / f"{name}.json"
-    plan = {**plan, "out": str(out)}
-    plan_path = workdir / f"{name}.plan.json"
-    plan_path.write_text(json.dumps(plan))
-    env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
-    env.pop("PYTHONHASHSEED", None)
-    log = workdir / f"{name}.log"
-    try:
-        with open(log, "wb") as f:
-            proc = subprocess.run([str(VENV_PY), str(ENGINE), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
-                                  env=env, cwd=str(workdir), timeout=timeout)
-    finally:
-        # kvgate's child keeps vLLM's CPU tier in /dev/shm under the engine id (the MultiConnector's: children
-        # inherit it), unlinked only in a clean shutdown.
-        id_file = Path(str(out) + ".engine_id")
-        if id_file.exists():
-            leaked = Path(f"/dev/shm/vllm_offload_{id_file.read_text().strip()}.mmap")
-            if leaked.exists():
-                leaked.unlink()
-    text = log.read_text(errors="replace")
-    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
-    result = json.loads(out.read_text())
-    result["log"] = text
-    result["by_name"] = {r["name"]: r for r in result["results"]}
-    return result
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not VENV_PY.exists(), reason=f"{VENV_PY} is missing: build the vLLM CPU venv first "
@@ -152,13 +122,13 @@ def test_kvgate_first_beside_a_second_connector_in_multiconnector(tmp_path):
     gw = GatewayProcess(tmp_path, ["--max-bytes", "256M", "--shared-memory-size", "64M"], name="gw")
     gw.start()
     try:
-        run = run_engine(tmp_path, "multi", {
+        run = run_plan(tmp_path, "multi", {
             "model_dir": str(tmp_path / "tiny-llama"), "socket": gw.socket,
             "kv_transfer_config": multi_config(gw.socket, storage),
             "requests": [{"name": "P", "prompt_token_ids": P}],
             "drain": {"expect_sets": FULL_CHUNKS, "timeout": 60, "settle": 2.0},
             "after_drain": [{"name": "reset", "reset_cache": True}, {"name": "P-again", "prompt_token_ids": P}],
-        })
+        }, timeout=600)
         tiers = gw.stats()["tiers"]
     finally:
         gw.cleanup()

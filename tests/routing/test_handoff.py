@@ -7,6 +7,7 @@ there or the prompt is too short; a timeout or a failed prefill still answers; t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -56,16 +57,30 @@ def test_settings_name_what_a_split_fleet_lacks():
     assert not build({"endpoints": ["http://a:1"]}).split
 
 
+@contextlib.asynccontextmanager
+async def split_fleet(**settings):
+    """Engine a (prefill) and b (decode), each with a ZMQ publisher standing in for its gateway's events,
+    behind a cache-aware router with blocks of 4 tokens: (router, a, b, a's publisher, b's publisher)."""
+    a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
+    gwa, gwb = (EventPublisher(f"tcp://127.0.0.1:{free_port()}") for _ in range(2))
+    gwa.start()
+    gwb.start()
+    eps = [{"url": a.url, "role": "prefill", "gateway_events": gwa.endpoint},
+           {"url": b.url, "role": "decode", "gateway_events": gwb.endpoint}]
+    r = await _router([a, b], policy="cache-aware", block_size=4, endpoints=eps, handoff_timeout=5.0, **settings)
+    try:
+        yield r, a, b, gwa, gwb
+    finally:
+        await r.close()
+        gwa.close()
+        gwb.close()
+        for e in (a, b):
+            await e.stop()
+
+
 def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
     async def go():
-        a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
-        gwa, gwb = (EventPublisher(f"tcp://127.0.0.1:{free_port()}") for _ in range(2))
-        gwa.start()
-        gwb.start()
-        eps = [{"url": a.url, "role": "prefill", "gateway_events": gwa.endpoint},
-               {"url": b.url, "role": "decode", "gateway_events": gwb.endpoint}]
-        r = await _router([a, b], policy="cache-aware", block_size=4, endpoints=eps, handoff_timeout=5.0)
-        try:
+        async with split_fleet() as (r, a, b, gwa, gwb):
             keys = r.hasher.keys([ord(ch) for ch in PROMPT])
             # both gateways mount card S (each publishes on its card topic): what A's gateway writes there
             # B's gateway reads
@@ -120,26 +135,12 @@ def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
             for outcome in ("stored", "present", "short", "timeout", "prefill-failed"):
                 assert f'kvgate_router_handoffs_total{{outcome="{outcome}"}} 1.0' in metrics, outcome
             assert "kvgate_router_handoff_wait_seconds_count 2.0" in metrics
-        finally:
-            await r.close()
-            gwa.close()
-            gwb.close()
-            for e in (a, b):
-                await e.stop()
     run(go())
 
 
 def test_peer_pulls_count_the_prefill_gateways_ram():
     async def go():
-        a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
-        gwa, gwb = (EventPublisher(f"tcp://127.0.0.1:{free_port()}") for _ in range(2))
-        gwa.start()
-        gwb.start()
-        eps = [{"url": a.url, "role": "prefill", "gateway_events": gwa.endpoint},
-               {"url": b.url, "role": "decode", "gateway_events": gwb.endpoint}]
-        r = await _router([a, b], policy="cache-aware", block_size=4, endpoints=eps, handoff_timeout=5.0,
-                          peer_pulls=True)
-        try:
+        async with split_fleet(peer_pulls=True) as (r, a, b, gwa, _gwb):
             keys = r.hasher.keys([ord(ch) for ch in PROMPT])
             hashes = r.hasher.hashes([ord(ch) for ch in PROMPT])
 
@@ -157,10 +158,4 @@ def test_peer_pulls_count_the_prefill_gateways_ram():
             # without peer_pulls the same RAM-held blocks are not restorable by b
             r.handoff.peer_pulls = False
             assert r.handoff.restorable(hashes, b.url + "#gateway", [a.url + "#gateway"]) == 0
-        finally:
-            await r.close()
-            gwa.close()
-            gwb.close()
-            for e in (a, b):
-                await e.stop()
     run(go())

@@ -12,9 +12,10 @@ Two server starts, one per scenario:
 
 server 1: prompt P (720 tokens) is computed (an OpenAI completion); its 45 full pages are backed
           up to kvgate; ``kvgate router`` in front of it answers P as the server does.
-server 2 (a restart: nothing in SGLang's device or host cache):
-  - the same completion of P is restored from kvgate (the gateway counts the hits), same greedy
-    output as server 1;
+server 2 (a restart: nothing in SGLang's device or host cache), on a second gateway B with an empty card
+          of its own that lists the first as a peer (no router: the gateway pulls on its own):
+  - the same completion of P is restored through B, every page pulled from A's RAM tier (B's peer
+    counters, A's peer listener), same greedy output as server 1;
   - P with another ``cache_salt``: 0 storage hits (SGLang folds the salt into its page hashes);
   - the gateway is killed (SIGKILL): prompt Q (never seen) and P with a third salt are still
     served, promptly; the backend says once that the gateway is gone.
@@ -33,7 +34,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import GatewayProcess
+from tests.helpers import GatewayProcess, free_port
 from tests.integrations.sglang_server import VENV_PY, SGLangServer, build_model, storage_tokens
 
 pytestmark = [
@@ -91,7 +92,17 @@ def runs(tmp_path_factory):
     build_model(model_dir)
     run = workdir / "run"  # XDG_RUNTIME_DIR of the gateway and the server, as on a systemd login
     run.mkdir()
-    gw = GatewayProcess(workdir, ["--max-bytes", "256M"], name="gw", socket_path=run / "kvgate-5557.sock").start()
+    run_b = workdir / "run-b"  # server 2's: gateway B
+    run_b.mkdir()
+    token = workdir / "peer.token"
+    token.write_text("sglang-peer-token")
+    peer_port = free_port()
+    gw = GatewayProcess(workdir, ["--max-bytes", "256M", "--peer-listen", f"127.0.0.1:{peer_port}",
+                                  "--peer-token-file", str(token)], name="gw",
+                        socket_path=run / "kvgate-5557.sock").start()
+    gw_b = GatewayProcess(workdir, ["--max-bytes", "256M", "--peers", f"127.0.0.1:{peer_port}", "--peer-token-file",
+                                    str(token), "--peer-timeout-ms", "5000"], name="gw-b",
+                          card=workdir / "card-b", socket_path=run_b / "kvgate-5557.sock").start()
     out: dict = {"gw": gw}
     try:
         s1 = SGLangServer(workdir, model_dir, gw.socket, name="server1").start()
@@ -104,13 +115,14 @@ def runs(tmp_path_factory):
             s1.stop()
             out["log1"] = s1.log()
 
-        s2 = SGLangServer(workdir, model_dir, gw.socket, name="server2").start()
+        s2 = SGLangServer(workdir, model_dir, gw_b.socket, name="server2").start()
         try:
-            out["hits_before"] = gateway_hits(gw)
+            out["hits_before"] = gateway_hits(gw_b)
             out["restored"] = s2.complete(P)
-            out["hits_after"] = gateway_hits(gw)
+            out["hits_after"] = gateway_hits(gw_b)
+            out["b_stats"], out["a_stats"] = gw_b.stats(), gw.stats()
             out["salted"] = s2.generate(P, cache_salt="tenant-b")
-            gw.kill(signal.SIGKILL)
+            gw_b.kill(signal.SIGKILL)
             out["killed_at"] = time.monotonic()
             out["after_kill_q"] = s2.generate(Q)
             out["after_kill_p"] = s2.generate(P, cache_salt="tenant-c")
@@ -119,15 +131,21 @@ def runs(tmp_path_factory):
             out["log2"] = s2.log()
         yield out
     finally:
+        gw_b.cleanup()
         gw.cleanup()
 
 
-def test_a_restarted_server_restores_the_prompt_from_kvgate(runs):
+def test_a_restarted_server_restores_the_prompt_by_a_pull_from_a_peer_gateway(runs):
     computed, restored = runs["computed"], runs["restored"]
     assert runs["sets_after_1"] >= FULL_PAGES
-    # Everything but the last partial page (SGLang keeps one token to compute) comes from kvgate.
+    # Everything but the last partial page (SGLang keeps one token to compute) comes from kvgate: through
+    # gateway B, which held none of it, pulled from gateway A (no router asked for it)
     hits = runs["hits_after"] - runs["hits_before"]
     assert hits >= FULL_PAGES - 1, (runs["hits_before"], runs["hits_after"])
+    (peer,) = runs["b_stats"]["peers"]
+    assert peer["hits"] >= FULL_PAGES - 1 and peer["failures"] == 0, peer
+    assert runs["b_stats"]["tiers"]["long"]["hits"] == 0  # nothing of P was on B's own card
+    assert runs["a_stats"]["peer_listen"]["served_objects"] >= FULL_PAGES - 1, runs["a_stats"]["peer_listen"]
     assert len(restored["output_ids"]) == 8 and restored["output_ids"] == computed["output_ids"]
     print(f"\nTTFT proxy (e2e, 8 tokens): computed {computed['seconds']} s, restored {restored['seconds']} s, "
           f"{hits} pages from kvgate")

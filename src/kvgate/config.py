@@ -16,6 +16,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -310,6 +311,18 @@ class Config:
     peer_token_file: str | None = _key(
         _parse_str, None, "file holding the token peer gateways present to each other (peer_listen, peers)",
         optional=True)
+    # TLS between peers: the listener's certificate and key, and the CAs a puller checks its peers' against.
+    # Kept apart from card_tls_ca_file: the CA that may vouch for a card server need not vouch for a peer,
+    # which reads the whole cache.
+    peer_tls_cert_file: str | None = _key(
+        _parse_str, None, "PEM certificate (chain) of the peer listener: with it (and peer_tls_key_file) every peer "
+        "connection is TLS, and a plain one is refused", optional=True)
+    peer_tls_key_file: str | None = _key(
+        _parse_str, None, "PEM private key of peer_tls_cert_file", optional=True)
+    peer_tls_ca_file: str | None = _key(
+        _parse_str, None, "PEM file of the CAs that sign the peers' certificates: with it every peer is reached over "
+        "TLS (kvgates://HOST:PORT/peer) and its certificate checked against these CAs and the peer's host "
+        "(card_tls_ca_file is not used for peers)", optional=True)
     # A peer's answer must come sooner than the engine could recompute the prefix: a 2K-token prefix takes
     # tens of ms on a GPU, so a peer slower than this is as good as absent.
     peer_timeout_ms: int = _key(_parse_int, 500, "deadline of one call to a peer (a batch of lookups or reads); "
@@ -442,6 +455,12 @@ def _check_combination(cfg: Config) -> None:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) <= _PORT_MAX:
                 raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r}")
+    try:
+        peer_tls_server_context(cfg)
+        if cfg.peer_tls_ca_file:
+            _tls_client_context(cfg.peer_tls_ca_file, "peer_tls_ca_file")
+    except ConfigError as e:
+        raise ConfigError(f"config key {e}") from None
     if cfg.peer_advertise:
         if not cfg.peer_listen:
             raise ConfigError("config key 'peer_advertise': it says where peers reach this gateway's peer_listen, "
@@ -457,6 +476,67 @@ def _check_combination(cfg: Config) -> None:
     if socket_bytes > SOCKET_PATH_MAX:
         raise ConfigError(f"config key 'socket': {cfg.socket_path} is {socket_bytes} bytes long; a Unix socket path "
                           f"has at most {SOCKET_PATH_MAX}: choose a shorter one")
+
+
+def _readable(path: str, key: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"'{key}': cannot read {path}: {e.strerror}") from None
+
+
+def peer_tls_server_context(cfg: Config) -> ssl.SSLContext | None:
+    """The peer listener's TLS context (TLS 1.2 at least) from ``peer_tls_cert_file`` and
+    ``peer_tls_key_file``; None when neither is set.  A ``ConfigError`` naming the key (as ``read_token``:
+    ``'key': why``) when one is set without the other, or the files cannot be read or do not make a
+    certificate and its key.  Blocking (reads the files): at start, on the main thread."""
+    cert, key = cfg.peer_tls_cert_file, cfg.peer_tls_key_file
+    if not cert and not key:
+        return None
+    if not key:
+        raise ConfigError("'peer_tls_cert_file': set peer_tls_key_file too (the PEM file of the certificate's "
+                          "private key)")
+    if not cert:
+        raise ConfigError("'peer_tls_key_file': it is the key of peer_tls_cert_file, which is unset: set "
+                          "peer_tls_cert_file too, or remove peer_tls_key_file")
+    _readable(cert, "peer_tls_cert_file")
+    _readable(key, "peer_tls_key_file")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.num_tickets = 0  # no session tickets: nothing unasked arrives on a peer's idle connection (Conn.stale)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"'peer_tls_cert_file': {cert} holds no PEM certificate ({_ssl_why(e)})") from None
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_passphrase)
+    except (OSError, ssl.SSLError) as e:
+        if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"'peer_tls_key_file': {key} is not the private key of the certificate in {cert} "
+                              "(peer_tls_cert_file)") from None
+        raise ConfigError(f"'peer_tls_key_file': {key} holds no PEM private key the gateway can use (one without "
+                          f"a passphrase) for the certificate in {cert} ({_ssl_why(e)})") from None
+    return ctx
+
+
+def _no_passphrase() -> bytes:
+    return b""  # (asked only for a key with a passphrase: never a prompt on the terminal of a gateway)
+
+
+def _ssl_why(e: BaseException) -> str:
+    """An ``ssl`` error's message without the source line of CPython's ``_ssl.c`` it came from."""
+    text = str(e.args[1]) if isinstance(e, OSError) and len(e.args) > 1 else str(e)
+    return re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
+
+
+def _tls_client_context(ca_file: str, key: str) -> ssl.SSLContext:
+    """A context that trusts the CAs in ``ca_file``; ``ConfigError`` naming ``key`` (``'key': why``)."""
+    _readable(ca_file, key)
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"'{key}': cannot load {ca_file} as PEM certificates ({_ssl_why(e)})") from None
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")

@@ -82,7 +82,10 @@ class NetworkCard(Card):
     kind = "kvgate"
 
     def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_object_bytes: int = 256 << 20,
-                 token_file: str | None = None, tls_ca_file: str | None = None):
+                 token_file: str | None = None, tls_ca_file: str | None = None,
+                 tls_ca_key: str = "card_tls_ca_file", server_name: str = "card server"):
+        """``tls_ca_key``, ``server_name``: the config key of ``tls_ca_file`` and what serves the card, as
+        messages name them (a peer gateway's ``PeerTier``: ``peer_tls_ca_file``, ``peer``)."""
         super().__init__(location, num_dbs)
         self.token_file = token_file  # read at each connect (on the calling I/O thread): a rotated token is used
         if io_timeout_ms < 1:
@@ -104,10 +107,11 @@ class NetworkCard(Card):
             try:
                 self.tls = ssl.create_default_context(cafile=tls_ca_file)
             except (OSError, ssl.SSLError) as e:
-                raise ValueError(f"card_tls_ca_file {tls_ca_file}: cannot load it as PEM certificates "
+                raise ValueError(f"{tls_ca_key} {tls_ca_file}: cannot load it as PEM certificates "
                                  f"({getattr(e, 'strerror', None) or e})") from None
             self.tls.minimum_version = ssl.TLSVersion.TLSv1_2
         self.tls_ca_file = tls_ca_file
+        self.tls_ca_key, self.server_name = tls_ca_key, server_name
         self.timeout = io_timeout_ms / 1000
         self.max_object_bytes = max_object_bytes
         self._local = threading.local()
@@ -129,12 +133,12 @@ class NetworkCard(Card):
     def lost(self, exc: BaseException) -> CardUnavailable:
         """The ``CardUnavailable`` for a connection that failed with ``exc``."""
         if isinstance(exc, ssl.SSLCertVerificationError):
-            trusted = f"the CAs in card_tls_ca_file ({self.tls_ca_file})" if self.tls_ca_file else \
-                "the system's trusted CAs (set card_tls_ca_file to the CA that signed it)"
-            why = f"the card server's TLS certificate is not trusted by {trusted}: {exc.verify_message}"
+            trusted = f"the CAs in {self.tls_ca_key} ({self.tls_ca_file})" if self.tls_ca_file else \
+                f"the system's trusted CAs (set {self.tls_ca_key} to the CA that signed it)"
+            why = f"the {self.server_name}'s TLS certificate is not trusted by {trusted}: {exc.verify_message}"
             code = errno.EACCES
         elif isinstance(exc, ssl.SSLError):
-            why, code = f"TLS with the card server failed ({exc.reason or exc})", errno.EPROTO
+            why, code = f"TLS with the {self.server_name} failed ({exc.reason or exc})", errno.EPROTO
         elif isinstance(exc, TimeoutError):
             why = f"card server did not answer within io_timeout_ms ({self.timeout * 1000:.0f} ms)"
             code = errno.ETIMEDOUT
@@ -161,9 +165,11 @@ class NetworkCard(Card):
             except OSError as e:
                 sock.close()
                 if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLCertVerificationError):
-                    raise CardUnavailable(errno.EPROTO, f"TLS handshake with the card server failed ({e.reason or e})"
-                                          ": does it serve TLS (kvgate export --tls-cert)? A plain server's cards "
-                                          "are kvgate://, not kvgates://", self.location) from e
+                    hint = "does it serve TLS (kvgate export --tls-cert)? A plain server's cards are kvgate://, not " \
+                           "kvgates://" if self.tls_ca_key == "card_tls_ca_file" else \
+                           f"does it serve TLS? With {self.tls_ca_key} set, it is reached over TLS only"
+                    raise CardUnavailable(errno.EPROTO, f"TLS handshake with the {self.server_name} failed "
+                                          f"({e.reason or e}): {hint}", self.location) from e
                 raise self.lost(e) from e
         conn = Conn(self, sock)
         try:

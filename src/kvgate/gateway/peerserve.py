@@ -13,6 +13,19 @@ card read.  Only this gateway's own tiers answer (``TieredStore.local``): a
 pull is never passed on to this gateway's peers, so two gateways that list
 each other never pull in a loop.
 
+TLS: with ``peer_tls_cert_file`` and ``peer_tls_key_file`` every connection
+is TLS (1.2 at least; the pullers' ``PeerTier`` reach it as ``kvgates://`` and
+check the certificate against their ``peer_tls_ca_file``), so the token and
+the objects cannot be read or changed on the way.  The handshake is the
+connection's thread's, never the accept thread's, and must be done, hello
+included, within ``hello_timeout`` of the connect; a connection that speaks
+plain kvgate is answered a plain ``Err`` saying so, and one whose handshake
+fails (a certificate its peer does not trust) is closed, each logged and
+counted (``tls_failed``).  An object then goes out through TLS buffer by
+buffer (no ``sendmsg`` on a TLS socket); without TLS it is one ``sendmsg``
+of its pages as below.  Without TLS the token travels in the clear: a
+listener beyond loopback says so in the log at start.
+
 Threads: as the card server's connections, each peer connection has a
 thread of its own that reads its requests and sends its replies with
 blocking calls; what touches the store (lookups, lends, reads) runs on the
@@ -45,6 +58,7 @@ import errno
 import hmac
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,7 +66,7 @@ from dataclasses import dataclass, field
 from kvgate.cards import ObjectMeta
 from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import pack_header
-from kvgate.config import Config, read_token
+from kvgate.config import Config, is_loopback, peer_tls_server_context, read_token
 from kvgate.errors import KvgateError
 from kvgate.keys import NO_DIALOG, payload_hasher
 from kvgate.tiers.peertier import PEER_SERIAL
@@ -76,6 +90,7 @@ HELLO_GRACE_S = 1.0
 # trip), so this costs a peer that asks at least every few minutes nothing; it frees the slots of a peer
 # whose host vanished without closing them, and of a token holder that opens connections and leaves them.
 PEER_IDLE_S = 300.0
+_TLS_HANDSHAKE = 0x16  # the first byte of every TLS connection (a handshake record)
 
 
 class PeerRefused(KvgateError, RuntimeError):
@@ -90,14 +105,19 @@ class PeerRefused(KvgateError, RuntimeError):
 class _Slot:
     """One open connection, as the accept thread weighs it when the listener is full (under ``_lock``)."""
 
-    sock: socket.socket
+    sock: socket.socket  # as accepted (the key of ``PeerServer.conns``)
     since: float  # time.monotonic() of its accept
+    tls: ssl.SSLSocket | None = None  # ``sock`` wrapped for TLS: what the connection speaks on (sock is detached)
     heard: bool = False  # the first bytes of its hello arrived (advisory: written without the lock)
     peer: bool = False  # its hello was accepted: a peer with the token, never displaced
 
 
 class _Silent(TimeoutError):
     """No request began in time: no hello within ``hello_timeout``, or none within ``PEER_IDLE_S``."""
+
+
+class _NotTls(KvgateError, ConnectionError):
+    """A connection to a TLS listener that began with anything but a TLS handshake (a plain kvgate hello)."""
 
 
 @dataclass
@@ -118,6 +138,7 @@ class PeerServer:
         self.cfg = cfg
         self.store = store
         self.token = read_token(cfg.peer_token_file, "'peer_token_file'")
+        self.tls = peer_tls_server_context(cfg)  # every connection TLS with it; None: plain
         host, _, port = cfg.peer_listen.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.listener: socket.socket | None = None
@@ -130,12 +151,17 @@ class PeerServer:
         self.displaced = 0  # connections closed before their hello, to make room at a full listener
         self.timed_out = 0  # closed for time: no hello in time, a request not whole in time, a reply not taken
         self.idle_closed = 0  # peers' connections closed after PEER_IDLE_S without a request
+        self.tls_failed = 0  # connections whose TLS failed: not TLS, a handshake refused or broken, a bad record
 
     async def start(self) -> None:
         """Listen (an ``OSError`` when the address cannot be had) and accept on a thread of its own."""
         self.loop = asyncio.get_running_loop()
         self.listener = socket.create_server((self.host, self.port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
+        if self.tls is None and not is_loopback(self.host):
+            log.warning("peer listener on %s without a TLS certificate: the peer token and every object travel in "
+                        "the clear; set peer_tls_cert_file and peer_tls_key_file unless no stranger can listen on "
+                        "this network", self.cfg.peer_listen)
         threading.Thread(target=self._accept, name="kvgate-peer-accept", daemon=True).start()
 
     async def close(self) -> None:
@@ -147,15 +173,15 @@ class PeerServer:
             self.listener.close()
             self.listener = None
         with self._lock:
-            for conn in self.conns:
-                _shut(conn)
+            for slot in self.conns.values():
+                _shut(slot)
 
     def status(self) -> dict:
         with self._lock:
             return {"listen": f"{self.host}:{self.port}", "connections": len(self.conns),
                     "served_objects": self.served_objects, "served_bytes": self.served_bytes,
                     "refused": self.refused, "displaced": self.displaced, "timed_out": self.timed_out,
-                    "idle_closed": self.idle_closed}
+                    "idle_closed": self.idle_closed, "tls": self.tls is not None, "tls_failed": self.tls_failed}
 
     # ---- connections (their threads) ---------------------------------------------------
 
@@ -175,12 +201,15 @@ class PeerServer:
                     if out is not None:  # its thread wakes from its read and leaves, closing the socket
                         del self.conns[out.sock]
                         self.displaced += 1
-                        _shut(out.sock)
+                        _shut(out)
                 full = len(self.conns) >= PEER_CONNECTIONS
                 if full:
                     self.refused += 1
                 else:
                     slot = self.conns[conn] = _Slot(conn, now)
+            if full and self.tls is not None:
+                conn.close()  # (a refusal in plain bytes means nothing to a TLS client; no handshake here)
+                continue
             if full:
                 _send_quietly(conn, w.Err("unavailable", f"this gateway serves {PEER_CONNECTIONS} peer connections "
                                           "at most, all of them peers that said their hello; try again later",
@@ -207,13 +236,15 @@ class PeerServer:
     def _connection(self, slot: _Slot, addr) -> None:
         """A connection's thread: its hello, then its requests until it leaves, breaks a rule or idles past
         ``PEER_IDLE_S``.  Blocks on its socket only, each wait bounded; store calls go to the loop."""
-        conn = slot.sock
+        conn: socket.socket = slot.sock
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello_by = slot.since + self.cfg.hello_timeout
+            if self.tls is not None:
+                conn = self._start_tls(slot, hello_by)
             self._check_hello(self._request(conn, hello_by - time.monotonic(), hello_by, slot))
             with self._lock:
-                if self.conns.get(conn) is not slot:
+                if self.conns.get(slot.sock) is not slot:
                     return  # displaced while its hello was checked: the socket is shut already
                 slot.peer = True
             conn.settimeout(SEND_TIMEOUT_S)
@@ -232,6 +263,21 @@ class PeerServer:
                 else:
                     raise PeerRefused(w.Err("bad_request", f"a peer listener serves exists_many and read_many, "
                                             f"not {type(msg).__name__}: peers only read each other's tiers"))
+        except _NotTls:
+            self._count("tls_failed")
+            log.warning("peer %s refused: it spoke plain kvgate to this TLS listener (peer_tls_cert_file); its "
+                        "gateway must reach it over TLS: set peer_tls_ca_file there", addr)
+            _send_quietly(conn, w.Err("unavailable", "this peer listener speaks TLS: set peer_tls_ca_file (the CA "
+                                      "of its certificate), so that peers are reached as kvgates://HOST:PORT/peer",
+                                      errno.EPROTO))
+        except ssl.SSLError as e:
+            if slot.peer and isinstance(e, ssl.SSLEOFError):
+                return  # a peer that went mid-reply (its deadline passed): gone, as a plain one's reset
+            self._count("tls_failed")
+            if slot.peer:
+                log.warning("peer %s: TLS failed (%s); connection closed", addr, e.reason or e)
+            else:  # (a client that does not trust this certificate says so in an alert: its own log names why)
+                log.warning("peer %s: TLS handshake failed (%s); connection closed", addr, e.reason or e)
         except PeerRefused as e:
             self._count_refused()
             log.warning("peer %s refused: %s", addr, e.err.message)
@@ -254,9 +300,35 @@ class PeerServer:
             log.exception("peer %s: connection failed", addr)
         finally:
             with self._lock:
-                if self.conns.get(conn) is slot:
-                    del self.conns[conn]
-                conn.close()  # (under the lock: the accept thread never shuts a socket that is closed)
+                if self.conns.get(slot.sock) is slot:
+                    del self.conns[slot.sock]
+                (slot.tls or slot.sock).close()  # (under the lock: the accept thread never shuts a closed socket)
+
+    def _start_tls(self, slot: _Slot, by: float) -> ssl.SSLSocket:
+        """The TLS handshake, done by ``by`` (time.monotonic(): the hello's deadline) or ``_Silent`` /
+        ``TimeoutError``; ``_NotTls`` for a connection that begins with anything but a handshake (nothing
+        of it read).  The wrapped socket, also in ``slot.tls``."""
+        assert self.tls is not None
+        raw = slot.sock
+        if by - time.monotonic() <= 0:
+            raise _Silent()
+        raw.settimeout(by - time.monotonic())
+        try:
+            first = raw.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            raise _Silent() from None
+        if not first:
+            raise ConnectionResetError("peer closed the connection")
+        slot.heard = True
+        if first[0] != _TLS_HANDSHAKE:
+            raise _NotTls()
+        with self._lock:  # (the accept thread shuts slot.tls once it is set: never the detached raw socket)
+            if self.conns.get(raw) is not slot:
+                raise ConnectionResetError("displaced")  # shut already
+            tls = slot.tls = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        tls.settimeout(max(0.001, by - time.monotonic()))  # (one bound for the whole handshake)
+        tls.do_handshake()
+        return tls
 
     def _count_refused(self) -> None:
         self._count("refused")
@@ -294,6 +366,10 @@ class PeerServer:
             raise ConnectionResetError("peer closed the connection")
         if slot is not None:
             slot.heard = True
+            if prefix[0] == _TLS_HANDSHAKE:  # (only at a plain listener: over TLS the hello arrives decrypted)
+                raise PeerRefused(w.Err("unavailable", "a TLS handshake at a plain peer listener (no "
+                                        "peer_tls_cert_file here): the peer's gateway has peer_tls_ca_file set; give "
+                                        "this listener a certificate, or unset peer_tls_ca_file there", errno.EPROTO))
         deadline = by if by is not None else time.monotonic() + FRAME_TIMEOUT_S
         w.recv_exact(conn, view[got:], deadline)
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
@@ -372,8 +448,13 @@ class PeerServer:
 
 
 def _send_all(conn: socket.socket, parts: list) -> None:
-    """``sendmsg`` of ``parts`` until every byte is out (a socket takes what its buffer has room for)."""
+    """``sendmsg`` of ``parts`` until every byte is out (a socket takes what its buffer has room for).
+    Over TLS, which has no ``sendmsg``, each part is encrypted and sent in turn."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(conn, ssl.SSLSocket):
+        for v in views:
+            conn.sendall(v)
+        return
     while views:
         sent = conn.sendmsg(views[:512])
         while sent and views:
@@ -385,10 +466,12 @@ def _send_all(conn: socket.socket, parts: list) -> None:
                 sent = 0
 
 
-def _shut(conn: socket.socket) -> None:
-    """Wake the connection's thread from its read (it then closes the socket): under ``PeerServer._lock``."""
+def _shut(slot: _Slot) -> None:
+    """Wake the connection's thread from its read (it then closes the socket): under ``PeerServer._lock``.
+    The socket's own shutdown, also under TLS: ``SSLSocket.shutdown`` drops its TLS state, which the
+    connection's thread may be using right now."""
     try:
-        conn.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(slot.tls or slot.sock, socket.SHUT_RDWR)
     except OSError:
         pass
 

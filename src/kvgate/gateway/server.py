@@ -200,7 +200,8 @@ class Gateway:
             self.http.start()
             where.append(f"metrics http://{cfg.metrics_bind_address}:{self.http.port}/metrics")
         if self.peer_server is not None:
-            where.append(f"peers kvgate://{self.peer_server.host}:{self.peer_server.port}/peer")
+            scheme = "kvgates" if self.peer_server.tls is not None else "kvgate"
+            where.append(f"peers {scheme}://{self.peer_server.host}:{self.peer_server.port}/peer")
         if cfg.peers:
             where.append(f"pulls from {', '.join(cfg.peers)}")
         if cfg.status_file:

@@ -319,8 +319,10 @@ class _SnapshotCollector:
                               ("timed_out", "peer connections closed for time (no hello within hello_timeout, "
                                             "a request not whole in time, a reply not taken)"),
                               ("idle_closed", "peer gateways' connections closed after long without a request "
-                                              "(the peer reconnects)")):
-                yield CounterMetricFamily(f"kvgate_peer_listen_{name}", doc, value=served[name])
+                                              "(the peer reconnects)"),
+                              ("tls_failed", "peer connections closed for TLS (peer_tls_cert_file): plain ones, "
+                                             "handshakes that failed (a certificate the peer does not trust)")):
+                yield CounterMetricFamily(f"kvgate_peer_listen_{name}", doc, value=served.get(name, 0))
             yield GaugeMetricFamily("kvgate_peer_listen_connections", "peer connections open now",
                                     value=served["connections"])
         info = InfoMetricFamily("kvgate_key_layout", "key layout fingerprint")

@@ -2,7 +2,8 @@
 
 A peer serves what its own tiers hold (its RAM tier first) on its
 ``peer_listen`` address, in the network card's wire (``kvgate.cards.network``):
-so this tier is a ``NetworkCard`` on ``kvgate://HOST:PORT/peer``, and every
+so this tier is a ``NetworkCard`` on ``kvgate://HOST:PORT/peer`` (``kvgates://``, TLS, with
+``peer_tls_ca_file``), and every
 object it pulls is verified as any card read is (header, key, length, payload
 hash) before a byte of it is reported present.  It keeps nothing (``keeps``
 is empty) and knows nothing without asking (``known`` says UNKNOWN), so the
@@ -107,8 +108,10 @@ class PeerTier:
         self.name = f"peer {address}"
         self.counters = TierCounters()
         self.timeout = cfg.peer_timeout_ms / 1000
-        self.card = NetworkCard(f"kvgate://{address}/{PEER_SERIAL}", io_timeout_ms=cfg.peer_timeout_ms,
-                                max_object_bytes=cfg.max_frame_bytes, token_file=cfg.peer_token_file)
+        scheme = "kvgates" if cfg.peer_tls_ca_file else "kvgate"  # TLS: checked against peer_tls_ca_file only
+        self.card = NetworkCard(f"{scheme}://{address}/{PEER_SERIAL}", io_timeout_ms=cfg.peer_timeout_ms,
+                                max_object_bytes=cfg.max_frame_bytes, token_file=cfg.peer_token_file,
+                                tls_ca_file=cfg.peer_tls_ca_file, tls_ca_key="peer_tls_ca_file", server_name="peer")
         self.io = IoPool(PEER_THREADS, name="kvgate-peer")
         self.failures = 0  # calls that failed or ran past the deadline
         self.skipped = 0  # calls not made: the peer failed a moment ago (backoff)

@@ -451,7 +451,7 @@ def main() -> int:
                 subprocess.run(["rm", "-rf", str(own)], check=True)
                 own.mkdir()
                 where = ["--storage-devices", str(own), "--peer-listen", f"127.0.0.1:{peer_ports[i]}",
-                         "--peers", ",".join(f"127.0.0.1:{p}" for j, p in enumerate(peer_ports) if j != i),
+                         "--peers", *(f"127.0.0.1:{p}" for j, p in enumerate(peer_ports) if j != i),
                          "--peer-token-file", str(token)]
             else:
                 where = ["--storage-devices", str(card), "--shared-storage", "true"]

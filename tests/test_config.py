@@ -188,3 +188,14 @@ def test_peer_advertise_is_where_a_cluster_pulls_from_and_required_behind_a_wild
                        ({"peer_listen": None, "peer_advertise": "10.0.0.1:5600"}, "peer_listen")):
         with pytest.raises(ConfigError, match=f"config key 'peer_advertise'.*{named}"):
             from_mapping({**peer, "peer_listen": "0.0.0.0:5600", **bad})
+
+
+def test_peer_addresses_are_one_host_port_each():
+    """A comma list given as one value (the flag takes each peer as its own value) is refused at start,
+    naming the fix, never handed on to a peer's connection as an address."""
+    base = {"storage_devices": ["/d"], "peer_token_file": "/t"}
+    for bad, hint in ((["10.0.0.1:5600,10.0.0.2:5600"], "its own value"), (["a b:5600"], "its own value"),
+                      (["::1:5600"], "brackets"), (["10.0.0.1:0"], "HOST:PORT"), (["[]:5600"], "HOST:PORT")):
+        with pytest.raises(ConfigError, match=f"config key 'peers': expected HOST:PORT, got .*{hint}"):
+            from_mapping({**base, "peers": bad})
+    assert from_mapping({**base, "peers": ["[::1]:5600", "host-b:5600"]}).peers == ["[::1]:5600", "host-b:5600"]

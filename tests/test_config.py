@@ -195,7 +195,7 @@ def test_peer_addresses_are_one_host_port_each():
     naming the fix, never handed on to a peer's connection as an address."""
     base = {"storage_devices": ["/d"], "peer_token_file": "/t"}
     for bad, hint in ((["10.0.0.1:5600,10.0.0.2:5600"], "its own value"), (["a b:5600"], "its own value"),
-                      (["::1:5600"], "brackets"), (["10.0.0.1:0"], "HOST:PORT"), (["[]:5600"], "HOST:PORT")):
+                      (["10.0.0.1:0"], "'10.0.0.1:0'"), (["[]:5600"], "'\\[\\]:5600'"), (["h/x:1"], "'h/x:1'")):
         with pytest.raises(ConfigError, match=f"config key 'peers': expected HOST:PORT, got .*{hint}"):
             from_mapping({**base, "peers": bad})
     assert from_mapping({**base, "peers": ["[::1]:5600", "host-b:5600"]}).peers == ["[::1]:5600", "host-b:5600"]

@@ -455,9 +455,8 @@ def _check_combination(cfg: Config) -> None:
             host, sep, port = a.rpartition(":")
             bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
             if (not sep or not bare or not port.isdigit() or not 0 < int(port) <= _PORT_MAX
-                    or any(c in bare for c in ",/ \t[]") or (":" in bare and bare == host)):
-                hint = ("; give each peer as its own value (--peers A:P B:P, or a YAML list)"
-                        if "," in a or " " in a else "; an IPv6 address goes in brackets: [ADDR]:PORT")
+                    or any(c in bare for c in ",/ \t[]")):
+                hint = "; give each peer as its own value (--peers A:P B:P, or a YAML list)" if "," in a or " " in a else ""
                 raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r}{hint}")
     try:
         peer_tls_server_context(cfg)

@@ -199,12 +199,12 @@ def test_the_absent_keys_are_bounded_and_a_failed_call_teaches_nothing(tmp_path,
 
     async def main() -> None:
         assert await tier.find(keys, b"") == [False] * 5
-        assert tier.status()["known_absent"] == 3  # the two oldest were dropped
+        assert tier.status()["absent_kept"] == 3  # the two oldest were dropped
         assert await tier.find(keys, b"") == [False] * 5
         assert peer.asked == ["exists_many"] * 2 and tier.negative_hits == 3  # those two were asked again
         # no answer, nothing learnt: the keys are misses through the backoff, then asked again
         assert await dead.find(keys, b"") == [False] * 5
-        assert dead.failures == 1 and dead.status()["known_absent"] == 0 and dead.negative_hits == 0
+        assert dead.failures == 1 and dead.status()["absent_kept"] == 0 and dead.negative_hits == 0
 
     try:
         asyncio.run(main())

@@ -343,5 +343,5 @@ class PeerTier:
         c = self.counters
         return {"address": self.address, "gets": c.gets, "hits": c.hits, "misses": c.misses,
                 "bytes_read": c.bytes_read, "failures": self.failures, "skipped": self.skipped,
-                "lookups": self.lookups, "negative_hits": self.negative_hits, "known_absent": len(self._absent),
+                "lookups": self.lookups, "negative_hits": self.negative_hits, "absent_kept": len(self._absent),
                 "resting_s": round(max(0.0, self._quiet_until - time.monotonic()), 3)}

@@ -52,7 +52,8 @@ def test_the_next_lookup_after_an_idle_close_reconnects_and_is_a_hit(tmp_path, m
             for _ in range(3):
                 assert await tier.find([KEY], b"") == [True]
             assert tier.failures == 0 and tier.skipped == 0
-            assert server.status()["connections"] == 1 and server.status()["refused"] == 0
+            # each of the tier's threads (PEER_THREADS) keeps a connection of its own: the finds may use either
+            assert 1 <= server.status()["connections"] <= 2 and server.status()["refused"] == 0
         finally:
             tier.close()
             await server.close()

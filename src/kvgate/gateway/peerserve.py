@@ -408,10 +408,12 @@ class PeerServer:
             for v in views:
                 hasher.update(v)
             header = pack_header(key, size, hasher.intdigest(), meta)
-            _send_all(conn, [w.frame(w.Item(), len(header) + size) + header, *views])
+            # counted as it is handed to the socket: a peer that has its last byte may ask for our status
+            # before this thread would get past the send (a send that fails ends the connection anyway)
             with self._lock:
                 self.served_objects += 1
                 self.served_bytes += size
+            _send_all(conn, [w.frame(w.Item(), len(header) + size) + header, *views])
 
     # ---- on the loop ---------------------------------------------------------------
 

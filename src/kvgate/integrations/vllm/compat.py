@@ -69,6 +69,31 @@ Internals, each behind a function below (vLLM 0.32.0):
   ``vllm_config`` argument of ``OffloadingConnector.__init__``, found in a
   caller frame (vLLM hands a spec only the ``OffloadingConfig``); of it,
   ``model_config.revision`` and ``cache_config.prefix_caching_hash_algo``.
+- ``OffloadingSpec.offload_prompt_only`` (read from ``extra_config`` in its
+  ``__init__``, default true; the connector's scheduler reads the spec's
+  attribute): ``KvgateOffloadingSpec`` sets it false unless the config says.
+
+vLLM 0.33.0 (the release wheel, commit 4ba787ec9, compared file by file with
+0.32.0; every item above is the same there but these):
+
+- ``OffloadingWorker.submit_load(job_id, src_spec, dst_spec, expedited=False)``:
+  0.33 passes ``expedited=True`` for loads it waits on within the step (only
+  with ``sync_load_budget_bytes`` > 0); the CPU-platform worker takes and
+  ignores it (its copies are synchronous).  The compat checks accept both.
+- ``OffloadingManager.lock``: callers of manager methods must hold it from a
+  lookup HIT through ``prepare_load``.  kvgate calls no manager method (it
+  returns vLLM's manager unwrapped and ``KvgateTier`` runs under vLLM's own
+  hold of the lock); code that drives a manager must hold
+  ``getattr(m, "lock", None) or contextlib.nullcontext()``, never around
+  ``shutdown()``.
+- ``OffloadingManager.on_reset_flushed()``: vLLM's tiering manager holds
+  secondary lookups after ``reset_cache`` until its workers report every job
+  in flight; ``KvgateTier.drain_jobs`` already waits for every job.
+- ``config_info()`` / ``config_info_keys(extra_config)`` (metric labels per
+  tier) and ``OffloadingEvent.metadata_only``: kvgate declares no labels and
+  emits no offloading events, so the defaults (empty) apply.
+- ``SecondaryTierManager``'s methods, ``ReqContext``'s fields and
+  ``_create_req_context`` are unchanged.
 """
 
 from __future__ import annotations

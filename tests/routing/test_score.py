@@ -70,6 +70,18 @@ def test_a_card_mounted_by_two_gateways_counts_for_both_and_a_named_card_too() -
     assert got == [30, 30, 30, 0]
 
 
+def test_a_gateway_that_pulls_counts_its_peers_ram_and_cards_as_storage() -> None:
+    idx = KvIndex()
+    put(idx, "g-a", HASHES[:30], "CPU", "kvgate")  # peer A's RAM: the first 30
+    put(idx, "g-a", HASHES[30:50], "STORAGE", "kvgate@card:CA")  # A's card: the next 20
+    put(idx, "g-b", HASHES[:10], "CPU", "kvgate")  # B's own RAM: 10
+    alone = Endpoint("b", gateway="g-b")
+    pulling = Endpoint("b-pulls", gateway="g-b", peers=("g-a", "g-b"))  # its own id among them is ignored
+    a, p = Scorer(idx).score(HASHES, [alone, pulling])
+    assert (a.cpu, a.storage, a.prefill) == (10, 0, 90)
+    assert (p.cpu, p.storage, p.prefill) == (10, 40, 50)  # its own RAM first, then what a pull brings
+
+
 def test_load_trades_against_cache() -> None:
     idx, _ = fleet()
     warm = Endpoint("warm", engine="e-gpu", running=2, waiting=1)  # 40 to compute, busy

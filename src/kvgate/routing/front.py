@@ -145,11 +145,15 @@ class Metrics:
                           ["endpoint"], registry=r)
 
 
-def sources(spec: EndpointSpec) -> Endpoint:
+def sources(spec: EndpointSpec, settings: RouterSettings | None = None) -> Endpoint:
     """The index source ids of an endpoint's KV event feeds: its engine's under its URL, its gateway's
-    under ``<url>#gateway`` (None where it publishes none)."""
-    return Endpoint(name=spec.url, engine=spec.url if spec.events else None,
-                    gateway=f"{spec.url}#gateway" if spec.gateway_events else None)
+    under ``<url>#gateway`` (None where it publishes none); with ``peer_pulls``, the other endpoints'
+    gateways as its ``peers``."""
+    gateway = f"{spec.url}#gateway" if spec.gateway_events else None
+    peers: tuple[str, ...] = ()
+    if settings is not None and settings.peer_pulls and gateway is not None:
+        peers = tuple(f"{e.url}#gateway" for e in settings.endpoints if e.gateway_events and e.url != spec.url)
+    return Endpoint(name=spec.url, engine=spec.url if spec.events else None, gateway=gateway, peers=peers)
 
 
 class Router:
@@ -174,7 +178,7 @@ class Router:
         self.metrics = Metrics()
         self.handoff = Handoff(self.index, scorer, settings.handoff_timeout, settings.peer_pulls)
         for spec in settings.endpoints:
-            self.scoring.sources[spec.url] = sources(spec)
+            self.scoring.sources[spec.url] = sources(spec, settings)
         self.feeds: Feeds | None = None
         self.session: aiohttp.ClientSession | None = None
         self.pool: EndpointPool | None = None

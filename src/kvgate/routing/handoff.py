@@ -106,11 +106,11 @@ class Handoff:
 
     def restorable(self, hashes: Sequence[bytes], decode_gateway: str | None,
                    others: Sequence[str | None] = ()) -> int:
-        via = list(dict.fromkeys(g for g in (decode_gateway, *(others if self.peer_pulls else ())) if g is not None))
-        if not via or not hashes:
+        if decode_gateway is None or not hashes:
             return 0
-        scores = self.scorer.score(hashes, [Endpoint(name=g, gateway=g) for g in via])
-        return max(s.cpu + s.storage for s in scores)
+        peers = tuple(g for g in others if g is not None and g != decode_gateway) if self.peer_pulls else ()
+        (score,) = self.scorer.score(hashes, [Endpoint(name=decode_gateway, gateway=decode_gateway, peers=peers)])
+        return score.cpu + score.storage
 
     async def wait(self, hashes: Sequence[bytes], need: int, decode_gateway: str | None,
                    others: Sequence[str | None] = ()) -> tuple[bool, float]:

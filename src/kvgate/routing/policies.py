@@ -73,6 +73,7 @@ class CacheAware:
         base = self.sources.get(ep.url)  # absent: an endpoint known only by its URL (tests, tools)
         return Endpoint(name=ep.url, engine=base.engine if base else ep.url,
                         gateway=base.gateway if base else None, cards=base.cards if base else (),
+                        peers=base.peers if base else (),
                         running=ep.running + ep.inflight, waiting=ep.waiting, prefill_ahead=ep.prefilling)
 
     def score(self, candidates: Sequence[EndpointState], hashes: Sequence[bytes]) -> list[Score]:

@@ -11,7 +11,7 @@ The cost of sending a prompt of ``n`` blocks to an endpoint, in units of "one bl
   stops it: vLLM reuses only a prefix, each block's hash depends on all before it).
 - Each matched position is credited to the best tier that holds it: the engine's GPU (``gpu``), then RAM
   (``cpu``: the engine's own CPU offload, or its gateway's RAM tier), then storage (``storage``: any card
-  its gateway mounts).  A restored block is not free: it is copied back (RAM) or read from a card.
+  its gateway mounts, and with the router's ``peer_pulls`` what the other gateways hold, which it pulls).  A restored block is not free: it is copied back (RAM) or read from a card.
   Defaults (``DEFAULT_TIER_COSTS``): gpu 0, cpu 0.1, storage 0.25 of recomputing the block, rough ratios of
   a block's copy/read time to its prefill time on a mid-size model; set them from measurements
   (``kvgate bench`` gives the restore side).
@@ -63,7 +63,9 @@ DEFAULT_LOAD_COSTS: dict[str, float] = {"running": 4.0, "waiting": 32.0, "prefil
 class Endpoint:
     """One place a request can go.  ``engine``: the index source id of its engine's own events (None: it
     publishes none); ``gateway``: the source id of its gateway's events (None: no gateway); ``cards``: card
-    serials it can read besides those its gateway publishes (``KvIndex.mounts``); ``running`` /
+    serials it can read besides those its gateway publishes (``KvIndex.mounts``); ``peers``: source ids of
+    other gateways its gateway pulls from (their RAM tiers and cards count as its storage: a pull costs
+    about what a card read does); ``running`` /
     ``waiting``: its engine's current requests (from its metrics); ``prefill_ahead``: prompt blocks still to
     compute of requests sent to it that have not answered their first token."""
 
@@ -71,6 +73,7 @@ class Endpoint:
     engine: str | None = None
     gateway: str | None = None
     cards: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
     running: int = 0
     waiting: int = 0
     prefill_ahead: int = 0
@@ -160,7 +163,7 @@ class Scorer:
         """Each endpoint's GPU, CPU and storage bits; cached until the endpoints or the index's layout change
         (rebuilding costs ~100 us for 64 endpoints)."""
         index = self.index
-        key = (index.layout_version, tuple((ep.engine, ep.gateway, ep.cards) for ep in endpoints))
+        key = (index.layout_version, tuple((ep.engine, ep.gateway, ep.cards, ep.peers) for ep in endpoints))
         if key == self._cols_key and self._cols is not None:
             return self._cols
         g: list[list[int]] = []
@@ -171,8 +174,11 @@ class Scorer:
             c.append([b for b in (index.bit_of(MEDIUM_CPU, ep.engine), index.bit_of(MEDIUM_CPU, ep.gateway))
                       if b is not None])
             serials = set(ep.cards) | (index.mounts(ep.gateway) if ep.gateway is not None else set())
-            st.append(sorted(b for b in (index.bit_of(MEDIUM_STORAGE, card_source(x)) for x in serials)
-                             if b is not None))
+            pulled = [index.bit_of(MEDIUM_CPU, p) for p in ep.peers if p != ep.gateway]
+            for p in ep.peers:
+                serials |= index.mounts(p)
+            st.append(sorted({b for b in (*(index.bit_of(MEDIUM_STORAGE, card_source(x)) for x in serials), *pulled)
+                              if b is not None}))
         none = index.width
         self._cols_key, self._cols = key, (_Columns(g, none), _Columns(c, none), _Columns(st, none))
         return self._cols

@@ -11,7 +11,8 @@ The cost of sending a prompt of ``n`` blocks to an endpoint, in units of "one bl
   stops it: vLLM reuses only a prefix, each block's hash depends on all before it).
 - Each matched position is credited to the best tier that holds it: the engine's GPU (``gpu``), then RAM
   (``cpu``: the engine's own CPU offload, or its gateway's RAM tier), then storage (``storage``: any card
-  its gateway mounts, and with the router's ``peer_pulls`` what the other gateways hold, which it pulls).  A restored block is not free: it is copied back (RAM) or read from a card.
+  its gateway mounts, and with the router's ``peer_pulls`` what the other gateways hold, which it pulls).
+  A restored block is not free: it is copied back (RAM) or read from a card.
   Defaults (``DEFAULT_TIER_COSTS``): gpu 0, cpu 0.1, storage 0.25 of recomputing the block, rough ratios of
   a block's copy/read time to its prefill time on a mid-size model; set them from measurements
   (``kvgate bench`` gives the restore side).

@@ -266,8 +266,9 @@ class Abandon:
 
     ``own``: the destinations are the gateway's own memory (a reply buffer,
     RAM-tier pages), which no client can unmap or write while the read runs.
-    A card may then read cached bytes straight into them (``read_cached``)
-    and verify them there, saving the copy through its scratch.
+    A card may then read cached bytes straight into them (``read_cached``),
+    or receive a network card's payload into them (``recv_nowait``), and
+    verify them there, saving the copy through its scratch.
     """
 
     __slots__ = ("_lock", "abandoned", "own")
@@ -301,6 +302,24 @@ class Abandon:
                 if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     return None  # a filesystem without it: read the usual way
                 raise
+
+    def recv_nowait(self, fd: int, dst: memoryview, hasher: Any) -> int | None:
+        """``readv`` into ``dst`` of what the non-blocking socket ``fd`` holds now, and ``hasher.update`` of what
+        landed, unless abandoned (``ReadAbandoned`` then): the bytes read (0: the peer closed), or None when none
+        have arrived (the caller waits for them without the lock, then asks again).  Only for memory the
+        gateway owns (``own``, never client memory).  Held under the lock like ``copy``: a receive that does
+        not wait is a memory copy, so ``abandon`` never waits on the network; the hash too, so no byte of a
+        destination is read once it is abandoned (its memory may be reused by then)."""
+        with self._lock:
+            if self.abandoned:
+                raise ReadAbandoned(errno.ECANCELED, "read abandoned: its caller stopped waiting")
+            try:
+                n = os.readv(fd, [dst])
+            except BlockingIOError:
+                return None
+            if n:
+                hasher.update(dst[:n])
+            return n
 
     def copy(self, dst: Any, src: Any) -> None:
         """``copy(dst, src)`` unless abandoned (``ReadAbandoned`` then); ``MemoryFault`` as ``copy``."""

@@ -35,7 +35,7 @@ from kvgate.cards.objectformat import CHECKSUM_PIECE, header_size, pack_header, 
 from kvgate.cards.network.server import CardExporter
 from kvgate.config import Config
 from kvgate.keys import dialog_digest, payload_hash
-from kvgate.memcopy import Abandon
+from kvgate.memcopy import Abandon, ReadAbandoned
 from tests.cards.common import check_snapshot_round_trip, key, payload_for
 from tests.helpers import freeze, run_threads, wait_until
 
@@ -159,8 +159,10 @@ def test_a_write_the_caller_gave_up_on_publishes_nothing(card: NetworkCard) -> N
 # ---------------------------------------------------------------- corruption
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["through-scratch", "in-place"])
 @pytest.mark.parametrize("how", ["payload", "header-key", "truncate", "append", "empty"])
-def test_a_corrupt_object_on_the_server_is_reported_and_deleted(card: NetworkCard, served, how: str) -> None:
+def test_a_corrupt_object_on_the_server_is_reported_and_deleted(card: NetworkCard, served, how: str,
+                                                                 own: bool) -> None:
     _, local = served
     k = key("victim")
     size = 2 * P + 5
@@ -184,12 +186,62 @@ def test_a_corrupt_object_on_the_server_is_reported_and_deleted(card: NetworkCar
         else:
             f.truncate(0)
     with pytest.raises(ObjectCorrupt) as ei:
-        card.read_into(k, memoryview(bytearray(size)))
+        card.read_into(k, memoryview(bytearray(size)), Abandon(own))
     assert "deleted corrupt object" in "".join(ei.value.__notes__)
     assert not os.path.exists(path) and not card.exists(k)
     other = key("after")  # the connection is still in step
     card.write(other, memoryview(payload_for(other, 10)), ObjectMeta())
     assert np.array_equal(read_back(card, other, 10), payload_for(other, 10))
+
+
+class _CountsReceives(Abandon):
+    """An ``own`` guard that counts the receives straight into the destination, and is abandoned after
+    ``abandon_after`` of them (None: never)."""
+
+    def __init__(self, abandon_after: int | None = None) -> None:
+        super().__init__(own=True)
+        self.receives = 0
+        self.abandon_after = abandon_after
+
+    def recv_nowait(self, fd, dst, hasher):
+        if self.abandon_after is not None and self.receives >= self.abandon_after:
+            self.abandon()
+        n = super().recv_nowait(fd, dst, hasher)
+        self.receives += n is not None
+        return n
+
+
+def test_gateway_memory_is_received_into_in_place_and_client_memory_never(card: NetworkCard, monkeypatch) -> None:
+    from kvgate import memcopy
+
+    k = key("in-place")
+    size = 3 * (1 << 20) + 5
+    card.write(k, memoryview(payload_for(k, size)), ObjectMeta())
+    buf = np.zeros(size + 1, dtype=np.uint8)
+    guard = _CountsReceives()
+    assert card.read_into(k, memoryview(buf), guard).payload_len == size
+    assert guard.receives > 0 and np.array_equal(buf[:size], payload_for(k, size)) and buf[size] == 0
+    # the same buffer named client memory: through the scratch, whatever the caller says it owns
+    base = buf.__array_interface__["data"][0]
+    monkeypatch.setattr(memcopy, "_client_ranges", ((base, base + buf.size),))
+    buf[:] = 0
+    guard = _CountsReceives()
+    assert card.read_into(k, memoryview(buf), guard).payload_len == size
+    assert guard.receives == 0 and np.array_equal(buf[:size], payload_for(k, size))
+
+
+def test_a_read_in_place_abandoned_midway_writes_nothing_more(card: NetworkCard) -> None:
+    k = key("abandoned-in-place")
+    size = 4 << 20
+    card.write(k, memoryview(payload_for(k, size)), ObjectMeta())
+    buf = np.zeros(size, dtype=np.uint8)
+    guard = _CountsReceives(abandon_after=1)
+    with pytest.raises(ReadAbandoned):
+        card.read_into(k, memoryview(buf), guard)
+    assert guard.receives == 1
+    landed = int(np.flatnonzero(buf != 0).max()) + 1 if buf.any() else 0
+    assert landed <= 256 << 10 and not buf[landed:].any()
+    assert np.array_equal(read_back(card, k, size), payload_for(k, size))  # a new connection, in step
 
 
 def test_a_corrupt_object_replaced_meanwhile_is_kept(card: NetworkCard, served) -> None:

@@ -117,8 +117,9 @@ def test_a_peer_tier_speaks_the_contract(tmp_path) -> None:
         peer.close()
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["through-scratch", "in-place"])
 @pytest.mark.parametrize("mode", ["honest", "flipped", "wrong-key", "stall"])
-def test_a_peer_that_lies_or_stalls_costs_a_miss_never_a_wrong_byte(tmp_path, mode: str) -> None:
+def test_a_peer_that_lies_or_stalls_costs_a_miss_never_a_wrong_byte(tmp_path, mode: str, own: bool) -> None:
     peer = LyingPeer(mode)
     tier = tier_for(peer, tmp_path)
 
@@ -127,7 +128,7 @@ def test_a_peer_that_lies_or_stalls_costs_a_miss_never_a_wrong_byte(tmp_path, mo
         assert tier.sizes([KEY], b"") == [len(PAYLOAD)]  # the lookup told the size
         dest = bytearray(len(PAYLOAD))
         t0 = time.monotonic()
-        sizes, _needed, _metas = await tier.read_into([GetItem(KEY, b"", memoryview(dest))])
+        sizes, _needed, _metas = await tier.read_into([GetItem(KEY, b"", memoryview(dest))], own=own)
         return sizes, dest, time.monotonic() - t0
 
     try:

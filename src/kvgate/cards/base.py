@@ -19,7 +19,10 @@ Contract:
   into straight from a cache and verified there, through
   ``guard.read_cached``, which is abandoned the same way; a mismatch there,
   in memory a client may have written meanwhile, is decided by a read
-  through the card's own memory.  A bad object is deleted and reported
+  through the card's own memory.  Likewise a network card receives a payload
+  straight into memory the gateway owns (``guard.own``, never client
+  memory) through ``guard.recv_nowait``, hashing it there, under the same
+  lock.  A bad object is deleted and reported
   as ``ObjectCorrupt``: the caller must treat the destination bytes as
   garbage.  An object a newer kvgate wrote, in a format this build cannot
   read, is ``ObjectTooNew`` (a miss) and stays; ``scan`` skips it.

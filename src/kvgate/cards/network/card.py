@@ -6,8 +6,10 @@ are the directory card's, and the wire format is ``kvgate.cards.network.wire``.
 This side does what a local card does with its medium: a read receives the
 object file as it is on disk into this thread's scratch, checks header key,
 lengths and hash there, and hands the payload to the caller's buffer only
-through ``guard.copy``; a corrupt object is deleted (only if the server
-still holds the very bytes found bad) and reported as ``ObjectCorrupt``.
+through ``guard.copy`` (into memory the gateway owns, ``guard.own``, the
+payload is received in place and hashed there: ``Conn.receive_object``); a
+corrupt object is deleted (only if the server still holds the very bytes
+found bad) and reported as ``ObjectCorrupt``.
 
 Connections: one persistent connection per calling thread (the gateway's
 I/O threads), made on first use; each batch (``read_many_into``,

@@ -54,6 +54,42 @@ DEFAULT_FLAGS: dict[str, list[str]] = {
 README = REPO / "README.md"
 
 
+def peer_payload(i: int, size: int = 300_000) -> bytes:
+    """Object ``i`` of the peer tests: distinct per ``i``, ``size`` bytes (rounded down to 256)."""
+    return bytes([(i * 7 + j) % 251 for j in range(256)]) * (size // 256)
+
+
+def pulled_from_ram(holder: "GatewayProcess", puller: "GatewayProcess", ns: str, n: int,
+                    payload: Callable[[int], bytes] = peer_payload) -> list[bytes]:
+    """Put ``n`` objects in ``holder``'s RAM tier only (retention short), then assert that a client of
+    ``puller`` finds all of them, reads each back byte for byte, and misses a key nobody holds; the keys."""
+    keys = [f"k{i}".encode() for i in range(n)]
+    with holder.client(ns) as c:
+        assert c.put_many(keys, [payload(i) for i in range(n)], retention="short") == [True] * n
+    with puller.client(ns) as c:
+        assert c.lookup(keys) == n
+        assert c.get_many(keys) == [payload(i) for i in range(n)]
+        assert c.get_many([b"nowhere"]) == [None]
+    return keys
+
+
+def tls_files(ca, tmp_path: Path, name: str = "server") -> dict[str, str]:
+    """PEM files from a ``trustme.CA``: its certificate (``ca``), a certificate for 127.0.0.1 and localhost
+    with its chain (``cert``) and key (``key``), and another CA's certificate (``other_ca``)."""
+    import trustme  # noqa: PLC0415 - the TLS tests' dependency only
+
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    out = {"ca": tmp_path / "ca.pem", "cert": tmp_path / f"{name}.pem", "key": tmp_path / f"{name}.key",
+           "other_ca": tmp_path / "other-ca.pem"}
+    ca.cert_pem.write_to_path(str(out["ca"]))
+    cert.private_key_pem.write_to_path(str(out["key"]))
+    cert.cert_chain_pems[0].write_to_path(str(out["cert"]))
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(str(out["cert"]), append=True)
+    trustme.CA().cert_pem.write_to_path(str(out["other_ca"]))
+    return {k: str(v) for k, v in out.items()}
+
+
 def readme_section(title: str, page: str = "README.md") -> str:
     """A page's ``## title`` section, up to the next ``## `` heading (its ``###`` subsections included).
     ``page`` is relative to the checkout's root: the README by default, or a docs page

@@ -20,7 +20,7 @@ from kvgate.cards import CardUnavailable, DirectoryCard, NetworkCard, ObjectMeta
 from kvgate.cards.network.server import CardExporter, tls_server_context
 from kvgate.config import Config
 from kvgate.keys import full_key
-from tests.helpers import wait_until
+from tests.helpers import tls_files, wait_until
 
 TOKEN = "a-card-token-nobody-may-read"
 
@@ -32,16 +32,7 @@ def ca():
 
 @pytest.fixture
 def pems(ca, tmp_path: Path) -> dict[str, str]:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    out = {"ca": tmp_path / "ca.pem", "cert": tmp_path / "server.pem", "key": tmp_path / "server.key",
-           "other_ca": tmp_path / "other-ca.pem"}
-    ca.cert_pem.write_to_path(str(out["ca"]))
-    cert.private_key_pem.write_to_path(str(out["key"]))
-    cert.cert_chain_pems[0].write_to_path(str(out["cert"]))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(out["cert"]), append=True)
-    trustme.CA().cert_pem.write_to_path(str(out["other_ca"]))
-    return {k: str(v) for k, v in out.items()}
+    return tls_files(ca, tmp_path)
 
 
 @pytest.fixture

@@ -20,14 +20,10 @@ from etcd3aio import Etcd3Client
 from kvgate.cluster.follower import ViewFollower
 from kvgate.cluster.registry import GatewayReport, Registry, View
 from tests.cluster.common import ETCD, EtcdServer, labelled_card
-from tests.helpers import GatewayProcess, free_port, wait_until
+from tests.helpers import GatewayProcess, free_port, peer_payload, pulled_from_ram, wait_until
 
 SLOTS = 64
 NS = "peer-ns"
-
-
-def data(i: int, size: int = 300_000) -> bytes:
-    return bytes([(i * 7 + j) % 251 for j in range(256)]) * (size // 256)
 
 
 def _peers(gw: GatewayProcess) -> list[str]:
@@ -62,21 +58,15 @@ def test_gateways_find_each_other_in_the_registry_and_pull_what_the_other_holds(
         cluster = b.stats()["cluster"]
         assert cluster["peer"] == f"127.0.0.1:{ports['B']}" and cluster["peers_found"] == [f"127.0.0.1:{ports['A']}"]
 
-        keys = [f"k{i}".encode() for i in range(4)]
-        with a.client(NS) as c:
-            assert c.put_many(keys, [data(i) for i in range(4)], retention="short") == [True] * 4  # A's RAM only
-        with b.client(NS) as c:
-            assert c.lookup(keys) == 4
-            assert c.get_many(keys) == [data(i) for i in range(4)]
-            assert c.get_many([b"nowhere"]) == [None]
+        keys = pulled_from_ram(a, b, NS, 4)
         (row,) = b.stats()["peers"]
-        assert row["hits"] == 4 and row["bytes_read"] == 4 * len(data(0)), row
+        assert row["hits"] == 4 and row["bytes_read"] == 4 * len(peer_payload(0)), row
         assert a.stats()["peer_listen"]["served_objects"] == 4
 
         a.stop()  # SIGTERM: its report is revoked
         wait_until(lambda: _peers(b) == [], 5, lambda: "A gone from B's peers: " + b.log())
         with b.client(NS) as c:  # pulled before: now in B's RAM tier
-            assert c.get_many(keys[:1]) == [data(0)]
+            assert c.get_many(keys[:1]) == [peer_payload(0)]
     finally:
         b.stop()
         a.stop()

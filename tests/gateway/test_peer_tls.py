@@ -25,7 +25,7 @@ from kvgate.gateway.peerserve import PeerServer
 from kvgate.gateway.status import render
 from kvgate.tiers.peertier import PeerTier
 from tests.cards.test_network_tls import Relay
-from tests.helpers import GatewayProcess, free_port, wait_until
+from tests.helpers import GatewayProcess, free_port, pulled_from_ram, tls_files, wait_until
 
 NS = "peer-tls-ns"
 TOKEN = "a-peer-token-nobody-may-read"
@@ -39,18 +39,10 @@ def data(i: int, size: int = 300_000) -> bytes:
 @pytest.fixture
 def pems(tmp_path: Path) -> dict[str, str]:
     """A CA, the listener's certificate (for 127.0.0.1) and key, another CA, and the peer token."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    out = {"ca": tmp_path / "ca.pem", "cert": tmp_path / "peer.pem", "key": tmp_path / "peer.key",
-           "other_ca": tmp_path / "other-ca.pem", "token": tmp_path / "peer.token"}
-    ca.cert_pem.write_to_path(str(out["ca"]))
-    cert.private_key_pem.write_to_path(str(out["key"]))
-    cert.cert_chain_pems[0].write_to_path(str(out["cert"]))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(out["cert"]), append=True)
-    trustme.CA().cert_pem.write_to_path(str(out["other_ca"]))
-    out["token"].write_text(TOKEN + "\n")
-    return {k: str(v) for k, v in out.items()}
+    out = tls_files(trustme.CA(), tmp_path, "peer")
+    token = tmp_path / "peer.token"
+    token.write_text(TOKEN + "\n")
+    return {**out, "token": str(token)}
 
 
 def serving(tmp_path: Path, pems: dict[str, str], port: int) -> GatewayProcess:
@@ -81,13 +73,7 @@ def test_over_tls_a_peer_pulls_and_the_wire_shows_neither_token_nor_payload(tmp_
     b = pulling(tmp_path, pems, relay.port, "B", "--peer-tls-ca-file", pems["ca"])
     try:
         b.start()
-        keys = [f"k{i}".encode() for i in range(5)]
-        with a.client(NS) as c:
-            assert c.put_many(keys, [data(i) for i in range(5)], retention="short") == [True] * 5  # A's RAM only
-        with b.client(NS) as c:
-            assert c.lookup(keys) == 5
-            assert c.get_many(keys) == [data(i) for i in range(5)]
-            assert c.get_many([b"nowhere"]) == [None]
+        pulled_from_ram(a, b, NS, 5, data)
         row = peer_row(b)
         assert row["hits"] == 5 and row["failures"] == 0, row
         # (A counts an object once it is sent: B may hold it a moment before)

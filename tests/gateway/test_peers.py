@@ -28,7 +28,7 @@ from kvgate.cards.network import wire as w
 from kvgate.gateway.peerserve import PEER_CONNECTIONS
 from kvgate.gateway.status import render
 from kvgate.keys import encode_namespace, full_key
-from tests.helpers import GatewayProcess, free_port
+from tests.helpers import GatewayProcess, free_port, peer_payload
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,7 @@ NS = "peer-ns"
 ABSENT = full_key(encode_namespace(NS), b"absent")
 
 
-def data(i: int, size: int = 300_000) -> bytes:
-    return bytes([(i * 7 + j) % 251 for j in range(256)]) * (size // 256)
+data = peer_payload
 
 
 @pytest.fixture

@@ -87,10 +87,10 @@ def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, re
     plan = {"model_dir": str(model_dir), "socket": gw.socket, "extra": extra or {}, "requests": requests,
             "drain": drain, "frozen": frozen, "card_away": card_away, "add_socket": add_socket,
             "arch": arch, "kv_cache_dtype": kv_cache_dtype, "after_drain": after_drain}
-    return run_plan(workdir, name, plan, timeout)
+    return run_engine_plan(workdir, name, plan, timeout)
 
 
-def run_plan(workdir: Path, name: str, plan: dict, timeout: float = 400) -> dict:
+def run_engine_plan(workdir: Path, name: str, plan: dict, timeout: float = 400) -> dict:
     """``vllm_engine.py`` on ``plan`` (its keys: see that script) in a process of its own; the results, with
     the engine's ``log`` and the results ``by_name``.  Fails the test with the log's tail if the run fails."""
     out = workdir / f"{name}.json"

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GatewayProcess
-from tests.integrations.test_vllm_e2e import CACHEABLE, FULL_CHUNKS, P, VENV_PY, run_plan
+from tests.integrations.test_vllm_e2e import CACHEABLE, FULL_CHUNKS, P, VENV_PY, run_engine_plan
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "vllm.md"
 SECTION = "## Beside a P/D transport (MultiConnector)"
@@ -122,7 +122,7 @@ def test_kvgate_first_beside_a_second_connector_in_multiconnector(tmp_path):
     gw = GatewayProcess(tmp_path, ["--max-bytes", "256M", "--shared-memory-size", "64M"], name="gw")
     gw.start()
     try:
-        run = run_plan(tmp_path, "multi", {
+        run = run_engine_plan(tmp_path, "multi", {
             "model_dir": str(tmp_path / "tiny-llama"), "socket": gw.socket,
             "kv_transfer_config": multi_config(gw.socket, storage),
             "requests": [{"name": "P", "prompt_token_ids": P}],

@@ -28,7 +28,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from kvgate.types import SizeCode
+from kvgate.types import MAX_SOURCE_CHARS, SizeCode  # noqa: F401 - MAX_SOURCE_CHARS: part of the protocol
 from kvgate.errors import KvgateError
 
 MAGIC = b"KG"
@@ -123,8 +123,7 @@ class Get(_Msg, tag="get"):
 # kv_transfer_params.remote_kv_source): the gateway asks only its peers on that host, none when no peer of
 # its own is there (it never connects to an address a request names).  None: every peer, as before.  Sent
 # only when set (omit_defaults), and a gateway from before it ignores it (unknown fields are skipped): no new
-# protocol version.
-MAX_SOURCE_CHARS = 300
+# protocol version.  MAX_SOURCE_CHARS lives in kvgate.types (the tiers, below the protocol, bound it too).
 
 
 class Lookup(_Msg, tag="lookup"):

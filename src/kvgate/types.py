@@ -62,3 +62,8 @@ class SizeCode(IntEnum):
     MISS = -1
     NOT_DONE = -2  # did not fit in this reply or region: ask again
     TOO_SMALL = -3  # the destination is smaller than the object; the size needed comes beside it
+
+
+# The longest ``source`` a lookup, exists or get may name (``"HOST:PORT"`` or ``"HOST"``: the peer a request's
+# KV was computed beside, kvgate.protocol): what a client refuses to send and what the store reads of one.
+MAX_SOURCE_CHARS: Final = 300

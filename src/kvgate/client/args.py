@@ -17,7 +17,7 @@ import numpy as np
 
 from kvgate.errors import BadKey, InvalidArgument
 from kvgate.keys import MAX_KEY_BYTES, as_keys
-from kvgate.protocol import MAX_SOURCE_CHARS
+from kvgate.types import MAX_SOURCE_CHARS
 from kvgate.types import RETENTION_NAMES
 
 Buffer = Any  # anything exporting a contiguous buffer: bytes, bytearray, memoryview, numpy array, mmap

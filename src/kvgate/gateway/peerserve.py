@@ -112,7 +112,7 @@ class _Slot:
     peer: bool = False  # its hello was accepted: a peer with the token, never displaced
 
 
-class _Silent(TimeoutError):
+class _Silent(KvgateError, TimeoutError):
     """No request began in time: no hello within ``hello_timeout``, or none within ``PEER_IDLE_S``."""
 
 

@@ -57,7 +57,7 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config, ConfigError
 from kvgate.latency import Latencies
-from kvgate.protocol import MAX_SOURCE_CHARS
+from kvgate.types import MAX_SOURCE_CHARS
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.cardtier import CardTier

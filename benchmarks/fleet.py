@@ -224,16 +224,29 @@ class Engine:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
+        """Stop the engine and everything it started (its engine core and workers share its process group):
+        SIGTERM, then SIGKILL to the group whatever the first process did, so that a worker whose parent
+        already died (an engine killed on purpose) is not left holding its memory."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group at once (a crash, as a test makes one)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
 
 
 class Router:

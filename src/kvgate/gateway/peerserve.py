@@ -413,7 +413,7 @@ class PeerServer:
             with self._lock:
                 self.served_objects += 1
                 self.served_bytes += size
-            _send_all(conn, [w.frame(w.Item(), len(header) + size) + header, *views])
+            w.send_all(conn, [w.frame(w.Item(), len(header) + size) + header, *views])
 
     # ---- on the loop ---------------------------------------------------------------
 
@@ -447,25 +447,6 @@ class PeerServer:
                 if size >= 0:
                     out.views[i], out.metas[i] = [buf[:size]], meta
         return out
-
-
-def _send_all(conn: socket.socket, parts: list) -> None:
-    """``sendmsg`` of ``parts`` until every byte is out (a socket takes what its buffer has room for).
-    Over TLS, which has no ``sendmsg``, each part is encrypted and sent in turn."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    if isinstance(conn, ssl.SSLSocket):
-        for v in views:
-            conn.sendall(v)
-        return
-    while views:
-        sent = conn.sendmsg(views[:512])
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 def _shut(slot: _Slot) -> None:

@@ -264,7 +264,7 @@ def recv_body(sock: socket.socket, n: int, deadline: float | None = None) -> byt
 def send_all(sock: socket.socket, bufs: list[Any]) -> None:
     """``sendmsg`` of every buffer, whole (no joining: payloads go to the kernel from where they are).
     Over TLS, which has no ``sendmsg``, each buffer is encrypted and sent in turn."""
-    views = [memoryview(b) for b in bufs if len(b)]
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]  # (byte views: sendmsg counts bytes)
     if isinstance(sock, ssl.SSLSocket):
         for v in views:
             sock.sendall(v)

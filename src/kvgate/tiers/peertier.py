@@ -104,7 +104,7 @@ class PeerTier:
 
     def __init__(self, cfg: Config, address: str) -> None:
         self.address = address
-        self.host, self.port = host_port(address)  # as a request's source names it (``TieredStore.peers_for``)
+        self.host, self.port = host_port(address)  # as a request's source names it (``PeerSet.for_source``)
         self.name = f"peer {address}"
         self.counters = TierCounters()
         self.timeout = cfg.peer_timeout_ms / 1000

@@ -29,14 +29,10 @@ no tier knows without I/O is asked of the tiers' media in order.  With
 request's keys are looked up in each tier at once (``Tier.known``).
 
 Peers: the peer tiers (``kvgate.tiers.peertier``) come last, after the
-tiers of this gateway's own (``local``), and may change while it serves
-(``set_peers``: a cluster's registry names them).  ``tiers`` and ``peers``
-are then replaced, never changed in place, so a call that took the list
-before goes on with it; a peer that left is closed once no call that could
-hold it (``get``, ``lookup``, ``exists``) is in flight.  A request may name
-its ``source`` (where its KV was computed: vLLM's ``remote_kv_source``):
-then only the peers on that host are asked (``peers_for``), none when no
-peer is there.
+tiers of this gateway's own (``local``).  Which they are, which of them a
+request's ``source`` picks, and when one that left is closed is the
+``PeerSet``'s (``kvgate.tiers.peerset``); ``set_peers`` replaces ``tiers``
+(a new list, never changed in place, so a call that took it goes on with it).
 
 Changes: what each tier stores and drops is noted in ``changes``
 (``kvgate.tiers.events``); ``held_keys`` lists what is held now, in
@@ -57,7 +53,6 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config, ConfigError
 from kvgate.latency import Latencies
-from kvgate.types import MAX_SOURCE_CHARS
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.cardtier import CardTier
@@ -67,7 +62,8 @@ from kvgate.tiers.events import TierChanges
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.ram import RamTooLarge, copy_into
-from kvgate.tiers.peertier import PeerTier, host_port
+from kvgate.tiers.peerset import PeerSet
+from kvgate.tiers.peertier import PeerTier
 from kvgate.tiers.ramtier import RamLoan, RamTier
 from kvgate.tiers.staging import BufferCache
 from kvgate.tiers.usage import NamespaceUsage
@@ -78,7 +74,6 @@ __all__ = ["GetItem", "PutItem", "RamLoan", "TieredStore"]
 log = logging.getLogger("kvgate.store")
 
 REPLY_BUFFERS_KEEP = 128 << 20  # card parts of sent or lent replies kept for reuse: two 64 MiB gets' worth
-UNKNOWN_SOURCE_LOG_S = 60.0  # a request source that names no peer is logged at most this often
 
 
 class TieredStore:
@@ -105,21 +100,9 @@ class TieredStore:
         self.cards = CardTier(cfg, pool, self.counters, TierHooks(
             self.usage, self.holds, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
             io_seconds=self.card_io_seconds, changes=self.changes))
-        self.peers = [PeerTier(cfg, a) for a in cfg.peers]  # read only, last: asked only for what we lack
-        self.tiers: list[Tier] = [self.ram, self.cards, *self.peers]  # fastest first: the order reads ask them in
+        self.peerset = PeerSet(cfg)  # read only, last: asked only for what we lack
+        self.tiers: list[Tier] = [self.ram, self.cards, *self.peerset.peers]  # fastest first: the order reads ask them
         self.local = 2  # the tiers that are this gateway's own (what it serves to peers: never a peer's)
-        # set_peers: calls in flight per peer set (its number), and peers that left, closed once no call of
-        # their set or an earlier one is in flight (``_close_retired``)
-        self._peer_set = 0
-        self._readers: dict[int, int] = {}
-        self._retired: list[tuple[int, PeerTier]] = []
-        # requests whose source chose the peers asked, named this gateway's own host (no peer asked), or named
-        # no peer (no peer asked either: ``note_source``)
-        self.sourced = 0
-        self.sourced_here = 0
-        self.unknown_sources = 0
-        self._own_hosts = {host_port(a)[0] for a in (cfg.peer_listen, cfg.peer_advertise) if a}
-        self._unknown_logged = -UNKNOWN_SOURCE_LOG_S  # time.monotonic() of the last such log line
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take
         # them, the card reads fill them, and they come back with the loans (return_ram).
         self.reply_buffers = BufferCache(REPLY_BUFFERS_KEEP)
@@ -136,99 +119,29 @@ class TieredStore:
 
     async def stop(self) -> None:
         await self.cards.stop()
-        for peer in [*self.peers, *(p for _, p in self._retired)]:
-            peer.close()
-        self._retired = []
+        self.peerset.close()
 
     # ---- peers --------------------------------------------------------------------
 
+    @property
+    def peers(self) -> list[PeerTier]:
+        return self.peerset.peers
+
     def set_peers(self, addresses: Sequence[str]) -> None:
-        """The peer gateways (HOST:PORT of their peer listeners) asked from now on, in this order.
-
-        A peer already asked keeps its tier (its connections, backoff and counters); a new one gets a
-        tier; ``peers`` and ``tiers`` are replaced by new lists (a call in flight goes on with the list it
-        took).  A peer that left is closed once no call that could hold it is in flight.  On the loop.
-        """
-        wanted = list(dict.fromkeys(addresses))
-        if wanted == [p.address for p in self.peers]:
-            return
-        have = {p.address: p for p in self.peers}
-        peers = [have.pop(a) if a in have else PeerTier(self.cfg, a) for a in wanted]
-        self.peers = peers
-        self.tiers = [*self.tiers[: self.local], *peers]
-        self._retired += [(self._peer_set, p) for p in have.values()]
-        self._peer_set += 1
-        log.info("peers: %s", ", ".join(wanted) or "none")
-        self._close_retired()
-
-    def peers_for(self, source: str | None) -> list[PeerTier]:
-        """The peers a request whose KV was computed at ``source`` (``HOST:PORT`` or ``HOST``; vLLM's
-        ``remote_kv_source``) asks: those on that host (the one at that very ``HOST:PORT`` alone where there
-        is one, else all on the host: the port a request names is often its engine's, not the peer
-        listener's), none when no peer is there.  No source: every peer.
-
-        A source is never an address to connect to (the peer token would go wherever a client says): one
-        that names no peer of this gateway asks no peer at all, since the request says where its KV is and
-        this gateway may not read there (``note_source`` counts and logs it).
-        """
-        if not source:
-            return self.peers
-        host, port = host_port(source[:MAX_SOURCE_CHARS])
-        on_host = [p for p in self.peers if p.host == host]
-        return [p for p in on_host if p.port == port] or on_host
-
-    def _tiers_for(self, source: str | None) -> list[Tier]:
-        """This gateway's own tiers, then the peers ``source`` chooses (``peers_for``): what a request reads."""
-        if not source:
-            return self.tiers
-        return [*self.tiers[: self.local], *self.peers_for(source)]
+        """The peer gateways (HOST:PORT of their peer listeners) asked from now on, in this order
+        (``PeerSet.replace``); ``tiers`` becomes a new list.  On the loop."""
+        if self.peerset.replace(addresses):
+            self.tiers = [*self.tiers[: self.local], *self.peerset.peers]
 
     def note_source(self, source: str | None) -> None:
-        """Count a request's ``source`` (once a request): one that chose peers (``sourced``), one that named this
-        gateway's own host (``peer_listen``, ``peer_advertise``) and no peer there (``sourced_here``: its KV
-        is here), or one that named none of them (``unknown_sources``, logged at most once a minute)."""
+        """Count a request's ``source`` (``PeerSet.note_source``): the gateway's operations, once a request."""
+        self.peerset.note_source(source)
+
+    def _tiers_for(self, source: str | None) -> list[Tier]:
+        """This gateway's own tiers, then the peers ``source`` picks (``PeerSet.for_source``)."""
         if not source:
-            return
-        if self.peers_for(source):
-            self.sourced += 1
-            return
-        if host_port(source[:MAX_SOURCE_CHARS])[0] in self._own_hosts:
-            self.sourced_here += 1
-            return
-        self.unknown_sources += 1
-        now = time.monotonic()
-        if now - self._unknown_logged >= UNKNOWN_SOURCE_LOG_S:
-            self._unknown_logged = now
-            log.warning("request source %r names no peer of this gateway (peers: %s): no peer asked for its keys "
-                        "(%d such requests so far; logged at most once a minute)", source[:MAX_SOURCE_CHARS],
-                        ", ".join(p.address for p in self.peers) or "none", self.unknown_sources)
-
-    def _enter(self) -> int:
-        """A call that may reach the peers begins: the peer set it sees (``_leave`` it when it ends)."""
-        n = self._peer_set
-        self._readers[n] = self._readers.get(n, 0) + 1
-        return n
-
-    def _leave(self, n: int) -> None:
-        left = self._readers[n] - 1
-        if left:
-            self._readers[n] = left
-            return
-        del self._readers[n]
-        if self._retired:
-            self._close_retired()
-
-    def _close_retired(self) -> None:
-        """Close the peers that left which no call in flight can hold: every call that began while they were
-        in the set (or before) has ended."""
-        oldest = min(self._readers, default=self._peer_set)
-        keep = []
-        for n, peer in self._retired:
-            if n < oldest:
-                peer.close()
-            else:
-                keep.append((n, peer))
-        self._retired = keep
+            return self.tiers
+        return [*self.tiers[: self.local], *self.peerset.for_source(source)]
 
     # ---- put ------------------------------------------------------------------
 
@@ -279,14 +192,11 @@ class TieredStore:
 
         ``urgent``: an engine on this host waits on it (``IoPool.run``).  ``own``: every dest is the
         gateway's own memory, which card reads may fill in place (``Abandon.own``).  ``source``: where the
-        request's KV was computed, which chooses the peers asked (``peers_for``).
+        request's KV was computed, which chooses the peers asked (``PeerSet.for_source``).
         """
         tiers = self._tiers_for(source)  # the one list this get asks (``served`` indexes it)
-        entered = self._enter()
-        try:
+        with self.peerset.using():
             sizes, needed, metas, served = await self._read(items, 0, urgent, own, tiers=tiers)
-        finally:
-            self._leave(entered)
         # (a pass over the items only where some tier promotes: none does without peers)
         if any(t.promote for t in tiers) and any(t >= 0 and tiers[t].promote for t in served):
             await self._promote([(it, size, meta) for it, size, meta, t in zip(items, sizes, metas, served)
@@ -486,14 +396,11 @@ class TieredStore:
 
     async def lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False,
                      source: str | None = None) -> int:
-        """How many leading keys are present (the module's rule; ``source`` chooses the peers, ``peers_for``)."""
+        """How many leading keys are present (the module's rule; ``source`` chooses the peers, ``PeerSet.for_source``)."""
         self.counters.lookups += 1
         tiers = self._tiers_for(source)
-        entered = self._enter()
-        try:
+        with self.peerset.using():
             return await self._lookup(fkeys, dialog, urgent, tiers)
-        finally:
-            self._leave(entered)
 
     async def _lookup(self, fkeys: list[bytes], dialog: bytes, urgent: bool, tiers: list[Tier]) -> int:
         n = 0
@@ -515,21 +422,18 @@ class TieredStore:
     async def exists(self, fkeys: list[bytes], dialog: bytes, urgent: bool = False, local: bool = False,
                      source: str | None = None) -> list[bool]:
         """Whether each key is present (the module's rule; ``local``: in this gateway's own tiers, not its
-        peers'; ``source`` chooses the peers, ``peers_for``).  Counted as a lookup: it is the lookup of
+        peers'; ``source`` chooses the peers, ``PeerSet.for_source``).  Counted as a lookup: it is the lookup of
         vLLM's tier, SGLang's backend and LMCache's adapter (``hold``), which never call ``lookup``."""
         self.counters.lookups += 1
         present = np.zeros(len(fkeys), bool)
         tiers = self._tiers_for(source)
-        entered = self._enter()
-        try:
+        with self.peerset.using():
             for tier in tiers[: self.local] if local else tiers:
                 ask = np.flatnonzero(~present)
                 if not ask.size:
                     break
                 sub = fkeys if ask.size == len(fkeys) else [fkeys[i] for i in ask.tolist()]
                 present[ask] = await tier.find(sub, dialog, urgent)
-        finally:
-            self._leave(entered)
         return present.tolist()
 
     async def read_for_peer(self, items: list[GetItem]) -> tuple[list[int], list[ObjectMeta | None]]:
@@ -651,10 +555,8 @@ class TieredStore:
 
     def status(self) -> dict:
         """The tiers' part of the gateway's status: ``ram`` (the RAM tier's row but its counters, which
-        are ``counters.ram``), the card tier's (``CardTier.status``), the peers' rows and how requests'
-        sources chose among them (``note_source``)."""
-        return {"ram": self.ram.status(), **self.cards.status(), "peers": [p.status() for p in self.peers],
-                "peer_sources": {"chosen": self.sourced, "here": self.sourced_here, "unknown": self.unknown_sources}}
+        are ``counters.ram``), the card tier's (``CardTier.status``) and the peers' (``PeerSet.status``)."""
+        return {"ram": self.ram.status(), **self.cards.status(), **self.peerset.status()}
 
 
 def _by_dialog(dialogs: list[bytes]) -> dict[bytes, list[int]]:

@@ -106,7 +106,6 @@ def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
                 assert '"engine": "b"' in text and "[DONE]" in text
                 assert a.bodies == [{**body, "max_tokens": 1, "stream": False, "n": 1}]
                 assert b.bodies == [body]  # the decode gets the client's request as it was
-                assert not a.headers[0].get("x-kvgate-handoff")
 
                 # the KV is there now: the decode goes at once, no prefill
                 async with s.post(_base(r) + "/v1/completions", json={**body, "stream": False}) as resp:
@@ -117,6 +116,11 @@ def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
                 # too short to hand anything off (3 tokens: no full block)
                 async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": "xyz"}) as resp:
                     assert resp.headers["x-kvgate-handoff"] == "short" and (await resp.json())["engine"] == "b"
+
+                # a batch of prompts has no one prefix to hand off: the decode endpoint does it all
+                async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": ["ab", "cd"]}) as resp:
+                    assert resp.headers["x-kvgate-handoff"] == "untokenized"
+                    assert (await resp.json())["engine"] == "b"
 
                 # nothing ever stored: the decode goes after handoff_timeout and computes it all
                 r.handoff.timeout = 0.3
@@ -130,9 +134,14 @@ def test_prefill_then_decode_once_the_kv_is_where_the_decode_can_restore_it():
                 async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": "z" + PROMPT}) as resp:
                     assert resp.status == 200 and resp.headers["x-kvgate-handoff"] == "prefill-failed"
                     assert (await resp.json())["engine"] == "b"
+                # the decode engine gone too: 503 naming the endpoints, not a hand-off outcome
+                await b.stop()
+                await _until(lambda: not r.pool.routable(), 10)
+                async with s.post(_base(r) + "/v1/completions", json={"model": "m", "prompt": PROMPT}) as resp:
+                    assert resp.status == 503 and "no endpoint is routable" in (await resp.json())["error"]["message"]
                 async with s.get(_base(r) + "/metrics") as resp:
                     metrics = await resp.text()
-            for outcome in ("stored", "present", "short", "timeout", "prefill-failed"):
+            for outcome in ("stored", "present", "short", "untokenized", "timeout", "prefill-failed"):
                 assert f'kvgate_router_handoffs_total{{outcome="{outcome}"}} 1.0' in metrics, outcome
             assert "kvgate_router_handoff_wait_seconds_count 2.0" in metrics
     run(go())

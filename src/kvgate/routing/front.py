@@ -401,7 +401,9 @@ class Router:
         toks = await self.tokens(kind, body, self.pool.routable()) if self.pool.routable() else None
         hashes = self.hasher.hashes(toks) if toks else None
         decode = self.choose(hashes, "decodes")
-        if not decode.order or toks is None or hashes is None:
+        if not decode.order:  # no endpoint decodes now: 503, as any request no endpoint can take
+            return await self._forward(request, path, body, headers, decode, {})
+        if toks is None or hashes is None:
             self.metrics.handoffs.labels("untokenized").inc()
             return await self._forward(request, path, body, headers, decode, {"x-kvgate-handoff": "untokenized"})
         dec = decode.order[0]

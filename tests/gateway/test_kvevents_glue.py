@@ -36,13 +36,20 @@ class Changes:
             cb(Change(tier, kind, fkeys))
 
 
+@dataclass
+class Card:
+    serial: str | None
+
+
 class Store:
     def __init__(self, held):
         self.changes = Changes()
         self.held = held
 
+    cards: tuple = ()  # the cards mounted (serials): announced on their topics
+
     def card_states(self):
-        return []  # no card mounted: no announcement (tests/gateway/test_kvevents.py announces one)
+        return [Card(serial) for serial in self.cards]
 
     async def held_keys(self, chunk=10_000):
         for tier, fkeys in self.held.items():
@@ -138,3 +145,35 @@ def test_a_large_change_is_cut_into_batches():
     batches = ev._split(events)
     assert [sum(len(e.block_hashes) for e in b) for b in batches] == [10_000, 10_000, 5_000]
     assert [h for b in batches for e in b for h in e.block_hashes] == [b"%08d" % i for i in range(25_000)]
+
+
+def test_a_card_that_joins_the_set_is_announced_within_mounts_s(tmp_path, monkeypatch):
+    """A gateway's events say which cards it mounts: each card once, at start and when one joins (an empty
+    batch on the card's topic), a card without its serial yet when it has one."""
+    monkeypatch.setattr(KvEvents, "MOUNTS_S", 0.05)
+    cfg = Config(kv_events_endpoint=f"ipc://{tmp_path}/p", kv_events_replay_endpoint=f"ipc://{tmp_path}/r",
+                 kv_events_topic="gw1")
+    store = Store({})
+    store.cards = ("S1",)
+
+    async def main():
+        ev = KvEvents(cfg, store, KeyForms())
+        await ev.start()
+        loop = asyncio.get_running_loop()
+        sub = Subscriber(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
+        try:
+            got = await loop.run_in_executor(None, sub.poll, 0.5)  # S1 by replay: announced before we joined
+            store.cards = ("S1", None)  # a card still adopting: no serial, not announced
+            await asyncio.sleep(0.2)
+            store.cards = ("S1", "S2")
+            await asyncio.sleep(0.2)
+            got += await loop.run_in_executor(None, sub.poll, 0.3)
+        finally:
+            sub.close()
+            await ev.close()
+        topics = [t for t, _, _ in got]
+        assert "gw1@card:S1" in topics and topics.count("gw1@card:S2") == 1, topics
+        assert not any("None" in t for t in topics)
+        assert all(not b.events or isinstance(b.events[0], AllBlocksCleared) for _, _, b in got)  # nothing stored
+
+    asyncio.run(main())

@@ -85,9 +85,12 @@ class NetworkCard(Card):
 
     def __init__(self, location: str, num_dbs: int = 1, io_timeout_ms: int = 2000, max_object_bytes: int = 256 << 20,
                  token_file: str | None = None, tls_ca_file: str | None = None,
-                 tls_ca_key: str = "card_tls_ca_file", server_name: str = "card server"):
-        """``tls_ca_key``, ``server_name``: the config key of ``tls_ca_file`` and what serves the card, as
-        messages name them (a peer gateway's ``PeerTier``: ``peer_tls_ca_file``, ``peer``)."""
+                 tls_ca_key: str = "card_tls_ca_file", server_name: str = "card server",
+                 timeout_key: str = "io_timeout_ms", serves_it: str = "kvgate export"):
+        """``tls_ca_key``, ``server_name``, ``timeout_key``, ``serves_it``: the config key of ``tls_ca_file``,
+        what serves the card, the config key of ``io_timeout_ms`` and what listens there, as messages name
+        them (a peer gateway's ``PeerTier``: ``peer_tls_ca_file``, ``peer``, ``peer_timeout_ms``, a gateway
+        with ``peer_listen``)."""
         super().__init__(location, num_dbs)
         self.token_file = token_file  # read at each connect (on the calling I/O thread): a rotated token is used
         if io_timeout_ms < 1:
@@ -114,6 +117,7 @@ class NetworkCard(Card):
             self.tls.minimum_version = ssl.TLSVersion.TLSv1_2
         self.tls_ca_file = tls_ca_file
         self.tls_ca_key, self.server_name = tls_ca_key, server_name
+        self.timeout_key, self.serves_it = timeout_key, serves_it
         self.timeout = io_timeout_ms / 1000
         self.max_object_bytes = max_object_bytes
         self._local = threading.local()
@@ -142,16 +146,16 @@ class NetworkCard(Card):
         elif isinstance(exc, ssl.SSLError):
             why, code = f"TLS with the {self.server_name} failed ({exc.reason or exc})", errno.EPROTO
         elif isinstance(exc, TimeoutError):
-            why = f"card server did not answer within io_timeout_ms ({self.timeout * 1000:.0f} ms)"
+            why = f"{self.server_name} did not answer within {self.timeout_key} ({self.timeout * 1000:.0f} ms)"
             code = errno.ETIMEDOUT
         elif isinstance(exc, w.WireError):
-            why, code = f"card server broke the protocol ({exc}): is it a kvgate card server of this version?", \
+            why, code = f"{self.server_name} broke the protocol ({exc}): is it {self.serves_it} of this version?", \
                 errno.EPROTO
         elif isinstance(exc, ConnectionRefusedError):
-            why, code = f"nothing listens at {self.host}:{self.port} (is kvgate export running there?)", \
+            why, code = f"nothing listens at {self.host}:{self.port} (is {self.serves_it} running there?)", \
                 errno.ECONNREFUSED
         else:
-            why = f"connection to the card server failed: {getattr(exc, 'strerror', None) or exc}"
+            why = f"connection to the {self.server_name} failed: {getattr(exc, 'strerror', None) or exc}"
             code = getattr(exc, "errno", None) or errno.ECONNRESET
         return CardUnavailable(code, why, self.location)
 
@@ -201,6 +205,11 @@ class NetworkCard(Card):
 
     def _call(self, msg: w.Msg, *body: Any, max_body: int = 0) -> tuple[Any, bytes]:
         return self._conn().call(msg, *body, max_body=max_body)
+
+    def ask(self, msg: w.Msg) -> Any:
+        """A request beyond the card interface (a peer listener's ``Namespaces``) on this thread's
+        connection: the value it is answered with, or the error it is refused with (``from_err``)."""
+        return self._call(msg)[0]
 
     def close(self) -> None:
         """Close every connection; the claim goes with its connection."""

@@ -30,3 +30,58 @@ def test_key_digests_are_key_digest_of_each_key():
 def test_dialog_digest():
     assert dialog_digest(None) == bytes(16)
     assert dialog_digest(b"d") != dialog_digest(b"e") and len(dialog_digest(b"d")) == 16
+
+
+# ---- what a namespace stands for ----------------------------------------------------------
+
+from kvgate.keys import (NamespaceBook, counterpart, namespace_difference,  # noqa: E402
+                         parse_namespace_inputs)
+
+QWEN16 = {"model": "Qwen/Qwen3-0.6B", "dtype": "float16", "tp_size": 1}
+QWEN_BF16 = {**QWEN16, "dtype": "bfloat16"}
+
+
+def test_namespace_inputs_must_be_one_json_object_of_bounded_size() -> None:
+    assert parse_namespace_inputs('{"model": "m"}') == {"model": "m"}
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_namespace_inputs("{model")
+    with pytest.raises(ValueError, match="must be a JSON object, not list"):
+        parse_namespace_inputs("[1]")
+    with pytest.raises(ValueError, match="the limit is 65536"):
+        parse_namespace_inputs('{"m": "' + "x" * 70_000 + '"}')
+
+
+def test_a_difference_names_each_input_that_differs_and_which_side_has_what() -> None:
+    assert namespace_difference(("vllm|q|1", QWEN16), ("vllm|q|2", QWEN_BF16)) == \
+        'dtype ("float16" here, "bfloat16" there)'
+    two = namespace_difference(("vllm|q|1", QWEN16), ("vllm|q|2", {**QWEN_BF16, "tp_size": 2, "pp_size": 1}))
+    assert two == 'dtype ("float16" here, "bfloat16" there), pp_size (not said here, 1 there), ' \
+                  'tp_size (1 here, 2 there)'
+    assert namespace_difference(("vllm|q|1", QWEN16), ("sglang|q|tp0of1|p16|float16|9", QWEN16)) == \
+        "engine (vllm here, sglang there)"
+    assert "name only" in namespace_difference(("vllm|q|1", QWEN16), ("vllm|q|2", QWEN16))
+    long = namespace_difference(("a", {"model": "m", "layers": ["x" * 50] * 4}), ("b", {"model": "m"}))
+    assert len(long) < 200 and long.startswith("layers (") and "..." in long
+
+
+def test_a_counterpart_is_another_namespace_of_the_same_model_only() -> None:
+    theirs = {"vllm|q|2": QWEN_BF16, "vllm|l|3": {"model": "llama", "dtype": "float16"}}
+    assert counterpart("vllm|q|1", QWEN16, theirs) == "vllm|q|2"
+    assert counterpart("vllm|q|2", QWEN_BF16, theirs) is None  # theirs has it: nothing differs
+    assert counterpart("vllm|o|4", {"model": "other"}, theirs) is None  # a model theirs does not run
+    assert counterpart("mine", {}, theirs) is None  # inputs without a model: nothing to compare
+
+
+def test_a_book_keeps_the_latest_namespaces_and_says_when_it_changed() -> None:
+    book = NamespaceBook(limit=2)
+    assert book.version == 0 and book.foreign("vllm|q|1", {"vllm|q|2": QWEN_BF16}) is None  # nothing declared
+    book.declare("vllm|q|1", QWEN16)
+    book.declare("vllm|q|1", dict(QWEN16))  # the same again: no change
+    assert book.version == 1
+    assert book.foreign("vllm|q|1", {"vllm|q|2": QWEN_BF16}) == ("vllm|q|2", 'dtype ("float16" here, "bfloat16" there)')
+    assert book.foreign("vllm|q|1", {"vllm|q|1": QWEN16, "vllm|q|2": QWEN_BF16}) is None
+    taken = book.items()
+    book.declare("b", {"model": "b"})
+    book.declare("c", {"model": "c"})
+    assert list(book.items()) == ["b", "c"] and book.version == 3 and book.get("vllm|q|1") is None
+    assert list(taken) == ["vllm|q|1"]  # a reader's mapping is its own

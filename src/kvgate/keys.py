@@ -1,4 +1,4 @@
-"""Storage identities: namespaced keys, their digests, and dialog marks.
+"""Storage identities: namespaced keys, their digests, dialog marks, and what a namespace stands for.
 
 A client names objects with its own keys (an engine's block hash, plus
 whatever it adds: rank, fragment index, tenant salt).  The gateway never
@@ -6,12 +6,22 @@ trusts a client to stay inside its namespace: it prefixes every key with the
 session's namespace itself, so two namespaces can use the same block hashes
 and never meet.  The full key is what goes into each object's header; its
 128-bit digest names the object on a card.
+
+What a namespace stands for (``NamespaceBook``): an engine may say in its
+hello what makes its KV what it is (model, dtype, layout, parallelism: the
+inputs its namespace was derived from), so that two gateways whose engines
+run one model differently can say how (``namespace_difference``) instead of
+merely never finding each other's keys.
 """
 
 from __future__ import annotations
 
+import json
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -175,3 +185,113 @@ def payload_hash(view: memoryview | bytes) -> int:
     h = xxhash.xxh3_64()
     h.update(view)
     return h.intdigest()
+
+
+# ---- what a namespace stands for ---------------------------------------------------
+
+MAX_NAMESPACE_INPUTS = 64 << 10  # bytes of one namespace's inputs (a model of 100 layers names them in ~5 KiB)
+NAMESPACES_KEPT = 256  # namespaces whose inputs a book keeps, the latest declared (an engine uses a few)
+_SHOWN_CHARS = 80  # of a value, in a difference
+
+
+def parse_namespace_inputs(text: str) -> dict[str, Any]:
+    """A namespace's inputs as a hello carries them (a JSON object); ValueError naming what is wrong."""
+    if len(text) > MAX_NAMESPACE_INPUTS:
+        raise ValueError(f"namespace_inputs is {len(text)} characters; the limit is {MAX_NAMESPACE_INPUTS}")
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"namespace_inputs is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"namespace_inputs must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def namespace_family(namespace: str) -> str:
+    """The engine kind a derived namespace begins with (``vllm|model|digest``: "vllm"); "" for a name a user
+    chose without one."""
+    head, sep, _ = namespace.partition("|")
+    return head if sep else ""
+
+
+def same_model(a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]) -> bool:
+    """Whether two (namespace, inputs) are of one model (then their other inputs say why their KV differs)."""
+    model = a[1].get("model")
+    return model is not None and model == b[1].get("model")
+
+
+def namespace_difference(here: tuple[str, dict[str, Any]], there: tuple[str, dict[str, Any]]) -> str:
+    """How two namespaces' inputs differ, for a log line: ``dtype (float16 here, bfloat16 there)``, each
+    input that differs, in name order."""
+    fam_here, fam_there = namespace_family(here[0]), namespace_family(there[0])
+    if fam_here != fam_there:
+        return f"engine ({fam_here or 'unnamed'} here, {fam_there or 'unnamed'} there)"
+    a, b = here[1], there[1]
+    out = []
+    for name in sorted(a.keys() | b.keys()):
+        if a.get(name) != b.get(name):
+            out.append(f"{name} ({_shown(a, name)} here, {_shown(b, name)} there)")
+    return ", ".join(out) or "the namespace's name only (the same inputs: a namespace set by hand on one side)"
+
+
+def _shown(inputs: dict[str, Any], name: str) -> str:
+    if name not in inputs:
+        return "not said"
+    text = json.dumps(inputs[name], sort_keys=True, default=str)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+class NamespaceBook:
+    """The inputs each namespace of this gateway's engines declared (``Hello.namespace_inputs``), kept to
+    show peers (``kvgate.tiers.peertier``, ``kvgate.gateway.peerserve``).
+
+    Written on the gateway's loop (a hello), read from any thread (a peer connection's): ``declare`` puts a
+    new mapping in place of the old, which readers take whole (``items``), so no reader sees half of one.
+    At most ``NAMESPACES_KEPT`` namespaces, the latest declared (a gateway serves one engine).
+    """
+
+    def __init__(self, limit: int = NAMESPACES_KEPT) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()  # (writers only)
+        self._book: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.version = 0  # bumped at each new namespace (a reader that told a peer an older one tells again)
+
+    def declare(self, namespace: str, inputs: dict[str, Any]) -> None:
+        with self._lock:
+            if self._book.get(namespace) == inputs:
+                return
+            book = OrderedDict(self._book)
+            book.pop(namespace, None)
+            book[namespace] = inputs
+            while len(book) > self.limit:
+                book.popitem(last=False)
+            self._book = book
+            self.version += 1
+
+    def get(self, namespace: str) -> dict[str, Any] | None:
+        return self._book.get(namespace)
+
+    def items(self) -> dict[str, dict[str, Any]]:
+        """Every namespace's inputs, as one consistent mapping (a copy: the caller's to keep)."""
+        return dict(self._book)
+
+    def foreign(self, namespace: str, theirs: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+        """When ``namespace`` (one of ours) is not among ``theirs`` (another gateway's book) but theirs has
+        its model in another: (that namespace, how it differs from ours).  None when theirs has ours too,
+        has no namespace of its model, or ours has no inputs declared (nothing to compare)."""
+        mine = self._book.get(namespace)
+        if mine is None:
+            return None
+        other = counterpart(namespace, mine, theirs)
+        return None if other is None else (other, namespace_difference((namespace, mine), (other, theirs[other])))
+
+
+def counterpart(namespace: str, inputs: dict[str, Any], others: dict[str, dict[str, Any]]) -> str | None:
+    """The namespace among ``others`` of the model ``namespace`` (with ``inputs``) stands for, when
+    ``namespace`` itself is not among them: the engines behind ``others`` run that model another way."""
+    if namespace in others:
+        return None
+    for other, their_inputs in others.items():
+        if same_model((namespace, inputs), (other, their_inputs)):
+            return other
+    return None

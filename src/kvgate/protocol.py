@@ -91,6 +91,9 @@ class Hello(_Msg, tag="hello"):
     # whole key is the block's hash.  block_size: tokens per key (0: not said).  Older gateways ignore both.
     block_keys: str = ""
     block_size: int = 0
+    # What this namespace stands for (a JSON object: model, dtype, layout, parallelism; ``kvgate.keys.NamespaceBook``),
+    # shown to peer gateways so that one whose engines run the same model another way is refused by name.
+    namespace_inputs: str = ""
 
 
 class RegisterRegion(_Msg, tag="register_region"):

@@ -149,6 +149,9 @@ def peers_table(snap: dict[str, Any]) -> Table:
         t.add_row(cell(p["address"]), str(p["gets"]), str(p["hits"]), fmt_bytes(p["bytes_read"]),
                   str(p["failures"]), f"{p['resting_s']:.0f} s" if p.get("resting_s") else "-",
                   str(p.get("negative_hits", 0)))
+        if p.get("namespace_refused"):  # its engines run our namespace's model another way: not asked
+            t.add_row(f"  refused: {cell(p.get('namespace_difference', ''))}", str(p["namespace_refused"]),
+                      "-", "-", "-", "-", "-")
     sources = snap.get("peer_sources") or {}
     if sources.get("chosen") or sources.get("unknown"):  # requests naming where their KV is (remote_kv_source)
         t.add_row("(requests by source)", f"{sources.get('chosen', 0)} chosen", "-", "-",

@@ -132,7 +132,7 @@ def test_the_peer_listener_lets_in_only_a_peer_with_the_token_and_serves_reads_o
     assert isinstance(reply, w.Ok)
     s.sendall(w.frame(w.Clean()))
     reply = _reply(s)
-    assert isinstance(reply, w.Err) and "exists_many and read_many" in reply.message
+    assert isinstance(reply, w.Err) and "exists_many, read_many and namespaces" in reply.message
     assert s.recv(1) == b""  # and the connection is closed
     s.close()
     # a batch over the limit is refused before a key of it is read
@@ -349,3 +349,77 @@ def test_a_request_source_chooses_the_peer_asked(trio) -> None:
     con.print(statview.view(b.stats()))
     text = con.export_text()
     assert "4 unknown" in text and max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def _inputs(dtype: str) -> dict:
+    """A namespace's inputs as the vLLM integration declares them (kvgate.integrations.vllm.settings), in part."""
+    return {"model": "Qwen/Qwen3-0.6B", "dtype": dtype, "tokens_per_hash": 16, "blocks_per_chunk": 1,
+            "tp_size": 1, "kv_cache_layout": "NHD"}
+
+
+def test_a_peer_whose_engines_run_the_model_another_way_is_refused_by_name(pair) -> None:
+    """Engine on A: the model in bfloat16; engine on B: the same model in float16, so another namespace.  B
+    never asks A for its namespace's keys once the two told each other their namespaces, and both logs say
+    that dtype is why; an engine of A's very namespace on B still pulls from A."""
+    a, b, port, _token = pair
+    ns_a, ns_b = "vllm|Qwen/Qwen3-0.6B|aaaa", "vllm|Qwen/Qwen3-0.6B|bbbb"
+    keys = [f"k{i}".encode() for i in range(4)]
+    with a.client(ns_a, namespace_inputs=_inputs("bfloat16")) as c:
+        assert c.put_many(keys, [data(i) for i in range(4)], retention="short") == [True] * 4
+    with b.client(ns_b, namespace_inputs=_inputs("float16")) as c:
+        assert c.lookup(keys) == 0  # (asked: the namespaces are being told meanwhile)
+        deadline = time.monotonic() + 10
+        while not peer_row(b)["namespace_refused"] and time.monotonic() < deadline:
+            assert c.lookup(keys) == 0
+            time.sleep(0.05)
+        row = peer_row(b)
+        assert row["namespace_refused"] >= 4, row
+        asked = row["lookups"]
+        assert c.lookup(keys) == 0 and c.get_many(keys[:2]) == [None, None]
+        row = peer_row(b)
+        assert row["lookups"] == asked and row["gets"] == 2 and row["hits"] == 0, row  # not asked: no round trip
+        assert "dtype" in row["namespace_difference"], row
+    said_b = b.log()
+    assert said_b.count(f"peer 127.0.0.1:{port} refused for namespace {ns_b!r}") == 1, said_b
+    assert f"in namespace {ns_a!r}, which differs in dtype (\"float16\" here, \"bfloat16\" there)" in said_b, said_b
+    said_a = a.log()
+    assert (f"runs namespace {ns_b!r}, of the model this gateway's engines run in namespace {ns_a!r}, which differs "
+            f"in dtype (\"bfloat16\" here, \"float16\" there)") in said_a, said_a
+    assert served(a)["namespaces_differ"] == 1
+    # an engine of A's namespace on B: not refused, it pulls
+    with b.client(ns_a, namespace_inputs=_inputs("bfloat16")) as c:
+        assert c.get_many(keys) == [data(i) for i in range(4)]
+    metrics = render(b.stats()).decode()
+    assert f'kvgate_peer_namespace_refused_total{{peer="127.0.0.1:{port}"}}' in metrics
+    con = Console(width=100, record=True, color_system=None)
+    con.print(statview.view(b.stats()))
+    assert "refused:" in con.export_text()
+
+
+def test_a_hello_with_namespace_inputs_that_are_not_a_json_object_is_refused(pair) -> None:
+    from kvgate import protocol as p
+    from kvgate.client import Client
+    from kvgate.errors import InvalidArgument
+
+    a, _b, _port, _token = pair
+    with pytest.raises(InvalidArgument, match="namespace_inputs must be a JSON object"):
+        Client.connect(a.socket, namespace="x", namespace_inputs="[1, 2]")
+    # a client that skips the checks: the gateway refuses the hello, naming the field, and serves on
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(a.socket))
+        s.sendall(p.encode_frame(p.Hello(id=1, namespace="x", namespace_inputs="not json", want_shm=False), 0))
+        _kind, hlen, _ = p.parse_preamble(_exact(s, p.PREAMBLE_SIZE), 1 << 62)
+        reply = p.decode_reply(_exact(s, hlen))
+    assert reply.code == p.ErrorCode.BAD_REQUEST and "namespace_inputs is not JSON" in reply.message, reply
+    with a.client("x") as c:
+        assert c.lookup([b"k"]) == 0
+
+
+def _exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "the gateway closed the connection"
+        buf += chunk
+    return bytes(buf)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from kvgate.client import core
 from kvgate.client.args import Buffer
@@ -119,20 +119,23 @@ class AsyncClient(core.ClientCore):
         want_shm: bool = True,
         block_keys: str = "",
         block_size: int = 0,
+        namespace_inputs: str | Mapping[str, Any] = "",
     ) -> "_Connecting":
-        """Connect and open a session, as ``Client.connect`` (``block_keys``, ``block_size`` included);
+        """Connect and open a session, as ``Client.connect`` (``block_keys``, ``block_size``,
+        ``namespace_inputs`` included);
         ``timeout`` is also each call's default.
 
         Awaitable (``c = await AsyncClient.connect(...)``) or an async
         context manager (``async with AsyncClient.connect(...) as c``).
         """
-        core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size)  # checks them now
+        core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size,
+                      namespace_inputs)  # checks them now
         return _Connecting(cls._connect(target, namespace, token, engine_id, role, salted, timeout, want_shm,
-                                        block_keys, block_size))
+                                        block_keys, block_size, namespace_inputs))
 
     @classmethod
     async def _connect(cls, target, namespace, token, engine_id, role, salted, timeout, want_shm,
-                       block_keys="", block_size=0) -> "AsyncClient":
+                       block_keys="", block_size=0, namespace_inputs="") -> "AsyncClient":
         kind, addr = core.parse_target(target)
         where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         loop = asyncio.get_running_loop()
@@ -156,7 +159,7 @@ class AsyncClient(core.ClientCore):
                     raise connect_failure(e, where) from e
                 client = cls(sock, local=kind == "unix", timeout=timeout)
                 hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm and kind == "unix",
-                                      block_keys, block_size)
+                                      block_keys, block_size, namespace_inputs)
                 async with client._session as session:
                     client._hello = await _drive(session.sock, hello(session))
         except BaseException as e:

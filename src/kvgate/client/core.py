@@ -15,8 +15,10 @@ what to run on the ``Session`` once the call holds the client.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from kvgate.client.args import (
@@ -33,7 +35,7 @@ from kvgate.client.transport import InlineTransport
 from kvgate.config import default_socket_path
 from kvgate.errors import InvalidArgument
 from kvgate.client.wire import GatewayError, Link, ObjectTooLarge, Op, Wire, done  # noqa: F401  (ObjectTooLarge: imported from here)
-from kvgate.keys import MARK_KEYS, DialogMark
+from kvgate.keys import MARK_KEYS, DialogMark, parse_namespace_inputs
 from kvgate.protocol import (
     CARD_ACTIONS,
     Cards,
@@ -186,13 +188,24 @@ BLOCK_KEY_FORMS = ("", "vllm")
 
 
 def hello_op(namespace: str, token: str | None, engine_id: str, role: str, salted: bool,
-             want_shm: bool, block_keys: str = "", block_size: int = 0) -> Operation:
+             want_shm: bool, block_keys: str = "", block_size: int = 0,
+             namespace_inputs: str | Mapping[str, Any] = "") -> Operation:
     if block_keys not in BLOCK_KEY_FORMS:
         raise InvalidArgument(f"block_keys must be one of {BLOCK_KEY_FORMS}, got {block_keys!r}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
         raise InvalidArgument(f"block_size must be an int >= 0 (tokens per key; 0: not said), got {block_size!r}")
+    if isinstance(namespace_inputs, Mapping):
+        namespace_inputs = json.dumps(namespace_inputs, sort_keys=True, separators=(",", ":"), default=str)
+    if not isinstance(namespace_inputs, str):
+        raise InvalidArgument(f"namespace_inputs must be a JSON object (str or mapping), got "
+                              f"{type(namespace_inputs).__name__}")
+    if namespace_inputs:
+        try:
+            parse_namespace_inputs(namespace_inputs)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
     msg = Hello(namespace=namespace, token=token, engine_id=engine_id, role=role, pid=os.getpid(), salted=salted,
-                want_shm=want_shm, block_keys=block_keys, block_size=block_size)
+                want_shm=want_shm, block_keys=block_keys, block_size=block_size, namespace_inputs=namespace_inputs)
     return lambda s: s.hello(msg)
 
 

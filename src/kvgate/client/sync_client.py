@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from kvgate.client import core
 from kvgate.client.args import Buffer  # noqa: F401  (imported from here)
@@ -81,6 +81,7 @@ class Client(core.ClientCore):
         want_shm: bool = True,
         block_keys: str = "",
         block_size: int = 0,
+        namespace_inputs: str | Mapping[str, Any] = "",
     ) -> "Client":
         """Connect and open a session.
 
@@ -101,8 +102,14 @@ class Client(core.ClientCore):
         followed by a 4-byte big-endian KV cache group index (vLLM's offloading key), ``""`` (the default)
         when the whole key is the block's hash (group 0); ``block_size`` the tokens each key covers (0:
         not said).  They change nothing else.
+
+        ``namespace_inputs`` says what the namespace stands for (a JSON object or a mapping: model, dtype,
+        layout, parallelism, as the engine derived its namespace from them): a gateway shows it to its peers,
+        so that a peer whose engines run the same model another way is refused with the difference named
+        in both gateways' logs, rather than asked in vain.  It changes nothing else.
         """
-        hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size)
+        hello = core.hello_op(namespace, token, engine_id, role, salted, want_shm, block_keys, block_size,
+                              namespace_inputs)
         kind, addr = core.parse_target(target)
         where = addr if kind == "unix" else f"{addr[0]}:{addr[1]}"
         if kind == "unix":
@@ -126,7 +133,8 @@ class Client(core.ClientCore):
                     raise connect_failure(e, where) from e
             client = cls(sock, local=kind == "unix")
             if kind != "unix" and want_shm:
-                hello = core.hello_op(namespace, token, engine_id, role, salted, False, block_keys, block_size)
+                hello = core.hello_op(namespace, token, engine_id, role, salted, False, block_keys, block_size,
+                                      namespace_inputs)
             client._hello = client._run(hello)
         except BaseException:
             sock.close()

@@ -5,7 +5,10 @@ A peer's ``PeerTier`` (``kvgate.tiers.peertier``) is a network card on
 (``kvgate.cards.network.wire``) and serves three requests: ``hello`` (serial
 ``peer`` and the token of ``peer_token_file``, compared in constant time),
 ``exists_many`` (answered with each present object's size where known, so
-the peer sizes its read) and ``read_many``.  Anything else is refused and the
+the peer sizes its read), ``read_many``, and ``namespaces`` (the peer's
+namespaces and their inputs, answered with this gateway's: a namespace of
+the peer's whose model this gateway's engines run in another namespace is
+logged once with the difference, as the peer logs it: ``kvgate.keys.NamespaceBook``).  Anything else is refused and the
 connection closed: a peer reads, it never writes, deletes or cleans.  An
 object goes out as an object file (header with its key, length and payload
 hash, then the payload), so the peer verifies every byte as it verifies a
@@ -68,7 +71,7 @@ from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import pack_header
 from kvgate.config import Config, is_loopback, peer_tls_server_context, read_token
 from kvgate.errors import KvgateError
-from kvgate.keys import NO_DIALOG, payload_hasher
+from kvgate.keys import NO_DIALOG, NamespaceBook, counterpart, namespace_difference, payload_hasher
 from kvgate.tiers.peertier import PEER_SERIAL
 from kvgate.tiers.store import GetItem, RamLoan, TieredStore
 
@@ -90,6 +93,7 @@ HELLO_GRACE_S = 1.0
 # trip), so this costs a peer that asks at least every few minutes nothing; it frees the slots of a peer
 # whose host vanished without closing them, and of a token holder that opens connections and leaves them.
 PEER_IDLE_S = 300.0
+NAMESPACES_HEARD = 16  # a peer's namespaces compared with ours (a PeerTier tells its latest NAMESPACES_TOLD)
 _TLS_HANDSHAKE = 0x16  # the first byte of every TLS connection (a handshake record)
 
 
@@ -133,10 +137,12 @@ class _Round:
 class PeerServer:
     """Serves ``store``'s own tiers to peer gateways on ``cfg.peer_listen`` (module docstring)."""
 
-    def __init__(self, cfg: Config, store: TieredStore) -> None:
+    def __init__(self, cfg: Config, store: TieredStore, namespaces: NamespaceBook | None = None) -> None:
         assert cfg.peer_listen and cfg.peer_token_file  # (the config's checks)
         self.cfg = cfg
         self.store = store
+        self.namespaces = namespaces if namespaces is not None else NamespaceBook()  # ours, told to peers that ask
+        self._differences_said: set[tuple[str, str, str]] = set()  # (peer host, ours, theirs) logged
         self.token = read_token(cfg.peer_token_file, "'peer_token_file'")
         self.tls = peer_tls_server_context(cfg)  # every connection TLS with it; None: plain
         host, _, port = cfg.peer_listen.rpartition(":")
@@ -152,6 +158,7 @@ class PeerServer:
         self.timed_out = 0  # closed for time: no hello in time, a request not whole in time, a reply not taken
         self.idle_closed = 0  # peers' connections closed after PEER_IDLE_S without a request
         self.tls_failed = 0  # connections whose TLS failed: not TLS, a handshake refused or broken, a bad record
+        self.namespaces_differ = 0  # peers' namespaces of a model our engines run another way (each logged once)
 
     async def start(self) -> None:
         """Listen (an ``OSError`` when the address cannot be had) and accept on a thread of its own."""
@@ -181,7 +188,8 @@ class PeerServer:
             return {"listen": f"{self.host}:{self.port}", "connections": len(self.conns),
                     "served_objects": self.served_objects, "served_bytes": self.served_bytes,
                     "refused": self.refused, "displaced": self.displaced, "timed_out": self.timed_out,
-                    "idle_closed": self.idle_closed, "tls": self.tls is not None, "tls_failed": self.tls_failed}
+                    "idle_closed": self.idle_closed, "tls": self.tls is not None, "tls_failed": self.tls_failed,
+                    "namespaces_differ": self.namespaces_differ}
 
     # ---- connections (their threads) ---------------------------------------------------
 
@@ -258,11 +266,14 @@ class PeerServer:
                 elif isinstance(msg, w.ReadMany):
                     _check_batch(msg.keys)
                     self._read_many(conn, msg.keys)
+                elif isinstance(msg, w.Namespaces):
+                    conn.sendall(w.frame(w.Ok(self._namespaces(addr, msg.namespaces))))
                 elif isinstance(msg, w.Check):
                     conn.sendall(w.frame(w.Ok(PEER_SERIAL)))
                 else:
-                    raise PeerRefused(w.Err("bad_request", f"a peer listener serves exists_many and read_many, "
-                                            f"not {type(msg).__name__}: peers only read each other's tiers"))
+                    raise PeerRefused(w.Err("bad_request", f"a peer listener serves exists_many, read_many and "
+                                            f"namespaces, not {type(msg).__name__}: peers only read each other's "
+                                            f"tiers"))
         except _NotTls:
             self._count("tls_failed")
             log.warning("peer %s refused: it spoke plain kvgate to this TLS listener (peer_tls_cert_file); its "
@@ -374,6 +385,29 @@ class PeerServer:
         w.recv_exact(conn, view[got:], deadline)
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
         return w.decode_request(w.recv_body(conn, hlen, deadline))
+
+    def _namespaces(self, addr, theirs: dict[str, dict]) -> dict[str, dict]:
+        """Ours, for a peer that told its own (``theirs``); each of its namespaces whose model our engines run
+        in another namespace logged once a peer host (as its ``PeerTier`` logs it on its side)."""
+        ours = self.namespaces.items()
+        host = addr[0] if isinstance(addr, tuple) else str(addr)
+        for namespace in list(theirs)[:NAMESPACES_HEARD]:  # (a PeerTier tells its latest few)
+            mine = counterpart(namespace, theirs[namespace], ours)
+            if mine is None:
+                continue
+            why = namespace_difference((mine, ours[mine]), (namespace, theirs[namespace]))
+            said = (host, mine, namespace)
+            with self._lock:
+                if said in self._differences_said:
+                    continue
+                if len(self._differences_said) >= NAMESPACES_HEARD * 64:
+                    self._differences_said.clear()
+                self._differences_said.add(said)
+                self.namespaces_differ += 1
+            log.warning("peer %s runs namespace %r, of the model this gateway's engines run in namespace %r, "
+                        "which differs in %s: neither gateway can use the other's KV of it (the peer is refused "
+                        "for it on its side)", host, namespace, mine, why)
+        return ours
 
     def _on_loop(self, coro):
         """Run ``coro`` on the gateway's loop and wait for it (this is a connection's thread)."""

@@ -31,6 +31,7 @@ from kvgate.gateway import lending
 from kvgate.cards import CardInUse
 from kvgate.config import FIELDS, Config, ConfigError, is_loopback, read_token
 from kvgate.gateway import status as status_mod
+from kvgate.keys import NamespaceBook
 from kvgate.latency import Latencies
 from kvgate.gateway.sdnotify import notify
 from kvgate.gateway.connection import tcp_listeners, unix_listener
@@ -87,11 +88,12 @@ class Gateway:
     def __init__(self, cfg: Config, card_source: Callable[[TieredStore], CardSource] | None = None):
         self.cfg = cfg
         self.pool = IoPool(cfg.thread_pool_size, realtime=self._realtime_reads(cfg))
-        self.store = TieredStore(cfg, self.pool)
+        self.namespaces = NamespaceBook()  # what each engine namespace stands for (hellos): shown to peers
+        self.store = TieredStore(cfg, self.pool, self.namespaces)
         self.card_source = card_source(self.store) if card_source is not None else None
         self.heads = SharedHeads()
         self.head_sync = HeadSync(self.heads, self.store.card_set)
-        self.sessions = Sessions(cfg, self.store, self.pool)
+        self.sessions = Sessions(cfg, self.store, self.pool, self.namespaces)
         self.kv_events: KvEvents | None = None  # kv_events_endpoint: the tiers' changes as vLLM KV events
         self.peer_server: PeerServer | None = None  # peer_listen: what the tiers hold, read by peer gateways
         self.latency = Latencies()
@@ -146,7 +148,7 @@ class Gateway:
             self.kv_events = kv_events
         if cfg.peer_listen:
             try:
-                peer_server = PeerServer(cfg, self.store)
+                peer_server = PeerServer(cfg, self.store, self.namespaces)
                 await peer_server.start()
             except ConfigError as e:
                 raise StartupError(f"config key {e}") from None

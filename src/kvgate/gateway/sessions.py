@@ -30,7 +30,7 @@ from kvgate.gateway.connection import Body, Connection, body_length
 from kvgate.gateway.kvevents import KeyForms
 from kvgate.gateway.peers import PeerLookups, is_loopback_peer, trusted_uid
 from kvgate.gateway.shm import Region, RegionError, could_stop_gateway, create_session_region
-from kvgate.keys import BadKey, encode_namespace
+from kvgate.keys import BadKey, NamespaceBook, encode_namespace, parse_namespace_inputs
 from kvgate.protocol import (
     KIND_REPLY,
     SESSION_REGION,
@@ -160,9 +160,11 @@ class Sessions:
     region) and on the peer (its reply by the hello deadline), never blocks the loop.
     """
 
-    def __init__(self, cfg: Config, store: TieredStore, pool: IoPool):
+    def __init__(self, cfg: Config, store: TieredStore, pool: IoPool, namespaces: NamespaceBook | None = None):
         self.cfg = cfg
         self.store = store
+        # what each namespace stands for, as its engine's hello said (Hello.namespace_inputs): shown to peers
+        self.namespaces = namespaces if namespaces is not None else NamespaceBook()
         self.pool = pool
         self.token: str | None = None  # the token of auth_token_file (read at start): lets any peer in
         # Whether the kernel tells the uid of a loopback TCP peer here (``peers.loopback_uids_visible``, at start)
@@ -206,6 +208,8 @@ class Sessions:
             try:
                 if req.block_keys or req.block_size:
                     self.key_forms.declare(sess.namespace, req.block_keys, req.block_size)
+                if req.namespace_inputs:
+                    self.namespaces.declare(req.namespace, parse_namespace_inputs(req.namespace_inputs))
             except ValueError as e:
                 await refuse(ErrorCode.BAD_REQUEST, f"hello: {e}")
                 return None

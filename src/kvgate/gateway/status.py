@@ -297,7 +297,9 @@ class _SnapshotCollector:
                                    CounterMetricFamily),
                                   ("lookups", "keys the peer answered lookups of", CounterMetricFamily),
                                   ("negative_hits", "keys answered absent without asking the peer (it said it "
-                                   "lacks them less than NEGATIVE_S, 2 s, ago)", CounterMetricFamily)):
+                                   "lacks them less than NEGATIVE_S, 2 s, ago)", CounterMetricFamily),
+                                  ("namespace_refused", "keys the peer was not asked for: its engines run their "
+                                   "namespace's model another way (the log names how)", CounterMetricFamily)):
             m = family(f"kvgate_peer_{name}", f"Per peer gateway (peers): {doc}", labels=["peer"])
             for peer in s.get("peers", []):
                 m.add_metric([peer["address"]], peer.get(name, 0))
@@ -321,7 +323,9 @@ class _SnapshotCollector:
                               ("idle_closed", "peer gateways' connections closed after long without a request "
                                               "(the peer reconnects)"),
                               ("tls_failed", "peer connections closed for TLS (peer_tls_cert_file): plain ones, "
-                                             "handshakes that failed (a certificate the peer does not trust)")):
+                                             "handshakes that failed (a certificate the peer does not trust)"),
+                              ("namespaces_differ", "peers' namespaces of a model this gateway's engines run in "
+                                                    "another namespace (each logged once with the difference)")):
                 yield CounterMetricFamily(f"kvgate_peer_listen_{name}", doc, value=served.get(name, 0))
             yield GaugeMetricFamily("kvgate_peer_listen_connections", "peer connections open now",
                                     value=served["connections"])

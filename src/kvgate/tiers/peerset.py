@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kvgate.config import Config
+from kvgate.keys import NamespaceBook
 from kvgate.tiers.peertier import PeerTier, host_port
 from kvgate.types import MAX_SOURCE_CHARS
 
@@ -41,9 +42,10 @@ UNKNOWN_SOURCE_LOG_S = 60.0  # a request source that names no peer is logged at 
 class PeerSet:
     """The peer tiers of a store, the ones a request's source picks, and their closing (module docstring)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, namespaces: NamespaceBook | None = None) -> None:
         self.cfg = cfg
-        self.peers: list[PeerTier] = [PeerTier(cfg, a) for a in cfg.peers]
+        self.namespaces = namespaces if namespaces is not None else NamespaceBook()  # ours: told to the peers
+        self.peers: list[PeerTier] = [PeerTier(cfg, a, self.namespaces) for a in cfg.peers]
         self._version = 0  # bumped at each change of the set
         self._readers: dict[int, int] = {}  # version -> calls in flight that began under it
         self._retired: list[tuple[int, PeerTier]] = []  # peers that left, with the last version they were in
@@ -60,7 +62,7 @@ class PeerSet:
         if wanted == [p.address for p in self.peers]:
             return False
         have = {p.address: p for p in self.peers}
-        self.peers = [have.pop(a) if a in have else PeerTier(self.cfg, a) for a in wanted]
+        self.peers = [have.pop(a) if a in have else PeerTier(self.cfg, a, self.namespaces) for a in wanted]
         self._retired += [(self._version, p) for p in have.values()]
         self._version += 1
         log.info("peers: %s", ", ".join(wanted) or "none")

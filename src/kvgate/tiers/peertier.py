@@ -26,6 +26,18 @@ absent (a lookup's ``False``, a pull's ``missing``) are kept by digest,
 at most ``NEGATIVE_KEPT``, the oldest dropped first; within ``NEGATIVE_S`` a
 lookup or a read of one is a miss without I/O (``negative_hits``).  A failed
 or skipped call teaches nothing: only an answer is kept.
+
+A peer whose engines run the same model another way is not asked: the two
+gateways tell each other what their namespaces stand for (``Namespaces``:
+``kvgate.keys.NamespaceBook``, the inputs each engine declared in its hello)
+at the first call and every ``NAMESPACES_S`` after, on the tier's threads
+while calls go on.  When a request's namespace is not among the peer's but
+one of the same model is, the peer is refused for it: its keys are misses
+without a round trip (``namespace_refused``), and the log names the
+difference once (``dtype (float16 here, bfloat16 there)``).  Its keys could
+never match anyway (the namespace is in every key); this says why, and
+spares the lookups.  A peer that holds the namespace's objects on a card
+while its engines now run another is refused all the same.
 """
 
 from __future__ import annotations
@@ -41,9 +53,10 @@ import numpy as np
 
 from kvgate.cards import ObjectMeta
 from kvgate.cards.network import NetworkCard
+from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import BufferTooSmall, Header
 from kvgate.config import Config
-from kvgate.keys import key_digests
+from kvgate.keys import NamespaceBook, key_digests, split_full_key
 from kvgate.memcopy import Abandon
 from kvgate.tiers.contract import STORAGE, UNKNOWN, GetItem, Known, PutItem
 from kvgate.tiers.counters import TierCounters
@@ -65,6 +78,11 @@ BACKOFF_MAX_S = 30.0
 # (seconds later at the soonest).
 NEGATIVE_S = 2.0
 NEGATIVE_KEPT = 100_000  # keys remembered absent, per peer (about 180 bytes each: 18 MB full); the oldest go first
+# How often two peers tell each other their namespaces again (their engines may change: a restart with another
+# dtype); a namespace new here is told at once.
+NAMESPACES_S = 30.0
+NAMESPACES_TOLD = 16  # of ours, the latest declared, told a peer (a gateway's engine uses a few)
+SAID_KEPT = 1024  # differences logged, remembered so that each is logged once
 
 
 def host_port(address: str) -> tuple[str, int | None]:
@@ -102,7 +120,7 @@ class PeerTier:
     probes = True
     promote = True
 
-    def __init__(self, cfg: Config, address: str) -> None:
+    def __init__(self, cfg: Config, address: str, namespaces: NamespaceBook | None = None) -> None:
         self.address = address
         self.host, self.port = host_port(address)  # as a request's source names it (``PeerSet.for_source``)
         self.name = f"peer {address}"
@@ -111,7 +129,8 @@ class PeerTier:
         scheme = "kvgates" if cfg.peer_tls_ca_file else "kvgate"  # TLS: checked against peer_tls_ca_file only
         self.card = NetworkCard(f"{scheme}://{address}/{PEER_SERIAL}", io_timeout_ms=cfg.peer_timeout_ms,
                                 max_object_bytes=cfg.max_frame_bytes, token_file=cfg.peer_token_file,
-                                tls_ca_file=cfg.peer_tls_ca_file, tls_ca_key="peer_tls_ca_file", server_name="peer")
+                                tls_ca_file=cfg.peer_tls_ca_file, tls_ca_key="peer_tls_ca_file", server_name="peer",
+                                timeout_key="peer_timeout_ms", serves_it="a gateway with peer_listen")
         self.io = IoPool(PEER_THREADS, name="kvgate-peer")
         self.failures = 0  # calls that failed or ran past the deadline
         self.skipped = 0  # calls not made: the peer failed a moment ago (backoff)
@@ -124,8 +143,19 @@ class PeerTier:
         self._absent: OrderedDict[bytes, float] = OrderedDict()
         self.negative_hits = 0  # keys answered absent from ``_absent``, not asked of the peer
         self.lookups = 0  # keys the peer answered lookups of (``find``: its exists_many)
+        # what namespaces stand for, ours (the gateway's engines') and the peer's as it last told (module docstring)
+        self.namespaces = namespaces if namespaces is not None else NamespaceBook()
+        self._theirs: dict[str, dict] = {}
+        self._told = -1  # the version of our book the peer was last told (-1: never)
+        self._told_at = 0.0  # time.monotonic() of that
+        self._telling: asyncio.Task | None = None
+        self._differences_said: set[tuple[str, str]] = set()
+        self.namespace_refused = 0  # keys not asked: the peer runs their namespace's model another way
+        self.namespace_difference = ""  # the last difference found (for the status)
 
     def close(self) -> None:
+        if self._telling is not None:
+            self._telling.cancel()
         self.card.close()
         self.io.shutdown(wait=False)
 
@@ -195,6 +225,53 @@ class PeerTier:
         while len(absent) > NEGATIVE_KEPT:
             absent.popitem(last=False)
 
+    # ---- what the peer's namespaces are -------------------------------------------------
+
+    def _refused(self, first: bytes, n: int) -> bool:
+        """Whether the peer is not asked for ``n`` keys of one request (one namespace: that of ``first``, the
+        first key): it runs that namespace's model another way (module docstring).  Starts telling the peer our namespaces
+        when that is due; never waits for it."""
+        book = self.namespaces
+        if book.version and (self._told != book.version or time.monotonic() - self._told_at >= NAMESPACES_S):
+            self._tell()
+        if not self._theirs:
+            return False
+        namespace = split_full_key(first)[0].decode(errors="replace")
+        found = book.foreign(namespace, self._theirs)
+        if found is None:
+            return False
+        other, why = found
+        self.namespace_refused += n
+        self.namespace_difference = f"{namespace!r} vs {other!r}: {why}"
+        if (namespace, other) not in self._differences_said:
+            if len(self._differences_said) >= SAID_KEPT:
+                self._differences_said.clear()
+            self._differences_said.add((namespace, other))
+            log.warning("peer %s refused for namespace %r: its engines run the same model in namespace %r, which "
+                        "differs in %s; neither gateway can use the other's KV of it, so the peer is not asked for "
+                        "it (checked again every %.0f s)", self.address, namespace, other, why, NAMESPACES_S)
+        return True
+
+    def _tell(self) -> None:
+        """Start telling the peer our namespaces (``Namespaces``), keeping its answer; one at a time."""
+        if self._telling is not None or (self._quiet_until and time.monotonic() < self._quiet_until):
+            return  # (one at a time; none to a peer resting after a failure)
+        self._telling = asyncio.get_running_loop().create_task(self._exchange())
+
+    async def _exchange(self) -> None:
+        version, ours = self.namespaces.version, self.namespaces.items()
+        ours = dict(list(ours.items())[-NAMESPACES_TOLD:])
+        try:
+            theirs = await asyncio.wait_for(self.io.run(self.card.ask, w.Namespaces(ours)), self.timeout)
+        except Exception as e:  # (a peer of a version without the request refuses it: then nothing is known)
+            log.debug("peer %s: namespaces not told: %s", self.address, e)
+            theirs = self._theirs
+        finally:
+            self._telling = None
+            self._told, self._told_at = version, time.monotonic()
+        if isinstance(theirs, dict):
+            self._theirs = {k: v for k, v in theirs.items() if isinstance(k, str) and isinstance(v, dict)}
+
     # ---- presence -----------------------------------------------------------------
 
     def known(self, fkeys: list[bytes], dialog: bytes) -> Known:
@@ -207,6 +284,8 @@ class PeerTier:
         if not fkeys:
             return []
         out = [False] * len(fkeys)
+        if self._refused(fkeys[0], len(fkeys)):
+            return out
         ask = self._unknown(fkeys)
         if not ask:
             return out
@@ -263,6 +342,9 @@ class PeerTier:
         metas: list[ObjectMeta | None] = [None] * n
         c = self.counters if gets else TierCounters()
         c.gets += n
+        if n and self._refused(items[0].fkey, n):
+            c.misses += n
+            return sizes, needed, metas
         sizing = [i for i, it in enumerate(items) if not len(it.dest)]
         pulling = [i for i, it in enumerate(items) if len(it.dest)]
         if sizing:
@@ -344,4 +426,6 @@ class PeerTier:
         return {"address": self.address, "gets": c.gets, "hits": c.hits, "misses": c.misses,
                 "bytes_read": c.bytes_read, "failures": self.failures, "skipped": self.skipped,
                 "lookups": self.lookups, "negative_hits": self.negative_hits, "absent_kept": len(self._absent),
+                "namespace_refused": self.namespace_refused, "namespace_difference": self.namespace_difference,
+                "namespaces_known": len(self._theirs),
                 "resting_s": round(max(0.0, self._quiet_until - time.monotonic()), 3)}

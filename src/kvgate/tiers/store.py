@@ -52,6 +52,7 @@ from kvgate import memcopy
 from kvgate.cards import ObjectMeta
 from kvgate.cards.base import CachedObjectFile
 from kvgate.config import Config, ConfigError
+from kvgate.keys import NamespaceBook
 from kvgate.latency import Latencies
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.cardset import CardSet
@@ -85,7 +86,9 @@ class TieredStore:
     on pool threads, not on other requests' bookkeeping.
     """
 
-    def __init__(self, cfg: Config, pool: IoPool):
+    def __init__(self, cfg: Config, pool: IoPool, namespaces: NamespaceBook | None = None):
+        """``namespaces``: what the gateway's engines' namespaces stand for, told to the peers (its sessions
+        write it)."""
         self.cfg = cfg
         self.pool = pool
         self.counters = StoreCounters()
@@ -100,7 +103,7 @@ class TieredStore:
         self.cards = CardTier(cfg, pool, self.counters, TierHooks(
             self.usage, self.holds, on_corrupt=self._count_corrupt, on_expired=self._count_expired,
             io_seconds=self.card_io_seconds, changes=self.changes))
-        self.peerset = PeerSet(cfg)  # read only, last: asked only for what we lack
+        self.peerset = PeerSet(cfg, namespaces)  # read only, last: asked only for what we lack
         self.tiers: list[Tier] = [self.ram, self.cards, *self.peerset.peers]  # fastest first: the order reads ask them
         self.local = 2  # the tiers that are this gateway's own (what it serves to peers: never a peer's)
         # The card part of replies sent or lent (what lend_ram cannot lend): the gateway's operations take

@@ -165,9 +165,15 @@ class MergeHeads(Msg, tag="merge_heads"):
     ids: list[int]
 
 
+class Namespaces(Msg, tag="namespaces"):
+    """A peer listener's only request besides reads: the asker's namespaces and their inputs
+    (``kvgate.keys.NamespaceBook``), answered with the listener's own (``Ok``)."""
+    namespaces: dict[str, dict[str, Any]]
+
+
 Request = Union[Hello, Check, Claim, CheckWritable, ReadMany, WriteMany, ExistsMany, DeleteNamed, Discard, Names,
                 NamesNext, StoredObjects, SnapshotBegin, SnapshotPiece, SnapshotCommit, SnapshotAbort, ReadSnapshot,
-                DropSnapshot, Clean, FreeBytes, MergeHeads]
+                DropSnapshot, Clean, FreeBytes, MergeHeads, Namespaces]
 
 # ---- replies ----------------------------------------------------------------
 

@@ -168,7 +168,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
     def _new_link(self, name: str, timeout: float, slots: int) -> GatewayLink:
         """A storage thread's connection, in the namespace and with the page slots just fixed."""
         return GatewayLink(name, timeout, slots, settings=self.settings, namespace=self.namespace,
-                           engine_id=self.engine_id, slot_bytes=self.slot_bytes, log=self._log)
+                           engine_id=self.engine_id, slot_bytes=self.slot_bytes, log=self._log,
+                           namespace_inputs=self.namespace_description)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """One pool of SGLang's host pool group (scheduler thread): at attach, every entry (the KV

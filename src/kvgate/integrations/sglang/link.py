@@ -43,11 +43,12 @@ class GatewayLink(Reconnector[Client]):
     """
 
     def __init__(self, name: str, timeout: float, slots: int, *, settings: TierSettings, namespace: str,
-                 engine_id: str, slot_bytes: int, log: FailureLog):
+                 engine_id: str, slot_bytes: int, log: FailureLog, namespace_inputs: str = ""):
         super().__init__(settings.target, self._open, closed_message="the backend is closed",
                          on_down=lambda e: log.went_down(name, e), on_up=lambda: log.came_up(name))
         self.settings = settings
         self.namespace = namespace
+        self.namespace_inputs = namespace_inputs  # what the namespace stands for (told to the gateway's peers)
         self.engine_id = engine_id
         self.slot_bytes = slot_bytes  # one page slot of the anchor (KV) pool
         self.log = log
@@ -81,7 +82,8 @@ class GatewayLink(Reconnector[Client]):
     def _open(self) -> Client:
         s = self.settings
         client = Client.connect(s.target, namespace=self.namespace, token=s.token, engine_id=self.engine_id,
-                                want_shm=False, timeout=min(s.connect_timeout, self.timeout))
+                                want_shm=False, timeout=min(s.connect_timeout, self.timeout),
+                                namespace_inputs=self.namespace_inputs)
         client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
         if not self.slots:
             return client

@@ -59,7 +59,7 @@ class TierConnection(Reconnector[Client]):
 
     def __init__(self, name: str, timeout: float, *, settings: TierSettings, namespace: str, engine_id: str,
                  region_path: Callable[[], str | None], region_view: memoryview, log: RateLimitedLog,
-                 bulk: bool = True, outage: Outage | None = None, block_size: int = 0):
+                 bulk: bool = True, outage: Outage | None = None, block_size: int = 0, namespace_inputs: str = ""):
         super().__init__(settings.target, self._open, closed_message="the tier is shutting down",
                          on_down=self._went_down, on_up=self._came_up)
         self._outage = outage if outage is not None else Outage()
@@ -69,6 +69,7 @@ class TierConnection(Reconnector[Client]):
         self.zero_copy = False
         self._settings = settings
         self.block_size = block_size  # tokens per key, declared in the hello with block_keys="vllm"
+        self.namespace_inputs = namespace_inputs  # what the namespace stands for (told to the gateway's peers)
         self.namespace = namespace
         self.engine_id = engine_id
         self._region_path = region_path  # the /dev/shm file behind the CPU tier, looked up when connecting
@@ -89,7 +90,8 @@ class TierConnection(Reconnector[Client]):
     def _open(self) -> Client:
         s = self._settings
         kw = dict(namespace=self.namespace, token=s.token, engine_id=self.engine_id, salted=s.salted_only,
-                  block_keys="vllm", block_size=self.block_size)  # keys are vLLM offloading keys
+                  block_keys="vllm", block_size=self.block_size,  # keys are vLLM offloading keys
+                  namespace_inputs=self.namespace_inputs)
         client = Client.connect(s.target, want_shm=False, timeout=min(s.connect_timeout, self.timeout), **kw)
         client.set_timeout(self.timeout)  # every later call: a stuck gateway is an error, not a hang
         if not client.local:

@@ -170,7 +170,7 @@ class KvgateTier(SecondaryTierManager):
             return TierConnection(name, timeout, settings=self.settings, namespace=self.namespace,
                                   engine_id=self.engine_id, region_path=self.region_path,
                                   region_view=primary_kv_view, log=self._log, bulk=bulk, outage=outage,
-                                  block_size=block_size)
+                                  block_size=block_size, namespace_inputs=info.namespace_description)
 
         self._store_conn = connection("stores", self.settings.io_timeout)
         self._load_conn = connection("loads", self.settings.io_timeout)

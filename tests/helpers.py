@@ -23,8 +23,10 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -360,6 +362,62 @@ def card_serial(card_dir: str | os.PathLike) -> str:
     from kvgate.cards.directory.layout import LABEL_NAME
 
     return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
+
+
+class Relay:
+    """A TCP relay to ``127.0.0.1:port`` that keeps every byte it passes, both ways (``seen``).
+
+    ``cut``: called with the length of each piece the server sends before it is passed on; once it returns
+    True that piece and everything after it on every connection are dropped and the connections closed (a
+    test kills the server there: the client has part of a reply)."""
+
+    def __init__(self, port: int, cut: Callable[[int], bool] | None = None) -> None:
+        self.target = port
+        self.cut = cut
+        self.tripped = False
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.tripped:
+                a.close()
+                continue
+            try:
+                b = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                a.close()
+                continue
+            threading.Thread(target=self._pump, args=(a, b, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_server: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self.lock:
+                    if from_server and self.cut is not None and (self.tripped or self.cut(len(data))):
+                        self.tripped = True
+                        break
+                    self.seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def logged_fingerprint(log: str) -> str:

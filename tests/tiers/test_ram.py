@@ -459,3 +459,21 @@ def test_the_end_of_a_write_reaches_the_policy_as_a_tail() -> None:
         assert res is not None
         tier.commit(res)
     assert tier.policy.segment_of(b"k0") is Segment.NEW and tier.policy.segment_of(b"k1") is Segment.TAIL
+
+
+def test_presence_of_many_keys_at_once_is_presence_of_each_and_drops_what_outlived_the_ttl() -> None:
+    import time
+
+    expired: list[int] = []
+    tier = RamPages(64 * PAGE, PAGE, ttl=60.0, on_expired=expired.append)
+    now = time.time_ns()
+    put(tier, b"fresh", b"x" * 10, ObjectMeta(created_ns=now))
+    put(tier, b"old", b"y" * 10, ObjectMeta(created_ns=now - 61 * 10**9))
+    asked = [b"fresh", b"nowhere", b"old", b"fresh"]
+    got = tier.contains_many(asked)
+    assert got.dtype == np.bool_ and got.tolist() == [True, False, False, True]
+    assert expired == [1] and not tier.contains(b"old")  # dropped, as a single contains would
+    assert tier.contains_many([]).tolist() == []
+    plain = RamPages(64 * PAGE, PAGE)
+    put(plain, b"a", b"z")
+    assert plain.contains_many([b"a", b"b"]).tolist() == [plain.contains(b"a"), plain.contains(b"b")]

@@ -158,8 +158,9 @@ def peers_table(snap: dict[str, Any]) -> Table:
                   f"{sources.get('unknown', 0)} unknown", "-", "-")
     served = snap.get("peer_listen")
     if served is not None:
+        refused = f"{served['refused']} refused" + (f", {served['tls_failed']} TLS" if served.get("tls_failed") else "")
         t.add_row(f"(served on {cell(served['listen'])})", "-", str(served["served_objects"]),
-                  fmt_bytes(served["served_bytes"]), f"{served['refused']} refused", "-", "-")
+                  fmt_bytes(served["served_bytes"]), refused, "-", "-")
     return t
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import ssl
 import time
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import trustme
+from rich.console import Console
 
+from kvgate import statview
 from kvgate.config import ConfigError, from_mapping
 from kvgate.gateway.peerserve import PeerServer
 from kvgate.gateway.status import render
@@ -121,6 +124,9 @@ def test_a_plain_peer_or_one_trusting_another_ca_gets_misses_and_the_listener_se
         said = ("spoke plain kvgate to this TLS listener", "TLS handshake failed")
         wait_until(lambda: all(s in a.log() for s in said), 10, lambda: f"A logged {said}: {a.log_tail()}")
         assert "kvgate_peer_listen_tls_failed_total" in render(a.stats()).decode()
+        con = Console(width=100, record=True, color_system=None)
+        con.print(statview.view(a.stats()))
+        assert re.search(r"\d+ refused, \d+ TLS", con.export_text()), con.export_text()  # kvgate stat says so too
         with good.client(NS) as c:
             assert c.get_many(keys) == [data(i) for i in range(3)]
         wait_until(lambda: a.stats()["peer_listen"]["served_objects"] == 3, 10, "A counted the 3 objects served")

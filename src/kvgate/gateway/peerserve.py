@@ -199,7 +199,8 @@ class PeerServer:
         listener = self.listener
         while listener is not None:
             try:
-                conn, addr = listener.accept()
+                conn, where = listener.accept()
+                addr = _shown(where)
             except OSError:
                 return  # closed
             now = time.monotonic()
@@ -241,7 +242,7 @@ class PeerServer:
                 aged = slot
         return aged
 
-    def _connection(self, slot: _Slot, addr) -> None:
+    def _connection(self, slot: _Slot, addr: str) -> None:
         """A connection's thread: its hello, then its requests until it leaves, breaks a rule or idles past
         ``PEER_IDLE_S``.  Blocks on its socket only, each wait bounded; store calls go to the loop."""
         conn: socket.socket = slot.sock
@@ -386,11 +387,11 @@ class PeerServer:
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
         return w.decode_request(w.recv_body(conn, hlen, deadline))
 
-    def _namespaces(self, addr, theirs: dict[str, dict]) -> dict[str, dict]:
+    def _namespaces(self, addr: str, theirs: dict[str, dict]) -> dict[str, dict]:
         """Ours, for a peer that told its own (``theirs``); each of its namespaces whose model our engines run
         in another namespace logged once a peer host (as its ``PeerTier`` logs it on its side)."""
         ours = self.namespaces.items()
-        host = addr[0] if isinstance(addr, tuple) else str(addr)
+        host = addr.rpartition(":")[0].strip("[]")
         for namespace in list(theirs)[:NAMESPACES_HEARD]:  # (a PeerTier tells its latest few)
             mine = counterpart(namespace, theirs[namespace], ours)
             if mine is None:
@@ -481,6 +482,14 @@ class PeerServer:
                 if size >= 0:
                     out.views[i], out.metas[i] = [buf[:size]], meta
         return out
+
+
+def _shown(addr) -> str:
+    """An accepted connection's peer address as the log shows it: HOST:PORT, [V6]:PORT."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = str(addr[0])
+        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+    return str(addr)
 
 
 def _shut(slot: _Slot) -> None:

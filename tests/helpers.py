@@ -364,6 +364,35 @@ def card_serial(card_dir: str | os.PathLike) -> str:
     return json.loads(Path(card_dir, LABEL_NAME).read_text())["serial"]
 
 
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes off ``sock`` (a test speaking the gateway's protocol by hand); fails if it closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        assert chunk, "the gateway closed the connection"
+        buf += chunk
+    return bytes(buf)
+
+
+def read_reply(sock: socket.socket):
+    """The gateway's next reply on ``sock``, and its body (b"" when it has none)."""
+    from kvgate import protocol as p
+
+    _kind, hlen, blen = p.parse_preamble(recv_exactly(sock, p.PREAMBLE_SIZE), 1 << 62)
+    return p.decode_reply(recv_exactly(sock, hlen)), recv_exactly(sock, blen) if blen else b""
+
+
+def hello_reply(socket_path, hello):
+    """The gateway's reply to a hello a test writes by hand (a client checks its fields before sending)."""
+    from kvgate import protocol as p
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(socket_path))
+        s.sendall(p.encode_frame(hello, 0))
+        return read_reply(s)[0]
+
+
 class Relay:
     """A TCP relay to ``127.0.0.1:port`` that keeps every byte it passes, both ways (``seen``).
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, read_reply
 from kvgate import protocol as p
 from kvgate.client import Client, ObjectTooLarge
 
@@ -39,19 +39,6 @@ def _frame(msg, body: bytes = b"") -> bytes:
     return p.encode_frame(msg, len(body)) + body
 
 
-def _read_reply(s: socket.socket):
-    def exact(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "the gateway closed the connection"
-            buf += chunk
-        return bytes(buf)
-
-    _kind, hlen, blen = p.parse_preamble(exact(p.PREAMBLE_SIZE), 1 << 62)
-    return p.decode_reply(exact(hlen)), exact(blen) if blen else b""
-
-
 @pytest.mark.slow
 def test_bodies_in_pieces_and_frames_sharing_a_read(tcp_gateway) -> None:
     gw, port = tcp_gateway
@@ -59,17 +46,17 @@ def test_bodies_in_pieces_and_frames_sharing_a_read(tcp_gateway) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
-        assert isinstance(_read_reply(s)[0], p.HelloReply)
+        assert isinstance(read_reply(s)[0], p.HelloReply)
         # one big body dribbled in pieces, with pauses: the gateway must keep filling where it stopped
         frame = _frame(p.Put(id=2, keys=[b"big"], sizes=[len(datas[0])]), datas[0])
         for i in range(0, len(frame), 1 << 20):
             s.sendall(frame[i : i + (1 << 20)])
             time.sleep(0.05)  # the point: the gateway sees the body in separate reads
-        assert _read_reply(s)[0].stored == [True]
+        assert read_reply(s)[0].stored == [True]
         # small frames back to back in one send: several preambles, headers and bodies in one read
         s.sendall(b"".join(_frame(p.Put(id=10 + i, keys=[f"k{i}".encode()], sizes=[len(d)]), d)
                            for i, d in enumerate(datas[1:])))
-        replies = dict((r.id, r) for r, _ in (_read_reply(s) for _ in datas[1:]))
+        replies = dict((r.id, r) for r, _ in (read_reply(s) for _ in datas[1:]))
         assert all(replies[10 + i].stored == [True] for i in range(len(datas) - 1))
     keys = [b"big"] + [f"k{i}".encode() for i in range(len(datas) - 1)]
     with Client.connect(f"127.0.0.1:{port}", namespace="inline", engine_id="inline") as c:
@@ -90,12 +77,12 @@ def test_connection_limit_and_stop_with_a_body_half_received(tcp_gateway) -> Non
     half = socket.create_connection(("127.0.0.1", port), timeout=20)
     try:
         half.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
-        assert isinstance(_read_reply(half)[0], p.HelloReply)
+        assert isinstance(read_reply(half)[0], p.HelloReply)
         body = os.urandom(4 << 20)
         half.sendall(_frame(p.Put(id=2, keys=[b"half"], sizes=[len(body)]), body)[: 2 << 20])
         # a fourth connection is over the limit of 3: answered, then closed
         with socket.create_connection(("127.0.0.1", port), timeout=20) as extra:
-            reply, _ = _read_reply(extra)
+            reply, _ = read_reply(extra)
             assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_MANY_CONNECTIONS
             assert extra.recv(1) == b""
         # SIGTERM while a body is half received and clients are connected: a clean exit
@@ -131,7 +118,7 @@ def test_a_reply_sent_from_the_ram_tier_keeps_its_bytes_while_the_client_is_slow
         slow.settimeout(20)
         with slow:
             slow.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
-            assert isinstance(_read_reply(slow)[0], p.HelloReply)
+            assert isinstance(read_reply(slow)[0], p.HelloReply)
             slow.sendall(_frame(p.Get(id=2, keys=keys, region=p.INLINE)))
             deadline = time.monotonic() + 10
             while _ram_pinned(gw) < 3 * (2 << 20) and time.monotonic() < deadline:
@@ -142,7 +129,7 @@ def test_a_reply_sent_from_the_ram_tier_keeps_its_bytes_while_the_client_is_slow
             filler = os.urandom(4 << 20)
             for i in range(64):
                 c.put_many([f"fill-{i}".encode()], [filler], retention="short")
-            reply, body = _read_reply(slow)
+            reply, body = read_reply(slow)
         assert isinstance(reply, p.GetReply), reply
         assert list(reply.sizes) == [len(b) for b in before]
         assert [body[o : o + s] for o, s in zip(reply.offsets, reply.sizes)] == before
@@ -153,7 +140,7 @@ def test_a_reply_sent_from_the_ram_tier_keeps_its_bytes_while_the_client_is_slow
             gone.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             gone.connect(("127.0.0.1", port))
             gone.sendall(_frame(p.Hello(id=1, namespace="inline", engine_id="inline")))
-            _read_reply(gone)
+            read_reply(gone)
             gone.sendall(_frame(p.Get(id=2, keys=[f"fill-{i}".encode() for i in range(60, 64)], region=p.INLINE)))
             time.sleep(0.2)
             gone.close()

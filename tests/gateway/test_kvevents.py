@@ -20,7 +20,7 @@ from kvgate.errors import InvalidArgument
 from kvgate.gateway.status import render
 from kvgate.kvevents.subscriber import Subscriber
 from kvgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, seq_bytes
-from tests.helpers import kvgate_env, venv_python
+from tests.helpers import hello_reply, kvgate_env, venv_python
 
 VENV_PY = venv_python(".venv-vllm")
 SCRIPT = Path(__file__).resolve().parents[1] / "kvevents" / "vllm_events.py"
@@ -212,25 +212,10 @@ def test_an_endpoint_in_use_stops_the_start_naming_the_key(tmp_path):
 
 
 def test_the_gateway_refuses_a_key_form_it_does_not_know(gateway_factory):
-    import socket as socketlib
-
     from kvgate import protocol as p
     gw = gateway_factory()
 
-    def exact(s, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "the gateway closed the connection"
-            buf += chunk
-        return bytes(buf)
-
-    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
-        s.settimeout(20)
-        s.connect(str(gw.socket))
-        s.sendall(p.encode_frame(p.Hello(id=1, namespace="n", block_keys="sglang", want_shm=False), 0))
-        _kind, hlen, _ = p.parse_preamble(exact(s, p.PREAMBLE_SIZE), 1 << 62)
-        reply = p.decode_reply(exact(s, hlen))
+    reply = hello_reply(gw.socket, p.Hello(id=1, namespace="n", block_keys="sglang", want_shm=False))
     assert reply.code == p.ErrorCode.BAD_REQUEST and "block_keys" in reply.message, reply
     with gw.client("n", block_keys="vllm", block_size=16) as c:  # a known one is taken
         c.put_many([vkey(1)], [b"x"])

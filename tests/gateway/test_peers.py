@@ -28,7 +28,7 @@ from kvgate.cards.network import wire as w
 from kvgate.gateway.peerserve import PEER_CONNECTIONS
 from kvgate.gateway.status import render
 from kvgate.keys import encode_namespace, full_key
-from tests.helpers import GatewayProcess, free_port, peer_payload
+from tests.helpers import GatewayProcess, free_port, hello_reply, peer_payload
 
 pytestmark = pytest.mark.slow
 
@@ -405,21 +405,8 @@ def test_a_hello_with_namespace_inputs_that_are_not_a_json_object_is_refused(pai
     with pytest.raises(InvalidArgument, match="namespace_inputs must be a JSON object"):
         Client.connect(a.socket, namespace="x", namespace_inputs="[1, 2]")
     # a client that skips the checks: the gateway refuses the hello, naming the field, and serves on
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(20)
-        s.connect(str(a.socket))
-        s.sendall(p.encode_frame(p.Hello(id=1, namespace="x", namespace_inputs="not json", want_shm=False), 0))
-        _kind, hlen, _ = p.parse_preamble(_exact(s, p.PREAMBLE_SIZE), 1 << 62)
-        reply = p.decode_reply(_exact(s, hlen))
+    reply = hello_reply(a.socket, p.Hello(id=1, namespace="x", namespace_inputs="not json", want_shm=False))
     assert reply.code == p.ErrorCode.BAD_REQUEST and "namespace_inputs is not JSON" in reply.message, reply
     with a.client("x") as c:
         assert c.lookup([b"k"]) == 0
 
-
-def _exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, "the gateway closed the connection"
-        buf += chunk
-    return bytes(buf)

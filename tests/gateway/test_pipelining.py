@@ -7,22 +7,9 @@ import socket
 import pytest
 
 from kvgate import protocol as p
+from tests.helpers import read_reply
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        assert chunk, "gateway closed the connection"
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_reply(sock: socket.socket) -> tuple[object, bytes]:
-    _kind, hlen, blen = p.parse_preamble(_recv_exact(sock, p.PREAMBLE_SIZE), 1 << 30)
-    return p.decode_reply(_recv_exact(sock, hlen)), _recv_exact(sock, blen)
 
 
 def test_pipelined_requests_are_all_answered_by_id(gateway):
@@ -30,7 +17,7 @@ def test_pipelined_requests_are_all_answered_by_id(gateway):
         s.settimeout(20)
         s.connect(gateway.socket)
         s.sendall(p.encode_frame(p.Hello(id=1, namespace="pipe", engine_id="pipe", want_shm=False)))
-        hello, _ = _recv_reply(s)
+        hello, _ = read_reply(s)
         assert isinstance(hello, p.HelloReply)
         # 20 puts with inline bodies, then 20 lookups and a stats, all sent before reading anything
         frames = []
@@ -42,7 +29,7 @@ def test_pipelined_requests_are_all_answered_by_id(gateway):
         s.sendall(b"".join(frames))
         replies = {}
         for _ in range(len(frames)):
-            reply, _ = _recv_reply(s)
+            reply, _ = read_reply(s)
             assert reply.id not in replies, "a request was answered twice"
             replies[reply.id] = reply
     assert set(replies) == {*range(100, 120), *range(200, 220), 999}

@@ -84,6 +84,69 @@ def imports() -> list[tuple[str, int, str, str]]:
     return out
 
 
+def module_imports(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` (kvgate.tiers) -> the modules of the same package it imports, at the top,
+    in a function or under TYPE_CHECKING."""
+    graph: dict[str, set[str]] = {}
+    for f in sorted((SRC.parent / package.replace(".", "/")).rglob("*.py")):
+        rel = f.relative_to(SRC.parent).with_suffix("")
+        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        deps = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(package):
+                deps.update(_imported(node.module, a.name) for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith(package + "."))
+        deps.discard(mod)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that reach themselves through their imports, as groups (strongly connected)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_tiers_import_in_a_circle_nowhere():
+    """A module of kvgate.tiers that needs something of one that imports it declares what it uses (a
+    Protocol: ``restart.KeptCard``, ``mover.MovingSet``) instead of importing it back, even for types."""
+    found = circles(module_imports("kvgate.tiers"))
+    assert not found, f"modules of kvgate.tiers that import each other: {found}"
+
+
+def test_a_circle_is_found_when_there_is_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
 def test_every_module_has_a_layer():
     unknown = sorted({(f, mine) for f, _, mine, _ in imports() if mine not in MAY_USE})
     assert not unknown, f"modules of no known layer (add them to MAY_USE): {unknown}"

@@ -183,6 +183,11 @@ class ManagedCard:
     def capacity(self, value: int) -> None:
         self.room.capacity = value
 
+    def count_found(self, stored_bytes: int) -> None:
+        """Bytes of objects the start-up check found on the card (or, negative, found gone from it) that
+        the free space read at start did not count: the capacity of a card sized by its medium follows."""
+        self.room.capacity = max(0, self.room.capacity + stored_bytes)
+
     @property
     def policy(self) -> SampledPolicy:
         """The eviction order of the card's rows (part of its index)."""
@@ -194,7 +199,9 @@ class ManagedCard:
         """Take the card's index snapshot (if usable), size the card, and check the index against the card
         in the background."""
         self.index = self.new_index()
-        await self.keeper.load()
+        fresh = await self.keeper.load()
+        if fresh is not None:
+            self.index = fresh
         if self.cfg.card_capacity is not None:
             self.room.set(self.cfg.card_capacity, "card_capacity is 0; set it to what the card may hold")
         else:
@@ -204,13 +211,22 @@ class ManagedCard:
                 log.warning("card %s: cannot read free space (%s); capacity 0 until it can", self.where, e)
                 free = 0
             self.room.size_at_start(free, self.used)
-        self.tasks.spawn(self.keeper.check())
+        self.tasks.spawn(self._check_at_start())
         self.tasks.spawn(self.keeper.save_now_and_then())
+
+    async def _check_at_start(self) -> None:
+        """The index checked against the card (``IndexKeeper.check``): the card reads as scanned once it
+        went through, and its snapshot is written when the check changed the index."""
+        if not await self.keeper.check():
+            return
+        self.scanned = True
+        if self.keeper.changed_since_saved():
+            await self.keeper.save("after the start-up check")
 
     async def stop(self) -> None:
         """Save the index snapshot (when it changed and the card is in service), then ``close``."""
         await self.tasks.cancel()
-        if self.active and self.serial and self.index.changes != self.keeper.saved_changes:
+        if self.active and self.serial and self.keeper.changed_since_saved():
             try:
                 await self.keeper.save("at stop")
             except CardUnavailable:
@@ -487,7 +503,7 @@ class ManagedCard:
             await self.pool.run(self.card.drop_snapshot)
         except OSError:
             pass  # the next start's check drops what it lists, all of it gone
-        self.keeper.saved_changes = -1  # whatever the card had, the next stop writes what is there now
+        self.keeper.forget_saved()  # whatever the card had, the next stop writes what is there now
         return n
 
     # ---- health -----------------------------------------------------------------

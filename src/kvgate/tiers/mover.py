@@ -30,23 +30,42 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
+from kvgate.config import Config
+from kvgate.placement import SlotMap
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.index import EXPIRING
+from kvgate.tiers.io import IoPool
 from kvgate.tiers.rows import join_digest
 from kvgate.tiers.copyorder import OrderColumns
-
-if TYPE_CHECKING:
-    from kvgate.tiers.cardset import CardSet
 
 log = logging.getLogger("kvgate.long")
 
 BATCH = 8  # objects per read or write call
 RETRY_S = 1.0  # after a round that could not move everything (a card out of service, full)
 RETRY_MAX_S = 30.0  # the longest wait between rounds that moved nothing
+
+
+class MovingSet(Protocol):
+    """What a ``CardMover`` reads of the card set it moves objects within (``kvgate.tiers.cardset.CardSet``),
+    and what it tells it: an object written to its card (``note_written``), moved off a draining one
+    (``note_moved``)."""
+
+    cfg: Config
+    pool: IoPool
+    cards: list[ManagedCard]
+    slot_map: SlotMap
+
+    def slot_cards(self) -> list[ManagedCard | None]: ...
+
+    def is_draining(self, mc: ManagedCard) -> bool: ...
+
+    def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool: ...
+
+    def note_moved(self, src: ManagedCard, dst: ManagedCard, nbytes: int) -> None: ...
 
 
 class Misplaced:
@@ -108,7 +127,7 @@ class CardMover:
     what landed on its new card.
     """
 
-    def __init__(self, cards: CardSet, rate_bytes_per_s: int, after_round: Callable[[bool], None]) -> None:
+    def __init__(self, cards: MovingSet, rate_bytes_per_s: int, after_round: Callable[[bool], None]) -> None:
         self.cards = cards
         self.rate = rate_bytes_per_s
         self.after_round = after_round

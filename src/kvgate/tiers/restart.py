@@ -50,19 +50,18 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Final
+from typing import Any, Callable, Final, Protocol
 
 import numpy as np
 import xxhash
 
-from kvgate.cards import CardUnavailable, SnapshotWriter
+from kvgate.cards import Card, CardUnavailable, SnapshotWriter
+from kvgate.config import Config
 from kvgate.tiers.index import CHECKED, OVERSIZE, CardIndex
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.slices import LoopSlices
 from kvgate.errors import KvgateError
-
-if TYPE_CHECKING:
-    from kvgate.tiers.card import ManagedCard
+from kvgate.tiers.io import IoPool
 
 log = logging.getLogger("kvgate.long")
 
@@ -238,16 +237,57 @@ def count_usage(index: CardIndex) -> None:
         index.usage.card_namespace(index.namespaces[i], int(sums[i]), int(counts[i]))
 
 
+class KeptCard(Protocol):
+    """What an ``IndexKeeper`` reads of its card (``kvgate.tiers.card.ManagedCard``) and asks of it.  The
+    keeper writes none of the card's fields: it fills the index the card gives it (``new_index``), hands
+    a loaded one back (``load``), and tells the card what its check found (``count_found``, ``spawn_delete``,
+    ``note_gone_digest``, ``resize``, ``evict_over_capacity``)."""
+
+    card: Card
+    cfg: Config
+    pool: IoPool
+    serial: str | None
+    index: CardIndex
+    counters: Any
+    hooks: Any
+    leaving: set[bytes]
+    scanned: bool
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def used(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def active(self) -> bool: ...
+
+    def new_index(self) -> CardIndex: ...
+
+    async def resize(self) -> None: ...
+
+    def evict_over_capacity(self) -> None: ...
+
+    def spawn_delete(self, digests: list[bytes]) -> asyncio.Task: ...
+
+    def note_gone_digest(self, digest: bytes) -> None: ...
+
+    def count_found(self, stored_bytes: int) -> None: ...
+
+
 class IndexKeeper:
     """Keeps one card's index across restarts (the module docstring): load, check, save.
 
-    Owned by its ``ManagedCard``; every method runs on the loop, its I/O and
-    heavy numpy work on the general pool.  ``gone`` collects the digests the
-    card let go of while a check runs, so the check does not index an object
-    whose delete is under way.
+    Owned by its ``ManagedCard`` (``KeptCard``: what it uses of it); every
+    method runs on the loop, its I/O and heavy numpy work on the general
+    pool.  ``gone`` collects the digests the card let go of while a check
+    runs, so the check does not index an object whose delete is under way.
     """
 
-    def __init__(self, mc: ManagedCard) -> None:
+    def __init__(self, mc: KeptCard) -> None:
         self.mc = mc
         self.loaded = 0  # rows the last load took from a snapshot
         self.checking = False
@@ -257,18 +297,19 @@ class IndexKeeper:
 
     # ---- load ---------------------------------------------------------------------
 
-    async def load(self) -> None:
-        """Take the card's snapshot as its index, when it has a usable one; logs what it did."""
+    async def load(self) -> CardIndex | None:
+        """The card's snapshot as an index, to take as its index, when it has a usable one (None when not);
+        logs what it did."""
         mc = self.mc
         t0 = time.monotonic()
         try:
             raw = await mc.pool.run(mc.card.read_snapshot)
         except (OSError, NotImplementedError) as e:
             log.warning("card %s (%s): index snapshot not read (%s); scanning the card", mc.where, mc.serial, e)
-            return
+            return None
         if raw is None:
             log.info("card %s (%s): no index snapshot; scanning the card", mc.where, mc.serial)
-            return
+            return None
         fresh = mc.new_index()
 
         def build() -> Snapshot:
@@ -289,8 +330,7 @@ class IndexKeeper:
         if mc.index:  # written to before the load ended (never at start): keep what it knows, check finds the rest
             log.warning("card %s (%s): index snapshot not used: the card took writes while it loaded",
                         mc.where, mc.serial)
-            return
-        mc.index = fresh
+            return None
         count_usage(fresh)
         self.loaded = len(fresh)
         self.saved_changes = fresh.changes
@@ -298,11 +338,13 @@ class IndexKeeper:
         log.info("card %s (%s): index snapshot of %d objects (%d bytes, written %.0f s ago) loaded in %.2f s; "
                  "checking it against the card", mc.where, mc.serial, len(fresh), fresh.used, age,
                  time.monotonic() - t0)
+        return fresh
 
     # ---- check ----------------------------------------------------------------------
 
-    async def check(self) -> None:
-        """Compare the index with the card's names: index what it lacks, drop what the card lacks."""
+    async def check(self) -> bool:
+        """Compare the index with the card's names: index what it lacks, drop what the card lacks; whether it
+        went through (then the card's index is what the card holds: the card reads as scanned)."""
         mc = self.mc
         corrupt0 = mc.card.scan_corrupt
         by_free_space = mc.cfg.card_capacity is None
@@ -355,18 +397,25 @@ class IndexKeeper:
                 log.warning("card %s (%s) held more than its capacity of %d bytes at start: %d objects (%d bytes) "
                             "evicted", mc.where, mc.serial, mc.capacity, mc.counters.evictions - evictions,
                             used - mc.used)
-            mc.scanned = True
             await mc.pool.run(give_back_memory)
+            return True
         except OSError as e:
             log.warning("card %s: index scan stopped: %s", mc.where, e)
             self._report_corrupt(corrupt0)  # what it deleted before it stopped is gone all the same
+            return False
         finally:
             self.checking, self.gone = False, set()
             if reading is not None:  # stopped (an error, or the card left): the read ahead is not wanted
                 reading.cancel()
                 reading.add_done_callback(_retrieve)
-        if mc.scanned and mc.index.changes != self.saved_changes:
-            await self.save("after the start-up check")
+
+    def changed_since_saved(self) -> bool:
+        """Whether the card's index changed since the last snapshot written or loaded."""
+        return self.mc.index.changes != self.saved_changes
+
+    def forget_saved(self) -> None:
+        """The card was emptied (its snapshot dropped): the next save writes whatever it holds then."""
+        self.saved_changes = -1
 
     def _report_corrupt(self, before: int) -> None:
         mc = self.mc
@@ -397,7 +446,7 @@ class IndexKeeper:
             mc.index.put(obj.full_key, obj.stored_bytes, obj.payload_len, obj.meta, obj.meta.created_ns)
             n += 1
             if by_free_space:  # the free space measured before the scan did not count these bytes
-                mc.capacity += obj.stored_bytes
+                mc.count_found(obj.stored_bytes)
         if too_old:
             mc.hooks.on_expired(len(too_old))
             mc.spawn_delete(too_old)
@@ -420,7 +469,7 @@ class IndexKeeper:
             mc.index.pop_row(r)
             dropped += 1
             if by_free_space:
-                mc.capacity -= stored
+                mc.count_found(-stored)
         return dropped
 
     def _drop_expired(self) -> int:
@@ -494,7 +543,7 @@ class IndexKeeper:
         while True:
             await asyncio.sleep(SAVE_EVERY_S)
             mc = self.mc
-            if mc.scanned and mc.active and mc.index.changes != self.saved_changes:
+            if mc.scanned and mc.active and self.changed_since_saved():
                 try:
                     await self.save("periodically")
                 except CardUnavailable:

@@ -215,6 +215,41 @@ def test_the_absent_keys_are_bounded_and_a_failed_call_teaches_nothing(tmp_path,
         peer.close()
 
 
+def test_what_a_peer_says_of_its_namespaces_is_bounded_and_judged_once_per_answer(tmp_path) -> None:
+    """A peer that answers the namespaces exchange with 10,000 of them: 256 are kept, and a lookup pays one
+    dict lookup for its verdict, not a pass over them; the peer is never dialled for the refused keys."""
+    from kvgate.keys import NAMESPACES_KEPT, NamespaceBook
+
+    book = NamespaceBook()
+    book.declare("vllm|m|mine", {"model": "m", "dtype": "float16"})
+    tier = PeerTier(Config(storage_devices=[str(tmp_path)], peer_token_file=str(tmp_path / "token")),
+                    f"127.0.0.1:{free_port()}", book)  # nobody listens: only the exchange is answered (below)
+    theirs = {"vllm|m|other": {"model": "m", "dtype": "bfloat16"}}
+    theirs.update({f"vllm|x{i}|d": {"model": f"x{i}"} for i in range(10_000)})
+    told = []
+    tier.card.ask = lambda msg: told.append(msg.namespaces) or theirs  # type: ignore[method-assign]
+    judged = []
+    foreign = book.foreign
+    book.foreign = lambda ns, other: judged.append(ns) or foreign(ns, other)  # type: ignore[method-assign]
+    keys = [full_key(encode_namespace("vllm|m|mine"), f"k{i}".encode()) for i in range(4)]
+
+    async def main() -> None:
+        tier._refused(keys[0], 4)  # starts the exchange
+        while tier._telling is not None:
+            await asyncio.sleep(0.01)
+        assert told == [{"vllm|m|mine": {"model": "m", "dtype": "float16"}}]
+        assert len(tier._theirs) == NAMESPACES_KEPT
+        for _ in range(3):
+            assert await tier.find(keys, b"") == [False] * 4
+        assert judged == ["vllm|m|mine"] and tier.namespace_refused == 12 and tier.failures == 0
+        assert 'dtype ("float16" here, "bfloat16" there)' in tier.status()["namespace_difference"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("address,expected", [
     ("10.0.0.1:5600", ("10.0.0.1", 5600)), ("10.0.0.1", ("10.0.0.1", None)), ("[::1]:5600", ("::1", 5600)),
     ("::1", ("::1", None)), ("[::ffff:10.0.0.1]:8000", ("10.0.0.1", 8000)), ("GW-A.example.:9", ("gw-a.example", 9)),

@@ -56,7 +56,7 @@ from kvgate.cards.network import NetworkCard
 from kvgate.cards.network import wire as w
 from kvgate.cards.objectformat import BufferTooSmall, Header
 from kvgate.config import Config
-from kvgate.keys import NamespaceBook, key_digests, split_full_key
+from kvgate.keys import NAMESPACES_KEPT, NamespaceBook, key_digests, split_full_key
 from kvgate.memcopy import Abandon
 from kvgate.tiers.contract import STORAGE, UNKNOWN, GetItem, Known, PutItem
 from kvgate.tiers.counters import TierCounters
@@ -82,7 +82,8 @@ NEGATIVE_KEPT = 100_000  # keys remembered absent, per peer (about 180 bytes eac
 # dtype); a namespace new here is told at once.
 NAMESPACES_S = 30.0
 NAMESPACES_TOLD = 16  # of ours, the latest declared, told a peer (a gateway's engine uses a few)
-SAID_KEPT = 1024  # differences logged, remembered so that each is logged once
+SAID_KEPT = 1024  # differences logged (and verdicts), remembered so that each is logged once
+_UNJUDGED = object()
 
 
 def host_port(address: str) -> tuple[str, int | None]:
@@ -146,6 +147,7 @@ class PeerTier:
         # what namespaces stand for, ours (the gateway's engines') and the peer's as it last told (module docstring)
         self.namespaces = namespaces if namespaces is not None else NamespaceBook()
         self._theirs: dict[str, dict] = {}
+        self._verdicts: dict[str, tuple[str, str] | None] = {}  # our namespace -> foreign() against _theirs
         self._told = -1  # the version of our book the peer was last told (-1: never)
         self._told_at = 0.0  # time.monotonic() of that
         self._telling: asyncio.Task | None = None
@@ -228,16 +230,22 @@ class PeerTier:
     # ---- what the peer's namespaces are -------------------------------------------------
 
     def _refused(self, first: bytes, n: int) -> bool:
-        """Whether the peer is not asked for ``n`` keys of one request (one namespace: that of ``first``, the
-        first key): it runs that namespace's model another way (module docstring).  Starts telling the peer our namespaces
-        when that is due; never waits for it."""
+        """Whether the peer is not asked for ``n`` keys of one request (one namespace: that of ``first``,
+        the first key): it runs that namespace's model another way (module docstring).  Starts telling the
+        peer our namespaces when that is due; never waits for it.  One verdict per namespace and answer
+        of the peer: a lookup pays a dict lookup, whatever the peer told."""
         book = self.namespaces
         if book.version and (self._told != book.version or time.monotonic() - self._told_at >= NAMESPACES_S):
             self._tell()
         if not self._theirs:
             return False
         namespace = split_full_key(first)[0].decode(errors="replace")
-        found = book.foreign(namespace, self._theirs)
+        found = self._verdicts.get(namespace, _UNJUDGED)
+        if found is _UNJUDGED:
+            found = book.foreign(namespace, self._theirs)
+            if len(self._verdicts) >= SAID_KEPT:
+                self._verdicts.clear()
+            self._verdicts[namespace] = found
         if found is None:
             return False
         other, why = found
@@ -269,8 +277,10 @@ class PeerTier:
         finally:
             self._telling = None
             self._told, self._told_at = version, time.monotonic()
-        if isinstance(theirs, dict):
-            self._theirs = {k: v for k, v in theirs.items() if isinstance(k, str) and isinstance(v, dict)}
+        if isinstance(theirs, dict) and theirs is not self._theirs:  # (at most NAMESPACES_KEPT of them kept)
+            kept = [(k, v) for k, v in list(theirs.items())[:NAMESPACES_KEPT]
+                    if isinstance(k, str) and isinstance(v, dict)]
+            self._theirs, self._verdicts = dict(kept), {}
 
     # ---- presence -----------------------------------------------------------------
 

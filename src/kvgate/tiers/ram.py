@@ -329,7 +329,8 @@ class RamPages:
     def contains_many(self, full_keys: list[bytes]) -> np.ndarray:
         """``contains`` of each key (bool array), without a Python call per key: a lookup asks this of 1,000s
         of keys on every engine step (a dict lookup and a truth test per key in C: 52 us per 1,000 keys
-        where ``contains`` per key took 115, half of them present).  With a ttl, the entries found are checked as ``_live`` does."""
+        where ``contains`` per key took 115, half of them present).  With a ttl, the entries found are
+        checked as ``_live`` does."""
         got = list(map(self._visible.get, full_keys))
         present = np.frombuffer(bytearray(map(bool, got)), np.bool_) if got else np.zeros(0, np.bool_)
         if self.ttl_ns is not None and present.any():

@@ -31,23 +31,22 @@ import asyncio
 import errno
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from kvgate.latency import Latencies
 from kvgate.cards import Card, CardUnavailable, ObjectMeta
-from kvgate.cards.base import CachedObjectFile, StoredObject, close_files
+from kvgate.cards.base import CachedObjectFile, StoredObject
 from kvgate.cards.objectformat import padded_object_size
 from kvgate.config import Config
 from kvgate.keys import key_digest, key_digests
-from kvgate.memcopy import MemoryFault
 from kvgate.tiers.events import TierChanges
 from kvgate.tiers.health import CardHealth, Outcome
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
-from kvgate.tiers.io import Abandon, CardIo, IoPool, KeyOrder, Tasks, split_calls
+from kvgate.tiers.channel import CardChannel
+from kvgate.tiers.io import CardIo, IoPool, KeyOrder, Tasks
 from kvgate.tiers.reads import CardRead, ReadOutcome, RecentlyPrepared
 from kvgate.tiers.restart import IndexKeeper
 from kvgate.tiers.room import CardRoom
@@ -66,7 +65,6 @@ UNREADABLE_MAX = 65536
 
 # Objects one I/O call of a namespace's clean deletes: the card's threads stay free for reads between calls.
 CLEAN_BATCH = 1024
-OPEN_CALL_OBJECTS = 256  # objects one open_cached call opens at most (ManagedCard.open_cached)
 
 
 class TooLarge(KvgateError, OSError):
@@ -121,6 +119,7 @@ class ManagedCard:
         self.hooks = hooks
         self.io = io or CardIo(cfg.thread_pool_size, cfg.io_timeout_ms / 1000, "kvgate-card", realtime=pool.realtime,
                                latencies=hooks.io_seconds)
+        self.channel = CardChannel(lambda: self.card, self.io, self.note_result)  # bulk reads, writes, opens
         self.serial: str | None = None
         self.room = CardRoom(lambda: self.card, cfg, self.describe)
         self.index = self.new_index()
@@ -609,71 +608,15 @@ class ManagedCard:
 
     async def read(self, items: list[tuple[bytes, memoryview]], urgent: bool = False,
                    own: bool = False) -> list[CardRead]:
-        """Read ``(full key, dest)`` pairs, in parallel chunks, each with a deadline.
-
-        ``urgent``: an engine waits on it (``IoPool.run``).  Once this returns
-        or raises, no byte of the read lands in any ``dest`` (each chunk's
-        guard is abandoned first), however long the card takes.  Raises
-        ``MemoryFault`` when a ``dest`` is memory that is gone (a client's
-        region shrunk under its mapping): the client's doing, not the card's.
-        ``own``: every ``dest`` is the gateway's own memory (``Abandon.own``).
-        """
-        chunks = split_calls(items, self.io.threads, [len(dest) for _k, dest in items])
-        out = await self._chunked([self._read_chunk(chunk, urgent, own) for chunk in chunks])
-        fault = next((r for r in out if isinstance(r, MemoryFault)), None)
-        if fault is not None:
-            raise fault
-        return [CardRead.of(r) for r in out]
+        """Read ``(full key, dest)`` pairs (``CardChannel.read``: chunks with deadlines, each one strike or
+        success); raises ``MemoryFault`` when a ``dest`` is a client's memory that is gone."""
+        return await self.channel.read(items, urgent, own)
 
     async def open_cached(self, fkeys: list[bytes], urgent: bool = False) -> list[CachedObjectFile | None]:
-        """Each object's file, open for a client to read itself, where the card lends files and the page
-        cache holds the object whole (``Card.open_cached_many``); None for the rest, which are read the
-        usual way (and counted then).  One call with a deadline, like a read; the caller closes every file.
-        Files a call opens after its caller stopped waiting are closed as it ends."""
-        if not self.card.lends_files:
-            return [None] * len(fkeys)
-        # Opening is a few syscalls and mostly Python: two threads at it fight for the GIL (32 files,
-        # benchmarks/card_paths.py "card open": 0.74 ms median on one thread, 1.36 split over two); very
-        # large gets still take turns.
-        chunks = [fkeys[i : i + OPEN_CALL_OBJECTS] for i in range(0, len(fkeys), OPEN_CALL_OBJECTS)]
-        res = await self._chunked([self._open_chunk(chunk, urgent) for chunk in chunks])
-        return [r if isinstance(r, CachedObjectFile) else None for r in res]
-
-    async def _open_chunk(self, fkeys: list[bytes], urgent: bool) -> list | _ChunkFailed:
-        guard = Abandon(own=True)
-        try:
-            return await self.io.run(self.card.open_cached_many, fkeys, guard, abandon=guard, urgent=urgent,
-                                     late=close_files)
-        except OSError as e:
-            return _ChunkFailed(e, len(fkeys))
-
-    async def _chunked(self, chunk_calls: list) -> list:
-        """Run the chunk calls at once and feed the outcomes to the card's health.
-
-        A chunk is one I/O to the card: however many objects it carried, it
-        is one success or one strike (the first error it met), so a slow
-        chunk of 16 objects is not 16 strikes.
-        """
-        out = []
-        for res in await asyncio.gather(*chunk_calls):
-            if isinstance(res, _ChunkFailed):
-                self.note_result(res.error)
-                out += [res.error] * res.n_items
-                continue
-            failed = next((r for r in res if isinstance(r, OSError) and not isinstance(r, MemoryFault)), None)
-            self.note_result(failed)
-            out += res
-        return out
-
-    async def _read_chunk(self, chunk: list, urgent: bool, own: bool) -> list | _ChunkFailed:
-        # The card reads into its own memory and delivers through the guard,
-        # which CardIo.run abandons before it gives up on the call: a read
-        # that ends after its deadline writes nothing into the destinations.
-        guard = Abandon(own=own)
-        try:
-            return await self.io.run(self.card.read_many_into, chunk, guard, abandon=guard, urgent=urgent)
-        except OSError as e:
-            return _ChunkFailed(e, len(chunk))
+        """Each object's file, open for a client to read itself, where the card lends it and the page cache
+        holds it whole (``CardChannel.open_cached``); None for the rest, which are read the usual way (and
+        counted then).  The caller closes every file."""
+        return await self.channel.open_cached(fkeys, urgent)
 
     async def write(self, items: list[tuple[bytes, memoryview, ObjectMeta]]) -> list[int | BaseException]:
         """Write ``(full key, payload, meta)`` items: bytes stored, or the error, per item.
@@ -701,20 +644,12 @@ class ManagedCard:
                 await asyncio.wait({freeing})  # the room is there once the victims are gone (not cancelled with us)
             if fit:
                 async with self.order.turn((key_digest(items[i][0]) for i in fit), write=True):
-                    chunks = split_calls([items[i] for i in fit], self.io.threads, [len(items[i][1]) for i in fit])
-                    done = await self._chunked([self._write_chunk(chunk) for chunk in chunks])
+                    done = await self.channel.write([items[i] for i in fit])
                 for i, r in zip(fit, done):
                     out[i] = r
         finally:
             self.room.writing -= taken
         return out  # type: ignore[return-value]
-
-    async def _write_chunk(self, chunk: list) -> list | _ChunkFailed:
-        abandon = Abandon()
-        try:
-            return await self.io.run(self.card.write_many, chunk, abandon, abandon=abandon)
-        except OSError as e:
-            return _ChunkFailed(e, len(chunk))
 
     def _not_before(self) -> int | None:
         """With a ttl, objects created before this are expired: what card probes are told."""
@@ -770,15 +705,6 @@ class ManagedCard:
             "read_hints": c.read_hints, "refused": c.refused, "writing_bytes": self.room.writing,
             "scanned": self.scanned, "index_bytes": self.index.nbytes(), "snapshot_rows_loaded": self.keeper.loaded, **self.card.read_rates(),
         }
-
-
-@dataclass(frozen=True)
-class _ChunkFailed:
-    """A chunk call that failed whole: its error stands for each of its ``n_items`` objects, and
-    counts as one strike against the card's health."""
-
-    error: OSError
-    n_items: int
 
 
 def _exists_prefix(card: Card, keys: list[bytes], not_before_ns: int | None) -> int:

@@ -160,7 +160,8 @@ def test_loans_a_client_never_gives_back_end_with_its_connection(gateway_factory
     import time
 
     from kvgate import protocol as p
-    from tests.gateway.test_inline_bytes import _frame, _read_reply
+    from tests.gateway.test_inline_bytes import _frame
+    from tests.helpers import read_reply as _read_reply
 
     from tests.helpers import free_port
 
@@ -378,7 +379,8 @@ def test_lent_files_and_loans_a_peer_keeps_are_bounded_and_closed_with_its_conne
 
     from kvgate import protocol as p
     from kvgate.gateway.operations import FILES_PER_SESSION, MAX_LOANS
-    from tests.gateway.test_inline_bytes import _frame, _read_reply
+    from tests.gateway.test_inline_bytes import _frame
+    from tests.helpers import read_reply as _read_reply
 
     card = tmp_path / "card"
     gw = gateway_factory(["--max-bytes", "0", "--storage-devices", str(card)])

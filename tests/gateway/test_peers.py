@@ -410,3 +410,27 @@ def test_a_hello_with_namespace_inputs_that_are_not_a_json_object_is_refused(pai
     with a.client("x") as c:
         assert c.lookup([b"k"]) == 0
 
+
+
+def test_the_namespaces_request_is_a_peers_only_and_a_flood_of_them_costs_little(pair) -> None:
+    """Without the token a ``namespaces`` request is refused like any other; a peer with it that tells
+    10,000 namespaces gets this gateway's own back, at most 16 of its are compared, and A serves on."""
+    a, _b, port, _token = pair
+    with a.client("vllm|m|mine", namespace_inputs={"model": "m", "dtype": "float16"}) as c:
+        assert c.lookup([b"k"]) == 0
+    flood = {f"vllm|m|{i}": {"model": "m", "dtype": f"d{i}"} for i in range(10_000)}
+    reply, s = _hello(port, w.Namespaces(flood))  # no hello first
+    s.close()
+    assert isinstance(reply, w.Err) and "expected a hello first" in reply.message, reply
+    reply, s = _hello(port, w.Hello("peer", token="peer-secret"))
+    try:
+        assert isinstance(reply, w.Ok), reply
+        s.sendall(w.frame(w.Namespaces(flood)))
+        reply = _reply(s)
+    finally:
+        s.close()
+    assert isinstance(reply, w.Ok) and reply.value == {"vllm|m|mine": {"model": "m", "dtype": "float16"}}, reply
+    assert served(a)["namespaces_differ"] == 16  # the first 16 only, each logged once
+    assert a.log().count("of the model this gateway's engines run in namespace 'vllm|m|mine'") == 16
+    with a.client("vllm|m|mine") as c:
+        assert c.lookup([b"k"]) == 0

@@ -2,13 +2,14 @@
 
 A peer's ``PeerTier`` (``kvgate.tiers.peertier``) is a network card on
 ``kvgate://HOST:PORT/peer``, so this listener speaks the network card's wire
-(``kvgate.cards.network.wire``) and serves three requests: ``hello`` (serial
+(``kvgate.cards.network.wire``) and serves four requests: ``hello`` (serial
 ``peer`` and the token of ``peer_token_file``, compared in constant time),
 ``exists_many`` (answered with each present object's size where known, so
 the peer sizes its read), ``read_many``, and ``namespaces`` (the peer's
 namespaces and their inputs, answered with this gateway's: a namespace of
 the peer's whose model this gateway's engines run in another namespace is
-logged once with the difference, as the peer logs it: ``kvgate.keys.NamespaceBook``).  Anything else is refused and the
+logged once with the difference, as the peer logs it;
+``kvgate.keys.NamespaceBook``).  Anything else is refused and the
 connection closed: a peer reads, it never writes, deletes or cleans.  An
 object goes out as an object file (header with its key, length and payload
 hash, then the payload), so the peer verifies every byte as it verifies a
@@ -200,7 +201,6 @@ class PeerServer:
         while listener is not None:
             try:
                 conn, where = listener.accept()
-                addr = _shown(where)
             except OSError:
                 return  # closed
             now = time.monotonic()
@@ -225,7 +225,8 @@ class PeerServer:
                                           errno.EBUSY))
                 conn.close()
                 continue
-            threading.Thread(target=self._connection, args=(slot, addr), name=f"kvgate-peer-{addr}",
+            addr = _shown(where)
+            threading.Thread(target=self._connection, args=(slot, addr, str(where[0])), name=f"kvgate-peer-{addr}",
                              daemon=True).start()
 
     def _displaceable(self, now: float) -> _Slot | None:
@@ -242,7 +243,7 @@ class PeerServer:
                 aged = slot
         return aged
 
-    def _connection(self, slot: _Slot, addr: str) -> None:
+    def _connection(self, slot: _Slot, addr: str, host: str) -> None:
         """A connection's thread: its hello, then its requests until it leaves, breaks a rule or idles past
         ``PEER_IDLE_S``.  Blocks on its socket only, each wait bounded; store calls go to the loop."""
         conn: socket.socket = slot.sock
@@ -268,7 +269,7 @@ class PeerServer:
                     _check_batch(msg.keys)
                     self._read_many(conn, msg.keys)
                 elif isinstance(msg, w.Namespaces):
-                    conn.sendall(w.frame(w.Ok(self._namespaces(addr, msg.namespaces))))
+                    conn.sendall(w.frame(w.Ok(self._namespaces(host, msg.namespaces))))
                 elif isinstance(msg, w.Check):
                     conn.sendall(w.frame(w.Ok(PEER_SERIAL)))
                 else:
@@ -387,11 +388,10 @@ class PeerServer:
         hlen, _blen = w.parse_prefix(prefix, w.MAX_REQUEST_HEADER, 0)  # no request of a peer has a body
         return w.decode_request(w.recv_body(conn, hlen, deadline))
 
-    def _namespaces(self, addr: str, theirs: dict[str, dict]) -> dict[str, dict]:
+    def _namespaces(self, host: str, theirs: dict[str, dict]) -> dict[str, dict]:
         """Ours, for a peer that told its own (``theirs``); each of its namespaces whose model our engines run
         in another namespace logged once a peer host (as its ``PeerTier`` logs it on its side)."""
         ours = self.namespaces.items()
-        host = addr.rpartition(":")[0].strip("[]")
         for namespace in list(theirs)[:NAMESPACES_HEARD]:  # (a PeerTier tells its latest few)
             mine = counterpart(namespace, theirs[namespace], ours)
             if mine is None:

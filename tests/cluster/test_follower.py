@@ -49,12 +49,12 @@ def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tm
                 assert sorted(mc.serial for mc in cards.cards) == sorted([a.serial, b.serial])
                 assert "carries serial" in caplog.text and "not-its-serial" in caplog.text
                 # Both gateways' slot maps agree with the leader's view.
-                assert cards.slot_map.owner == View.of(2, [a, b], SLOTS).owners
+                assert cards.layout.slot_map.owner == View.of(2, [a, b], SLOTS).owners
                 draining = View.of(3, [a, msgspec.structs.replace(b, state=CardState.DRAINING)], SLOTS)
                 await reg.publish(draining)
                 assert await follower.poll()
                 # Out of the slot map at once; it holds nothing to copy, so it has left or is about to.
-                assert cards.slot_map.owner == draining.owners and set(draining.owners) == {a.serial}
+                assert cards.layout.slot_map.owner == draining.owners and set(draining.owners) == {a.serial}
                 assert all(cards.is_draining(mc) for mc in cards.cards if mc.serial == b.serial)
 
                 etcd.pause()
@@ -72,7 +72,7 @@ def test_a_card_set_follows_the_view_and_keeps_the_last_one_through_an_outage(tm
                 restarted = ViewFollower(Registry(client, "t", call_timeout_s=0.3), again, tmp_path / "view.json")
                 await restarted.start()
                 assert restarted.epoch == 3 and a.serial in [mc.serial for mc in again.cards]
-                assert again.slot_map.owner == draining.owners
+                assert again.layout.slot_map.owner == draining.owners
             finally:
                 await again.stop()
                 etcd.resume()
@@ -96,7 +96,7 @@ def test_a_view_of_many_new_cards_is_one_change_of_the_card_set(tmp_path: Path) 
             generation = cards.generation
             await follower.apply(View.of(1, records, SLOTS))
             assert len(cards.cards) == 8 and cards.generation == generation + 1
-            assert cards.slot_map.owner == View.of(1, records, SLOTS).owners
+            assert cards.layout.slot_map.owner == View.of(1, records, SLOTS).owners
         finally:
             await cards.stop()
 
@@ -166,7 +166,7 @@ def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_d
                 assert by_serial()[b.serial].active, "unreported, but it answers this gateway: kept"
                 assert follower.answering == {b.serial} and "but it answers this gateway" in caplog.text
                 assert by_serial()[c.serial].active, "never reported by an agent: never held out"
-                assert cards.slot_map.owner == View.of(1, [a, b, c], SLOTS).owners, "liveness never changes slots"
+                assert cards.layout.slot_map.owner == View.of(1, [a, b, c], SLOTS).owners, "liveness never changes slots"
                 assert await follower.poll() and by_serial()[b.serial].active
                 assert caplog.text.count("but it answers this gateway") == 1, "said once"
 
@@ -174,7 +174,7 @@ def test_liveness_holds_a_card_out_reports_the_gateway_and_refuses_a_view_that_d
                 lease_a = await _alive(client, reg, [a.serial])
                 await _alive(client, reg, [b.serial])
                 assert await follower.poll() and follower.liveness.held == set() and follower.answering == set()
-                await by_serial()[a.serial].check()  # its next health check (the card set runs one a second)
+                await by_serial()[a.serial].life.check()  # its next health check (the card set runs one a second)
                 assert by_serial()[a.serial].active, "back as soon as it is reported again"
 
                 # A drain: the card leaves this gateway once copied (it holds nothing), and the report says so.

@@ -65,15 +65,15 @@ def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Pat
         keys = [b"k%02d" % i for i in range(30)]
         written = {}
         for k in keys:
-            cs = tier.card_for(k, d)
+            cs = tier.layout.card_for(k, d)
             assert tier.note_written(cs, k, 100, 90, ObjectMeta(d, -1, time.time_ns()))
             written[k] = cs
-        no_dialog_homes = tier.cards_for(keys, dialog_digest(None))
+        no_dialog_homes = tier.layout.cards_for(keys, dialog_digest(None))
         assert any(h is not written[k] for k, h in zip(keys, no_dialog_homes)), "some keys live off their key's card"
         for k, home in zip(keys, no_dialog_homes):
             cs, entry = KeyFinder(tier).find(k, home)
             assert cs is written[k] and entry == written[k].index.get(k)
-        home = tier.card_for(b"unknown", dialog_digest(None))
+        home = tier.layout.card_for(b"unknown", dialog_digest(None))
         assert KeyFinder(tier).find(b"unknown", home) == (home, None)
         await tier.stop()
 
@@ -84,8 +84,8 @@ def test_a_rewrite_on_another_card_drops_the_old_copy(tmp_path: Path) -> None:
     async def main() -> None:
         tier = await _long_tier(tmp_path, 3, card_capacity=1 << 30)
         k = next(b"k%d" % i for i in range(100)
-                 if tier.card_for(b"k%d" % i, dialog_digest(None)) is not tier.card_for(b"k%d" % i, dialog_digest(b"d")))
-        first, second = tier.card_for(k, dialog_digest(None)), tier.card_for(k, dialog_digest(b"d"))
+                 if tier.layout.card_for(b"k%d" % i, dialog_digest(None)) is not tier.layout.card_for(b"k%d" % i, dialog_digest(b"d")))
+        first, second = tier.layout.card_for(k, dialog_digest(None)), tier.layout.card_for(k, dialog_digest(b"d"))
         tier.note_written(first, k, 100, 90, ObjectMeta(created_ns=time.time_ns()))
         tier.note_written(second, k, 100, 90, ObjectMeta(dialog_digest(b"d"), -1, time.time_ns()))
         assert k not in first.index and first.used == 0
@@ -131,7 +131,7 @@ def test_scan_counts_what_the_card_holds_toward_its_capacity(tmp_path: Path, mon
         monkeypatch.setattr(DirectoryCard, "free_bytes", lambda self: free)
         tier = await _long_tier(tmp_path, 1, card_reserve=free - held // 2)
         cs = tier.cards[0]
-        assert cs.used == held and len(cs.index) == 8 and cs.counters.evictions == 0
+        assert cs.used == held and len(cs.index) == 8 and cs.catalog.counters.evictions == 0
         assert cs.capacity == held + held // 2
         await tier.stop()
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvgate.cards import ObjectMeta, make_card
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
+from kvgate.tiers.holds import Holds
 from kvgate.tiers.io import CardIo
 from tests.tiers.common import serving_card
 
@@ -33,28 +34,28 @@ def test_enospc_lowers_capacity_to_the_medium_once_while_evicted_objects_are_del
         io = CardIo(1, 5.0, "test-card")
         cs = serving_card(card, io, cfg, serial=await io.run(card.open))  # capacity 1 GiB: the free space it had
         for i in range(100):
-            cs.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
+            cs.catalog.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
         assert cs.used == 100_000
 
         async def settle() -> None:  # the free space read, then the delete it spawned
-            while cs.tasks._running:
-                await cs.tasks.wait()
+            while cs.life.tasks._running:
+                await cs.life.tasks.wait()
 
         full = OSError(errno.ENOSPC, "No space left on device")
         for _ in range(8):  # one request, eight objects that did not fit
-            cs.note_result(full)
+            cs.life.note_result(full)
         await settle()  # the free space is read, the card shrunk, the evicted objects deleted
         assert cs.capacity == 90_000, "held + free - reserve, once for the whole request"
-        assert cs.used <= 90_000 and cs.counters.evictions == 10
+        assert cs.used <= 90_000 and cs.catalog.counters.evictions == 10
         assert cs.active, "a full card is not a broken card"
-        cs.note_result(full)  # full again with the room made: others took it
+        cs.life.note_result(full)  # full again with the room made: others took it
         await settle()
         assert cs.capacity == 80_000
         card.free_bytes = lambda: 1 << 20  # type: ignore[method-assign]
-        cs.note_result(full)  # a write that failed for room the medium has now: nothing to lower
+        cs.life.note_result(full)  # a write that failed for room the medium has now: nothing to lower
         await settle()
         assert cs.capacity == 80_000
-        await cs.close()
+        await cs.life.close()
 
     asyncio.run(main())
 
@@ -73,17 +74,17 @@ def test_a_configured_capacity_larger_than_the_medium_is_lowered_to_it_and_write
         keys = [b"k%d" % i for i in range(4)]
         for k in keys:
             (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
-            assert cs.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
-        assert cs.room.slack > 1 << 40 and cs.deleting == 0, "as configured: the write went first, no eviction"
+            assert cs.catalog.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+        assert cs.catalog.room.slack > 1 << 40 and cs.catalog.deleting == 0, "as configured: the write went first, no eviction"
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
-        cs.note_result(OSError(errno.ENOSPC, "No space left on device"))
-        while cs.tasks._running:
-            await cs.tasks.wait()
-        assert cs.capacity == cs.used == 4 * stored and cs.room.slack == 0
+        cs.life.note_result(OSError(errno.ENOSPC, "No space left on device"))
+        while cs.life.tasks._running:
+            await cs.life.tasks.wait()
+        assert cs.capacity == cs.used == 4 * stored and cs.catalog.room.slack == 0
         (again,) = await cs.write([(b"new", payload, ObjectMeta(created_ns=1))])
-        assert isinstance(again, int) and cs.counters.evictions == 1, "room made before the write"
+        assert isinstance(again, int) and cs.catalog.counters.evictions == 1, "room made before the write"
         assert len([k for k in keys if cs.card.exists(k)]) == 3, "the victim is deleted (the write waited for it)"
-        await cs.close()
+        await cs.life.close()
 
     asyncio.run(main())
 
@@ -104,7 +105,7 @@ def test_each_card_answer_reads_as_its_own_outcome() -> None:
 def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: Path) -> None:
     """Held objects (lookup-and-lock) are never evicted to make room: a batch that would need them gone
     keeps its leading objects and its last ones are refused (``NoRoom``) without I/O, until the holds end."""
-    from kvgate.tiers.card import NoRoom
+    from kvgate.tiers.catalog import NoRoom
 
     async def main() -> None:
         (tmp_path / "card").mkdir()
@@ -112,22 +113,23 @@ def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: 
         card = make_card(str(tmp_path / "card"), cfg)
         io = CardIo(2, 5.0, "test-card")
         payload = memoryview(bytes(64 << 10))
-        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        holds = Holds()
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open), holds=holds)
         old = [b"old%d" % i for i in range(3)]
         for k in old:
             (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
-            assert cs.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
-        cs.capacity = 3 * stored + stored // 2  # room for three and a half
-        assert cs.hooks.holds.hold(1, old[:2]) == [True, True]
+            assert cs.catalog.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+        cs.catalog.room.capacity = 3 * stored + stored // 2  # room for three and a half
+        assert holds.hold(1, old[:2]) == [True, True]
         new = [(b"new%d" % i, payload, ObjectMeta(created_ns=2)) for i in range(3)]
         out = await cs.write(new)
         assert isinstance(out[0], int) and [type(r) for r in out[1:]] == [NoRoom, NoRoom], out
-        assert "held" in str(out[2]) and cs.room.writing == 0
-        assert cs.counters.evictions == 1 and all(cs.card.exists(k) for k in old[:2]), "held objects stay"
-        cs.hooks.holds.release(1, old[:2])
+        assert "held" in str(out[2]) and cs.catalog.room.writing == 0
+        assert cs.catalog.counters.evictions == 1 and all(cs.card.exists(k) for k in old[:2]), "held objects stay"
+        holds.release(1, old[:2])
         out = await cs.write(new[1:])
         assert all(isinstance(r, int) for r in out), out
-        await cs.close()
+        await cs.life.close()
 
     asyncio.run(main())
 
@@ -136,7 +138,7 @@ def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp
     """What docs/architecture.md (Capacity) and docs/operations.md promise: a card sized by its free space,
     lowered after another writer filled the medium, takes its room back by itself once the medium has it again
     (``resize``, every ``RESIZE_EVERY_CHECKS`` health checks)."""
-    from kvgate.tiers.card import RESIZE_EVERY_CHECKS
+    from kvgate.tiers.life import RESIZE_EVERY_CHECKS
 
     async def main() -> None:
         (tmp_path / "card").mkdir()
@@ -145,18 +147,18 @@ def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp
         io = CardIo(1, 5.0, "test-card")
         cs = serving_card(card, io, cfg, serial=await io.run(card.open))
         for i in range(10):
-            cs.note_written(b"k%d" % i, 1000, 900, ObjectMeta(created_ns=1))
+            cs.catalog.note_written(b"k%d" % i, 1000, 900, ObjectMeta(created_ns=1))
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
-        cs.note_result(OSError(errno.ENOSPC, "No space left on device"))
-        while cs.tasks._running:
-            await cs.tasks.wait()
+        cs.life.note_result(OSError(errno.ENOSPC, "No space left on device"))
+        while cs.life.tasks._running:
+            await cs.life.tasks.wait()
         assert cs.capacity == 10_000
         card.free_bytes = lambda: 1 << 20  # type: ignore[method-assign]  # the other writer is gone
         for _ in range(RESIZE_EVERY_CHECKS - 1):
-            assert await cs.check()
+            assert await cs.life.check()
         assert cs.capacity == 10_000, "not before its check"
-        assert await cs.check()
+        assert await cs.life.check()
         assert cs.capacity == 10_000 + (1 << 20)
-        await cs.close()
+        await cs.life.close()
 
     asyncio.run(main())

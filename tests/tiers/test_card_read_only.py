@@ -58,16 +58,16 @@ def test_a_read_only_card_serves_reads_and_takes_writes_again(tmp_path: Path) ->
         (h,) = await cs.read([(k1, dest)])
         assert h.header is not None and dest == payload, "reads go on"
 
-        cs.health.read_only_since -= READ_ONLY_RECHECK_S
-        await cs.check()  # the probe still fails: stays read-only, tried again later
+        cs.life.health.read_only_since -= READ_ONLY_RECHECK_S
+        await cs.life.check()  # the probe still fails: stays read-only, tried again later
         assert cs.read_only
         card.read_only = False
-        await cs.check()  # too soon after the last probe
+        await cs.life.check()  # too soon after the last probe
         assert cs.read_only
-        cs.health.read_only_since -= READ_ONLY_RECHECK_S
-        await cs.check()
+        cs.life.health.read_only_since -= READ_ONLY_RECHECK_S
+        await cs.life.check()
         assert not cs.read_only and cs.active
         assert all(isinstance(r, int) for r in await cs.write([(k2, payload, ObjectMeta())]))
-        await cs.close()
+        await cs.life.close()
 
     asyncio.run(main())

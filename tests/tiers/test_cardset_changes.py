@@ -34,7 +34,7 @@ async def _started(tmp_path: Path, names: list[str]) -> CardSet:
 async def _write_dialog(cards: CardSet, d: int, blocks: int = 4) -> list[bytes]:
     dialog = dialog_digest(b"dialog-%d" % d)
     keys = [full_key(b"ns", b"d%d-b%d" % (d, i)) for i in range(blocks)]
-    home = cards.card_for(keys[0], dialog)
+    home = cards.layout.card_for(keys[0], dialog)
     items = [(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys)]
     for (k, p, m), stored in zip(items, await home.write(items)):
         assert isinstance(stored, int)
@@ -46,7 +46,7 @@ async def _read_all(cards: CardSet, d: int, keys: list[bytes]) -> int:
     """How many leading blocks of the dialog read back right (a wrong byte fails the test)."""
     dialog = dialog_digest(b"dialog-%d" % d)
     n = 0
-    for k, home in zip(keys, cards.cards_for(keys, dialog)):
+    for k, home in zip(keys, cards.layout.cards_for(keys, dialog)):
         mc, entry = KeyFinder(cards).find(k, home)
         if mc is None or entry is None:
             break
@@ -72,7 +72,7 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
             (tmp_path / "c").mkdir()
             joined = await cards.add(str(tmp_path / "c"))
             assert cards.generation == gen0 + 1 and cards.fingerprint != fp0
-            share = len(cards.slot_map.slots_of(joined.serial)) / cards.slot_map.slots
+            share = len(cards.layout.slot_map.slots_of(joined.serial)) / cards.layout.slot_map.slots
             assert 0.1 < share < 0.6, share
             # A join costs no hits: every dialog reads back whole, before and after the mover ran.
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
@@ -86,10 +86,10 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
             drained = cards.cards[0]
             serial = drained.serial
             cards.drain(serial)
-            assert all(cards.card_for(k, dialog_digest(b"dialog-%d" % d)) is not drained
+            assert all(cards.layout.card_for(k, dialog_digest(b"dialog-%d" % d)) is not drained
                        for d, ks in dialogs.items() for k in ks)
             await _settle(cards)
-            assert drained not in cards.cards and serial not in cards.slot_map.serials
+            assert drained not in cards.cards and serial not in cards.layout.slot_map.serials
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
 
             with pytest.raises(CardChangeError, match="no card with serial"):
@@ -98,7 +98,7 @@ def test_join_drain_undrain_remove_lose_nothing(tmp_path: Path, monkeypatch) -> 
             cards.drain(other.serial)
             cards.undrain(other.serial)  # back before it emptied: it serves again
             await _settle(cards)
-            assert other in cards.cards and other.serial in cards.slot_map.serials
+            assert other in cards.cards and other.serial in cards.layout.slot_map.serials
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 40
 
             # Remove: at once; what it held is a miss from then on, the rest reads back.
@@ -191,12 +191,12 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
             # hot ones are chosen among those, so the order is checked on every run.
             real_wake, cards.mover.wake = cards.mover.wake, lambda: None  # type: ignore[method-assign]
             joined = await cards.add(str(tmp_path / "b"))  # one source card: one order to check
-            moving = [d for d, ks in dialogs.items() if cards.card_for(ks[0], dialog_digest(b"dialog-%d" % d)) is joined]
+            moving = [d for d, ks in dialogs.items() if cards.layout.card_for(ks[0], dialog_digest(b"dialog-%d" % d)) is joined]
             assert len(moving) >= 2, moving  # about 12 of 24
             hot = moving[::2]
             for d in hot:  # read again: these are the hot ones now
                 for k in dialogs[d]:
-                    src.note_hit(k, SIZE)
+                    src.catalog.note_hit(k, SIZE)
             cards.mover.wake = real_wake  # type: ignore[method-assign]
             cards.mover.wake()
             started = asyncio.get_running_loop().time()
@@ -235,7 +235,7 @@ async def _put_on_card(store, d: int, indexed: bool = True) -> None:
         store.ram.pages.delete(k)
         if not indexed:
             for mc in store.cards.set.cards:
-                mc.note_gone(k)
+                mc.catalog.note_gone(k)
 
 
 @pytest.mark.parametrize("placement", ["dialog", "stripe"])
@@ -274,7 +274,7 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
 
             (tmp_path / "card1").mkdir()
             new = await cards.add(str(tmp_path / "card1"))
-            moved = [d for d in theirs if cards.card_for(keys_of(d)[0], dialog_digest(b"dialog-%d" % d)) is new]
+            moved = [d for d in theirs if cards.layout.card_for(keys_of(d)[0], dialog_digest(b"dialog-%d" % d)) is new]
             assert moved and await cards.mover.misplaced(old), "some slots moved, and the mover is still copying"
             for d in theirs:
                 assert await restorable(d) == (4, [True] * 4, 4), f"dialog {d} lost hits to the join"
@@ -283,7 +283,7 @@ def test_a_join_costs_no_hits_of_objects_no_index_holds_until_the_move_settles(t
 
             cards.mover.rate = 1 << 30
             cards.mover.wake()
-            await wait_until_async(lambda: not cards._unsettled, 30, "the mover settled the join", interval=0.02)
+            await wait_until_async(lambda: not cards.layout.settling, 30, "the mover settled the join", interval=0.02)
             if placement == "dialog":  # whole dialogs moved: theirs are misses on the new card now
                 for d in moved[1:]:
                     assert (await restorable(d))[0] == 0
@@ -319,12 +319,12 @@ def test_two_joins_before_the_mover_settles_cost_no_hits_either(tmp_path: Path, 
             for name in ("card1", "card2"):
                 (tmp_path / name).mkdir()
                 homes[name] = await cards.add(str(tmp_path / name))
-            assert len(cards._unsettled) == 2
+            assert len(cards.layout._unsettled) == 2
 
             def twice(d: int) -> bool:  # the first key's slot was card1's after the first join, card2's now
                 k, dialog = keys_of(d)[0], dialog_digest(b"dialog-%d" % d)
-                return (cards.card_for(k, dialog) is homes["card2"]
-                        and cards.earlier_homes(k, dialog, homes["card2"])[:1] == [homes["card1"]])
+                return (cards.layout.card_for(k, dialog) is homes["card2"]
+                        and cards.layout.earlier_homes(k, dialog, homes["card2"])[:1] == [homes["card1"]])
 
             moved_twice = [d for d in theirs if twice(d)]
             assert moved_twice, "no slot moved twice: pick more dialogs"
@@ -368,20 +368,20 @@ def test_a_move_waits_for_a_card_out_of_service_and_goes_on_when_it_is_back(tmp_
             cards.mover._round = counted_round  # type: ignore[method-assign]
             (tmp_path / "b").mkdir()
             joined = await cards.add(str(tmp_path / "b"))
-            joined.health.take_out("test: out of service", by_error=True)
+            joined.life.health.take_out("test: out of service", by_error=True)
             await asyncio.sleep(3.2)  # at RETRY_S 0.1 without backing off: 32 rounds
             # Backing off: rounds at about 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s, the next not before 6.3 s.
             assert 2 <= len(started) <= 7, started
-            assert cards._unsettled, "the join is not settled while its card is out"
+            assert cards.layout.settling, "the join is not settled while its card is out"
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
             rounds, back = len(started), loop.time()
-            joined.health.taken_out_by_error = False  # it answers its next check: back at once
+            joined.life.health.taken_out_by_error = False  # it answers its next check: back at once
             await wait_until_async(lambda: joined.active, 5, "the card back in service")
             await wait_until_async(lambda: len(started) > rounds, 5, "a round after the card came back")
             assert started[rounds] - back < 2.0, "the card's return woke the mover (its back-off was 3 s)"
             await _settle(cards)
             assert len(joined.index) > 0, "the mover went on once the card was back"
-            await wait_until_async(lambda: not cards._unsettled, 10, "the join settled")
+            await wait_until_async(lambda: not cards.layout.settling, 10, "the join settled")
             assert [await _read_all(cards, d, k) for d, k in dialogs.items()] == [4] * 24
         finally:
             await cards.stop()

@@ -149,7 +149,7 @@ def test_a_long_put_is_written_through_every_tier_that_keeps_long(tmp_path: Path
             assert await store.put([PutItem(k_long, memoryview(payload(b"long")), meta)], Retention.LONG) == [True]
             assert await store.put([PutItem(k_short, memoryview(payload(b"short")), meta)], Retention.SHORT) == [True]
             assert third.objects == {k_long: payload(b"long")}  # short stays in RAM
-            assert k_long in store.cards.set.card_for(k_long, DIALOG).index
+            assert k_long in store.cards.set.layout.card_for(k_long, DIALOG).index
 
     asyncio.run(main())
 

@@ -154,7 +154,7 @@ def test_evictions_and_expiries_on_a_card_note_removed(tmp_path: Path) -> None:
             await asyncio.sleep(0.6)
             mc = store.cards.set.cards[0]
             for k in keys:
-                mc.entry(fk(k))  # past the ttl: deleted, its row goes once the delete is done
+                mc.catalog.entry(fk(k))  # past the ttl: deleted, its row goes once the delete is done
             await wait_until_async(lambda: len(mc.index) == 0, 10, "the expired objects' deletes")
             await asyncio.sleep(0)
             assert set(seen.keys(serial, REMOVED)) == {fk(k) for k in keys}
@@ -195,7 +195,7 @@ def test_rows_from_the_index_snapshot_are_noted_once_a_read_or_lookup_names_thei
         async with started_store(tmp_path, **EVENTS) as store:
             serial = serial_of(store)
             mc = store.cards.set.cards[0]
-            assert len(mc.index) == 3 and mc.keeper.loaded == 3
+            assert len(mc.index) == 3 and mc.life.keeper.loaded == 3
             seen = Seen(store.changes)
             assert [t async for t in store.held_keys()] == []  # known by digest only
             dest = memoryview(bytearray(20_000))

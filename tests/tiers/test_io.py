@@ -97,7 +97,7 @@ def test_lookup_hints_go_only_to_card_kinds_that_prepare_reads(tmp_path) -> None
             cs.hint_reads([b"k1", b"k2"])
         for cs in states:
             cs.io.shutdown(wait=True)
-        return states[0].counters.read_hints, states[1].counters.read_hints
+        return states[0].catalog.counters.read_hints, states[1].catalog.counters.read_hints
 
     assert asyncio.run(main()) == (2, 0)
 

@@ -170,7 +170,7 @@ def test_an_evicted_object_is_a_miss_while_its_delete_is_pending(tmp_path: Path)
         assert KeyFinder(tier).find(b"b", cs)[1] is not None
         await background_deletes_done(cs)
         assert started.is_set()
-        assert not cs.card.exists(b"a") and b"a" not in cs.leaving
+        assert not cs.card.exists(b"a") and b"a" not in cs.catalog.leaving
         assert await _put(tier, b"a", 7, size)  # stored again: found again
         assert KeyFinder(tier).find(b"a", cs)[1] is not None and await _read(tier, b"a", size) == bytes([7]) * size
         await tier.stop()

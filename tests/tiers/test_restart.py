@@ -66,7 +66,7 @@ async def _holding(cfg: Config, keys: list[bytes]) -> CardSet:
 
 async def _scanned(cards: CardSet) -> None:
     for _ in range(1000):
-        if all(mc.scanned for mc in cards.cards):
+        if all(mc.life.scanned for mc in cards.cards):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the start-up check did not end")
@@ -87,7 +87,7 @@ async def _reads_back(cards: CardSet, k: bytes) -> bool:
     dest = memoryview(bytearray(SIZE))
     (r,) = await mc.read([(k, dest)])
     if r.header is None:
-        mc.note_failed_read(k, r)
+        mc.catalog.note_failed_read(k, r)
         return False
     assert dest.tobytes() == _payload(k), "a wrong byte"
     return True
@@ -112,7 +112,7 @@ def test_the_snapshot_is_loaded_then_checked_against_the_card(tmp_path: Path, ca
         cards = await _started(cfg)
         mc = cards.cards[0]
         # Loaded before the card serves: the snapshot as it was, the check not run yet.
-        assert mc.keeper.loaded == N and len(mc.index) == N and mc.used == used and not mc.scanned
+        assert mc.life.keeper.loaded == N and len(mc.index) == N and mc.used == used and not mc.life.scanned
         assert _key(3) in mc.index and late not in mc.index
         assert "index snapshot of 64 objects" in caplog.text
         await _scanned(cards)
@@ -160,7 +160,7 @@ def test_an_unusable_snapshot_is_ignored_with_a_log_line(tmp_path: Path, caplog,
         reason = {"flipped byte": "its hash does not match", "torn": "its hash does not match",
                   "another card's": "written for card"}[damage]
         assert f"{mc.where} ({mc.serial}): index snapshot ignored: {reason}" in caplog.text
-        assert mc.keeper.loaded == 0 and len(mc.index) == 0
+        assert mc.life.keeper.loaded == 0 and len(mc.index) == 0
         await _scanned(cards)
         assert len(mc.index) == held, "the whole card scanned instead"
         await cards.stop()
@@ -226,7 +226,7 @@ def test_the_index_is_saved_now_and_then_and_after_a_full_scan(tmp_path: Path, m
         got = restart.decode(snap.read_bytes(), cards.cards[0].serial, 1)
         assert len(got.rows) == 30
         await cards._tasks.cancel()  # a crash: nothing more is written
-        await cards.cards[0].close()
+        await cards.cards[0].life.close()
 
     asyncio.run(main())
 
@@ -239,15 +239,15 @@ def test_a_snapshot_row_knows_its_dialog_and_place_in_eviction(tmp_path: Path) -
         cards = await _holding(cfg, keys)
         mc = cards.cards[0]
         for k in keys[:8]:
-            mc.note_hit(k, SIZE)  # the dialog's head is read again: it is the last to go
-        before = [mc.index.digest(r) for r in mc.policy.hottest_first().tolist()]
+            mc.catalog.note_hit(k, SIZE)  # the dialog's head is read again: it is the last to go
+        before = [mc.index.digest(r) for r in mc.catalog.policy.hottest_first().tolist()]
         entry = mc.index.get(keys[5])
         await cards.stop()
         cards = await _started(cfg)
         mc = cards.cards[0]
-        assert [mc.index.digest(r) for r in mc.policy.hottest_first().tolist()] == before
+        assert [mc.index.digest(r) for r in mc.catalog.policy.hottest_first().tolist()] == before
         assert mc.index.get(keys[5]) == entry
-        victim = mc.index.digest(mc.policy.choose_victim())
+        victim = mc.index.digest(mc.catalog.policy.choose_victim())
         assert victim == mc.index.rows.digest(mc.index.row(victim)) and victim not in before[:8]
         await cards.stop()
 
@@ -300,7 +300,7 @@ def test_a_scan_whose_header_reads_fail_stops_with_a_log_line_and_keeps_what_it_
             await asyncio.sleep(0.01)
         assert "index scan stopped: [Errno 5] Input/output error" in caplog.text
         mc = cards.cards[0]
-        assert 0 < len(mc.index) < N and not mc.scanned  # what the reads before the failure found
+        assert 0 < len(mc.index) < N and not mc.life.scanned  # what the reads before the failure found
         indexed = [i for i in range(N) if _key(i) in mc.index]
         assert all([await _reads_back(cards, _key(i)) for i in indexed])
         await cards.stop()
@@ -321,7 +321,7 @@ def test_a_snapshot_saved_in_many_steps_while_keys_are_written_loads_every_row(t
         mc = cards.cards[0]
         late = [_key(N + i) for i in range(N)]
         writes = asyncio.ensure_future(_write(cards, late))  # lands between the save's steps
-        assert await mc.keeper.save("in a test")
+        assert await mc.life.keeper.save("in a test")
         snap = restart.decode((tmp_path / "card" / "kvgate-index").read_bytes(), mc.serial, cfg.num_dbs)
         digests = {(int(r["lo"]), int(r["hi"])) for r in snap.rows}
         every = {split_digest(key_digest(k)) for k in [_key(i) for i in range(2 * N)]}
@@ -330,7 +330,7 @@ def test_a_snapshot_saved_in_many_steps_while_keys_are_written_loads_every_row(t
         await cards.stop()  # saves again, all 2N rows
         cards = await _started(cfg)
         mc = cards.cards[0]
-        assert mc.keeper.loaded == 2 * N and len(mc.index) == 2 * N
+        assert mc.life.keeper.loaded == 2 * N and len(mc.index) == 2 * N
         assert all([await _reads_back(cards, k) for k in [_key(i) for i in range(2 * N)]])
         await cards.stop()
 

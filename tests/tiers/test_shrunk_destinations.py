@@ -43,7 +43,7 @@ def test_a_shrunk_destination_fails_the_read_and_not_the_card(card: DirectoryCar
                 for _ in range(5):  # more than io_timeout_strikes
                     with pytest.raises(MemoryFault):
                         await cs.read([(b"k", dest)])
-                assert cs.health.strikes == 0 and cs.health.errors == 0 and cs.active
+                assert cs.life.health.strikes == 0 and cs.life.health.errors == 0 and cs.active
                 ok = memoryview(bytearray(SIZE))
                 (r,) = await cs.read([(b"k", ok)])
                 assert r.header.payload_len == SIZE and ok.tobytes() == bytes([7]) * SIZE

@@ -52,7 +52,7 @@ async def started_store(tmp_path: Path, n_cards: int = 1, **cfg) -> AsyncIterato
                         IoPool(cfg["thread_pool_size"]))
     await store.start()
     try:
-        await wait_until_async(lambda: all(mc.scanned for mc in store.cards.set.cards), 10, "every card's start-up scan")
+        await wait_until_async(lambda: all(mc.life.scanned for mc in store.cards.set.cards), 10, "every card's start-up scan")
         yield store
     finally:
         await store.stop()
@@ -112,13 +112,13 @@ def test_lookup_counts_leading_keys_present_in_ram_or_on_any_card(tmp_path: Path
             keys = [b"k%d" % i for i in range(8)]
             # Two dialogs whose objects live on different cards.
             d1, d2 = DIALOG, next(d for d in (dialog_digest(b"d%d" % i) for i in range(100))
-                                  if store.cards.set.card_for(fk(b"k1"), d) is not store.cards.set.card_for(fk(b"k1"), DIALOG))
+                                  if store.cards.set.layout.card_for(fk(b"k1"), d) is not store.cards.set.layout.card_for(fk(b"k1"), DIALOG))
             assert await put(store, [b"k0"], Retention.SHORT) == [True]  # RAM only
             assert await put(store, [b"k1"], Retention.LONG, d1) == [True]
             assert await put(store, [b"k2"], Retention.LONG, d2) == [True]
             for k in (b"k1", b"k2"):
                 store.ram.pages.delete(fk(k))  # on a card only: the one of its dialog, not the one asked with
-            home = store.cards.set.card_for(fk(b"k3"), DIALOG)
+            home = store.cards.set.layout.card_for(fk(b"k3"), DIALOG)
             home.card.write(fk(b"k3"), memoryview(payload(b"k3")), ObjectMeta(DIALOG, 3, time.time_ns()))  # unindexed
             assert await put(store, keys[5:], Retention.LONG) == [True] * 3  # k4 is never stored
             for ask in (d1, d2):  # k3 is found only on its card for the dialog asked with
@@ -161,7 +161,7 @@ def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_c
 
     async def main() -> None:
         async with started_store(tmp_path, n_cards=2) as store:
-            home = store.cards.set.card_for(fk(b"k0"), DIALOG)
+            home = store.cards.set.layout.card_for(fk(b"k0"), DIALOG)
             entered, release = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
             write_many = home.card.write_many
@@ -180,7 +180,7 @@ def test_a_put_whose_card_is_removed_while_it_writes_is_stored_on_the_keys_new_c
             release.set()
             await remove
             assert await putting == [True] * 3
-            other = store.cards.set.card_for(fk(b"k0"), DIALOG)
+            other = store.cards.set.layout.card_for(fk(b"k0"), DIALOG)
             assert other is not None and other is not home
             assert all(fk(k) in other.index for k in keys)
             for k in keys:
@@ -202,7 +202,7 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
         async with started_store(tmp_path, n_cards=2) as store:
             assert await put(store, [b"k"], Retention.LONG) == [True]
             store.ram.pages.delete(fk(b"k"))  # on its card only
-            old = store.cards.set.card_for(fk(b"k"), DIALOG)
+            old = store.cards.set.layout.card_for(fk(b"k"), DIALOG)
             (new,) = [mc for mc in store.cards.set.cards if mc is not old]
             entered, release = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -356,7 +356,7 @@ def test_size_hints_come_from_the_ram_tier_and_the_card_indexes_without_touching
         async with started_store(tmp_path, n_cards=2, ttl=3600) as store:
             sizes = {b"ram": 100, b"card-a": 3000, b"card-b": 70_000}
             other = next(d for d in (dialog_digest(b"dialog %d" % i) for i in range(100))
-                         if store.cards.set.card_for(fk(b"card-b"), d) is not store.cards.set.card_for(fk(b"card-a"), DIALOG))
+                         if store.cards.set.layout.card_for(fk(b"card-b"), d) is not store.cards.set.layout.card_for(fk(b"card-a"), DIALOG))
             items = [PutItem(fk(k), memoryview(payload(k, n)), ObjectMeta(other if k == b"card-b" else DIALOG, 0,
                                                                           time.time_ns()))
                      for k, n in sizes.items()]
@@ -368,7 +368,7 @@ def test_size_hints_come_from_the_ram_tier_and_the_card_indexes_without_touching
             assert all(await store.put([old], Retention.LONG))
             store.ram.pages.delete(fk(b"old"))
             keys = [fk(k) for k in (b"card-b", b"absent", b"ram", b"card-a", b"old")]
-            assert fk(b"card-b") not in store.cards.set.card_for(fk(b"card-a"), DIALOG).index  # on the other card
+            assert fk(b"card-b") not in store.cards.set.layout.card_for(fk(b"card-a"), DIALOG).index  # on the other card
             for dialog in (DIALOG, other):
                 assert store.size_hints(keys, dialog) == [70_000, None, 100, 3000, None]
 
@@ -462,7 +462,7 @@ def test_a_put_whose_staging_faults_still_lets_every_other_card_write_finish_fir
                 dialogs = [dialog_digest(b"d%d" % i) for i in range(64)]
                 by_card: dict[int, bytes] = {}
                 for d in dialogs:
-                    by_card.setdefault(id(store.cards.set.card_for(fk(b"x"), d)), d)
+                    by_card.setdefault(id(store.cards.set.layout.card_for(fk(b"x"), d)), d)
                 (x, dx), (y, dy) = [(mc, by_card[id(mc)]) for mc in store.cards.set.cards]
                 y.card.writes_client_memory = False  # as a Redis card: its source is staged
                 loop = asyncio.get_running_loop()

@@ -273,17 +273,17 @@ class ViewFollower:
         by_serial = {mc.serial: mc for mc in self.cards.cards}
         sick, release = self.liveness.observe(list(by_serial), alive)
         for serial in release:
-            by_serial[serial].release()
+            by_serial[serial].life.release()
         self.answering &= sick  # reported again (or gone from the set): said again if it goes quiet again
         if not sick:
             return
         # The agent's silence alone takes nothing out: the card must fail this gateway's own check too.
         order = sorted(sick)
-        answers = await asyncio.gather(*(by_serial[s].answers() for s in order))
+        answers = await asyncio.gather(*(by_serial[s].life.answers() for s in order))
         down = [s for s, ok in zip(order, answers) if not ok]
         self.liveness.hold(down)
         for serial in down:
-            by_serial[serial].hold_out(f"no agent has reported it alive for {self.liveness.sick_polls} polls and "
+            by_serial[serial].life.hold_out(f"no agent has reported it alive for {self.liveness.sick_polls} polls and "
                                        "it does not answer this gateway")
             self.answering.discard(serial)
         for serial in (s for s, ok in zip(order, answers) if ok and s not in self.answering):

@@ -45,7 +45,7 @@ from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.shm import reap_dead_regions
 from kvgate.heads import SharedHeads
 from kvgate.tiers.io import IoPool, Tasks, realtime_permitted
-from kvgate.tiers.cardset import LayoutMismatch
+from kvgate.tiers.layout import LayoutMismatch
 from kvgate.tiers.store import TieredStore
 from kvgate.errors import KvgateError
 

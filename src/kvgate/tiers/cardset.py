@@ -1,15 +1,19 @@
 """The long tier's cards: which cards there are, and where each object belongs.
 
-``CardSet`` finds the configured cards, keeps the slot map (rendezvous
-placement over their serials) and answers where a key belongs
-(``card_for``); it takes cards in and out while serving (joins, drains,
-removals, SIGHUP).  Where a key *is* (any index may hold it) is
-``kvgate.tiers.finder``'s rule; everything about one card (its I/O, index,
-eviction, capacity, health) is its ``ManagedCard``'s.
+``CardSet`` is the membership: it finds the configured cards, claims them,
+checks them every second, and takes cards in and out while serving (joins,
+drains, removals, SIGHUP), each change re-mapping its ``layout``.  Where a
+key belongs is the layout's (``CardLayout``: the slot map, rendezvous
+placement over the serials); where a key *is* (any index may hold it) is
+``kvgate.tiers.finder``'s rule; copying what a change misplaced is the
+``CardMover``'s; everything about one card (its I/O, index, eviction,
+capacity, health) is its ``ManagedCard``'s.
 
-Threading contract: every method runs on the gateway's event loop and never
-blocks; card I/O runs on each card's own threads (``ManagedCard``), globbing
-on the general pool.
+Who calls it: the card tier (``CardTier``: the cards, their writes'
+bookkeeping), the gateway's card operations and the cluster follower (the
+changes), the mover (what it moved).  Threading contract: every method runs
+on the gateway's event loop and never blocks; card I/O runs on each card's
+own threads (``ManagedCard``), globbing on the general pool.
 
 A card is known by the serial on its label: found again under another path
 that its ``storage_devices`` entry matches (a glob), it is taken back there;
@@ -36,28 +40,21 @@ import logging
 
 from kvgate.cards import CardInUse, NotACardLocation, expand, make_card
 from kvgate.config import Config, ConfigError
-from kvgate.keys import NO_DIALOG, key_digest
-from kvgate.placement import SlotMap, fingerprint, slot_of
+from kvgate.keys import key_digest
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.discovery import CardDiscovery
 from kvgate.tiers.io import IoPool, Tasks
+from kvgate.tiers.layout import CardLayout, LayoutMismatch
 from kvgate.tiers.mover import CardMover
 from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.long")
 
 CHECK_INTERVAL_S = 1.0
-# How many changes back a miss still asks a slot's earlier card while the
-# mover has not settled them (``CardSet.earlier_homes``): each is one more card
-# a miss may ask, and several changes within one move are rare.
-UNSETTLED_LAYOUTS = 4
+
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
-
-
-class LayoutMismatch(KvgateError, RuntimeError):
-    """The configured key_layout_fingerprint differs from the cards found."""
 
 
 class CardChangeError(KvgateError, ValueError):
@@ -72,14 +69,15 @@ class CardChangeError(KvgateError, ValueError):
 
 
 class CardSet:
-    """The configured cards and the slot map over them.
+    """The configured cards: which there are, in service, draining or pending (module docstring).
 
     Owned by ``TieredStore``; ``start`` finds and claims the cards, ``stop``
     lets them go.  ``cards`` are the cards found (in service or not),
-    ``pending`` the entries with no readable card yet.
+    ``pending`` the entries with no readable card yet, ``layout`` where each
+    object belongs among them.
 
     The set changes while it serves (``add``, ``drain``, ``undrain``,
-    ``remove``); each change re-maps the slots, counts one ``generation`` and
+    ``remove``); each change re-maps the layout, counts one ``generation`` and
     wakes the ``CardMover``.  A draining card is out of the slot map (no
     writes) but still answers for what it holds until the mover has copied
     it elsewhere; then it leaves.
@@ -92,10 +90,9 @@ class CardSet:
         self.cards: list[ManagedCard] = []
         self.pending: list[ManagedCard] = []
         self.patterns = list(cfg.storage_devices)  # the storage_devices entries in force (SIGHUP changes them)
-        self.slot_map = SlotMap([], 1)
-        self.fingerprint = ""
         self.generation = 0  # changes of the card set since start
         self._by_serial: dict[str, ManagedCard] = {}
+        self.layout = CardLayout(cfg, self._by_serial)
         self._draining: dict[str, bool] = {}  # serial -> leave even if some objects could not be copied
         # What running drains have moved so far, by destination serial, then draining serial: [objects, bytes].
         # Their copies on the draining card are gone (``note_written``), so these are only on the destination
@@ -103,14 +100,16 @@ class CardSet:
         self._moved_in: dict[str, dict[str, list[int]]] = {}
         self.mover = CardMover(self, cfg.card_move_rate, self._after_move_round)
         self._tasks = Tasks()
-        # The slot maps before each change the mover has not settled yet (newest last): a key not in any
-        # index (another gateway of a shared card wrote it) may still be on its slot's card of then.
-        self._unsettled: list[SlotMap] = []
         self.discovery = CardDiscovery(cfg, pool)
 
     @property
     def slots(self) -> int:
         return self.cfg.storage_slots
+
+    @property
+    def fingerprint(self) -> str:
+        """The key layout fingerprint of the cards in force (``CardLayout``)."""
+        return self.layout.fingerprint
 
     def _new_card(self, pattern: str, location: str) -> ManagedCard:
         return ManagedCard(pattern, location, make_card(location, self.cfg), self.cfg, self.pool, self.hooks)
@@ -150,10 +149,10 @@ class CardSet:
                     mc.card.close()
                     self.pending.append(mc)
                     continue
-                mc.serve(mc.card, loc, serial)
+                mc.life.serve(mc.card, loc, serial)
                 self.cards.append(mc)
                 self._by_serial[mc.serial] = mc
-        self._remap()
+        self.layout.remap(self._writable())
         expected = self.cfg.key_layout_fingerprint
         if expected and expected != self.fingerprint:
             raise LayoutMismatch(
@@ -164,108 +163,27 @@ class CardSet:
             deleted = await self.clean()
             log.info("start_clean: deleted %d objects", deleted)
         for mc in self.cards:
-            await mc.adopt()
+            await mc.life.adopt()
         self._spawn(self._health_loop())
         self._spawn(self.mover.run())
 
-    def _remap(self) -> None:
-        """Slots over the serials of the cards found.
-
-        ``storage_slots`` is a fixed count, never the number of cards: tied
-        to the card count, adding a card would move every key (a new slot
-        count re-maps them all), and with a few slots rendezvous hashing
-        leaves some cards with none (4 slots over 4 cards land one per card
-        only 9 % of the time).
-        """
-        try:
-            self.slot_map = SlotMap([s for s in self._by_serial if s not in self._draining], self.slots)
-        except ValueError as e:
-            raise LayoutMismatch(str(e)) from None
-        self.fingerprint = fingerprint(self.slot_map, self.cfg.num_dbs, self.cfg.key_placement)
-        log.info("Key layout fingerprint %s", self.fingerprint)
-        n = len(self.slot_map.serials)
-        if n > 1:
-            shares = ", ".join(f"{self._by_serial[s].location}: {len(self.slot_map.slots_of(s))}"
-                               for s in self.slot_map.serials)
-            log.info("slots per card: %s", shares)
-            if self.slot_map.slots < 16 * n:
-                log.warning("storage_slots is %d for %d cards: shares are uneven (a card may get none); "
-                            "16 slots per card or more spread the load", self.slot_map.slots, n)
+    def _writable(self) -> list[str]:
+        """The serials of the cards that take writes: the layout's slots go to them."""
+        return [s for s in self._by_serial if s not in self._draining]
 
     async def stop(self) -> None:
         """Let the cards go, each saving its index snapshot first (``ManagedCard.stop``)."""
         await self._tasks.cancel()
-        await asyncio.gather(*(mc.stop() for mc in self.cards), *(mc.close() for mc in self.pending))
-
-    @property
-    def settling(self) -> bool:
-        """Whether a change of the set is not settled yet (misses also ask ``earlier_homes``)."""
-        return bool(self._unsettled)
+        await asyncio.gather(*(mc.life.stop() for mc in self.cards), *(mc.life.close() for mc in self.pending))
 
     def _spawn(self, coro) -> asyncio.Task:
         return self._tasks.spawn(coro)
 
-    # ---- placement --------------------------------------------------------
-
-    def card_for(self, fkey: bytes, dialog: bytes) -> ManagedCard | None:
-        """The card an object belongs on, or None when no card serves its slot now.
-
-        An inactive card keeps its slots: its dialogs are misses until it is
-        back, and are never written elsewhere where they would shadow it.
-        """
-        serial = self.slot_map.serial_of_slot(slot_of(key_digest(fkey), dialog, self.cfg.key_placement,
-                                                      self.slot_map.slots))
-        if serial is None:
-            return None
-        mc = self._by_serial[serial]
-        return mc if mc.active else None
-
-    def earlier_homes(self, fkey: bytes, dialog: bytes, home: ManagedCard | None) -> list[ManagedCard]:
-        """While the mover settles changes: the cards ``fkey``'s slot had before, newest change first, each
-        once, in service and other than ``home``: where to ask, in turn, when ``home`` does not hold it.
-
-        So a join costs no hits of objects this gateway has not indexed (a
-        shared card's objects another gateway wrote): until they are moved or
-        the moves settle, a miss on the slot's new card asks its old ones (a
-        slot that moved twice before the mover settled: both).
-        """
-        if not self._unsettled:
-            return []
-        slot = slot_of(key_digest(fkey), dialog, self.cfg.key_placement, self.slot_map.slots)
-        out: list[ManagedCard] = []
-        for before in reversed(self._unsettled):
-            serial = before.serial_of_slot(slot % before.slots)
-            mc = self._by_serial.get(serial) if serial is not None else None
-            if mc is not None and mc is not home and mc.active and mc not in out:
-                out.append(mc)
-        return out
-
-    def earlier_homes_of(self, fkeys: list[bytes], dialog: bytes, home: ManagedCard) -> list[list[ManagedCard]]:
-        """``earlier_homes`` of many keys of one request, computed once where placement allows (as
-        ``cards_for``)."""
-        if not self._unsettled or not fkeys:
-            return [[] for _ in fkeys]
-        if self._one_slot(dialog):  # not "one card now": the maps of before may have had several
-            return [self.earlier_homes(fkeys[0], dialog, home)] * len(fkeys)
-        return [self.earlier_homes(k, dialog, home) for k in fkeys]
-
-    def _one_slot(self, dialog: bytes) -> bool:
-        """Whether every key of a request with this dialog mark lands in the same slot."""
-        return self.slot_map.slots == 1 or (self.cfg.key_placement == "dialog" and dialog != NO_DIALOG)
+    # ---- the cards --------------------------------------------------------
 
     def serves(self, mc: ManagedCard) -> bool:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
         return self._by_serial.get(mc.serial) is mc
-
-    def cards_for(self, fkeys: list[bytes], dialog: bytes) -> list[ManagedCard | None]:
-        """``card_for`` of many keys of one request, computed once where placement allows.
-
-        With dialog placement and a dialog mark, or a single slot, every key
-        of the request lands on the same card: one hash instead of 1,000s.
-        """
-        if self._one_slot(dialog) or len(self.slot_map.serials) == 1:
-            return [self.card_for(fkeys[0], dialog) if fkeys else None] * len(fkeys)
-        return [self.card_for(k, dialog) for k in fkeys]
 
     def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
         """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
@@ -276,17 +194,9 @@ class CardSet:
         digest = key_digest(fkey)
         for other in self.cards:
             if other is not mc and other.index.has(digest):
-                other.note_gone_digest(digest)
-                other.spawn_delete([digest])
-        return mc.note_written(fkey, stored, payload_len, meta)
-
-    def slot_cards(self) -> list[ManagedCard | None]:
-        """``card_for`` of every slot: the active card serving it, or None."""
-        out: list[ManagedCard | None] = []
-        for serial in self.slot_map.owner:
-            mc = self._by_serial.get(serial) if serial is not None else None
-            out.append(mc if mc is not None and mc.active else None)
-        return out
+                other.catalog.note_gone_digest(digest)
+                other.catalog.let_go([digest])
+        return mc.catalog.note_written(fkey, stored, payload_len, meta)
 
     async def clean_namespace(self, ns: bytes) -> int:
         """``ManagedCard.clean_namespace`` on every card in service; how many objects were deleted."""
@@ -315,9 +225,9 @@ class CardSet:
 
     async def _check(self, mc: ManagedCard) -> None:
         was_active = mc.active
-        if not await mc.check():
+        if not await mc.life.check():
             await self.discovery.relocate(mc, {c.location for c in self.cards if c is not mc})
-        elif mc.active and not was_active and (self._unsettled or self._draining):
+        elif mc.active and not was_active and (self.layout.settling or self._draining):
             self.mover.wake()  # what waited for this card can move now
 
     async def readdress(self, mc: ManagedCard, pattern: str) -> None:
@@ -326,7 +236,7 @@ class CardSet:
         if mc.pattern == pattern:
             return
         log.warning("card %s (%s): its address is now %s", mc.where, mc.serial, pattern)
-        mc.pattern = pattern
+        mc.life.readdress(pattern)
         await self._check(mc)
 
     async def _retry_pending(self) -> None:
@@ -337,12 +247,12 @@ class CardSet:
                 continue
             probe, loc, serial = found
             self.pending.remove(mc)
-            mc.serve(probe, loc, serial)
-            await mc.adopt()  # its index snapshot loaded before any request can reach it
+            mc.life.serve(probe, loc, serial)
+            await mc.life.adopt()  # its index snapshot loaded before any request can reach it
             self.cards.append(mc)
             self._by_serial[serial] = mc
             log.warning("card %s (%s) is available now; moved from inactive to active", loc, serial)
-            self._remap()
+            self.layout.remap(self._writable())
 
     # ---- changes while serving ---------------------------------------------------
 
@@ -358,8 +268,7 @@ class CardSet:
 
     def _changed(self, what: str) -> None:
         self.generation += 1
-        self._unsettled = [*self._unsettled[-(UNSETTLED_LAYOUTS - 1):], self.slot_map]
-        self._remap()
+        self.layout.change(self._writable())
         log.warning("card set generation %d: %s; layout fingerprint %s", self.generation, what, self.fingerprint)
         self.mover.wake()
 
@@ -399,13 +308,13 @@ class CardSet:
                                       f"{self._by_serial[serial].location}")
             await mc.io.run(mc.card.claim, self.cfg.shared_storage)
         except (OSError, CardChangeError) as e:
-            await mc.close()
+            await mc.life.close()
             if isinstance(e, CardChangeError):
                 raise
             raise CardChangeError(f"card {mc.where} cannot be used: {e}",
                                   unavailable=not isinstance(e, (CardInUse, NotACardLocation))) from None
-        mc.serve(mc.card, location, serial)
-        await mc.adopt()  # its index snapshot loaded before any request can reach it
+        mc.life.serve(mc.card, location, serial)
+        await mc.life.adopt()  # its index snapshot loaded before any request can reach it
         self.cards.append(mc)
         self._by_serial[serial] = mc
         return mc
@@ -417,7 +326,7 @@ class CardSet:
         if now:
             if not force:
                 self._refuse_loss(serial, "drained --now")
-            self._spawn(self._drop(serial).close())
+            self._spawn(self._drop(serial).life.close())
             return mc
         if serial not in self._draining:
             if len(self._by_serial) - len(self._draining) <= 1:
@@ -443,7 +352,7 @@ class CardSet:
         or has moved onto it; ``force`` removes it anyway."""
         if not force:
             self._refuse_loss(serial, "removed")
-        await self._drop(serial).close()
+        await self._drop(serial).life.close()
 
     def note_moved(self, src: ManagedCard, dst: ManagedCard, nbytes: int) -> None:
         """The mover landed one object of ``src`` on ``dst`` (and deleted ``src``'s copy): counted while ``src``
@@ -494,7 +403,7 @@ class CardSet:
         del self._by_serial[serial]
         self._draining.pop(serial, None)
         self._forget_moves(serial)
-        mc.index.clear()  # its namespaces' figures no longer count it
+        mc.catalog.clear()  # its namespaces' figures no longer count it
         self._changed(f"card {mc.where} ({serial}) {why}")
         return mc
 
@@ -524,7 +433,7 @@ class CardSet:
         gone = old - set(patterns)
         for mc in [mc for mc in self.pending if mc.pattern in gone]:
             self.pending.remove(mc)
-            self._spawn(mc.close())
+            self._spawn(mc.life.close())
         for mc in list(self.cards):
             if mc.pattern in gone and mc.serial not in self._draining:
                 try:
@@ -539,11 +448,11 @@ class CardSet:
         """After each mover round: a draining card with nothing left to copy leaves; once the mover has
         settled every change, misses no longer fall back to the cards slots had before."""
         if settled:
-            self._unsettled.clear()
+            self.layout.settle()
         for serial in list(self._draining):
             mc = self._by_serial[serial]
             if not mc.index:
-                self._spawn(self._drop(serial, "drained").close())
+                self._spawn(self._drop(serial, "drained").life.close())
 
     def status(self, pending: bool = False) -> list[dict]:
         """Every card's row (``ManagedCard.snapshot``) with its state and its share of the slots; with
@@ -552,7 +461,7 @@ class CardSet:
         for mc in self.cards:
             row = mc.snapshot()
             row["state"] = ("draining" if mc.serial in self._draining else "serving") if mc.active else "inactive"
-            row["slots"] = len(self.slot_map.slots_of(mc.serial)) if mc.serial in self.slot_map.serials else 0
+            row["slots"] = self.layout.slots_of(mc.serial)
             rows.append(row)
         if pending:
             rows += [{"serial": None, "location": mc.where, "state": "pending", "slots": 0} for mc in self.pending]
@@ -569,9 +478,9 @@ class CardSet:
 
     @property
     def io_errors(self) -> int:
-        return sum(mc.health.errors for mc in self.cards + self.pending)
+        return sum(mc.life.health.errors for mc in self.cards + self.pending)
 
     @property
     def io_timeouts(self) -> int:
-        return sum(mc.health.timeouts for mc in self.cards + self.pending)
+        return sum(mc.life.health.timeouts for mc in self.cards + self.pending)
 

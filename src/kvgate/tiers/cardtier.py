@@ -27,8 +27,10 @@ from kvgate.cards.base import CachedObjectFile, close_files
 from kvgate.config import Config
 from kvgate.keys import key_digest
 from kvgate.memcopy import MemoryFault
-from kvgate.tiers.card import ManagedCard, TierHooks, expired
-from kvgate.tiers.cardset import UNSETTLED_LAYOUTS, CardSet
+from kvgate.tiers.card import ManagedCard, TierHooks
+from kvgate.tiers.catalog import expired
+from kvgate.tiers.cardset import CardSet
+from kvgate.tiers.layout import UNSETTLED_LAYOUTS
 from kvgate.tiers.contract import ABSENT, PRESENT, STORAGE, UNKNOWN, GetItem, Known, PutItem
 from kvgate.tiers.counters import StoreCounters, TierCounters
 from kvgate.tiers.finder import KeyFinder, found_on_cards, group_by_card
@@ -70,6 +72,7 @@ class CardTier:
         self.store_counters = counters
         self.counters = counters.long
         self.set = CardSet(cfg, pool, hooks)
+        self.layout = self.set.layout  # where keys belong
         self.finder = KeyFinder(self.set)
         self.staging = Staging(2 * cfg.max_frame_bytes)
         self.files_lent = 0  # open now (lend_files, not yet return_files)
@@ -86,7 +89,7 @@ class CardTier:
     def known(self, fkeys: list[bytes], dialog: bytes) -> Known:
         """Indexed on an active card: present; else unknown where a card would hold it, absent where none
         would (or the index knows it past the ttl).  One index call per card (``find_many``)."""
-        where, indexed, digests = self.finder.find_many(fkeys, self.set.cards_for(fkeys, dialog))
+        where, indexed, digests = self.finder.find_many(fkeys, self.layout.cards_for(fkeys, dialog))
         state = np.where(indexed, PRESENT, UNKNOWN).astype(np.int8)
         if not indexed.all():  # (a lookup's keys are mostly indexed: no Python per key for those)
             rest = np.flatnonzero(~indexed).tolist()
@@ -129,7 +132,7 @@ class CardTier:
     def sizes(self, fkeys: list[bytes], dialog: bytes) -> list[int | None]:
         """From the card indexes, one call per card, not a probe per key."""
         out: list[int | None] = [None] * len(fkeys)
-        where, indexed, digests = self.finder.find_many(fkeys, self.set.cards_for(fkeys, dialog))
+        where, indexed, digests = self.finder.find_many(fkeys, self.layout.cards_for(fkeys, dialog))
         for mc, idx in group_by_card((where[j], j) for j in np.flatnonzero(indexed).tolist()).values():
             rows = mc.index.find(digests[idx])
             found = rows >= 0  # (all of them: find_many found them just now)
@@ -144,13 +147,13 @@ class CardTier:
         for i, k in enumerate(fkeys):
             if out[i] is not None:
                 continue
-            home = self.set.card_for(k, dialog)
+            home = self.layout.card_for(k, dialog)
             mc, _entry = self.finder.find(k, home)
             if mc is None:
                 continue
             out[i] = await self._header_size(mc, k)
             if out[i] is None:
-                for before in self.set.earlier_homes(k, dialog, mc):
+                for before in self.layout.earlier_homes(k, dialog, mc):
                     out[i] = await self._header_size(before, k)
                     if out[i] is not None:
                         break
@@ -188,7 +191,7 @@ class CardTier:
                         continue
                 self._account_read(cs, items[i], r, i, sizes, needed, metas, gets)
 
-        card_for = self.set.card_for
+        card_for = self.layout.card_for
         where, _indexed, _digests = self.finder.find_many([it.fkey for it in items],
                                                         [card_for(it.fkey, it.dialog) for it in items])
         groups = list(group_by_card(zip(where, range(n))).values())
@@ -219,20 +222,20 @@ class CardTier:
             sizes[i], metas[i] = r.header.payload_len, r.header.meta
             c.hits += 1
             self.counters.bytes_read += r.header.payload_len
-            cs.note_hit(it.fkey, r.header.payload_len)
+            cs.catalog.note_hit(it.fkey, r.header.payload_len)
             return
         c.misses += 1
         if r.outcome is ReadOutcome.TOO_SMALL:
             sizes[i], needed[i] = SizeCode.TOO_SMALL, r.needed
         elif r.outcome is ReadOutcome.CORRUPT:
             sc.corrupt += 1
-        cs.note_failed_read(it.fkey, r)
+        cs.catalog.note_failed_read(it.fkey, r)
 
     @staticmethod
     def _spawn_delete(cs: ManagedCard, fkey: bytes) -> None:
         digest = key_digest(fkey)
-        cs.note_gone_digest(digest)
-        cs.spawn_delete([digest])
+        cs.catalog.note_gone_digest(digest)
+        cs.catalog.let_go([digest])
 
     # ---- writes ---------------------------------------------------------------------
 
@@ -295,10 +298,10 @@ class CardTier:
             # Every card's write ends before any error leaves: they read the sources.
             await gather_all(*(one_card(cs, idx, last_try) for cs, idx in groups.values()))
 
-        await every_card(group_by_card((self.set.card_for(it.fkey, it.meta.dialog), i)
+        await every_card(group_by_card((self.layout.card_for(it.fkey, it.meta.dialog), i)
                                        for i, it in enumerate(items)))
         if card_left:  # once: a writer never notices a card removed under it
-            await every_card(group_by_card((self.set.card_for(items[i].fkey, items[i].meta.dialog), i)
+            await every_card(group_by_card((self.layout.card_for(items[i].fkey, items[i].meta.dialog), i)
                                            for i in card_left), last_try=True)
         if faults:  # the client shrank its region under the write: as a fault while staging says
             raise faults[0]
@@ -319,7 +322,7 @@ class CardTier:
         if room <= 0 or not fkeys:
             return out
         take = list(range(min(room, len(fkeys))))
-        card_for = self.set.card_for
+        card_for = self.layout.card_for
         where, _indexed, _digests = self.finder.find_many([fkeys[i] for i in take],
                                                         [card_for(fkeys[i], dialog) for i in take])
         groups = [(cs, idx) for cs, idx in group_by_card(zip(where, take)).values() if cs.card.lends_files]
@@ -348,7 +351,7 @@ class CardTier:
             c.gets += 1
             c.hits += 1
             c.bytes_read += h.payload_len
-            where[i].note_hit(fkeys[i], h.payload_len)  # type: ignore[union-attr]
+            where[i].catalog.note_hit(fkeys[i], h.payload_len)  # type: ignore[union-attr]
         self.files_lent -= sum(f is None for f in out[: len(take)])
         return out
 

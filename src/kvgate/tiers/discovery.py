@@ -62,7 +62,7 @@ class CardDiscovery:
                 except OSError:
                     pass  # best effort: the old path failed its check, which is why we looked elsewhere
                 continue
-            mc.reopen(probe, loc)
+            mc.life.reopen(probe, loc)
             return
 
     async def find(self, mc: ManagedCard, in_use: Container[str],

@@ -5,7 +5,7 @@ request names (its placement card is asked first); a key no index holds is
 probed on its placement card for the request's dialog (the dialog's card, or
 the key's own card when the request names none), and, while a change of the
 card set is unsettled, on the card its slot had before
-(``CardSet.earlier_homes``).  With ``ttl``, an object the index knows to be
+(``CardLayout.earlier_homes``).  With ``ttl``, an object the index knows to be
 older is a miss, and is deleted.
 
 Threading contract: every method runs on the gateway's event loop; the
@@ -72,6 +72,7 @@ class KeyFinder:
 
     def __init__(self, card_set: CardSet) -> None:
         self.card_set = card_set
+        self.layout = card_set.layout  # where keys belong
 
     def find(self, fkey: bytes, home: ManagedCard | None) -> tuple[ManagedCard | None, IndexEntry | None]:
         """Where ``fkey`` is by the module's rule; ``home``: its placement card for the request (``card_for``).
@@ -91,12 +92,12 @@ class KeyFinder:
                         mc = other
                         break
             else:
-                if home is not None and digest in home.leaving:
+                if home is not None and digest in home.catalog.leaving:
                     return None, None
                 return home, None
         assert mc is not None
-        if self.card_set.cfg.ttl is not None and mc.past_ttl(np.array([r]))[0]:
-            mc.expire_rows(np.array([r]))
+        if self.card_set.cfg.ttl is not None and mc.catalog.past_ttl(np.array([r]))[0]:
+            mc.catalog.expire_rows(np.array([r]))
             return None, None
         return mc, mc.index.entry(r)
 
@@ -133,7 +134,7 @@ class KeyFinder:
                 self._look(mc, rest, digests, where, indexed, settled, fkeys)
         for i in np.flatnonzero(~settled).tolist():
             home = homes[i]
-            if home is not None and home.leaving and key_digest(fkeys[i]) in home.leaving:
+            if home is not None and home.catalog.leaving and key_digest(fkeys[i]) in home.catalog.leaving:
                 where[i] = None
         return where, indexed, digests
 
@@ -147,9 +148,9 @@ class KeyFinder:
             return
         idx, rows = idx[hit], rows[hit]
         if self.card_set.cfg.ttl is not None:
-            old = mc.past_ttl(rows)
+            old = mc.catalog.past_ttl(rows)
             if old.any():
-                mc.expire_rows(rows[old])
+                mc.catalog.expire_rows(rows[old])
                 for i in idx[old].tolist():
                     where[i] = None
                 settled[idx[old]] = True
@@ -171,11 +172,11 @@ class KeyFinder:
         """Where else to read ``fkey`` after the cards ``tried`` did not have it: the card whose index holds
         it now (the mover copied it there and deleted the copy just read from), else the next of its
         ``earlier_homes``; None: nowhere else."""
-        home = self.card_set.card_for(fkey, dialog)
+        home = self.layout.card_for(fkey, dialog)
         mc, entry = self.find(fkey, home)
         if mc is not None and mc not in tried and entry is not None:
             return mc
-        return next((c for c in self.card_set.earlier_homes(fkey, dialog, home) if c not in tried), None)
+        return next((c for c in self.layout.earlier_homes(fkey, dialog, home) if c not in tried), None)
 
     async def probe_prefix(self, fkeys: list[bytes], homes: list[ManagedCard | None], dialog: bytes,
                            urgent: bool = False) -> int:
@@ -197,9 +198,9 @@ class KeyFinder:
     async def _probe_earlier(self, fkeys: list[bytes], start: int, end: int, dialog: bytes, home: ManagedCard,
                              urgent: bool) -> int:
         """From ``start``: how far the keys up to ``end`` (all of ``home``) are on their earlier homes."""
-        if not self.card_set.settling:
+        if not self.layout.settling:
             return start
-        earlier = self.card_set.earlier_homes_of(fkeys[start:end], dialog, home)
+        earlier = self.layout.earlier_homes_of(fkeys[start:end], dialog, home)
         n, asked = start, []  # asked: cards that lacked key n
         while n < end:
             mc = next((c for c in earlier[n - start] if c not in asked), None)
@@ -229,8 +230,8 @@ class KeyFinder:
             await asyncio.gather(*(one(mc, idx) for mc, idx in group_by_card(pairs).values()))
 
         await ask(zip(homes, range(len(fkeys))))
-        if self.card_set.settling:
-            earlier = {i: self.card_set.earlier_homes(fkeys[i], dialog, homes[i])
+        if self.layout.settling:
+            earlier = {i: self.layout.earlier_homes(fkeys[i], dialog, homes[i])
                        for i in range(len(fkeys)) if not out[i] and homes[i] is not None}
             level = 0
             while True:
@@ -249,9 +250,9 @@ class KeyFinder:
     async def delete(self, fkeys: list[bytes], dialog: bytes) -> int:
         """Delete keys from every card ``find`` could answer from; returns how many objects were there."""
         per_card: dict[int, tuple[ManagedCard, list[bytes]]] = {}
-        for k, home in zip(fkeys, self.card_set.cards_for(fkeys, dialog)):
+        for k, home in zip(fkeys, self.layout.cards_for(fkeys, dialog)):
             targets = [mc for mc in self.card_set.cards if mc.active and k in mc.index]
-            for also in (home, *self.card_set.earlier_homes(k, dialog, home)):
+            for also in (home, *self.layout.earlier_homes(k, dialog, home)):
                 if also is not None and also not in targets:
                     targets.append(also)
             for mc in targets:

@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvgate.config import Config
-from kvgate.placement import SlotMap
+from kvgate.tiers.layout import CardLayout
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.index import EXPIRING
 from kvgate.tiers.io import IoPool
@@ -57,9 +57,7 @@ class MovingSet(Protocol):
     cfg: Config
     pool: IoPool
     cards: list[ManagedCard]
-    slot_map: SlotMap
-
-    def slot_cards(self) -> list[ManagedCard | None]: ...
+    layout: CardLayout
 
     def is_draining(self, mc: ManagedCard) -> bool: ...
 
@@ -178,7 +176,7 @@ class CardMover:
         """
         index = src.index
         n = index.rows.n
-        targets = self.cards.slot_cards()
+        targets = self.cards.layout.slot_cards()
         cards = list({id(mc): mc for mc in targets if mc is not None}.values())
         if not n or not cards:
             return Misplaced(np.empty((0, 2), np.uint64), np.empty(0, np.int64), cards)
@@ -198,7 +196,7 @@ class CardMover:
         """One pass over every card; True when something could not be moved (and is worth trying again)."""
         # A slot whose card is out of service has nothing moved to it now: what belongs there waits for it.
         left = any(serial is not None and mc is None
-                   for serial, mc in zip(self.cards.slot_map.owner, self.cards.slot_cards()))
+                   for serial, mc in zip(self.cards.layout.slot_map.owner, self.cards.layout.slot_cards()))
         for src in list(self.cards.cards):
             if not src.active:
                 left = left or self.cards.is_draining(src)
@@ -225,7 +223,7 @@ class CardMover:
         reads = []
         for (digest, dst), obj in zip(wanted, found):
             if obj is None:
-                src.note_gone_digest(digest)
+                src.catalog.note_gone_digest(digest)
             elif src.index.has(digest):
                 reads.append((obj.full_key, dst, memoryview(bytearray(obj.payload_len))))
         if not reads:
@@ -236,7 +234,7 @@ class CardMover:
             if r.header is not None:
                 by_dst.setdefault(id(dst), (dst, []))[1].append((fkey, buf[: r.header.payload_len], r.header.meta))
             else:
-                src.note_failed_read(fkey, r)
+                src.catalog.note_failed_read(fkey, r)
         failed = len(batch) - len(reads)
         for dst, items in by_dst.values():
             for (fkey, buf, meta), stored in zip(items, await dst.write(items)):

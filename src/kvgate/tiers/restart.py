@@ -50,13 +50,14 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Protocol
+from typing import Callable, Final, Protocol
 
 import numpy as np
 import xxhash
 
 from kvgate.cards import Card, CardUnavailable, SnapshotWriter
 from kvgate.config import Config
+from kvgate.tiers.catalog import CardCatalog
 from kvgate.tiers.index import CHECKED, OVERSIZE, CardIndex
 from kvgate.tiers.rows import digest_array
 from kvgate.tiers.slices import LoopSlices
@@ -238,60 +239,42 @@ def count_usage(index: CardIndex) -> None:
 
 
 class KeptCard(Protocol):
-    """What an ``IndexKeeper`` reads of its card (``kvgate.tiers.card.ManagedCard``) and asks of it.  The
-    keeper writes none of the card's fields: it fills the index the card gives it (``new_index``), hands
-    a loaded one back (``load``), and tells the card what its check found (``count_found``, ``spawn_delete``,
-    ``note_gone_digest``, ``resize``, ``evict_over_capacity``)."""
+    """What an ``IndexKeeper`` reads of its card's life (``kvgate.tiers.life.CardLife``) and asks of it.  The
+    keeper writes none of its fields: it fills the index the catalog gives it (``CardCatalog.new_index``),
+    hands a loaded one back (``load``), and tells the catalog what its check found (``count_found``,
+    ``expire_unindexed``, ``note_gone_digest``, ``evict_over_capacity``)."""
 
     card: Card
     cfg: Config
     pool: IoPool
     serial: str | None
-    index: CardIndex
-    counters: Any
-    hooks: Any
-    leaving: set[bytes]
     scanned: bool
+    on_corrupt: Callable[[int], None] | None
 
     @property
     def where(self) -> str: ...
 
     @property
-    def used(self) -> int: ...
-
-    @property
-    def capacity(self) -> int: ...
-
-    @property
     def active(self) -> bool: ...
 
-    def new_index(self) -> CardIndex: ...
-
     async def resize(self) -> None: ...
-
-    def evict_over_capacity(self) -> None: ...
-
-    def spawn_delete(self, digests: list[bytes]) -> asyncio.Task: ...
-
-    def note_gone_digest(self, digest: bytes) -> None: ...
-
-    def count_found(self, stored_bytes: int) -> None: ...
 
 
 class IndexKeeper:
     """Keeps one card's index across restarts (the module docstring): load, check, save.
 
-    Owned by its ``ManagedCard`` (``KeptCard``: what it uses of it); every
-    method runs on the loop, its I/O and heavy numpy work on the general
-    pool.  ``gone`` collects the digests the card let go of while a check
-    runs, so the check does not index an object whose delete is under way.
+    Owned by its card's life (``KeptCard``: what it uses of it), filling and
+    reading the card's ``catalog``; every method runs on the loop, its I/O
+    and heavy numpy work on the general pool.  While a check runs, the
+    catalog collects the digests it lets go of (``watch_gone``), so the
+    check does not index an object whose delete is under way.
     """
 
-    def __init__(self, mc: KeptCard) -> None:
+    def __init__(self, mc: KeptCard, catalog: CardCatalog) -> None:
         self.mc = mc
+        self.catalog = catalog
         self.loaded = 0  # rows the last load took from a snapshot
-        self.checking = False
-        self.gone: set[bytes] = set()
+        self.gone: set[bytes] = set()  # what the catalog let go of while a check runs (``watch_gone``)
         self.saved_changes = 0  # the index's change count at the last save (or load)
         self.saves = 0
 
@@ -310,7 +293,7 @@ class IndexKeeper:
         if raw is None:
             log.info("card %s (%s): no index snapshot; scanning the card", mc.where, mc.serial)
             return None
-        fresh = mc.new_index()
+        fresh = self.catalog.new_index()
 
         def build() -> Snapshot:
             snap = decode(raw, mc.serial or "", mc.cfg.num_dbs)
@@ -327,7 +310,7 @@ class IndexKeeper:
         written_ns = snap.written_ns
         del snap, build  # the snapshot's bytes: gone before the memory is given back
         await mc.pool.run(give_back_memory)
-        if mc.index:  # written to before the load ended (never at start): keep what it knows, check finds the rest
+        if self.catalog.index:  # written to before the load ended (never at start): keep what it knows, check finds the rest
             log.warning("card %s (%s): index snapshot not used: the card took writes while it loaded",
                         mc.where, mc.serial)
             return None
@@ -348,7 +331,7 @@ class IndexKeeper:
         mc = self.mc
         corrupt0 = mc.card.scan_corrupt
         by_free_space = mc.cfg.card_capacity is None
-        self.checking, self.gone = True, set()
+        self.gone = self.catalog.watch_gone()
         found = dropped = expired = 0
         t0 = time.monotonic()
         slices = LoopSlices()
@@ -360,7 +343,7 @@ class IndexKeeper:
                 if batch is None:
                     break
                 if self.loaded:
-                    index = mc.index
+                    index = self.catalog.index
                     rows = index.find(digest_array(batch))
                     index.rows.flags[rows[rows >= 0]] |= CHECKED
                     new = [batch[i] for i in np.flatnonzero(rows < 0).tolist()]
@@ -381,22 +364,23 @@ class IndexKeeper:
                 expired += e
             dropped = await self._drop_unchecked(by_free_space)
             expired += self._drop_expired()
-            evictions, used = mc.counters.evictions, mc.used
+            catalog = self.catalog
+            evictions, used = catalog.counters.evictions, catalog.used
             if by_free_space:
                 await mc.resize()
             else:
-                mc.evict_over_capacity()
+                catalog.evict_over_capacity()
             # Counted and logged before the card reads as scanned, so whoever waits for that sees both.
             self._report_corrupt(corrupt0)
             log.info("card %s (%s): %d objects, %d bytes indexed, capacity %d bytes; %s, in %.1f s%s", mc.where,
-                     mc.serial, len(mc.index), mc.used, mc.capacity,
+                     mc.serial, len(catalog.index), catalog.used, catalog.capacity,
                      f"{self.loaded} from its snapshot, {found} found on the card, {dropped} gone from it"
                      if self.loaded else "no snapshot: every header read", time.monotonic() - t0,
                      f"; {expired} objects past the ttl deleted" if expired else "")
-            if mc.counters.evictions > evictions:
+            if catalog.counters.evictions > evictions:
                 log.warning("card %s (%s) held more than its capacity of %d bytes at start: %d objects (%d bytes) "
-                            "evicted", mc.where, mc.serial, mc.capacity, mc.counters.evictions - evictions,
-                            used - mc.used)
+                            "evicted", mc.where, mc.serial, catalog.capacity, catalog.counters.evictions - evictions,
+                            used - catalog.used)
             await mc.pool.run(give_back_memory)
             return True
         except OSError as e:
@@ -404,14 +388,15 @@ class IndexKeeper:
             self._report_corrupt(corrupt0)  # what it deleted before it stopped is gone all the same
             return False
         finally:
-            self.checking, self.gone = False, set()
+            self.catalog.unwatch_gone()
+            self.gone = set()
             if reading is not None:  # stopped (an error, or the card left): the read ahead is not wanted
                 reading.cancel()
                 reading.add_done_callback(_retrieve)
 
     def changed_since_saved(self) -> bool:
         """Whether the card's index changed since the last snapshot written or loaded."""
-        return self.mc.index.changes != self.saved_changes
+        return self.catalog.index.changes != self.saved_changes
 
     def forget_saved(self) -> None:
         """The card was emptied (its snapshot dropped): the next save writes whatever it holds then."""
@@ -423,8 +408,8 @@ class IndexKeeper:
         if corrupt:
             log.warning("card %s (%s): the index scan deleted %d corrupt objects (bad header, truncated or "
                         "misnamed)", mc.where, mc.serial, corrupt)
-            if mc.hooks.on_corrupt is not None:
-                mc.hooks.on_corrupt(corrupt)
+            if mc.on_corrupt is not None:
+                mc.on_corrupt(corrupt)
 
     async def _read_headers(self, digests: list[bytes]) -> tuple[list[bytes], list]:
         return digests, await self.mc.pool.run(self.mc.card.stored_objects, digests)
@@ -432,60 +417,57 @@ class IndexKeeper:
     async def _index_new(self, digests: list[bytes], objs: list, by_free_space: bool,
                          slices: LoopSlices) -> tuple[int, int]:
         """Index the objects whose headers were read for names the index lacked; (indexed, expired)."""
-        mc = self.mc
-        ttl = mc.cfg.ttl
+        catalog = self.catalog
+        ttl = self.mc.cfg.ttl
         too_old, n = [], 0
         slices.restart()
         for digest, obj in zip(digests, objs):
             await slices.give_way()
-            if obj is None or digest in self.gone or digest in mc.leaving or mc.index.has(digest):
+            if obj is None or digest in self.gone or digest in catalog.leaving or catalog.index.has(digest):
                 continue  # gone, being deleted, or written since it was listed (newer than the header read)
             if ttl is not None and obj.meta.created_ns + ttl * 1e9 < time.time_ns():
                 too_old.append(digest)
                 continue
-            mc.index.put(obj.full_key, obj.stored_bytes, obj.payload_len, obj.meta, obj.meta.created_ns)
+            catalog.index.put(obj.full_key, obj.stored_bytes, obj.payload_len, obj.meta, obj.meta.created_ns)
             n += 1
             if by_free_space:  # the free space measured before the scan did not count these bytes
-                mc.count_found(obj.stored_bytes)
+                catalog.count_found(obj.stored_bytes)
         if too_old:
-            mc.hooks.on_expired(len(too_old))
-            mc.spawn_delete(too_old)
+            catalog.expire_unindexed(too_old)
         return n, len(too_old)
 
     async def _drop_unchecked(self, by_free_space: bool) -> int:
         """Rows the check did not see on the card: their objects are gone."""
-        mc = self.mc
-        index = mc.index
+        index = self.catalog.index
         n = index.rows.n
         gone = index.rows.digests(np.flatnonzero((index.rows.flags[:n] & CHECKED) == 0))
         dropped = 0
         slices = LoopSlices()
         for digest in gone:
             await slices.give_way()
-            r = mc.index.row(digest)
-            if r < 0 or mc.index.rows.flags.item(r) & CHECKED:
+            r = index.row(digest)
+            if r < 0 or index.rows.flags.item(r) & CHECKED:
                 continue  # dropped, or written again, meanwhile
-            stored, _ = mc.index.sizes(r)
-            mc.index.pop_row(r)
+            stored, _ = index.sizes(r)
+            index.pop_row(r)
             dropped += 1
             if by_free_space:
-                mc.count_found(-stored)
+                self.catalog.count_found(-stored)
         return dropped
 
     def _drop_expired(self) -> int:
         """With a ttl, rows the snapshot brought that are past it: deleted now, not at their first lookup."""
-        mc = self.mc
-        if mc.cfg.ttl is None or not mc.index:
+        catalog, ttl = self.catalog, self.mc.cfg.ttl
+        if ttl is None or not catalog.index:
             return 0
-        n = mc.index.rows.n
-        old = np.flatnonzero(mc.index.rows.created[:n] < time.time_ns() - int(mc.cfg.ttl * 1e9))
+        n = catalog.index.rows.n
+        old = np.flatnonzero(catalog.index.rows.created[:n] < time.time_ns() - int(ttl * 1e9))
         if not old.size:
             return 0
-        digests = mc.index.rows.digests(old)
+        digests = catalog.index.rows.digests(old)
         for d in digests:
-            mc.note_gone_digest(d)
-        mc.hooks.on_expired(len(digests))
-        mc.spawn_delete(digests)
+            catalog.note_gone_digest(d)
+        catalog.expire_unindexed(digests)
         return len(digests)
 
     # ---- save -------------------------------------------------------------------------
@@ -493,7 +475,7 @@ class IndexKeeper:
     async def save(self, why: str) -> bool:
         """Write the index to the card as its snapshot; False (logged) when the card would not take it."""
         mc = self.mc
-        index = mc.index
+        index = self.catalog.index
         changes = index.changes
         t0 = time.monotonic()
         writer: SnapshotWriter | None = None
@@ -510,7 +492,7 @@ class IndexKeeper:
             # and that malloc_trim held the allocator's lock, and the loop, for 19 ms at 1M rows.
             records = np.empty(SAVE_ROWS, ROW)  # untouched pages cost nothing: a small index uses a few
             while start < index.rows.n:
-                if index is not mc.index:
+                if index is not self.catalog.index:
                     raise OSError("the index was replaced (cleaned) while it was written")
                 chunk = encode_rows(index, start, min(start + SAVE_ROWS, index.rows.n), records)
                 hasher.update(chunk)
@@ -548,9 +530,3 @@ class IndexKeeper:
                     await self.save("periodically")
                 except CardUnavailable:
                     pass
-
-    def digest_gone(self, digest: bytes) -> None:
-        """The card let go of ``digest`` (evicted, deleted, expired): a check under way must not index it."""
-        if self.checking:
-            self.gone.add(digest)
-

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from kvgate.errors import ConfigError
+from kvgate.types import split_host_port
 
 
 
@@ -452,12 +453,14 @@ def _check_combination(cfg: Config) -> None:
     for key, addresses in (("peer_listen", [cfg.peer_listen] if cfg.peer_listen else []), ("peers", cfg.peers),
                            ("peer_advertise", [cfg.peer_advertise] if cfg.peer_advertise else [])):
         for a in addresses:
-            host, sep, port = a.rpartition(":")
-            bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-            if (not sep or not bare or not port.isdigit() or not 0 < int(port) <= _PORT_MAX
-                    or any(c in bare for c in ",/ \t[]")):
+            try:
+                bare, _port = split_host_port(a)
+                why = "" if not any(c in bare for c in ",/ \t[]") else f"host {bare!r} is not a host name or address"
+            except ValueError as e:
+                why = str(e)
+            if why:
                 hint = "; give each peer as its own value (--peers A:P B:P, or a YAML list)" if "," in a or " " in a else ""
-                raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r}{hint}")
+                raise ConfigError(f"config key '{key}': expected HOST:PORT, got {a!r} ({why}){hint}")
     try:
         peer_tls_server_context(cfg)
         if cfg.peer_tls_ca_file:

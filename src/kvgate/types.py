@@ -1,4 +1,4 @@
-"""The words every layer shares: full keys, retention, and what a get answers in place of a size.
+"""The words every layer shares: full keys, retention, what a get answers in place of a size, HOST:PORT.
 
 Each is defined here once.  The wire (``kvgate.protocol``) carries retention
 by its name and the size codes by their values; the tiers work with the
@@ -67,3 +67,24 @@ class SizeCode(IntEnum):
 # The longest ``source`` a lookup, exists or get may name (``"HOST:PORT"`` or ``"HOST"``: the peer a request's
 # KV was computed beside, kvgate.protocol): what a client refuses to send and what the store reads of one.
 MAX_SOURCE_CHARS: Final = 300
+
+
+def split_host_port(address: str, default_host: str | None = None, any_port: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 address as ``[ADDR]:PORT``) as (host without brackets, port).
+
+    ``default_host``: the host of a bare ``:PORT``; ``any_port``: port 0 (the system picks one) is allowed.
+    Raises ValueError saying what is wrong; each caller names the setting or argument it came from.
+    Nothing is resolved.
+    """
+    host, sep, port = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep:
+        raise ValueError("no ':PORT'")
+    if not host:
+        if default_host is None:
+            raise ValueError("no host before ':'")
+        host = default_host
+    if not port.isdigit() or not (0 if any_port else 1) <= int(port) <= 65535:
+        raise ValueError(f"port {port!r} is not a number from {0 if any_port else 1} to 65535")
+    return host, int(port)

@@ -16,6 +16,7 @@ from kvgate.cluster.agent import AgentSettings, ClusterAgent, serve
 from kvgate.cluster.member import EtcdMember
 from kvgate.cards.network.server import CardExporter, tls_server_context
 from kvgate.config import read_token
+from kvgate.types import split_host_port
 
 MEMBER_FLAGS = ("etcd_peer_url", "etcd_client_url", "etcd_initial_cluster")
 
@@ -35,11 +36,11 @@ def agent_from(args: argparse.Namespace) -> ClusterAgent:
     export = None
     token = read_token(args.token_file, "--token-file") if args.token_file else None
     if args.export:
-        host, _, port = args.export.rpartition(":")
-        if not host or not port.isdigit() or int(port) == 0:
+        try:
+            export = split_host_port(args.export)
+        except ValueError as e:
             raise ValueError(f"--export wants HOST:PORT with a fixed port (the cards' addresses name it), "
-                             f"got {args.export!r}")
-        export = (host.strip("[]"), int(port))
+                             f"got {args.export!r} ({e})") from None
     tls = None
     if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
         if not args.export or not args.tls_cert:

@@ -53,6 +53,7 @@ from kvgate.protocol import (
     Release,
     Stats,
 )
+from kvgate.types import split_host_port
 
 
 def parse_target(target: str | None) -> tuple[str, Any]:
@@ -66,10 +67,10 @@ def parse_target(target: str | None) -> tuple[str, Any]:
         target = target[len("tcp://"):]
     elif "/" in target or target.endswith(".sock"):
         return "unix", target
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"gateway address {target!r}: expected a socket path or host:port")
-    return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
+    try:
+        return "tcp", split_host_port(target, default_host="127.0.0.1")
+    except ValueError as e:
+        raise InvalidArgument(f"gateway address {target!r}: expected a socket path or host:port ({e})") from None
 
 
 class Session:

@@ -50,6 +50,7 @@ from kvgate.cluster.liveness import INTERVAL_S, LIVENESS_TTL_S
 from kvgate.cluster.registry import (CardRecord, CardState, LeaderEntry, etcd_client, Registry, RegistryConflict,
                                      RegistryUnavailable)
 from kvgate.config import Config
+from kvgate.types import split_host_port
 
 log = logging.getLogger("kvgate.cluster.agent")
 
@@ -71,12 +72,10 @@ def label_card(location: str, address: str | None = None, token_file: str | None
 
 
 def _check_endpoint(endpoint: str) -> None:
-    host, _, port = endpoint.rpartition(":")
     try:
+        host, _port = split_host_port(endpoint)
         if host != "localhost":
             ipaddress.IPv4Address(host)
-        if not 0 < int(port) < 65536:
-            raise ValueError
     except ValueError:
         raise ValueError(f"etcd endpoint {endpoint!r}: an IPv4 address and port such as 10.0.0.5:2379 (the etcd "
                          "client connects to IPv4 addresses only; for --etcd-member, a client URL with one)") from None

@@ -75,6 +75,7 @@ from kvgate.errors import KvgateError
 from kvgate.keys import NO_DIALOG, NamespaceBook, counterpart, namespace_difference, payload_hasher
 from kvgate.tiers.peertier import PEER_SERIAL
 from kvgate.tiers.store import GetItem, RamLoan, TieredStore
+from kvgate.types import split_host_port
 
 log = logging.getLogger("kvgate.peers")
 
@@ -146,8 +147,7 @@ class PeerServer:
         self._differences_said: set[tuple[str, str, str]] = set()  # (peer host, ours, theirs) logged
         self.token = read_token(cfg.peer_token_file, "'peer_token_file'")
         self.tls = peer_tls_server_context(cfg)  # every connection TLS with it; None: plain
-        host, _, port = cfg.peer_listen.rpartition(":")
-        self.host, self.port = host.strip("[]"), int(port)
+        self.host, self.port = split_host_port(cfg.peer_listen)  # (checked with the config)
         self.listener: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.conns: dict[socket.socket, _Slot] = {}  # open connections, oldest first

@@ -52,6 +52,7 @@ from kvgate.routing.index import KvIndex
 from kvgate.routing.policies import CacheAware, Decision, make_policy
 from kvgate.routing.score import Endpoint, Scorer
 from kvgate.routing.settings import EndpointSpec, RouterSettings
+from kvgate.types import split_host_port
 
 log = logging.getLogger("kvgate.router")
 
@@ -95,18 +96,17 @@ def _error(status: int, message: str, kind: str = "router_error") -> web.Respons
 def add_remote_source(body: dict[str, Any], header: str, request_id: str) -> None:
     """Put llm-d's ``remote_kv_source`` for ``header`` (``host:port``; IPv6 as ``[addr]:port``) into
     ``body["kv_transfer_params"]`` (kept, when the client sent some).  InvalidArgument for a bad header."""
-    host, sep, port = header.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"{SOURCE_HEADER}: {header!r} is not host:port (e.g. 10.0.0.7:8000)")
+    try:
+        host, port = split_host_port(header)
+    except ValueError as e:
+        raise InvalidArgument(f"{SOURCE_HEADER}: {header!r} is not host:port (e.g. 10.0.0.7:8000): {e}") from None
     params = body.get("kv_transfer_params")
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise InvalidArgument(f"kv_transfer_params must be a JSON object to add remote_kv_source to, "
                               f"got {type(params).__name__}")
-    params["remote_kv_source"] = {"kv_request_id": request_id, "remote_host": host, "remote_port": int(port)}
+    params["remote_kv_source"] = {"kv_request_id": request_id, "remote_host": host, "remote_port": port}
     body["kv_transfer_params"] = params
 
 

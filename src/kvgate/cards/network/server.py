@@ -68,6 +68,7 @@ from kvgate.cards.base import CardUnavailable
 from kvgate.cards.directory.card import DirectoryCard
 from kvgate.cards.network.serverconn import Connection, refuse, url_host
 from kvgate.config import is_loopback, read_token
+from kvgate.types import split_host_port
 
 log = logging.getLogger("kvgate.cards.network.server")
 
@@ -237,9 +238,10 @@ def serve(dirs: list[str], listen: str, num_dbs: int = 1, max_object_bytes: int 
     """``kvgate export``: serve ``dirs`` on ``listen`` (HOST:PORT) until SIGINT or SIGTERM."""
     import signal
 
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--listen wants HOST:PORT, got {listen!r}")
+    try:
+        host, port = split_host_port(listen, any_port=True)
+    except ValueError as e:
+        raise ValueError(f"--listen wants HOST:PORT, got {listen!r} ({e})") from None
     token = read_token(token_file, "--token-file") if token_file else None
     if tls_key and not tls_cert:
         raise ValueError("--tls-key needs --tls-cert")

@@ -1,7 +1,9 @@
-"""The one compiled part of kvgate, optional: ``kvgate/gateway/_faultlog`` (plain C, no Python headers, loaded
-with ctypes by ``kvgate.gateway.faultlog``).  Without a C compiler the install goes on and the gateway uses
-faultlog's pure-Python fallback.  Everything else about the package is in pyproject.toml."""
+"""The one compiled part of kvgate, optional: ``kvgate/_faults`` (plain C, no Python headers, loaded with
+ctypes by ``kvgate.memcopy``): copies and hashes of a client's in-place region that survive the client
+shrinking it, and the log line naming a region a fault elsewhere killed the gateway in.  Without a C compiler
+the install goes on and the gateway uses the pure-Python fallback (kvgate.gateway.faultlog says what that
+costs).  Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvgate.gateway._faultlog", ["src/kvgate/gateway/_faultlog.c"], optional=True)])
+setup(ext_modules=[Extension("kvgate._faults", ["src/kvgate/_faults.c"], optional=True)])

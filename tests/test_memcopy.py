@@ -7,6 +7,8 @@ import errno
 import logging
 import mmap
 import os
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 from kvgate import memcopy
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
+from tests.helpers import kvgate_env
 
 
 def _bytes(seed: int, n: int) -> np.ndarray:
@@ -179,3 +182,50 @@ def test_refused_syscall_falls_back_and_says_so(monkeypatch, caplog, call: str) 
     dst = bytearray(5)
     memcopy.copy(dst, b"hello")  # plain copies from now on
     assert dst == b"hello"
+
+
+GUARDED = r"""
+import mmap, os, sys, uuid
+import numpy as np, xxhash
+from kvgate import memcopy
+from kvgate.keys import payload_hasher
+assert memcopy.faults.kvgate_fault_install(2) == 0
+path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.unlink(path)
+os.ftruncate(fd, 4 << 20)
+mm = mmap.mmap(fd, 4 << 20)
+view = memoryview(mm)
+base = memcopy._address(np.frombuffer(mm, np.uint8))
+memcopy.add_in_place_memory(base, 4 << 20)
+src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+memcopy.copy([view[:4096], view[4096 : 1 << 20]], src)  # two pieces: one guarded call
+assert bytes(view[: 1 << 20]) == src.tobytes()
+h = memcopy.hasher_for(view[: 1 << 20], payload_hasher)
+assert type(h).__name__ == "GuardedHash", h
+assert memcopy.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
+assert type(memcopy.hasher_for(src, payload_hasher)).__name__ == "xxh3_64"  # gateway memory: the usual hasher
+os.ftruncate(fd, 1 << 20)  # the client shrinks it: the pages past 1 MiB are gone
+for attempt in range(3):  # again and again: the signal is unblocked after each jump
+    for what, call in [("copy in", lambda: memcopy.copy(view[2 << 20 : 3 << 20], src)),
+                       ("copy out", lambda: memcopy.copy(src, view[2 << 20 : 3 << 20])),
+                       ("hash", lambda: memcopy.hash_with(view[(1 << 20) - 4096 : 2 << 20], payload_hasher))]:
+        try:
+            call()
+        except memcopy.MemoryFault as e:
+            assert e.errno == 14, e
+        else:
+            sys.exit(f"{what}: no MemoryFault")
+assert memcopy.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
+print("alive")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(memcopy.faults is None, reason="the C helper is not built here (make install builds it)")
+def test_in_place_memory_is_copied_and_hashed_under_the_guard_and_a_shrunk_page_is_a_memory_fault() -> None:
+    """In its own process (the guard's SIGBUS handler is process-wide): right bytes, the same hash as
+    python-xxhash's, and a page shrunk away is MemoryFault for a copy in, a copy out and a hash, each time."""
+    run = subprocess.run([sys.executable, "-c", GUARDED], env=kvgate_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "alive", (run.returncode, run.stdout, run.stderr)

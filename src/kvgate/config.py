@@ -280,8 +280,9 @@ class Config:
     in_place_regions: bool = _key(
         _parse_bool, True,
         "read into, hash and write from the shared memory of a local client that could stop the gateway anyway "
-        "(its own user or root, in its PID namespace) in place, one copy; false: through the kernel and a "
-        "scratch buffer (two), as for every other client, whose shrunk region must not crash the gateway")
+        "(its own user or root, in its PID namespace) in place, one copy (a region it shrinks meanwhile fails "
+        "that request, under the C helper's guard); false: through the kernel and a scratch buffer (two), as "
+        "for every other client")
     prepare_reads: bool = _key(
         _parse_bool, True,
         "a lookup that finds objects on a card starts their reads' first steps (directory: the file lookups)")

@@ -1,22 +1,29 @@
 """The log line that names a client's in-place region when a fault there kills the gateway.
 
 An in-place region (``kvgate.gateway.shm``: a client that could stop the
-gateway anyway) is read, hashed and written with plain loads and stores, so
-a client that shrinks its file under the mapping makes the gateway die of
-SIGBUS.  This cannot be caught in Python; what it can do is say so.
+gateway anyway) is read, hashed and written in place, so a client that
+shrinks its file under the mapping turns the next load or store there into
+SIGBUS.  With the compiled helper (``kvgate/_faults.c``, built by ``pip
+install`` / ``make install`` where a C compiler is; loaded by
+``kvgate.memcopy``), the copies and hashes the gateway makes of such memory
+run under its guard and survive that: the request fails (``MemoryFault``),
+the gateway goes on.  A fault anywhere else (a load no guard covers, or one
+where the helper is not built) still kills the process, which cannot be
+caught in Python; what this module does is say so.
 
-With the compiled helper (``_faultlog.c``, built by ``pip install`` /
-``make install`` where a C compiler is; loaded here with ctypes), the first
-in-place region mapped installs a SIGBUS/SIGSEGV handler that writes one line
-to stderr (the gateway's log) before the process dies of the signal::
+The first in-place region mapped installs the helper's SIGBUS/SIGSEGV handler
+(which also makes the guards work: ``memcopy.guarded``); an unguarded fault
+writes one line to stderr (the gateway's log) before the process dies of the
+signal::
 
     kvgate: SIGBUS at 0x7f.. in the in-place region of session 7 (pid 1234, /dev/shm/...): its client shrank
     the file under the mapping; the gateway dies (in_place_regions: false guards against this)
 
-Without it, ``faulthandler`` says "Fatal Python error: Bus error" and each
-in-place region's address range is logged (info) when it is mapped, so the
-fault's address can be matched by hand.  ``faulthandler`` is enabled either
-way (the helper hands the signal on to it: every thread's Python stack).
+Without the helper, ``faulthandler`` says "Fatal Python error: Bus error" and
+each in-place region's address range is logged (info) when it is mapped, so
+the fault's address can be matched by hand.  ``faulthandler`` is enabled
+either way (the helper hands the signal on to it: every thread's Python
+stack).
 
 Who calls: ``shm.Region`` (``note`` when it maps an in-place region,
 ``forget`` once it is unmapped), from the loop or a pool thread; a lock
@@ -28,30 +35,27 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import glob
 import logging
 import os
 import sys
 import threading
 
+from kvgate import memcopy
+
 log = logging.getLogger("kvgate.shm")
 
 
 def _load() -> ctypes.CDLL | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(here, "_faultlog*.so"))):
-        try:
-            lib = ctypes.CDLL(path, use_errno=True)
-        except OSError:
-            continue
-        lib.kvgate_fault_set.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]
-        lib.kvgate_fault_set.restype = None
-        lib.kvgate_fault_clear.argtypes = [ctypes.c_int]
-        lib.kvgate_fault_clear.restype = None
-        lib.kvgate_fault_install.argtypes = [ctypes.c_int]
-        lib.kvgate_fault_install.restype = ctypes.c_int
-        return lib
-    return None
+    lib = memcopy.faults
+    if lib is None:
+        return None
+    lib.kvgate_fault_set.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]
+    lib.kvgate_fault_set.restype = None
+    lib.kvgate_fault_clear.argtypes = [ctypes.c_int]
+    lib.kvgate_fault_clear.restype = None
+    lib.kvgate_fault_install.argtypes = [ctypes.c_int]
+    lib.kvgate_fault_install.restype = ctypes.c_int
+    return lib
 
 
 _lib = _load()
@@ -77,7 +81,7 @@ def _install() -> bool:
                         os.strerror(ctypes.get_errno()))
             _lib = None
         if _lib is None:
-            log.info("in-place regions: the fault helper (kvgate/gateway/_faultlog*.so) is not built here; a "
+            log.info("in-place regions: the fault helper (kvgate/_faults*.so) is not built here; a "
                      "region shrunk by its client kills the gateway with faulthandler's 'Bus error' only, and "
                      "each in-place region's address range is logged when it is mapped")
     return _lib is not None

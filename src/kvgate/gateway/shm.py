@@ -23,13 +23,16 @@ place like the gateway's own memory: one copy where the guard costs two
 (docs/benchmarks.md).  ``in_place_regions: false`` guards every
 region.
 
-An unguarded (in-place) region trusts its client with the gateway's life:
-shrunk under the mapping while a request copies, it is a SIGBUS that kills
-the gateway.  Two things soften that: every request that addresses one first
-checks its file is still as long as the mapping (``Region.check_size``, one
-``fstat``: the common case, a file shrunk between requests, is a clean
-BAD_REQUEST naming it), and ``kvgate.gateway.faultlog`` writes a line naming
-the session, its client and the file before a fault there kills the process.
+An unguarded (in-place) region is registered with ``memcopy`` too, as
+in-place memory: every request that addresses one first checks its file is
+still as long as the mapping (``Region.check_size``, one ``fstat``: the
+common case, a file shrunk between requests, is a clean BAD_REQUEST naming
+it), and the copies and hashes the gateway makes there during a request run
+under the compiled helper's guard (``kvgate/_faults.c``): a file shrunk
+meanwhile fails that request (``MemoryFault``), not the gateway.  A fault no
+guard covers (or any, where the helper is not built) kills the process, and
+``kvgate.gateway.faultlog`` writes a line naming the session, its client and
+the file first.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ except (OSError, AttributeError):
     _madvise = None
 
 
+def _in_place_unmapped(base: int, size: int, slot: int | None) -> None:
+    memcopy.remove_in_place_memory(base, size)
+    faultlog.forget(slot)
+
+
 class RegionError(KvgateError, ValueError):
     """A region cannot be created, mapped or addressed as asked."""
 
@@ -90,8 +98,9 @@ class Region:
             self._unmapped = weakref.finalize(mm, memcopy.remove_client_memory, self._base, size)
         else:
             self._fd = os.dup(fd) if fd >= 0 else -1
-            slot = faultlog.note(self._base, size, session, pid, path)
-            self._unmapped = weakref.finalize(mm, faultlog.forget, slot)
+            slot = faultlog.note(self._base, size, session, pid, path)  # (installs the guards' handler)
+            memcopy.add_in_place_memory(self._base, size)
+            self._unmapped = weakref.finalize(mm, _in_place_unmapped, self._base, size, slot)
         self.view = memoryview(mm)
         self.owned = owned
         self._populate_lock = threading.Lock()
@@ -130,7 +139,8 @@ class Region:
         One ``fstat`` on the region's own descriptor: 1.0-2.2 us measured here (1M calls on a /dev/shm
         file from Python, on a busy 2-core machine), against the 10s of us a put or get of even one block
         takes (a packed get checks twice).  A
-        file shrunk after this check, during the request, still kills the gateway (``faultlog`` names it)."""
+        file shrunk after this check, during the request, fails it at the first guarded copy or hash that meets
+        the gone pages (``kvgate.memcopy``)."""
         if self._fd < 0:
             return
         try:

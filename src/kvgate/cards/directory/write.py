@@ -24,8 +24,8 @@ from kvgate.cards.base import HOST_TAG, WriteAbandoned
 from kvgate.cards.directory.errors import CardErrors
 from kvgate.cards.directory.layout import TEMP_MARK
 from kvgate.cards.objectformat import CHECKSUM_PIECE, ObjectMeta, header_size, pack_header, padded_size
-from kvgate.keys import payload_hash, payload_hasher
-from kvgate.memcopy import Abandon, in_client_memory, region_gone
+from kvgate.keys import payload_hasher
+from kvgate.memcopy import Abandon, hash_with, in_client_memory, region_gone
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -149,8 +149,14 @@ class ObjectFileWriter:
                         # 256 KiB pieces hashed while in the CPU cache (page-cache writes are slow: 4 GiB/s).
                         if guard is not None and guard.abandoned:
                             raise WriteAbandoned(self.location)
-                        header = self._header(full_key, plen, payload_hash(view), meta, poff)
-                        pwritev_all(fd, [header, view], 0)
+                        # (hash_with: a client's in-place region is hashed under the guard, kvgate.memcopy)
+                        header = self._header(full_key, plen, hash_with(view, payload_hasher), meta, poff)
+                        try:
+                            pwritev_all(fd, [header, view], 0)
+                        except OSError as e:
+                            if e.errno == errno.EFAULT:  # the kernel met a page of the region that is gone
+                                raise region_gone() from None
+                            raise
                     if self.sync:
                         os.fsync(fd)
                 finally:

@@ -53,8 +53,8 @@ from kvgate.cards.network.conn import Conn, copies
 from kvgate.cards.network.heads import NetworkHeads
 from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size
 from kvgate.config import ConfigError, read_token
-from kvgate.keys import key_digest, payload_hash
-from kvgate.memcopy import Abandon, ReadAbandoned
+from kvgate.keys import key_digest, payload_hasher
+from kvgate.memcopy import Abandon, ReadAbandoned, hash_with
 
 log = logging.getLogger("kvgate.cards.network")
 
@@ -362,7 +362,7 @@ class NetworkCard(Card):
                 for i in chunk:
                     out[i] = WriteAbandoned(self.location)
                 continue
-            req = w.WriteMany([w.WriteItem(items[i][0], len(views[i]), payload_hash(views[i]), items[i][2].dialog,
+            req = w.WriteMany([w.WriteItem(items[i][0], len(views[i]), hash_with(views[i], payload_hasher), items[i][2].dialog,
                                            items[i][2].position, items[i][2].created_ns) for i in chunk])
             try:
                 conn = self._conn()

@@ -34,7 +34,7 @@ from kvgate.keys import payload_hash, payload_hasher
 from kvgate.cards.redis.conn import RedisConnections
 from kvgate.cards.redis.keys import RedisKeys
 from kvgate.cards.redis.packer import ZERO_COPY, ArgumentParts
-from kvgate.memcopy import Abandon
+from kvgate.memcopy import Abandon, hash_with
 
 # A fetched value is hashed and handed to the destination in pieces of
 # this size, each copied while it is still in the CPU cache (1 MiB of L2
@@ -244,7 +244,7 @@ class RedisObjects:
     @staticmethod
     def _value(full_key: bytes, view: memoryview, meta: ObjectMeta) -> tuple[Any, int]:
         plen = len(view)
-        header = pack_header(full_key, plen, payload_hash(view), meta)
+        header = pack_header(full_key, plen, hash_with(view, payload_hasher), meta)  # (in-place: guarded)
         if ZERO_COPY:
             return ArgumentParts(header, view), len(header) + plen
         return header + view, len(header) + plen  # old redis-py: one copy of the payload

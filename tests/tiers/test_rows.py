@@ -125,3 +125,22 @@ def test_dialogs_told_apart_by_both_halves_of_their_digest() -> None:
     assert len(uniq) == 3 and (uniq[inv] == d).all()
     uniq, inv = unique_digests(d[[0, 2, 3]])
     assert len(uniq) == 2 and (uniq[inv] == d[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("n", [40, 1000, 3000, 20_000])
+def test_a_batch_find_agrees_with_one_by_one_probes_on_every_run_length(n: int) -> None:
+    """The batched probe (a round, then a window of slots, then one by one past it) finds what ``find1``
+    finds, for keys on runs of every length up to the longest at the table's fullest (adds up to its
+    resize, removals leaving runs that must stay whole, a table part moved over)."""
+    rows = DigestRows({})
+    keys = digests(n, b"run")
+    arr = digest_array(keys)
+    rows.add_many(arr[:, 0], arr[:, 1])
+    rng = random.Random(n)
+    for k in rng.sample(keys, n // 5):
+        rows.remove(rows.find1(*split_digest(k)))
+    asked = keys + digests(n, b"absent")
+    want = [rows.find1(*split_digest(k)) for k in asked]
+    got = rows.find(*digest_array(asked).T)
+    assert got.tolist() == want
+    assert sum(w >= 0 for w in want) == n - n // 5

@@ -176,21 +176,29 @@ def _u8(buf: Any) -> np.ndarray:
         np.frombuffer(buf, dtype=np.uint8)
 
 
+def _with(ranges: tuple[tuple[int, int], ...], start: int, size: int) -> tuple[tuple[int, int], ...]:
+    return (*ranges, (start, start + size))
+
+
+def _without(ranges: tuple[tuple[int, int], ...], start: int, size: int) -> tuple[tuple[int, int], ...]:
+    left = list(ranges)
+    if (start, start + size) in left:
+        left.remove((start, start + size))
+    return tuple(left)
+
+
 def add_client_memory(start: int, size: int) -> None:
     """Say that ``[start, start + size)`` is mapped from a file a client can shrink."""
     global _client_ranges
     with _ranges_lock:
-        _client_ranges = (*_client_ranges, (start, start + size))
+        _client_ranges = _with(_client_ranges, start, size)
 
 
 def remove_client_memory(start: int, size: int) -> None:
     """Forget one range ``add_client_memory`` added; only once that mapping is gone."""
     global _client_ranges
     with _ranges_lock:
-        ranges = list(_client_ranges)
-        if (start, start + size) in ranges:
-            ranges.remove((start, start + size))
-        _client_ranges = tuple(ranges)
+        _client_ranges = _without(_client_ranges, start, size)
 
 
 def add_in_place_memory(start: int, size: int) -> None:
@@ -198,17 +206,14 @@ def add_in_place_memory(start: int, size: int) -> None:
     place, under the guard where the helper is built)."""
     global _in_place_ranges
     with _ranges_lock:
-        _in_place_ranges = (*_in_place_ranges, (start, start + size))
+        _in_place_ranges = _with(_in_place_ranges, start, size)
 
 
 def remove_in_place_memory(start: int, size: int) -> None:
     """Forget one range ``add_in_place_memory`` added; only once that mapping is gone."""
     global _in_place_ranges
     with _ranges_lock:
-        ranges = list(_in_place_ranges)
-        if (start, start + size) in ranges:
-            ranges.remove((start, start + size))
-        _in_place_ranges = tuple(ranges)
+        _in_place_ranges = _without(_in_place_ranges, start, size)
 
 
 _guard_on = False  # the helper's handler is installed (it stays so)

@@ -154,8 +154,17 @@ def _load_xxh3() -> Any:
 
 
 _xxh3 = _load_xxh3() if faults is not None else None
-_xxh3_fns = tuple(ctypes.cast(getattr(_xxh3, f"XXH3_64bits_{name}"), ctypes.c_void_p).value
-                  for name in ("reset", "update", "digest")) if _xxh3 is not None else None
+
+
+def _xxh3_update(lib: Any) -> Any:
+    """XXH3's update as python-xxhash hashes with: its x86 dispatcher's (AVX2 where the CPU has it), where it
+    exports one.  The plain exported ``XXH3_64bits_update`` is its generic build: 19 GiB/s in cache here
+    against the dispatcher's 40, and 0.82 of python-xxhash's speed on 2 MiB out of cache."""
+    return getattr(lib, "XXH3_64bits_update_dispatch", None) or lib.XXH3_64bits_update
+
+
+_xxh3_fns = tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (
+    _xxh3.XXH3_64bits_reset, _xxh3_update(_xxh3), _xxh3.XXH3_64bits_digest)) if _xxh3 is not None else None
 
 
 class _ThreadHash(threading.local):

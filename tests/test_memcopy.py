@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvgate import memcopy
+from kvgate import memcopy, memguard
 from kvgate.memcopy import Abandon, MemoryFault, ReadAbandoned
 from tests.helpers import kvgate_env
 
@@ -135,9 +135,9 @@ def test_a_region_is_client_memory_until_it_is_unmapped(monkeypatch) -> None:
     from kvgate.gateway import shm
 
     calls = _counting_kernel_calls(monkeypatch)
-    before = memcopy._client_ranges
+    before = memcopy._client.spans
     region = shm.create_session_region("memcopy-test", 1 << 20)
-    assert len(memcopy._client_ranges) == len(before) + 1
+    assert len(memcopy._client.spans) == len(before) + 1
     src = _bytes(5, 4096)
     held = region.slice(0, 4096)
     memcopy.copy(held, src)
@@ -147,13 +147,13 @@ def test_a_region_is_client_memory_until_it_is_unmapped(monkeypatch) -> None:
     memcopy.copy(held, src)
     assert len(calls) == 2
     held.release()  # the mapping goes with the last slice, and so does its range: none pile up
-    assert memcopy._client_ranges == before
+    assert memcopy._client.spans == before
     again = shm.create_session_region("memcopy-test", 1 << 20)
-    assert len(memcopy._client_ranges) == len(before) + 1
+    assert len(memcopy._client.spans) == len(before) + 1
     again.close()  # nothing holds a slice: unmapped, its range gone
-    assert memcopy._client_ranges == before
+    assert memcopy._client.spans == before
     again.close()
-    assert memcopy._client_ranges == before
+    assert memcopy._client.spans == before
 
 
 def test_abandon_copies_until_abandoned_and_never_after() -> None:
@@ -187,42 +187,42 @@ def test_refused_syscall_falls_back_and_says_so(monkeypatch, caplog, call: str) 
 GUARDED = r"""
 import mmap, os, sys, uuid
 import numpy as np, xxhash
-from kvgate import memcopy
+from kvgate import memcopy, memguard
 from kvgate.keys import payload_hasher
-assert memcopy.faults.kvgate_fault_install(2) == 0
+assert memguard.faults.kvgate_fault_install(2) == 0
 path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 os.unlink(path)
 os.ftruncate(fd, 4 << 20)
 mm = mmap.mmap(fd, 4 << 20)
 view = memoryview(mm)
-base = memcopy._address(np.frombuffer(mm, np.uint8))
-memcopy.add_in_place_memory(base, 4 << 20)
+base = memguard.address(np.frombuffer(mm, np.uint8))
+memguard.add_in_place_memory(base, 4 << 20)
 src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
 memcopy.copy([view[:4096], view[4096 : 1 << 20]], src)  # two pieces: one guarded call
 assert bytes(view[: 1 << 20]) == src.tobytes()
-h = memcopy.hasher_for(view[: 1 << 20], payload_hasher)
+h = memguard.hasher_for(view[: 1 << 20], payload_hasher)
 assert type(h).__name__ == "GuardedHash", h
-assert memcopy.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
-assert type(memcopy.hasher_for(src, payload_hasher)).__name__ == "xxh3_64"  # gateway memory: the usual hasher
+assert memguard.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
+assert type(memguard.hasher_for(src, payload_hasher)).__name__ == "xxh3_64"  # gateway memory: the usual hasher
 os.ftruncate(fd, 1 << 20)  # the client shrinks it: the pages past 1 MiB are gone
 for attempt in range(3):  # again and again: the signal is unblocked after each jump
     for what, call in [("copy in", lambda: memcopy.copy(view[2 << 20 : 3 << 20], src)),
                        ("copy out", lambda: memcopy.copy(src, view[2 << 20 : 3 << 20])),
-                       ("hash", lambda: memcopy.hash_with(view[(1 << 20) - 4096 : 2 << 20], payload_hasher))]:
+                       ("hash", lambda: memguard.hash_with(view[(1 << 20) - 4096 : 2 << 20], payload_hasher))]:
         try:
             call()
         except memcopy.MemoryFault as e:
             assert e.errno == 14, e
         else:
             sys.exit(f"{what}: no MemoryFault")
-assert memcopy.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
+assert memguard.hash_with(view[: 1 << 20], payload_hasher) == xxhash.xxh3_64_intdigest(src.tobytes())
 print("alive")
 """
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(memcopy.faults is None, reason="the C helper is not built here (make install builds it)")
+@pytest.mark.skipif(memguard.faults is None, reason="the C helper is not built here (make install builds it)")
 def test_in_place_memory_is_copied_and_hashed_under_the_guard_and_a_shrunk_page_is_a_memory_fault() -> None:
     """In its own process (the guard's SIGBUS handler is process-wide): right bytes, the same hash as
     python-xxhash's, and a page shrunk away is MemoryFault for a copy in, a copy out and a hash, each time."""

@@ -1,14 +1,14 @@
 /* Faults in a client's in-place region: survived where the gateway copies or hashes under a guard, named in
  * the log where it does not.
  *
- * Loaded with ctypes (no Python headers: plain C) by kvgate.memcopy, which calls the guarded copies, and by
+ * Loaded with ctypes (no Python headers: plain C) by kvgate.memguard, which calls the guarded copies, and by
  * kvgate.gateway.faultlog, which fills a fixed table with the address range and a preformatted label of each
  * in-place region it maps (kvgate.gateway.shm).  A client that shrinks such a file under the mapping makes
  * the next load or store there a SIGBUS.
  *
  * Guarded: kvgate_guarded_copy (memcpy) and kvgate_guarded_update (a hash's update function, e.g. XXH3's)
  * mark their thread as guarded and set a jump point first; the handler, finding the thread guarded, jumps
- * back there and the call returns -1: that request fails (kvgate.memcopy raises MemoryFault), the gateway
+ * back there and the call returns -1: that request fails (kvgate.memguard raises MemoryFault), the gateway
  * and every other request go on.  Jumping out of memcpy or a hash update leaves nothing half-done that
  * anyone else shares: neither takes a lock, and the caller drops the destination and the hash state.
  * sigsetjmp saves the signal mask, so the signal is unblocked again after the jump.

@@ -26,14 +26,9 @@ Where a seccomp profile refuses the call (ENOSYS, EPERM), ``copy`` falls back
 to ``numpy.copyto`` and ``check`` says once that a client shrinking its
 region could then crash the gateway.
 
-In-place memory (``add_in_place_memory``: the region of a client that could
-stop the gateway anyway, ``kvgate.gateway.shm``) is copied and hashed in user
-space, one pass, at memcpy's speed: under a guard where the compiled helper is
-built (``kvgate/_faults.c``: a SIGBUS there ends that copy or hash, which
-raises ``MemoryFault``, and the gateway goes on), unguarded where it is not
-(then a shrunk region kills the gateway, and ``kvgate.gateway.faultlog`` names
-it).  ``hasher_for`` gives the payload hasher a destination of such memory is
-hashed with.
+In-place memory (the region of a client that could stop the gateway anyway)
+is copied in user space, one pass, under ``kvgate.memguard``'s guard where
+the compiled helper is built (``copy`` asks it), unguarded where it is not.
 
 ``Abandon`` is how a read that may outlive its deadline delivers: the loop
 abandons it before it answers the client, and no copy through it starts
@@ -44,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import glob
 import logging
 import os
 import threading
@@ -52,21 +46,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvgate import memguard
 from kvgate.errors import KvgateError
+from kvgate.memguard import MemoryFault, region_gone  # noqa: F401  (MemoryFault: raised by copy, imported from here)
+from kvgate.memguard import address as _address, overlaps as _in_client_memory, u8 as _u8
 
 log = logging.getLogger("kvgate.memcopy")
 
 IOV_MAX = 1024  # iovecs per side in one call (the kernel's UIO_MAXIOV)
-
-
-class MemoryFault(KvgateError, OSError):
-    """A copy met memory that is not there: a mapped file was shrunk under its mapping."""
-
-
-def region_gone(detail: str = "") -> MemoryFault:
-    """The error of a kernel copy (or write) that met client memory no longer there (EFAULT)."""
-    return MemoryFault(errno.EFAULT, f"memory of a shared region is gone ({detail}the file was shrunk under its "
-                                     "mapping)")
 
 
 class ReadAbandoned(KvgateError, OSError):
@@ -98,234 +85,29 @@ def syscall(name: str) -> Any:
 _vm_writev = syscall("process_vm_writev")
 _vm_readv = syscall("process_vm_readv")
 _PID = os.getpid()
-_CHAR = ctypes.c_char
-# (start, end) of every mapping of client memory; replaced whole under the
-# lock, so a copy reads it without one.  A range is added before its mapping
-# is handed out and removed only after it is unmapped: a copy never sees
-# client memory missing from it (a stale range only slows a copy down).
-_client_ranges: tuple[tuple[int, int], ...] = ()
-_ranges_lock = threading.Lock()
+_client = memguard.Ranges()  # every mapping of client memory (guarded regions)
 _safe: bool | None = None if _vm_writev is not None and _vm_readv is not None else False  # None: not tried yet
 _warned = False
-# (start, end) of every mapping of in-place client memory, kept as ``_client_ranges`` is.
-_in_place_ranges: tuple[tuple[int, int], ...] = ()
 
-
-def _load_faults() -> ctypes.CDLL | None:
-    """The compiled helper (``kvgate/_faults.c``), or None where no C compiler built it."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(here, "_faults*.so"))):
-        try:
-            lib = ctypes.CDLL(path, use_errno=True)
-        except OSError:
-            continue
-        lib.kvgate_guarded_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_copy.restype = ctypes.c_int
-        lib.kvgate_guarded_copy_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_copy_spans.restype = ctypes.c_int
-        lib.kvgate_guarded_hash.argtypes = [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_uint64)]
-        lib.kvgate_guarded_hash.restype = ctypes.c_int
-        lib.kvgate_guarded_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_update.restype = ctypes.c_int
-        lib.kvgate_fault_installed.argtypes = []
-        lib.kvgate_fault_installed.restype = ctypes.c_int
-        return lib
-    return None
-
-
-faults = _load_faults()
-
-
-def _load_xxh3() -> Any:
-    """python-xxhash's own XXH3 functions (its extension exports them), for hashes under the guard; None
-    where this build of it does not export them."""
-    try:
-        from xxhash import _xxhash  # type: ignore[attr-defined]
-        lib = ctypes.CDLL(_xxhash.__file__)
-        lib.XXH3_createState.restype = ctypes.c_void_p
-        lib.XXH3_freeState.argtypes = [ctypes.c_void_p]
-        lib.XXH3_64bits_reset.argtypes = [ctypes.c_void_p]
-        lib.XXH3_64bits_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.XXH3_64bits_digest.argtypes = [ctypes.c_void_p]
-        lib.XXH3_64bits_digest.restype = ctypes.c_uint64
-        return lib
-    except (ImportError, OSError, AttributeError):
-        return None
-
-
-_xxh3 = _load_xxh3() if faults is not None else None
-
-
-def _xxh3_update(lib: Any) -> Any:
-    """XXH3's update as python-xxhash hashes with: its x86 dispatcher's (AVX2 where the CPU has it), where it
-    exports one.  The plain exported ``XXH3_64bits_update`` is its generic build: 19 GiB/s in cache here
-    against the dispatcher's 40, and 0.82 of python-xxhash's speed on 2 MiB out of cache."""
-    return getattr(lib, "XXH3_64bits_update_dispatch", None) or lib.XXH3_64bits_update
-
-
-_xxh3_fns = tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (
-    _xxh3.XXH3_64bits_reset, _xxh3_update(_xxh3), _xxh3.XXH3_64bits_digest)) if _xxh3 is not None else None
-
-
-class _ThreadHash(threading.local):
-    """One XXH3 state and digest slot per thread, for ``hash_with``'s one-call hashes (pool threads live as
-    long as the gateway: never freed)."""
-
-    def __init__(self) -> None:
-        self.state = _xxh3.XXH3_createState() if _xxh3 is not None else None
-        self.out = ctypes.c_uint64()
-        self.ref = ctypes.byref(self.out)
-
-
-_thread_hash = _ThreadHash()
-
-
-def _u8(buf: Any) -> np.ndarray:
-    return buf if isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 else \
-        np.frombuffer(buf, dtype=np.uint8)
-
-
-def _with(ranges: tuple[tuple[int, int], ...], start: int, size: int) -> tuple[tuple[int, int], ...]:
-    return (*ranges, (start, start + size))
-
-
-def _without(ranges: tuple[tuple[int, int], ...], start: int, size: int) -> tuple[tuple[int, int], ...]:
-    left = list(ranges)
-    if (start, start + size) in left:
-        left.remove((start, start + size))
-    return tuple(left)
 
 
 def add_client_memory(start: int, size: int) -> None:
     """Say that ``[start, start + size)`` is mapped from a file a client can shrink."""
-    global _client_ranges
-    with _ranges_lock:
-        _client_ranges = _with(_client_ranges, start, size)
+    _client.add(start, size)
 
 
 def remove_client_memory(start: int, size: int) -> None:
     """Forget one range ``add_client_memory`` added; only once that mapping is gone."""
-    global _client_ranges
-    with _ranges_lock:
-        _client_ranges = _without(_client_ranges, start, size)
-
-
-def add_in_place_memory(start: int, size: int) -> None:
-    """Say that ``[start, start + size)`` is mapped from a file of a client trusted with it (copied and hashed in
-    place, under the guard where the helper is built)."""
-    global _in_place_ranges
-    with _ranges_lock:
-        _in_place_ranges = _with(_in_place_ranges, start, size)
-
-
-def remove_in_place_memory(start: int, size: int) -> None:
-    """Forget one range ``add_in_place_memory`` added; only once that mapping is gone."""
-    global _in_place_ranges
-    with _ranges_lock:
-        _in_place_ranges = _without(_in_place_ranges, start, size)
-
-
-_guard_on = False  # the helper's handler is installed (it stays so)
-
-
-def guarded() -> bool:
-    """Whether in-place memory is copied and hashed under the guard now (the helper built, its handler
-    installed: ``kvgate.gateway.faultlog`` installs it with the first in-place region)."""
-    global _guard_on
-    if not _guard_on and faults is not None:
-        _guard_on = bool(faults.kvgate_fault_installed())
-    return _guard_on
-
-
-def _guarded_address(buf: Any) -> tuple[int, int] | None:
-    """(address, length) of ``buf`` when it is in-place memory to hash under the guard; None otherwise."""
-    ranges = _in_place_ranges
-    if not ranges or _xxh3_fns is None or not guarded():
-        return None
-    b = _u8(buf)
-    if not b.size:
-        return None
-    lo = _address(b)
-    hi = lo + b.size
-    for a, e in ranges:
-        if lo < e and a < hi:
-            return lo, b.size
-    return None
-
-
-class GuardedHash:
-    """The payload hash (XXH3-64, as ``kvgate.keys.payload_hasher``) of memory a client may shrink under it:
-    ``update`` raises ``MemoryFault`` where a page is gone, instead of SIGBUS.  Python-xxhash's own C
-    function runs inside the helper's guard (``kvgate_guarded_update``)."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self) -> None:
-        self._state = _xxh3.XXH3_createState()
-        if not self._state:
-            raise MemoryError("XXH3_createState")
-        _xxh3.XXH3_64bits_reset(self._state)
-
-    def update(self, buf: Any) -> None:
-        b = _u8(buf)
-        if b.size and faults.kvgate_guarded_update(_xxh3_fns[1], self._state, _address(b), b.size) == -1:
-            raise region_gone()
-
-    def intdigest(self) -> int:
-        return _xxh3.XXH3_64bits_digest(self._state)
-
-    def __del__(self) -> None:
-        if self._state:
-            _xxh3.XXH3_freeState(self._state)
-            self._state = None
-
-
-def hasher_for(buf: Any, make: Any) -> Any:
-    """The hasher to hash ``buf`` with: a ``GuardedHash`` where ``buf`` is in-place memory and the guard is on,
-    else ``make()`` (``kvgate.keys.payload_hasher``)."""
-    return GuardedHash() if _guarded_address(buf) is not None else make()
-
-
-def hash_with(buf: Any, make: Any) -> int:
-    """The hash ``make()`` makes of ``buf`` (``kvgate.keys.payload_hasher``), under the guard where ``buf`` is
-    in-place memory (``MemoryFault`` where a page of it is gone)."""
-    where = _guarded_address(buf)
-    if where is not None:
-        t = _thread_hash
-        if faults.kvgate_guarded_hash(*_xxh3_fns, t.state, *where, t.ref) == -1:  # type: ignore[union-attr]
-            raise region_gone()
-        return t.out.value
-    h = make()
-    h.update(buf)
-    return h.intdigest()
+    _client.remove(start, size)
 
 
 def in_client_memory(buf: Any) -> bool:
     """Whether any byte of ``buf`` lies in client memory (a mapping ``add_client_memory`` named)."""
-    ranges = _client_ranges
+    ranges = _client.spans
     if not ranges:
         return False
     b = _u8(buf)
     return bool(b.size) and _in_client_memory(ranges, [_address(b)], [b])
-
-
-def _address(b: np.ndarray) -> int:
-    """Where the first byte of ``b`` is (0 when it has none)."""
-    if not b.size:
-        return 0
-    try:
-        return ctypes.addressof(_CHAR.from_buffer(b))  # a quarter of the time of __array_interface__
-    except TypeError:  # read-only (bytes)
-        return b.__array_interface__["data"][0]
-
-
-def _in_client_memory(ranges: tuple[tuple[int, int], ...], addrs: list[int], bufs: list[np.ndarray]) -> bool:
-    for lo, b in zip(addrs, bufs):
-        hi = lo + b.size
-        for a, e in ranges:
-            if lo < e and a < hi:
-                return True
-    return False
 
 
 def _segments(dst: list[np.ndarray], src: list[np.ndarray]) -> list[tuple[int, int, int, int, int]]:
@@ -366,9 +148,9 @@ def copy(dst: Any | Sequence[Any], src: Any | Sequence[Any]) -> None:
         segments = [(0, 0, 0, 0, total)]
     else:
         segments = _segments(dsts, srcs)
-    ranges, in_place = _client_ranges, _in_place_ranges
+    ranges, in_place = _client.spans, memguard.in_place_ranges()
     kernel = bool(ranges) and _safe is not False
-    guard = bool(in_place) and faults is not None
+    guard = bool(in_place) and memguard.faults is not None
     if kernel or guard:
         daddrs = [_address(d) for d in dsts]
         saddrs = [_address(s) for s in srcs]
@@ -379,15 +161,7 @@ def copy(dst: Any | Sequence[Any], src: Any | Sequence[Any]) -> None:
                 if _kernel_copy(spans, into_client):
                     return
         if guard and (_in_client_memory(in_place, daddrs, dsts) or _in_client_memory(in_place, saddrs, srcs)):
-            if len(segments) == 1:
-                done = faults.kvgate_guarded_copy(daddrs[0], saddrs[0], total)  # type: ignore[union-attr]
-            else:  # one call for them all: (destination, source, length) each
-                flat = [v for di, do, si, so, n in segments for v in (daddrs[di] + do, saddrs[si] + so, n)]
-                done = faults.kvgate_guarded_copy_spans((ctypes.c_size_t * len(flat))(*flat),  # type: ignore[union-attr]
-                                                        len(segments))
-            if done == -1:
-                raise region_gone()
-            if done == 0:
+            if memguard.copy_spans([(daddrs[di] + do, saddrs[si] + so, n) for di, do, si, so, n in segments]):
                 return
     for di, do, si, so, n in segments:
         np.copyto(dsts[di][do : do + n], srcs[si][so : so + n])

@@ -223,7 +223,7 @@ def test_gateway_memory_is_received_into_in_place_and_client_memory_never(card: 
     assert guard.receives > 0 and np.array_equal(buf[:size], payload_for(k, size)) and buf[size] == 0
     # the same buffer named client memory: through the scratch, whatever the caller says it owns
     base = buf.__array_interface__["data"][0]
-    monkeypatch.setattr(memcopy, "_client_ranges", ((base, base + buf.size),))
+    monkeypatch.setattr(memcopy._client, "spans", ((base, base + buf.size),))
     buf[:] = 0
     guard = _CountsReceives()
     assert card.read_into(k, memoryview(buf), guard).payload_len == size

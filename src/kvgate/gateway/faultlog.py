@@ -5,14 +5,14 @@ gateway anyway) is read, hashed and written in place, so a client that
 shrinks its file under the mapping turns the next load or store there into
 SIGBUS.  With the compiled helper (``kvgate/_faults.c``, built by ``pip
 install`` / ``make install`` where a C compiler is; loaded by
-``kvgate.memcopy``), the copies and hashes the gateway makes of such memory
+``kvgate.memguard``), the copies and hashes the gateway makes of such memory
 run under its guard and survive that: the request fails (``MemoryFault``),
 the gateway goes on.  A fault anywhere else (a load no guard covers, or one
 where the helper is not built) still kills the process, which cannot be
 caught in Python; what this module does is say so.
 
 The first in-place region mapped installs the helper's SIGBUS/SIGSEGV handler
-(which also makes the guards work: ``memcopy.guarded``); an unguarded fault
+(which also makes the guards work: ``memguard.guarded``); an unguarded fault
 writes one line to stderr (the gateway's log) before the process dies of the
 signal::
 
@@ -40,13 +40,13 @@ import os
 import sys
 import threading
 
-from kvgate import memcopy
+from kvgate import memguard
 
 log = logging.getLogger("kvgate.shm")
 
 
 def _load() -> ctypes.CDLL | None:
-    lib = memcopy.faults
+    lib = memguard.faults
     if lib is None:
         return None
     lib.kvgate_fault_set.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]

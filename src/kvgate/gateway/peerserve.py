@@ -147,7 +147,7 @@ class PeerServer:
         self._differences_said: set[tuple[str, str, str]] = set()  # (peer host, ours, theirs) logged
         self.token = read_token(cfg.peer_token_file, "'peer_token_file'")
         self.tls = peer_tls_server_context(cfg)  # every connection TLS with it; None: plain
-        self.host, self.port = split_host_port(cfg.peer_listen)  # (checked with the config)
+        self.host, self.port = split_host_port(cfg.peer_listen, any_port=True)  # (checked with the config; 0: any)
         self.listener: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.conns: dict[socket.socket, _Slot] = {}  # open connections, oldest first

@@ -23,7 +23,7 @@ place like the gateway's own memory: one copy where the guard costs two
 (docs/benchmarks.md).  ``in_place_regions: false`` guards every
 region.
 
-An unguarded (in-place) region is registered with ``memcopy`` too, as
+An unguarded (in-place) region is registered with ``memguard`` instead, as
 in-place memory: every request that addresses one first checks its file is
 still as long as the mapping (``Region.check_size``, one ``fstat``: the
 common case, a file shrunk between requests, is a clean BAD_REQUEST naming
@@ -46,7 +46,7 @@ import stat
 import threading
 import weakref
 
-from kvgate import memcopy, shmowners
+from kvgate import memcopy, memguard, shmowners
 from kvgate.gateway import faultlog
 from kvgate.errors import KvgateError
 
@@ -66,7 +66,7 @@ except (OSError, AttributeError):
 
 
 def _in_place_unmapped(base: int, size: int, slot: int | None) -> None:
-    memcopy.remove_in_place_memory(base, size)
+    memguard.remove_in_place_memory(base, size)
     faultlog.forget(slot)
 
 
@@ -99,7 +99,7 @@ class Region:
         else:
             self._fd = os.dup(fd) if fd >= 0 else -1
             slot = faultlog.note(self._base, size, session, pid, path)  # (installs the guards' handler)
-            memcopy.add_in_place_memory(self._base, size)
+            memguard.add_in_place_memory(self._base, size)
             self._unmapped = weakref.finalize(mm, _in_place_unmapped, self._base, size, slot)
         self.view = memoryview(mm)
         self.owned = owned
@@ -140,7 +140,7 @@ class Region:
         file from Python, on a busy 2-core machine), against the 10s of us a put or get of even one block
         takes (a packed get checks twice).  A
         file shrunk after this check, during the request, fails it at the first guarded copy or hash that meets
-        the gone pages (``kvgate.memcopy``)."""
+        the gone pages (``kvgate.memguard``)."""
         if self._fd < 0:
             return
         try:

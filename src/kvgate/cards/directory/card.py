@@ -70,7 +70,8 @@ from kvgate.cards.objectformat import (
     padded_size,
 )
 from kvgate.keys import key_digest, payload_hasher
-from kvgate.memcopy import Abandon, hasher_for, in_client_memory
+from kvgate.memcopy import Abandon, in_client_memory
+from kvgate.memguard import hasher_for
 
 log = logging.getLogger("kvgate.cards.directory")
 
@@ -282,7 +283,7 @@ class DirectoryCard(Card):
             return self._read_buffered(fd, full_key, view, file_size, guard)
         plen = header.payload_len
         off = min(n - poff, plen)
-        hasher = hasher_for(view, payload_hasher)  # a client's in-place region: under the guard (kvgate.memcopy)
+        hasher = hasher_for(view, payload_hasher)  # a client's in-place region: under the guard (kvgate.memguard)
         hasher.update(view[:off])
         piece = self._scratch.piece
         while off < plen:

@@ -25,7 +25,8 @@ from kvgate.cards.directory.errors import CardErrors
 from kvgate.cards.directory.layout import TEMP_MARK
 from kvgate.cards.objectformat import CHECKSUM_PIECE, ObjectMeta, header_size, pack_header, padded_size
 from kvgate.keys import payload_hasher
-from kvgate.memcopy import Abandon, hash_with, in_client_memory, region_gone
+from kvgate.memcopy import Abandon, in_client_memory
+from kvgate.memguard import hash_with, region_gone
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -149,7 +150,7 @@ class ObjectFileWriter:
                         # 256 KiB pieces hashed while in the CPU cache (page-cache writes are slow: 4 GiB/s).
                         if guard is not None and guard.abandoned:
                             raise WriteAbandoned(self.location)
-                        # (hash_with: a client's in-place region is hashed under the guard, kvgate.memcopy)
+                        # (hash_with: a client's in-place region is hashed under the guard, kvgate.memguard)
                         header = self._header(full_key, plen, hash_with(view, payload_hasher), meta, poff)
                         try:
                             pwritev_all(fd, [header, view], 0)

@@ -54,7 +54,8 @@ from kvgate.cards.network.heads import NetworkHeads
 from kvgate.cards.objectformat import Header, ObjectMeta, padded_object_size
 from kvgate.config import ConfigError, read_token
 from kvgate.keys import key_digest, payload_hasher
-from kvgate.memcopy import Abandon, ReadAbandoned, hash_with
+from kvgate.memcopy import Abandon, ReadAbandoned
+from kvgate.memguard import hash_with
 
 log = logging.getLogger("kvgate.cards.network")
 

@@ -34,7 +34,8 @@ from kvgate.keys import payload_hash, payload_hasher
 from kvgate.cards.redis.conn import RedisConnections
 from kvgate.cards.redis.keys import RedisKeys
 from kvgate.cards.redis.packer import ZERO_COPY, ArgumentParts
-from kvgate.memcopy import Abandon, hash_with
+from kvgate.memcopy import Abandon
+from kvgate.memguard import hash_with
 
 # A fetched value is hashed and handed to the destination in pieces of
 # this size, each copied while it is still in the CPU cache (1 MiB of L2

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -32,8 +33,32 @@ SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes; keep a margin
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (``ip_local_port_range``; 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    """A TCP port free on every address a moment ago, below the kernel's ephemeral range where there is room.
+
+    A process started with it may bind it minutes later (a vLLM engine binds its KV events port after its
+    model loads); a port of the ephemeral range can be taken meanwhile by any outgoing connection, one
+    below it only by another explicit bind.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12288), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # every address: an engine may bind a wildcard
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -156,3 +156,108 @@ def test_direct_pieces_are_lent_one_reader_at_a_time_oldest_freed_first() -> Non
     t.join()
     for h in held[1:]:
         h.__exit__(None, None, None)
+
+
+def _uncache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_batch_of_cold_objects_is_read_from_the_device_at_once(tmp_path: Path) -> None:
+    """read_many_into hands the device's reads to the card's device readers, all at once, and copies the
+    cached ones itself meanwhile: every byte right, a missing and a corrupt object reported in place (the
+    corrupt one deleted), and the cold reads overlapping in time on the readers' threads."""
+    import threading
+    import time as _time
+
+    card = DirectoryCard(str(tmp_path / "card"))
+    card.open()
+    if not card.direct_reads:
+        pytest.skip("no O_DIRECT here")
+    n, size = 12, 2 * READ_PIECE + 3 * ALIGN
+    rng = np.random.default_rng(5)
+    keys = [full_key(b"ns", b"cold-%d" % i) for i in range(n)]
+    datas = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    for k, d in zip(keys, datas):
+        card.write(k, memoryview(d), ObjectMeta())
+    probe = os.open(card.object_path(keys[0]), os.O_RDONLY)
+    try:
+        if cached_pages(probe) is None:
+            pytest.skip("kernel without cachestat(2)")
+    finally:
+        os.close(probe)
+    for k in keys[1:]:
+        _uncache(card.object_path(k))
+    with open(card.object_path(keys[0]), "rb") as f:  # the first one cached: read by the calling thread
+        f.read()
+    with open(card.object_path(keys[5]), "r+b") as f:  # a bit flipped in the payload of a cold one
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    _uncache(card.object_path(keys[5]))
+    missing = full_key(b"ns", b"never-written")
+
+    inside = 0
+    most = 0
+    threads: set[str] = set()
+    lock = threading.Lock()
+    read_direct = card._read_direct
+
+    def counted(*args):
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+            threads.add(threading.current_thread().name)
+        try:
+            _time.sleep(0.05)  # long enough that reads handed over together overlap
+            return read_direct(*args)
+        finally:
+            with lock:
+                inside -= 1
+
+    card._read_direct = counted  # type: ignore[method-assign]
+    m = mmap.mmap(-1, (n + 1) * size)
+    out = np.frombuffer(m, dtype=np.uint8)
+    views = [memoryview(m)[i * size : (i + 1) * size] for i in range(n + 1)]
+    res = card.read_many_into([*zip(keys, views), (missing, views[n])])
+    assert [type(r).__name__ for r in res] == (["Header"] * 5 + ["ObjectCorrupt"] + ["Header"] * 6
+                                               + ["ObjectMissing"])
+    for i, d in enumerate(datas):
+        if i != 5:
+            assert np.array_equal(out[i * size : (i + 1) * size], d), f"object {i}"
+    assert not os.path.exists(card.object_path(keys[5])), "the corrupt object is deleted"
+    assert most >= 8, f"cold reads overlapped only {most} at a time"
+    assert threading.current_thread().name not in threads and all(t.startswith("kvgate-dev") for t in threads)
+    card.close()
+
+
+def test_device_readers_run_at_the_callers_scheduling_class() -> None:
+    import threading
+
+    from kvgate.cards.directory.directio import DeviceReaders
+
+    readers = DeviceReaders("kvgate-dev-test", size=2)
+    got: list = []
+
+    def caller() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+        except OSError:
+            got.append("refused")
+            return
+        got.extend(readers.run([(os.sched_getscheduler, 0), (os.sched_getscheduler, 0)]))
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    if got == ["refused"]:
+        pytest.skip("no real-time scheduling here")
+    assert got == [os.SCHED_RR, os.SCHED_RR]
+    assert readers.run([(os.sched_getscheduler, 0)]) == [os.SCHED_OTHER], "back to the caller's class"
+    readers.close()

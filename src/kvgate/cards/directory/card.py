@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from kvgate.cards.base import (
     HOST_TAG,
@@ -45,6 +45,7 @@ from kvgate.cards.directory.directio import (
     READ_PIECE,
     SUPPORTED,
     CachedReadChoice,
+    DeviceReaders,
     Scratch,
     align_up,
     cached_pages,
@@ -76,6 +77,14 @@ from kvgate.memguard import hasher_for
 log = logging.getLogger("kvgate.cards.directory")
 
 
+class _Plan(NamedTuple):
+    """How one open object is read (``DirectoryCard._plan``)."""
+
+    file_size: int
+    cached: bool  # the page cache holds the whole file
+    direct: bool  # read from the device (O_DIRECT is on for its descriptor)
+
+
 class DirectoryCard(Card):
     """One directory as a card.  Holds no open file but its claim's lock file, so it needs no locking.
 
@@ -98,6 +107,7 @@ class DirectoryCard(Card):
         self.direct_reads = direct_reads and SUPPORTED
         self.cached_reads = CachedReadChoice()
         self._scratch = Scratch()
+        self._devices = DeviceReaders(f"kvgate-dev-{os.path.basename(location.rstrip('/'))[:6]}")
         self._errors = CardErrors(location)
         # Bound once: a read enters it twice for every object.
         self._card_errors = self._errors.around
@@ -167,6 +177,7 @@ class DirectoryCard(Card):
         """Release the claim: the lock goes with the file description."""
         self.claimed = None
         self._claim.release()
+        self._devices.close()
 
     # ------------------------------------------------------------------ paths
 
@@ -182,16 +193,79 @@ class DirectoryCard(Card):
     # ------------------------------------------------------------------- I/O
 
     def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
-        view = byte_view(dest)
+        fd, path = self._open_object(full_key)
+        return self._read_opened(fd, path, full_key, byte_view(dest), guard or Abandon(), self._plan(fd))
+
+    def read_many_into(self, items: list[tuple[bytes, memoryview]],
+                       guard: Abandon | None = None) -> list[Header | BaseException]:
+        """``read_into`` of each item, the device's reads all at once.
+
+        Each file is opened and its read planned first; the reads that go to
+        the device (``O_DIRECT``) are handed to the card's device readers
+        (``DeviceReaders``, up to ``DEVICE_READS`` at a time, every one at this
+        thread's scheduling class) while this thread copies the cached ones,
+        then it waits for them all.  One thread reading cold objects one after
+        the other keeps one piece in flight, and the device wants many.
+        """
+        guard = guard or Abandon()
+        out: list[Header | BaseException | None] = [None] * len(items)
+        later: list[tuple[int, int, str, bytes, memoryview, _Plan]] = []
+        for i, (full_key, dest) in enumerate(items):
+            try:
+                fd, path = self._open_object(full_key)
+            except (LookupError, ValueError, OSError) as e:
+                out[i] = e
+                continue
+            try:
+                plan = self._plan(fd)
+            except BaseException as e:
+                os.close(fd)
+                if not isinstance(e, (LookupError, ValueError, OSError)):
+                    raise
+                out[i] = e
+                continue
+            if plan.direct and len(items) > 1:
+                later.append((i, fd, path, full_key, dest, plan))
+            else:
+                out[i] = self._read_one(fd, path, full_key, dest, guard, plan)
+        if later:
+            for (i, *_), res in zip(later, self._devices.run([
+                    (self._read_one, fd, path, full_key, dest, guard, plan)
+                    for _i, fd, path, full_key, dest, plan in later])):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def _read_one(self, fd: int, path: str, full_key: bytes, dest: memoryview, guard: Abandon,
+                  plan: "_Plan") -> Header | BaseException:
+        try:
+            return self._read_opened(fd, path, full_key, byte_view(dest), guard, plan)
+        except (LookupError, ValueError, OSError) as e:
+            return e
+
+    def _open_object(self, full_key: bytes) -> tuple[int, str]:
         path = self.object_path(full_key)
         try:
             with self._card_errors():
-                fd = os.open(path, os.O_RDONLY)
+                return os.open(path, os.O_RDONLY), path
         except FileNotFoundError:
             raise ObjectMissing(f"no object {key_digest(full_key).hex()}") from None
+
+    def _plan(self, fd: int) -> "_Plan":
+        """How the open object ``fd`` is read: from the device (``O_DIRECT``, now on) or through the page cache."""
+        with self._card_errors():
+            file_size = os.fstat(fd).st_size
+            if not self.direct_reads:
+                return _Plan(file_size, False, False)
+            cached = fully_cached(fd, file_size)
+            direct = (not cached or self.cached_reads.direct_for_cached()) and self._set_direct(fd)
+            return _Plan(file_size, cached, direct)
+
+    def _read_opened(self, fd: int, path: str, full_key: bytes, view: memoryview, guard: Abandon,
+                     plan: "_Plan") -> Header:
+        """Read the object open as ``fd`` (closed here) as ``plan`` says; a corrupt one is deleted."""
         try:
             with self._card_errors():
-                return self._read_verified(fd, full_key, view, guard or Abandon())
+                return self._read_verified(fd, full_key, view, guard, plan)
         except ObjectCorrupt as exc:
             exc.add_note(f"deleted corrupt object {path}")
             discard_corrupt(path, fd)
@@ -199,18 +273,14 @@ class DirectoryCard(Card):
         finally:
             os.close(fd)
 
-    def _read_verified(self, fd: int, full_key: bytes, view: memoryview, guard: Abandon) -> Header:
-        file_size = os.fstat(fd).st_size
-        if not self.direct_reads:
-            return self._read_cached(fd, full_key, view, file_size, guard)
+    def _read_verified(self, fd: int, full_key: bytes, view: memoryview, guard: Abandon, plan: "_Plan") -> Header:
         t0 = time.perf_counter()
-        cached = fully_cached(fd, file_size)
-        if (not cached or self.cached_reads.direct_for_cached()) and self._set_direct(fd):
-            header = self._read_direct(fd, full_key, view, file_size, guard)
+        if plan.direct:
+            header = self._read_direct(fd, full_key, view, plan.file_size, guard)
             self.cached_reads.note(True, header.payload_len, time.perf_counter() - t0)
         else:
-            header = self._read_cached(fd, full_key, view, file_size, guard)
-            if cached:
+            header = self._read_cached(fd, full_key, view, plan.file_size, guard)
+            if plan.cached:
                 self.cached_reads.note(False, header.payload_len, time.perf_counter() - t0)
         return header
 

@@ -30,8 +30,9 @@ import platform
 import queue
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from kvgate.cards.objectformat import ALIGN
 
@@ -206,13 +207,19 @@ class Scratch(threading.local):
 
 
 # Direct reads land in a ring of pieces shared by every reading thread, handed
-# out oldest-freed first.  Measured on these VMs (virtio disk, one thread,
-# 1 MiB O_DIRECT reads of cold 2 MiB objects): into the same 1 MiB again and
-# again 0.41-0.49 GiB/s, into 8 pieces in turn 0.52-0.56, into 32 pieces in
-# turn 0.98-1.09, into fresh pages every time 1.19-1.25.  The device writes
-# pages it has just written more slowly there; a ring of 32 keeps each piece
-# cool for 31 other reads.  32 MiB in all, whatever the cards and threads.
-DIRECT_SLOTS = 32
+# out oldest-freed first, never straight in the destination: a device read
+# cannot be called back once the caller has stopped waiting for it, and the
+# destination may be an engine's memory, reused by then.  The device writes
+# pages it has just written more slowly on these VMs (virtio disk): one thread,
+# 1 MiB O_DIRECT reads of cold 2 MiB objects, into the same 1 MiB again and
+# again 0.41-0.49 GiB/s, into 8 pieces in turn 0.52-0.56, into 32 pieces
+# 0.98-1.09, into fresh pages every time 1.19-1.25.  With 16 reads in flight
+# (DEVICE_READS) the ring's size mattered again: a gateway's get of 64 cold
+# 2 MiB objects took 111-133 ms through 32 pieces, 76-98 through 64 and 63-85
+# through 128 (raw O_DIRECT reads of the same files straight into the same
+# memory, 16 threads: 37-84 ms, a noisy device).  128 MiB in all, whatever the
+# cards and threads, touched as it is first used.
+DIRECT_SLOTS = 128
 
 
 class DirectPieces:
@@ -236,6 +243,71 @@ class DirectPieces:
             yield piece
         finally:
             self._free.put(piece)
+
+
+# Reads from the device at once, per card (DeviceReaders), as vLLM's own file
+# tier reads with 16 threads.  One thread per read keeps one piece in flight,
+# and the device wants many: raw 1 MiB O_DIRECT reads through a ring here,
+# 64 cold 2 MiB objects, 1.84-1.85 GiB/s on 4 threads, 1.99-2.15 on 16; a card
+# reading 64 cold objects on 4 threads, each handing its cold reads to these,
+# 101-108 ms, where each thread reading its own one after the other took
+# 146-149.
+DEVICE_READS = 16
+
+
+class DeviceReaders:
+    """A card's threads for reads that wait on the device: ``run`` hands a batch of calls to them, up to
+    ``DEVICE_READS`` at once, and returns their results in order once every one has ended.
+
+    Each call runs at the scheduling class and priority of the thread that
+    called ``run`` (a card thread, at ``SCHED_RR`` for an engine's restore:
+    ``kvgate.tiers.io``), so handing a read over never lowers its priority.
+    Called from a card's I/O threads, several at once; made on first use;
+    ``close`` (the card's) lets the threads end once idle.
+    """
+
+    def __init__(self, name: str, size: int = DEVICE_READS):
+        self._name = name
+        self._size = size
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, calls: list[tuple]) -> list:
+        """``fn(*args)`` of each ``(fn, *args)`` in ``calls``; what each returned, in order.  Every call has
+        ended when this returns or raises (they may write memory the caller reuses afterwards)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._size, thread_name_prefix=self._name)
+            pool = self._pool
+        policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+        priority = os.sched_getparam(0).sched_priority if policy is not None else 0
+        futures = [pool.submit(_at_class, policy, priority, fn, *args) for fn, *args in calls]
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+class _Class(threading.local):
+    now: tuple[int | None, int] = (None, 0)  # the scheduling (policy, priority) this thread was last put at
+
+
+_class = _Class()
+
+
+def _at_class(policy: int | None, priority: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on this thread at scheduling ``policy`` and ``priority`` (left as it is where refused)."""
+    if policy is not None and _class.now != (policy, priority):
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(priority))
+            _class.now = (policy, priority)
+        except OSError:
+            pass  # the read runs either way; a priority is never worth a failed read
+    return fn(*args)
 
 
 _direct_pieces: DirectPieces | None = None

@@ -13,6 +13,7 @@ from kvgate.cards import DirectoryCard, ObjectMeta
 from kvgate.cards.directory.directio import READ_PIECE, CachedReadChoice, Scratch, align_down, cached_pages, fully_cached, is_aligned
 from kvgate.cards.objectformat import ALIGN
 from kvgate.keys import full_key
+from tests.helpers import evict
 
 
 def test_alignment_helpers() -> None:
@@ -158,15 +159,6 @@ def test_direct_pieces_are_lent_one_reader_at_a_time_oldest_freed_first() -> Non
         h.__exit__(None, None, None)
 
 
-def _uncache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_a_batch_of_cold_objects_is_read_from_the_device_at_once(tmp_path: Path) -> None:
     """read_many_into hands the device's reads to the card's device readers, all at once, and copies the
     cached ones itself meanwhile: every byte right, a missing and a corrupt object reported in place (the
@@ -191,7 +183,7 @@ def test_a_batch_of_cold_objects_is_read_from_the_device_at_once(tmp_path: Path)
     finally:
         os.close(probe)
     for k in keys[1:]:
-        _uncache(card.object_path(k))
+        evict(card.object_path(k))
     with open(card.object_path(keys[0]), "rb") as f:  # the first one cached: read by the calling thread
         f.read()
     with open(card.object_path(keys[5]), "r+b") as f:  # a bit flipped in the payload of a cold one
@@ -199,7 +191,7 @@ def test_a_batch_of_cold_objects_is_read_from_the_device_at_once(tmp_path: Path)
         b = f.read(1)
         f.seek(-100, os.SEEK_END)
         f.write(bytes([b[0] ^ 1]))
-    _uncache(card.object_path(keys[5]))
+    evict(card.object_path(keys[5]))
     missing = full_key(b"ns", b"never-written")
 
     inside = 0

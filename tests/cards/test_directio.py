@@ -253,3 +253,14 @@ def test_device_readers_run_at_the_callers_scheduling_class() -> None:
     assert got == [os.SCHED_RR, os.SCHED_RR]
     assert readers.run([(os.sched_getscheduler, 0)]) == [os.SCHED_OTHER], "back to the caller's class"
     readers.close()
+
+
+def test_device_readers_run_every_call_even_when_closed_meanwhile() -> None:
+    from kvgate.cards.directory.directio import DeviceReaders
+
+    readers = DeviceReaders("kvgate-dev-test", size=2)
+    assert readers.run([(pow, 2, 3), (pow, 3, 2)]) == [8, 9]
+    pool = readers._pool
+    readers.close()
+    readers._pool = pool  # a run that took the pool just before close() shut it down
+    assert readers.run([(pow, 2, 4)]) == [16], "a call the closed pool refuses runs on the caller's thread"

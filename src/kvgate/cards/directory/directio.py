@@ -30,7 +30,7 @@ import platform
 import queue
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -281,7 +281,14 @@ class DeviceReaders:
             pool = self._pool
         policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
         priority = os.sched_getparam(0).sched_priority if policy is not None else 0
-        futures = [pool.submit(_at_class, policy, priority, fn, *args) for fn, *args in calls]
+        futures: list[Future] = []
+        for fn, *args in calls:
+            try:
+                futures.append(pool.submit(_at_class, policy, priority, fn, *args))
+            except RuntimeError:  # closed meanwhile (the card left): the call runs here, never not at all
+                done: Future = Future()
+                done.set_result(fn(*args))
+                futures.append(done)
         wait(futures)
         return [f.result() for f in futures]
 

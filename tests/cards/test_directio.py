@@ -264,3 +264,56 @@ def test_device_readers_run_every_call_even_when_closed_meanwhile() -> None:
     readers.close()
     readers._pool = pool  # a run that took the pool just before close() shut it down
     assert readers.run([(pow, 2, 4)]) == [16], "a call the closed pool refuses runs on the caller's thread"
+
+
+def test_a_read_whose_plan_fails_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    card = DirectoryCard(str(tmp_path / "card"))
+    card.open()
+    k = full_key(b"ns", b"planned")
+    card.write(k, memoryview(np.zeros(ALIGN, np.uint8)), ObjectMeta())
+
+    def refused(fd: int):
+        raise OSError(5, "Input/output error")
+
+    card._plan = refused  # type: ignore[method-assign]
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(OSError):
+            card.read_into(k, memoryview(bytearray(ALIGN)))
+        (res,) = card.read_many_into([(k, memoryview(bytearray(ALIGN)))])
+        assert isinstance(res, OSError)
+    assert len(os.listdir("/proc/self/fd")) == before
+    card.close()
+
+
+def test_device_readers_wait_for_every_call_before_a_refused_one_raises() -> None:
+    import threading
+    import time as _time
+
+    from kvgate.cards.directory.directio import DeviceReaders
+
+    readers = DeviceReaders("kvgate-dev-test", size=1)
+    readers.run([(pow, 1, 1)])
+    ended = threading.Event()
+
+    def slow() -> None:
+        _time.sleep(0.3)
+        ended.set()
+
+    def boom() -> None:
+        raise ValueError("refused call")
+
+    real_submit = readers._pool.submit  # type: ignore[union-attr]
+    calls = iter([real_submit, None])
+
+    def submit(*a, **kw):  # the first call goes to the pool, then the pool is closed under the second
+        f = next(calls)
+        if f is None:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return f(*a, **kw)
+
+    readers._pool.submit = submit  # type: ignore[union-attr, method-assign]
+    with pytest.raises(ValueError):
+        readers.run([(slow,), (boom,)])
+    assert ended.is_set(), "run raised while a call it handed over was still running"
+    readers.close()

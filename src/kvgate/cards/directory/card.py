@@ -194,7 +194,12 @@ class DirectoryCard(Card):
 
     def read_into(self, full_key: bytes, dest: memoryview, guard: Abandon | None = None) -> Header:
         fd, path = self._open_object(full_key)
-        return self._read_opened(fd, path, full_key, byte_view(dest), guard or Abandon(), self._plan(fd))
+        try:
+            plan = self._plan(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._read_opened(fd, path, full_key, byte_view(dest), guard or Abandon(), plan)
 
     def read_many_into(self, items: list[tuple[bytes, memoryview]],
                        guard: Abandon | None = None) -> list[Header | BaseException]:

@@ -287,7 +287,10 @@ class DeviceReaders:
                 futures.append(pool.submit(_at_class, policy, priority, fn, *args))
             except RuntimeError:  # closed meanwhile (the card left): the call runs here, never not at all
                 done: Future = Future()
-                done.set_result(fn(*args))
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as e:  # raised once every call has ended, as the pool's would be
+                    done.set_exception(e)
                 futures.append(done)
         wait(futures)
         return [f.result() for f in futures]

@@ -13,7 +13,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed-stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
-.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-vllm-pull bench-sglang bench-fleet demo-fleet
+.PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-vllm-pull bench-sglang bench-lmcache bench-fleet demo-fleet
 
 # setup.py builds the optional C fault helper (src/kvgate/_faults.c) in place; without a
 # compiler the install goes on without it (kvgate.gateway.faultlog says what that costs).
@@ -144,10 +144,16 @@ bench-vllm: $(VLLM_STAMP)
 bench-vllm-pull: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python benchmarks/vllm_pull.py $(ARGS)
 
-# SGLang HiCache backend: ARGS=io (batch_get_v1 from the gateway's RAM vs memcpy, ~30 s) or
-# ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min).
+# SGLang HiCache backend: ARGS=io (batch_get_v1 from the gateway's RAM vs memcpy, ~30 s),
+# ARGS=ttft (CPU server: restored vs computed TTFT after a restart, ~4 min) or ARGS=miss (what kvgate
+# costs a prompt nothing can restore: the server with kvgate vs without, ~5 min).
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python benchmarks/sglang_bench.py $(ARGS)
+
+# LMCache + vLLM: what kvgate as LMCache's L2 costs a prompt nothing can restore, TTFT with it vs
+# the same lmcache server without an L2 adapter (~5 min).
+bench-lmcache: $(STAMP) $(LMCACHE_STAMP)
+	$(BIN)/python benchmarks/lmcache_miss.py $(ARGS)
 
 # The operator docs (docs/, MkDocs) into var/site; the configuration page is generated from the config table.
 docs: $(STAMP)

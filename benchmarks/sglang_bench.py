@@ -2,6 +2,7 @@
 
     .venv-sglang/bin/python benchmarks/sglang_bench.py io   [--pages 512] [--rounds 7] [--json out.json]
     .venv-sglang/bin/python benchmarks/sglang_bench.py ttft [--prompt-tokens 4096] [--prompts 3] [--layers 16]
+    .venv-sglang/bin/python benchmarks/sglang_bench.py miss [--prompt-tokens 2048] [--prompts 6] [--layers 16]
     make bench-sglang ARGS="io"
 
 io:   SGLang's own ``MHATokenToKVPoolHost`` (layer_first, bf16, 8 layers, 8 KV heads of 128, pages
@@ -15,6 +16,11 @@ ttft: the real SGLang server (CPU) with the kvgate backend, on the tests' random
       (hidden 256) made 16 layers deep: server 1 computes prompts A1..An; after a restart,
       server 2 restores each Ai from kvgate and, right after it, computes a new prompt Bi of
       the same length.  TTFT is the request's time with max_new_tokens=1; medians.
+miss: what kvgate costs a prompt nothing can restore: the same server (the README's command) without
+      a storage backend and with kvgate's, in the order without, with, with, without (the machine's
+      speed drifts between servers; this order cancels it to first order), each computing --prompts
+      fresh prompts after one unmeasured; no prompt is ever seen twice, so nothing is hit.  TTFT
+      with kvgate over TTFT without, medians; with kvgate every prompt is also stored (write-through).
 """
 
 from __future__ import annotations
@@ -155,9 +161,59 @@ def bench_ttft(args) -> dict:
     return out
 
 
+BAR_MISS = 1.02  # TTFT with kvgate configured and nothing to hit, over TTFT without kvgate
+
+
+def bench_miss(args) -> dict:
+    from tests.helpers import GatewayProcess
+    from tests.integrations.sglang_server import SGLangServer, build_model, storage_tokens
+
+    work = Path(tempfile.mkdtemp(prefix="kvgate-sglang-miss-"))
+    model = work / f"tiny-llama-{args.layers}l"
+    build_model(model, layers=args.layers)
+    tokens = args.prompt_tokens
+    gw = GatewayProcess(work, ["--max-bytes", "1G"], name="gw").start()
+    ttft: dict[str, list[float]] = {"without": [], "with": []}
+    per_server, problems = [], []
+    try:
+        for n, name in enumerate(("without", "with", "with", "without")):
+            rng = random.Random(1000 + n)  # fresh prompts on every server: nothing to hit, in any tier
+            srv = SGLangServer(work, model, gw.socket, name=f"server{n}-{name}", storage=name == "with",
+                               max_total_tokens=2 * tokens + 4096).start()
+            got = []
+            try:
+                for i in range(args.prompts + 1):  # the first one takes the server's one-time costs, unmeasured
+                    r = srv.generate([rng.randrange(10, 4000) for _ in range(tokens)], max_new_tokens=1,
+                                     timeout=900)
+                    if storage_tokens(r):
+                        problems.append(f"server {n} ({name} kvgate): a fresh prompt restored {storage_tokens(r)} "
+                                        "tokens from storage")
+                    if i:
+                        got.append(r["seconds"])
+            finally:
+                srv.stop()
+            ttft[name] += got
+            per_server.append({"server": n, "kvgate": name == "with", "ttft_s": got,
+                               "median_s": statistics.median(got)})
+        stats = gw.stats()
+    finally:
+        gw.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    med = statistics.median
+    ratio = med(ttft["with"]) / med(ttft["without"])
+    return {
+        "prompt_tokens": tokens, "prompts_per_server": args.prompts, "layers": args.layers, "servers": per_server,
+        "median_without_s": med(ttft["without"]), "median_with_s": med(ttft["with"]), "ttft_ratio": round(ratio, 4),
+        "bar": {f"ttft with kvgate, nothing to hit / without <= {BAR_MISS}": ratio <= BAR_MISS},
+        # what the servers with kvgate stored meanwhile (write-through): the miss's cost includes it
+        "gateway_tiers": {t: {k: v.get(k) for k in ("objects", "sets")} for t, v in stats["tiers"].items()},
+        "problems": problems,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["io", "ttft"])
+    ap.add_argument("part", choices=["io", "ttft", "miss"])
     ap.add_argument("--pages", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
@@ -165,7 +221,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="ttft: layers of the random-weight Llama")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-    result = bench_io(args) if args.part == "io" else bench_ttft(args)
+    result = {"io": bench_io, "ttft": bench_ttft, "miss": bench_miss}[args.part](args)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

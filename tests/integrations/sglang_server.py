@@ -70,12 +70,30 @@ def build_model(model_dir: str | os.PathLike, layers: int | None = None) -> None
     subprocess.run([str(VENV_PY), "-c", code], check=True, capture_output=True, timeout=300)
 
 
+# The README command's flags that put kvgate below HiCache's host memory (each takes one value).
+STORAGE_FLAGS = ("--hicache-storage-backend", "--hicache-storage-prefetch-policy",
+                 "--hicache-storage-backend-extra-config")
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each of ``flags`` and the value after it."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
 class SGLangServer:
     """One ``sglang.launch_server`` process tree (its own session, stopped by process group)."""
 
     def __init__(self, workdir: str | os.PathLike, model_dir: str | os.PathLike, socket: str, *,
                  name: str = "sglang", extra: dict | None = None, port: int | None = None,
-                 max_total_tokens: int = 8192):
+                 max_total_tokens: int = 8192, storage: bool = True):
         self.workdir = Path(workdir)
         self.model_dir = str(model_dir)
         self.port = port or free_port()
@@ -93,6 +111,8 @@ class SGLangServer:
         else:  # a gateway elsewhere (the benchmarks'): named with the key docs/integrations/sglang.md's table gives
             config["kvgate.socket"] = socket
         argv[i] = json.dumps({**config, **(extra or {})})
+        if not storage:  # the same server with no storage tier below its host memory: SGLang without kvgate
+            argv = without_flags(argv, STORAGE_FLAGS)
         self.argv = [str(VENV_PY), *argv[1:]]
         self.proc: subprocess.Popen | None = None
 

@@ -14,7 +14,7 @@ phase 2: each engine restores P from the card, with the output it computed
 
 SGLang and LMCache run as their README sections say: SGLang's CPU command and LMCache's ``lmcache
 server`` and vLLM OpenAI server commands are read from README.md (``sglang_server``,
-``test_lmcache_e2e``), with only ports, paths, sizes and the model filled in.
+``lmcache_servers``), with only ports, paths, sizes and the model filled in.
 
 Then: the card holds exactly three namespaces (counted by a gateway's scan
 after the restart); each gateway served hits to its own engine's namespace
@@ -32,13 +32,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GatewayProcess, run_kvgate
-from tests.integrations import sglang_server, test_lmcache_e2e, test_vllm_e2e
+from tests.integrations import lmcache_servers, sglang_server, test_vllm_e2e
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1500),
     pytest.mark.skipif(not (test_vllm_e2e.VENV_PY.exists() and sglang_server.VENV_PY.exists()
-                            and test_lmcache_e2e.VENV_PY.exists()),
+                            and lmcache_servers.VENV_PY.exists()),
                        reason="needs .venv-vllm, .venv-sglang and .venv-lmcache (make test builds them)"),
 ]
 
@@ -46,7 +46,7 @@ PROMPT_TOKENS = 800
 P = [random.Random(21).randrange(10, 4000) for _ in range(PROMPT_TOKENS)]
 VLLM_CHUNKS = PROMPT_TOKENS // 128  # vLLM's CPU KV block: 6 blocks, 768 tokens
 SGLANG_PAGES = PROMPT_TOKENS // 16  # 50 pages
-LMCACHE_CHUNKS = PROMPT_TOKENS // test_lmcache_e2e.CHUNK  # 3 chunks, 768 tokens
+LMCACHE_CHUNKS = PROMPT_TOKENS // lmcache_servers.CHUNK  # 3 chunks, 768 tokens
 ENGINES = ("vllm", "sglang", "lmcache")
 
 
@@ -72,9 +72,9 @@ def run_lmcache(workdir: Path, name: str, gw: GatewayProcess, model: Path, drain
     """The README's LMCache commands as written (``lmcache server`` and vLLM's OpenAI server): one completion
     of P, then both stopped with Ctrl-C; ``external_hits``: vLLM's external prefix-cache hits; ``kv_left``:
     the KV cache segments the stopped vLLM left in /dev/shm (removed)."""
-    server = test_lmcache_e2e.LMCacheServer(workdir, gw, name + "-server").start()
+    server = lmcache_servers.LMCacheServer(workdir, gw, name + "-server").start()
     try:
-        engine = test_lmcache_e2e.VLLMServer(workdir, name, server, model).start()
+        engine = lmcache_servers.VLLMServer(workdir, name, server, model).start()
         out: dict = {}
         try:
             out.update(engine.complete(P))
@@ -145,7 +145,7 @@ def test_each_engine_restores_its_own_prompt_from_the_shared_card(runs) -> None:
 
     l1, l2 = runs["lmcache1"], runs["lmcache2"]
     assert l1["external_hits"] == 0 and l1["sets"] >= LMCACHE_CHUNKS, l1
-    assert l2["external_hits"] == LMCACHE_CHUNKS * test_lmcache_e2e.CHUNK, l2
+    assert l2["external_hits"] == LMCACHE_CHUNKS * lmcache_servers.CHUNK, l2
     assert len(l2["output_ids"]) == 8 and l2["output_ids"] == l1["output_ids"]
     # What docs/integrations/lmcache.md's shared-memory note says: each vLLM stop leaves its KV cache segment behind.
     assert len(l1["kv_left"]) >= 1 and all("/dev/shm/lmcache_kv_" in p for p in l1["kv_left"]), l1["kv_left"]

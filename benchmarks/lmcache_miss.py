@@ -11,8 +11,10 @@ connector), in the order without, with, with, without: the machine's speed drift
 this order cancels it to first order.  Each engine computes one unmeasured prompt, then ``--prompts``
 fresh ones (no prompt is ever seen twice: nothing can be hit in L1, L2 or vLLM's prefix cache); with
 kvgate, LMCache also stores each chunk in the gateway meanwhile.  TTFT is vLLM's first-token latency of
-each request; the figure is the median with kvgate over the median without.  Runs in the project venv;
-the engines and servers run in .venv-lmcache (make lmcache-venv).
+each request; the figure is the median with kvgate over the median without.  ``--also-fs``: two engines
+with LMCache's own ``fs`` L2 adapter in the middle (without, with, fs, fs, with, without): what any L2
+adapter costs a miss in LMCache, beside kvgate's cost.  Runs in the project venv; the engines and
+servers run in .venv-lmcache (make lmcache-venv).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=6, help="fresh prompts per engine, after one unmeasured")
     ap.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt (the engine's limit: 4096)")
+    ap.add_argument("--also-fs", action="store_true", help="engines with LMCache's own fs L2 adapter too")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
     if not VENV_PY.exists():
@@ -47,15 +50,18 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvgate-lmcache-miss-"))
     model_dir = work / "tiny-llama"
     gw = GatewayProcess(work, ["--max-bytes", "1G"], name="gw").start()
-    ttft: dict[str, list[float]] = {"without": [], "with": []}
+    order = (("without", "with", "fs", "fs", "with", "without") if args.also_fs else
+             ("without", "with", "with", "without"))
+    l2 = {"without": None, "with": "kvgate", "fs": {"type": "fs", "base_path": str(work / "lmcache-fs")}}
+    ttft: dict[str, list[float]] = {name: [] for name in order}
     engines, problems = [], []
     try:
-        for n, name in enumerate(("without", "with", "with", "without")):
+        for n, name in enumerate(order):
             rng = random.Random(2000 + n)  # fresh prompts on every engine
             requests = [{"name": f"{name}-{n}.{i}", "max_tokens": 1,
                          "prompt_token_ids": [rng.randrange(10, 4000) for _ in range(args.prompt_tokens)]}
                         for i in range(args.prompts + 1)]
-            server = LMCacheServer(work, gw, f"lmcache{n}-{name}", l2=name == "with").start()
+            server = LMCacheServer(work, gw, f"lmcache{n}-{name}", l2=l2[name]).start()
             try:
                 result = run_engine(work, f"engine{n}-{name}", gw, server, model_dir, requests)
             finally:
@@ -66,8 +72,8 @@ def main() -> int:
                     problems.append(f"{r['name']}: a fresh prompt was hit ({r.get('num_cached_tokens')} cached tokens)")
                 got.append(round(r["ttft"] if r.get("ttft") is not None else r["seconds"], 4))
             ttft[name] += got
-            engines.append({"engine": n, "kvgate": name == "with", "ttft_s": got, "median_s": statistics.median(got)})
-            print(f"engine {n} ({name} kvgate): TTFT median {statistics.median(got):.3f} s of {got}", flush=True)
+            engines.append({"engine": n, "l2": name, "ttft_s": got, "median_s": statistics.median(got)})
+            print(f"engine {n} (L2: {name}): TTFT median {statistics.median(got):.3f} s of {got}", flush=True)
         tiers = {t: {k: v.get(k) for k in ("objects", "sets")} for t, v in gw.stats()["tiers"].items()}
     finally:
         gw.cleanup()
@@ -81,6 +87,9 @@ def main() -> int:
         "gateway_tiers": tiers,  # what LMCache stored in kvgate meanwhile: the miss's cost includes it
         "problems": problems,
     }
+    if args.also_fs:
+        out["median_fs_s"] = med(ttft["fs"])
+        out["fs_ttft_ratio"] = round(med(ttft["fs"]) / med(ttft["without"]), 4)
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

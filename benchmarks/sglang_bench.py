@@ -2,7 +2,7 @@
 
     .venv-sglang/bin/python benchmarks/sglang_bench.py io   [--pages 512] [--rounds 7] [--json out.json]
     .venv-sglang/bin/python benchmarks/sglang_bench.py ttft [--prompt-tokens 4096] [--prompts 3] [--layers 16]
-    .venv-sglang/bin/python benchmarks/sglang_bench.py miss [--prompt-tokens 2048] [--prompts 6] [--layers 16]
+    .venv-sglang/bin/python benchmarks/sglang_bench.py miss [--prompt-tokens 4096] [--prompts 3] [--layers 16]
     make bench-sglang ARGS="io"
 
 io:   SGLang's own ``MHATokenToKVPoolHost`` (layer_first, bf16, 8 layers, 8 KV heads of 128, pages
@@ -21,6 +21,8 @@ miss: what kvgate costs a prompt nothing can restore: the same server (the READM
       speed drifts between servers; this order cancels it to first order), each computing --prompts
       fresh prompts after one unmeasured; no prompt is ever seen twice, so nothing is hit.  TTFT
       with kvgate over TTFT without, medians; with kvgate every prompt is also stored (write-through).
+      --also-file: two servers with SGLang's own file backend in the middle (without, with, file,
+      file, with, without): what any storage backend costs a miss in SGLang, beside kvgate's cost.
 """
 
 from __future__ import annotations
@@ -173,12 +175,15 @@ def bench_miss(args) -> dict:
     build_model(model, layers=args.layers)
     tokens = args.prompt_tokens
     gw = GatewayProcess(work, ["--max-bytes", "1G"], name="gw").start()
-    ttft: dict[str, list[float]] = {"without": [], "with": []}
+    order = ("without", "with", "file", "file", "with", "without") if args.also_file else \
+        ("without", "with", "with", "without")
+    storage = {"without": None, "with": "kvgate", "file": "file"}
+    ttft: dict[str, list[float]] = {name: [] for name in order}
     per_server, problems = [], []
     try:
-        for n, name in enumerate(("without", "with", "with", "without")):
+        for n, name in enumerate(order):
             rng = random.Random(1000 + n)  # fresh prompts on every server: nothing to hit, in any tier
-            srv = SGLangServer(work, model, gw.socket, name=f"server{n}-{name}", storage=name == "with",
+            srv = SGLangServer(work, model, gw.socket, name=f"server{n}-{name}", storage=storage[name],
                                max_total_tokens=2 * tokens + 4096).start()
             got = []
             try:
@@ -193,7 +198,7 @@ def bench_miss(args) -> dict:
             finally:
                 srv.stop()
             ttft[name] += got
-            per_server.append({"server": n, "kvgate": name == "with", "ttft_s": got,
+            per_server.append({"server": n, "storage": storage[name], "ttft_s": got,
                                "median_s": statistics.median(got)})
         stats = gw.stats()
     finally:
@@ -201,7 +206,7 @@ def bench_miss(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     ratio = med(ttft["with"]) / med(ttft["without"])
-    return {
+    out = {
         "prompt_tokens": tokens, "prompts_per_server": args.prompts, "layers": args.layers, "servers": per_server,
         "median_without_s": med(ttft["without"]), "median_with_s": med(ttft["with"]), "ttft_ratio": round(ratio, 4),
         "bar": {f"ttft with kvgate, nothing to hit / without <= {BAR_MISS}": ratio <= BAR_MISS},
@@ -209,6 +214,10 @@ def bench_miss(args) -> dict:
         "gateway_tiers": {t: {k: v.get(k) for k in ("objects", "sets")} for t, v in stats["tiers"].items()},
         "problems": problems,
     }
+    if args.also_file:
+        out["median_file_s"] = med(ttft["file"])
+        out["file_ttft_ratio"] = round(med(ttft["file"]) / med(ttft["without"]), 4)
+    return out
 
 
 def main() -> None:
@@ -219,6 +228,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--layers", type=int, default=16, help="ttft: layers of the random-weight Llama")
+    ap.add_argument("--also-file", action="store_true", help="miss: servers with SGLang's file backend too")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
     result = {"io": bench_io, "ttft": bench_ttft, "miss": bench_miss}[args.part](args)

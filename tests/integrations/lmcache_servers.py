@@ -50,11 +50,11 @@ def fill(words: list[str], flag: str, value: str) -> None:
 
 class LMCacheServer:
     """The README's ``lmcache server`` command, with this run's ports, L1 file name and gateway socket
-    (``adapter_params``: more adapter settings; ``l2=False``: the same server without the kvgate L2 adapter,
-    LMCache without kvgate)."""
+    (``adapter_params``: more adapter settings; ``l2=None``: the same server without the kvgate L2 adapter,
+    LMCache without kvgate; a dict: that L2 adapter of LMCache's own instead, e.g. ``{"type": "fs", ...}``)."""
 
     def __init__(self, workdir: Path, gw: GatewayProcess, name: str, adapter_params: dict | None = None,
-                 l2: bool = True):
+                 l2: str | dict | None = "kvgate"):
         self.port, self.http_port = free_port(), free_port()
         self.log_path = workdir / f"{name}.log"
         self.readme_env, words = readme_command("lmcache")
@@ -65,9 +65,11 @@ class LMCacheServer:
         adapter = json.loads(words[words.index("--l2-adapter") + 1])
         adapter["adapter_params"] = {**adapter["adapter_params"], "kvgate.socket": gw.socket, **(adapter_params or {})}
         fill(words, "--l2-adapter", json.dumps(adapter))
-        if not l2:
+        if l2 is None:
             i = words.index("--l2-adapter")
             del words[i:i + 2]
+        elif isinstance(l2, dict):
+            fill(words, "--l2-adapter", json.dumps(l2))
         self.cmd = [str(VENV / "bin" / "lmcache"), *words[1:]]
         self.proc: subprocess.Popen | None = None
 

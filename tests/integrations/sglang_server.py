@@ -93,7 +93,7 @@ class SGLangServer:
 
     def __init__(self, workdir: str | os.PathLike, model_dir: str | os.PathLike, socket: str, *,
                  name: str = "sglang", extra: dict | None = None, port: int | None = None,
-                 max_total_tokens: int = 8192, storage: bool = True):
+                 max_total_tokens: int = 8192, storage: str | None = "kvgate"):
         self.workdir = Path(workdir)
         self.model_dir = str(model_dir)
         self.port = port or free_port()
@@ -111,8 +111,11 @@ class SGLangServer:
         else:  # a gateway elsewhere (the benchmarks'): named with the key docs/integrations/sglang.md's table gives
             config["kvgate.socket"] = socket
         argv[i] = json.dumps({**config, **(extra or {})})
-        if not storage:  # the same server with no storage tier below its host memory: SGLang without kvgate
+        if storage != "kvgate":  # the same server with no storage tier below its host memory, or another one
             argv = without_flags(argv, STORAGE_FLAGS)
+            if storage is not None:  # one of SGLang's own backends (e.g. "file"), prefetching as kvgate's does
+                argv += ["--hicache-storage-backend", storage, "--hicache-storage-prefetch-policy", "wait_complete"]
+                self.readme_env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.workdir / f"{name}-{storage}")
         self.argv = [str(VENV_PY), *argv[1:]]
         self.proc: subprocess.Popen | None = None
 

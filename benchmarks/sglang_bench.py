@@ -163,10 +163,8 @@ def bench_ttft(args) -> dict:
     return out
 
 
-BAR_MISS = 1.02  # TTFT with kvgate configured and nothing to hit, over TTFT without kvgate
-
-
 def bench_miss(args) -> dict:
+    from misscost import summary  # benchmarks/, this script's directory
     from tests.helpers import GatewayProcess
     from tests.integrations.sglang_server import SGLangServer, build_model, storage_tokens
 
@@ -191,8 +189,8 @@ def bench_miss(args) -> dict:
                     r = srv.generate([rng.randrange(10, 4000) for _ in range(tokens)], max_new_tokens=1,
                                      timeout=900)
                     if storage_tokens(r):
-                        problems.append(f"server {n} ({name} kvgate): a fresh prompt restored {storage_tokens(r)} "
-                                        "tokens from storage")
+                        problems.append(f"server {n} (storage: {storage[name]}): a fresh prompt restored "
+                                        f"{storage_tokens(r)} tokens from storage")
                     if i:
                         got.append(r["seconds"])
             finally:
@@ -204,20 +202,13 @@ def bench_miss(args) -> dict:
     finally:
         gw.cleanup()
         shutil.rmtree(work, ignore_errors=True)
-    med = statistics.median
-    ratio = med(ttft["with"]) / med(ttft["without"])
-    out = {
+    return {
         "prompt_tokens": tokens, "prompts_per_server": args.prompts, "layers": args.layers, "servers": per_server,
-        "median_without_s": med(ttft["without"]), "median_with_s": med(ttft["with"]), "ttft_ratio": round(ratio, 4),
-        "bar": {f"ttft with kvgate, nothing to hit / without <= {BAR_MISS}": ratio <= BAR_MISS},
+        **summary(ttft),
         # what the servers with kvgate stored meanwhile (write-through): the miss's cost includes it
         "gateway_tiers": {t: {k: v.get(k) for k in ("objects", "sets")} for t, v in stats["tiers"].items()},
         "problems": problems,
     }
-    if args.also_file:
-        out["median_file_s"] = med(ttft["file"])
-        out["file_ttft_ratio"] = round(med(ttft["file"]) / med(ttft["without"]), 4)
-    return out
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

@@ -6,7 +6,7 @@ Standard library and kvgate only: it runs in the project venv and starts every p
 .venv-lmcache/bin/python (make lmcache-venv).  The commands are read from README.md, so the README
 cannot drift from what runs; ports, paths, sizes and the model are filled in.
 
-    server = LMCacheServer(workdir, gateway, "lmcache1").start()   # l2=False: LMCache without kvgate
+    server = LMCacheServer(workdir, gateway, "lmcache1").start()   # l2=None: LMCache without kvgate
     result = run_engine(workdir, "run1", gateway, server, model_dir, requests)
     server.stop()
 """

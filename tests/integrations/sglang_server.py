@@ -89,7 +89,11 @@ def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 class SGLangServer:
-    """One ``sglang.launch_server`` process tree (its own session, stopped by process group)."""
+    """One ``sglang.launch_server`` process tree (its own session, stopped by process group).
+
+    ``storage``: ``"kvgate"`` (the README's command), None (no storage tier below HiCache's host
+    memory: SGLang without kvgate) or one of SGLang's own backends (``"file"``), prefetching as
+    kvgate's does."""
 
     def __init__(self, workdir: str | os.PathLike, model_dir: str | os.PathLike, socket: str, *,
                  name: str = "sglang", extra: dict | None = None, port: int | None = None,

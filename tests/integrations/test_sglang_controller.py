@@ -67,9 +67,12 @@ def test_conversations_behind_a_shared_system_prompt_spread_over_cards_and_resto
     assert stats["shared_heads"]["blocks"] >= head, stats["shared_heads"]
     holding = [card["objects"] for card in stats["cards"]]
     assert sum(holding) == head + n * own, holding
-    # The system prompt on its mark's card, the conversations on theirs: one card holding every
-    # conversation would mean the marks did not tell them apart.
-    assert max(holding) < sum(holding) - head, holding
+    # The system prompt on its mark's card, the conversations on theirs. Cards win slots by hashes of
+    # their random serials, so where each conversation lands is chance: one card holding all 40 objects
+    # would mean the marks did not tell the conversations apart (by chance: 8 conversations all on the
+    # head's card of 4, 1 run in 65,536). A tighter spread is not promised: 6 of 8 on one card (about
+    # 1 run in 250) failed a stricter form of this check.
+    assert sum(1 for objects in holding if objects) >= 2, holding
     assert r["counters"]["errors"] == 0
 
 

@@ -73,7 +73,9 @@ def test_the_system_prompt_is_a_shared_head_and_conversations_spread_over_cards(
     assert stats["shared_heads"]["blocks"] >= SYSTEM_TOKENS // BLOCK, stats["shared_heads"]
     holding = [card["objects"] for card in stats["cards"]]
     # 8 system-prompt chunks on the card of its mark, 8 x 5 conversation chunks on the cards of theirs:
-    # one card holding everything would mean the marks did not tell the conversations apart.
+    # one card holding everything would mean the marks did not tell the conversations apart. Cards win
+    # slots by hashes of their random serials, so how evenly the conversations spread is chance (6 of 8
+    # on the system prompt's card is about 1 run in 250); all 8 on its card by chance, 1 run in 65,536.
     assert sum(holding) >= SYSTEM_TOKENS // BLOCK + CONVERSATIONS * (OWN_TOKENS // BLOCK), holding
-    assert max(holding) < sum(holding) - SYSTEM_TOKENS // BLOCK, holding
+    assert sum(1 for objects in holding if objects) >= 2, holding
     assert "affinity_chunks=auto" in shared_prompt_runs["first"]["log"]

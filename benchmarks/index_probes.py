@@ -4,9 +4,10 @@
 
 Prints the median time of: the key digests of 1,000 keys (``key_digests``
 against calling ``key_digest`` per key), and a batched ``DigestRows.find``
-of 1,000 keys that are all there and of 1,000 that none is.  These are the
-figures the comments of ``kvgate.keys.key_digests`` and
-``kvgate.tiers.rows`` quote.
+of 1,000 keys that are all there and of 1,000 that none is, by the
+compiled probe (``kvgate/_probe.c``, where it is built) and by the numpy
+one it replaces.  These are the figures the comments of
+``kvgate.keys.key_digests`` and ``kvgate.tiers.rows`` quote.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import numpy as np
 
 from kvgate.keys import key_digest, key_digests
+from kvgate.tiers import rows as rows_module
 from kvgate.tiers.rows import DigestRows, digest_array
 
 
@@ -43,9 +45,17 @@ def main() -> None:
     rows.add_many(stored[:, 0].copy(), stored[:, 1].copy())
     present = stored[:1000]
     absent = digest_array(key_digests([b"absent-%d" % i for i in range(1000)]))
-    for name, batch in (("present", present), ("absent", absent)):
-        lo, hi = batch[:, 0].copy(), batch[:, 1].copy()
-        print(f"find of 1,000 {name} keys in {args.rows:,} rows: {median_us(lambda: rows.find(lo, hi), args.rounds):.0f} us")
+    compiled = rows_module._probe_many
+    for probe in ("compiled", "numpy"):
+        if probe == "compiled" and compiled is None:
+            print("the compiled probe is not built here (make install builds it)")
+            continue
+        rows_module._probe_many = compiled if probe == "compiled" else None
+        for name, batch in (("present", present), ("absent", absent)):
+            lo, hi = batch[:, 0].copy(), batch[:, 1].copy()
+            print(f"find of 1,000 {name} keys in {args.rows:,} rows, {probe} probe: "
+                  f"{median_us(lambda: rows.find(lo, hi), args.rounds):.0f} us")
+    rows_module._probe_many = compiled
 
 
 if __name__ == "__main__":

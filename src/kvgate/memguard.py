@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import glob
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from kvgate import native
 from kvgate.errors import KvgateError
 
 _CHAR = ctypes.c_char
@@ -76,24 +75,20 @@ def region_gone(detail: str = "") -> MemoryFault:
 
 def _load_faults() -> ctypes.CDLL | None:
     """The compiled helper (``kvgate/_faults.c``), or None where no C compiler built it."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(here, "_faults*.so"))):
-        try:
-            lib = ctypes.CDLL(path, use_errno=True)
-        except OSError:
-            continue
-        lib.kvgate_guarded_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_copy.restype = ctypes.c_int
-        lib.kvgate_guarded_copy_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_copy_spans.restype = ctypes.c_int
-        lib.kvgate_guarded_hash.argtypes = [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_uint64)]
-        lib.kvgate_guarded_hash.restype = ctypes.c_int
-        lib.kvgate_guarded_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.kvgate_guarded_update.restype = ctypes.c_int
-        lib.kvgate_fault_installed.argtypes = []
-        lib.kvgate_fault_installed.restype = ctypes.c_int
-        return lib
-    return None
+    lib = native.load("_faults", use_errno=True)
+    if lib is None:
+        return None
+    lib.kvgate_guarded_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.kvgate_guarded_copy.restype = ctypes.c_int
+    lib.kvgate_guarded_copy_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.kvgate_guarded_copy_spans.restype = ctypes.c_int
+    lib.kvgate_guarded_hash.argtypes = [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_uint64)]
+    lib.kvgate_guarded_hash.restype = ctypes.c_int
+    lib.kvgate_guarded_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.kvgate_guarded_update.restype = ctypes.c_int
+    lib.kvgate_fault_installed.argtypes = []
+    lib.kvgate_fault_installed.restype = ctypes.c_int
+    return lib
 
 
 faults = _load_faults()

@@ -12,6 +12,17 @@ from kvgate.tiers import rows as rows_module
 from kvgate.tiers.rows import DigestRows, digest_array, split_digest, unique_digests
 
 
+@pytest.fixture(params=["compiled", "numpy"], autouse=True)
+def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case on both batch probes: the compiled one (``kvgate/_probe.c``, built by ``make install``)
+    and the numpy one it replaces where it is built."""
+    if request.param == "numpy":
+        monkeypatch.setattr(rows_module, "_probe_many", None)
+    elif rows_module._probe_many is None:
+        pytest.skip("the compiled probe is not built here (make install builds it)")
+    return request.param
+
+
 def digests(n: int, salt: bytes = b"") -> list[bytes]:
     return [xxhash.xxh3_128_digest(salt + b"%d" % i) for i in range(n)]
 
@@ -144,3 +155,30 @@ def test_a_batch_find_agrees_with_one_by_one_probes_on_every_run_length(n: int) 
     got = rows.find(*digest_array(asked).T)
     assert got.tolist() == want
     assert sum(w >= 0 for w in want) == n - n // 5
+
+
+def test_a_batch_of_separate_or_strided_halves_is_found_alike() -> None:
+    """The halves as the columns of one ``(n, 2)`` array (a card index's lookup), as arrays of their own,
+    reversed, or not uint64 at all: the same rows."""
+    rows = DigestRows({})
+    keys = digests(500)
+    arr = digest_array(keys)
+    rows.add_many(arr[:, 0], arr[:, 1])
+    asked = digest_array(keys[::3] + digests(100, b"absent"))
+    want = [rows.find1(*split_digest(k)) for k in keys[::3] + digests(100, b"absent")]
+    assert rows.find(asked[:, 0], asked[:, 1]).tolist() == want
+    assert rows.find(asked[:, 0].copy(), asked[:, 1].copy()).tolist() == want
+    assert rows.find(asked[::-1, 0], asked[::-1, 1]).tolist() == want[::-1]
+    assert rows.find(asked[:, 0].astype(object), asked[:, 1].astype(object)).tolist() == want
+
+
+def test_the_compiled_probe_is_built_where_a_compiler_is() -> None:
+    """``make install`` builds it (setup.py, optional): a lookup without it costs 100-200 us more."""
+    import shutil
+    import sysconfig
+
+    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")):
+        pytest.skip("no C compiler here: the numpy probe serves")
+    from kvgate import native
+
+    assert native.load("_probe") is not None, "make install should have built kvgate/_probe*.so"

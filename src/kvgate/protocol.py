@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import struct
 import sys
-from typing import Annotated, Literal, Union
+from typing import Literal, Union
 
 import msgspec
 
 from kvgate.types import MAX_SOURCE_CHARS, SizeCode  # noqa: F401 - MAX_SOURCE_CHARS: part of the protocol
 from kvgate.errors import KvgateError
-from kvgate.keys import MAX_KEY_BYTES
+from kvgate.keys import Key  # the decoder checks every key's length: the gateway need not
 
 MAGIC = b"KG"
 VERSION = 1
@@ -39,10 +39,6 @@ PREAMBLE_SIZE = PREAMBLE.size  # 12
 KIND_REQUEST = 0
 KIND_REPLY = 1
 MAX_HEADER_BYTES = 4 << 20  # 1000s of keys fit; bounds what a bad client makes us allocate
-# A client's key, 1 to MAX_KEY_BYTES bytes: the decoder checks every key's length in C as it reads the frame
-# (the gateway's own pass over 1,000 lengths took 21-36 us of a lookup); a bad one is BAD_REQUEST naming
-# its index ("bad lookup request: Expected `bytes` of length >= 1 - at `$.keys[3]`").
-Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 
 INLINE = -1  # region id meaning "bytes are in the frame body"
 SESSION_REGION = 0

@@ -85,3 +85,42 @@ def test_a_book_keeps_the_latest_namespaces_and_says_when_it_changed() -> None:
     book.declare("c", {"model": "c"})
     assert list(book.items()) == ["b", "c"] and book.version == 3 and book.get("vllm|q|1") is None
     assert list(taken) == ["vllm|q|1"]  # a reader's mapping is its own
+
+
+@pytest.mark.parametrize("helper", ["compiled", "python"])
+def test_full_keys_and_joined_digests_agree_with_one_key_at_a_time(helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled loops (``kvgate/_keys.c``) and the Python ones give the same bytes: the digests are the
+    names of objects on cards, written by either."""
+    import random
+
+    import xxhash
+
+    from kvgate import keys as keys_module
+
+    if helper == "python":
+        monkeypatch.setattr(keys_module, "_keys", None)
+    elif keys_module._keys is None:
+        pytest.skip("the compiled key helper is not built here (make install builds it)")
+    rng = random.Random(5)
+    ks = [rng.randbytes(rng.randrange(1, 1025)) for _ in range(300)] + [b"k", b"\x00" * 1024]
+    ns = b"n" * 255
+    fkeys = keys_module.full_keys(ns, ks)
+    assert fkeys == [full_key(ns, k) for k in ks]
+    assert keys_module.joined_digests(fkeys) == b"".join(xxhash.xxh3_128_digest(k) for k in fkeys)
+    assert keys_module.joined_digests(fkeys) == b"".join(key_digests(fkeys))
+    assert keys_module.full_keys(ns, []) == [] and keys_module.joined_digests([]) == b""
+    assert keys_module.full_keys(ns, tuple(ks[:2])) == fkeys[:2], "not a list: the Python loop"
+
+
+def test_the_compiled_key_helper_is_built_where_a_compiler_and_pythons_headers_are() -> None:
+    import os
+    import shutil
+    import sysconfig
+
+    from kvgate import keys as keys_module
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if not (shutil.which(cc) and headers):
+        pytest.skip("no C compiler or no Python headers here: the Python loops serve")
+    assert keys_module._keys is not None, "make install should have built kvgate/_keys*.so"

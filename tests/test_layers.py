@@ -13,8 +13,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "kvgate"
 
-BOTTOM = {"_version", "errors", "config", "keys", "types", "memcopy", "memguard", "native", "latency", "statview",
-          "shmowners"}
+BOTTOM = {"_version", "errors", "config", "keys", "_keys", "types", "memcopy", "memguard", "native", "latency",
+          "statview", "shmowners"}
 CARD_KINDS = {"cards.directory", "cards.redis", "cards.network"}
 # What each layer may import besides itself.  A layer missing here may import nothing of kvgate.
 MAY_USE: dict[str, set[str]] = {
@@ -59,12 +59,14 @@ def layer(module: str) -> str:
 
 
 def _imported(module: str, name: str) -> str:
-    """The module ``from module import name`` imports: the submodule where ``name`` is one, else ``module``
-    (``from kvgate import __version__`` is kvgate._version's)."""
+    """The module ``from module import name`` imports: the submodule where ``name`` is one (a package, a
+    .py file, or a compiled helper's .c source), else ``module`` (``from kvgate import __version__`` is
+    kvgate._version's)."""
     if module == "kvgate" and name == "__version__":
         return "kvgate._version"
     sub = SRC.parent / f"{module}.{name}".replace(".", "/")
-    return f"{module}.{name}" if sub.is_dir() or sub.with_suffix(".py").exists() else module
+    found = sub.is_dir() or sub.with_suffix(".py").exists() or sub.with_suffix(".c").exists()
+    return f"{module}.{name}" if found else module
 
 
 def imports() -> list[tuple[str, int, str, str]]:

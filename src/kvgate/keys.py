@@ -83,6 +83,45 @@ def key_digests(fkeys: list[bytes]) -> list[bytes]:
     return list(map(xxhash.xxh3_128_digest, fkeys))
 
 
+def joined_digests(fkeys: list[bytes]) -> bytes:
+    """The ``key_digest`` of each key, one after the other (16 bytes each): by the compiled helper
+    (``kvgate/_keys.c``) where it is built, one C loop (about 20 us per 1,000 keys, where ``key_digests``
+    and a join took 75)."""
+    if _keys is not None and type(fkeys) is list:
+        return _keys.digests(fkeys)
+    return b"".join(map(xxhash.xxh3_128_digest, fkeys))
+
+
+def full_keys(namespace: bytes, keys: list[bytes]) -> list[bytes]:
+    """``full_key(namespace, key)`` of every key of a checked list (``Key``s): one concatenation per
+    key, in one C loop where ``kvgate/_keys.c`` is built (half the time of a list comprehension)."""
+    prefix = full_key(namespace, b"")
+    if _keys is not None and type(keys) is list:
+        return _keys.prefixed(prefix, keys)
+    return [prefix + k for k in keys]
+
+
+def _load_keys_helper() -> Any:
+    """The compiled ``kvgate._keys`` with python-xxhash's own XXH3_128bits (its extension exports it), or
+    None where either is missing or the two disagree with ``xxhash.xxh3_128_digest`` on a probe."""
+    try:
+        import ctypes
+
+        from xxhash import _xxhash  # type: ignore[attr-defined]
+
+        from kvgate import _keys as helper  # type: ignore[attr-defined]
+        helper.init(ctypes.cast(ctypes.CDLL(_xxhash.__file__).XXH3_128bits, ctypes.c_void_p).value)
+    except (ImportError, OSError, AttributeError):
+        return None
+    probe = [b"", b"kvgate", bytes(range(256)) * 5]
+    if helper.digests(probe) != b"".join(map(xxhash.xxh3_128_digest, probe)):
+        return None
+    return helper
+
+
+_keys = _load_keys_helper()
+
+
 def dialog_digest(mark: bytes | None) -> bytes:
     """Fixed-size form of a dialog mark, as stored in object headers."""
     if not mark:

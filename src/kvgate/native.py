@@ -6,6 +6,9 @@ installs without them, and each user keeps a pure-Python path that does the same
 - ``kvgate/_faults.c``: copies and hashes of in-place client memory that survive the client shrinking it
   (``kvgate.memguard``, ``kvgate.gateway.faultlog``);
 - ``kvgate/_probe.c``: a card index's probe of a whole batch of digests (``kvgate.tiers.rows``).
+
+The third helper, ``kvgate/_keys.c``, reads Python lists and makes bytes objects, so it is a CPython
+extension, imported by ``kvgate.keys`` rather than loaded here.
 """
 
 from __future__ import annotations

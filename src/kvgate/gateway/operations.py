@@ -30,7 +30,7 @@ from kvgate.latency import Latencies
 from kvgate.gateway.sessions import LentBody, Session, reply
 from kvgate.gateway.shm import RegionError, map_client_region
 from kvgate.heads import SharedHeads
-from kvgate.keys import MARK_KEYS, BadKey, check_key, dialog_digest, encode_namespace, full_key
+from kvgate.keys import MARK_KEYS, BadKey, check_key, dialog_digest, encode_namespace, full_key, full_keys
 from kvgate.memcopy import MemoryFault
 from kvgate.protocol import (
     Cards,
@@ -214,16 +214,15 @@ class Operations:
     def _full_keys(self, sess: Session, keys: list[bytes]) -> list[bytes]:
         """``full_key(namespace, key)`` of every key of a decoded request.
 
-        Done in bulk (one concatenation per key) rather than two Python calls
+        Done in bulk (``kvgate.keys.full_keys``) rather than two Python calls
         per key: an engine looks up 1,000s of keys on every scheduling step,
         and per-key calls were a third of a lookup's time.  The decoder has
-        checked each key already (``protocol.Key``: bytes of a length in
+        checked each key already (``kvgate.keys.Key``: bytes of a length in
         bounds); the count is checked here, for its own error code.
         """
         if len(keys) > MAX_KEYS_PER_REQUEST:
             raise RequestError(ErrorCode.TOO_LARGE, f"{len(keys)} keys in one request (limit {MAX_KEYS_PER_REQUEST})")
-        prefix = full_key(sess.namespace, b"")
-        return [prefix + k for k in keys]
+        return full_keys(sess.namespace, keys)
 
     # ---- any session ----------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from kvgate.tiers.io import CardIo, IoPool, KeyOrder
 from kvgate.tiers.life import CardLife
 from kvgate.tiers.reads import CardRead, RecentlyPrepared
 from kvgate.tiers.room import CardRoom
-from kvgate.tiers.rows import digest_array
+from kvgate.tiers.rows import key_digest_array
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
 
 # Objects one I/O call of a namespace's clean deletes: the card's threads stay free for reads between calls.
@@ -221,7 +221,7 @@ class ManagedCard:
         if not (self.card.prepares_reads and self.life.health.hints_ok):
             return
         if digests is None:
-            digests = digest_array(key_digests(fkeys))
+            digests = key_digest_array(fkeys)
         fresh = self.prepared.fresh(digests)
         todo = fkeys if fresh.all() else [fkeys[i] for i in np.flatnonzero(fresh).tolist()]
         if not todo or self.io.hint(self.card.prepare_reads, todo, urgent=urgent):

@@ -21,11 +21,11 @@ from typing import Iterable, TypeVar
 
 import numpy as np
 
-from kvgate.keys import key_digest, key_digests
+from kvgate.keys import key_digest
 from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.cardset import CardSet
 from kvgate.tiers.index import IndexEntry
-from kvgate.tiers.rows import digest_array
+from kvgate.tiers.rows import key_digest_array
 
 T = TypeVar("T")
 
@@ -115,7 +115,7 @@ class KeyFinder:
         n = len(fkeys)
         where: list[ManagedCard | None] = list(homes)
         indexed = np.zeros(n, bool)
-        digests = digest_array(key_digests(fkeys))
+        digests = key_digest_array(fkeys)
         if not n:
             return where, indexed, digests
         settled = np.zeros(n, bool)  # indexed, or known to be a miss

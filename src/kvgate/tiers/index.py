@@ -43,9 +43,9 @@ from typing import Final
 import numpy as np
 
 from kvgate.cards.objectformat import ObjectMeta
-from kvgate.keys import NO_DIALOG, full_key, key_digest, key_digests
+from kvgate.keys import NO_DIALOG, full_key, key_digest
 from kvgate.tiers.events import CLEARED, KEY_BYTES, REMOVED, STORED, TierChanges
-from kvgate.tiers.rows import DigestRows, digest_array, join_digest, split_digest
+from kvgate.tiers.rows import DigestRows, join_digest, key_digest_array, split_digest
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
 
@@ -287,7 +287,7 @@ class CardIndex:
         return self.rows.find(digests[:, 0], digests[:, 1])
 
     def find_keys(self, fkeys: list[bytes]) -> np.ndarray:
-        return self.find(digest_array(key_digests(fkeys)))
+        return self.find(key_digest_array(fkeys))
 
     def stored_of(self, rows_: np.ndarray) -> np.ndarray:
         """Stored bytes of many rows (int64)."""

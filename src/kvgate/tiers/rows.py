@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvgate import native
-from kvgate.keys import DIGEST_BYTES
+from kvgate.keys import DIGEST_BYTES, joined_digests
 
 _DIGEST = struct.Struct("<QQ")
 _MMAP_FROM = 64 << 10  # bytes; smaller columns come from the heap
@@ -150,6 +150,11 @@ def digest_array(digests: list[bytes]) -> np.ndarray:
     if not digests:
         return np.empty((0, 2), np.uint64)
     return np.frombuffer(b"".join(digests), "<u8").reshape(-1, 2)
+
+
+def key_digest_array(fkeys: list[bytes]) -> np.ndarray:
+    """``digest_array(key_digests(fkeys))`` in one pass (``kvgate.keys.joined_digests``)."""
+    return np.frombuffer(joined_digests(fkeys), "<u8").reshape(-1, 2)
 
 
 def unique_digests(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -155,6 +155,28 @@ def run_plan(python: Path, script: Path, workdir: Path, name: str, plan: dict, *
     return run_json_script(python, script, [path], Path(plan["out"]), cwd=workdir, **kw)
 
 
+def run_logged_plan(python: Path, script: Path, workdir: Path, name: str, plan: dict, *, env: dict[str, str],
+                    timeout: float) -> dict:
+    """``run_plan`` for an engine script (tests/integrations/vllm_engine.py) whose stdout and stderr go to
+    ``workdir/<name>.log``, kept for a look after the test; ``env`` is its whole environment.  The plan's
+    ``"out"`` is set here to ``workdir/<name>.json``.  Returns the results the script wrote there, with that
+    log under ``"log"`` and their ``"results"`` (each with a ``"name"``) also ``"by_name"``.  A failed run (an
+    exit code other than 0, or no results) fails the test with the log's tail."""
+    out = workdir / f"{name}.json"
+    plan_path = workdir / f"{name}.plan.json"
+    plan_path.write_text(json.dumps({**plan, "out": str(out)}))
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.run([str(python), str(script), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
+                              env=env, cwd=str(workdir), timeout=timeout)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
+    result = json.loads(out.read_text())
+    result["log"] = text
+    result["by_name"] = {r["name"]: r for r in result["results"]}
+    return result
+
+
 def run_kvgate(*args: str, timeout: float = 30.0, cwd: str | os.PathLike | None = None,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a ``kvgate`` CLI command to completion (stat, clean, fingerprint, serve that must fail...)."""
@@ -251,6 +273,23 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def mapped_shm(pgid: int, prefixes: tuple[str, ...]) -> set[str]:
+    """The /dev/shm files whose names start with one of ``prefixes`` that the processes of process group
+    ``pgid`` (a server started in a session of its own, and its children) have mapped: the last word of each
+    such line of their /proc/<pid>/maps.  A process that exits or cannot be read meanwhile is passed over."""
+    wanted = tuple(f"/dev/shm/{prefix}" for prefix in prefixes)
+    found: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split()[-1] for line in f if any(w in line for w in wanted))
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 class GatewayProcess(processes.GatewayProcess):

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.helpers import GatewayProcess, free_port, kvgate_env, readme_commands
+from tests.helpers import GatewayProcess, free_port, kvgate_env, mapped_shm, readme_commands, run_logged_plan
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-lmcache"
@@ -159,27 +159,14 @@ class VLLMServer:
             text = r.read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
-    def _kv_segments(self) -> set[str]:
-        """The /dev/shm segments LMCache's connector moved vLLM's KV cache into (``lmcache_kv_<pid>_<n>``),
-        as this server's processes (its process group) map them."""
-        found: set[str] = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.getpgid(int(pid)) != self.proc.pid:
-                    continue
-                with open(f"/proc/{pid}/maps") as f:
-                    found.update(line.split()[-1] for line in f if "/dev/shm/lmcache_kv_" in line)
-            except (OSError, IndexError):
-                continue
-        return found
-
     def stop(self) -> set[str]:
         """Ctrl-C, as a user stops it; killed if it does not exit.  Returns the KV cache segments the
         stopped server left in /dev/shm, which it then removes (see docs/integrations/lmcache.md: vLLM kills its engine
         core at Ctrl-C, so LMCache never unlinks them)."""
         if self.proc is None or self.proc.poll() is not None:
             return set()
-        segments = self._kv_segments()
+        # LMCache's connector moves vLLM's KV cache into segments of its own (lmcache_kv_<pid>_<n>)
+        segments = mapped_shm(self.proc.pid, ("lmcache_kv_",))
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(60)
@@ -194,18 +181,6 @@ class VLLMServer:
 
 def run_engine(workdir: Path, name: str, gw: GatewayProcess, server: LMCacheServer, model_dir: Path,
                requests: list[dict], drain: dict | None = None, frozen: dict | None = None) -> dict:
-    out = workdir / f"{name}.json"
     plan = {"model_dir": str(model_dir), "socket": gw.socket, "requests": requests, "drain": drain,
-            "frozen": frozen, "kv_transfer_config": server.connector(), "out": str(out)}
-    plan_path = workdir / f"{name}.plan.json"
-    plan_path.write_text(json.dumps(plan))
-    log = workdir / f"{name}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.run([str(VENV_PY), str(ENGINE), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
-                              env=env(), cwd=str(workdir), timeout=400)
-    text = log.read_text(errors="replace")
-    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
-    result = json.loads(out.read_text())
-    result["log"] = text
-    result["by_name"] = {r["name"]: r for r in result["results"]}
-    return result
+            "frozen": frozen, "kv_transfer_config": server.connector()}
+    return run_logged_plan(VENV_PY, ENGINE, workdir, name, plan, env=env(), timeout=400)

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvgate.bench.processes import free_port
-from tests.helpers import readme_commands
+from tests.helpers import mapped_shm, readme_commands
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -188,28 +188,14 @@ class SGLangServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def _shm_files(self) -> set[str]:
-        """SGLang's own /dev/shm files its processes (this server's process group) have mapped: its load
-        reports (``sglang_loads_*.shm``) and Python's semaphores (``sem.mp-*``), which a killed server
-        leaves behind (see docs/integrations/sglang.md)."""
-        found: set[str] = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.getpgid(int(pid)) != self.proc.pid:
-                    continue
-                with open(f"/proc/{pid}/maps") as f:
-                    found.update(line.split()[-1] for line in f
-                                 if "/dev/shm/sglang_loads_" in line or "/dev/shm/sem.mp-" in line)
-            except (OSError, IndexError):
-                continue
-        return found
-
     def stop(self) -> None:
         """SIGKILL the server's process group: SGLang ignores SIGTERM for seconds, and a test restart
         is a crash restart anyway (the backend must cope).  Then removes what SGLang left in /dev/shm."""
         if self.proc is None:
             return
-        leftovers = self._shm_files()
+        # SGLang's own files, which a killed server leaves behind (see docs/integrations/sglang.md): its
+        # load reports (sglang_loads_*.shm) and Python's semaphores (sem.mp-*)
+        leftovers = mapped_shm(self.proc.pid, ("sglang_loads_", "sem.mp-"))
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

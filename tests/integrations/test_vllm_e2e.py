@@ -36,17 +36,15 @@ run 4 (a replica in cluster mode: gateway 2 follows a card registry in a real
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.common import AgentProcess, EtcdServer
-from tests.helpers import GatewayProcess, free_port, kvgate_env, run_kvgate, wait_until
+from tests.helpers import GatewayProcess, free_port, kvgate_env, run_kvgate, run_logged_plan, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -93,32 +91,20 @@ def run_engine(workdir: Path, name: str, gw: GatewayProcess, model_dir: Path, re
 def run_engine_plan(workdir: Path, name: str, plan: dict, timeout: float = 400) -> dict:
     """``vllm_engine.py`` on ``plan`` (its keys: see that script) in a process of its own; the results, with
     the engine's ``log`` and the results ``by_name``.  Fails the test with the log's tail if the run fails."""
-    out = workdir / f"{name}.json"
-    plan = {**plan, "out": str(out)}
-    plan_path = workdir / f"{name}.plan.json"
-    plan_path.write_text(json.dumps(plan))
     env = kvgate_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
     env.pop("PYTHONHASHSEED", None)
-    log = workdir / f"{name}.log"
     try:
-        with open(log, "wb") as f:
-            proc = subprocess.run([str(VENV_PY), str(ENGINE), str(plan_path)], stdout=f, stderr=subprocess.STDOUT,
-                                  env=env, cwd=str(workdir), timeout=timeout)
+        return run_logged_plan(VENV_PY, ENGINE, workdir, name, plan, env=env, timeout=timeout)
     finally:
         # vLLM's tiering spec unlinks its /dev/shm CPU tier only in a clean shutdown; when it
         # force-kills its engine core (about 5 s after shutdown starts) the file stays (under a
-        # MultiConnector, kvgate's child keeps the engine's id: the same file).
-        id_file = Path(str(out) + ".engine_id")
+        # MultiConnector, kvgate's child keeps the engine's id: the same file).  The engine names
+        # its id in a file beside its results (workdir/<name>.json).
+        id_file = workdir / f"{name}.json.engine_id"
         if id_file.exists():
             leaked = Path(f"/dev/shm/vllm_offload_{id_file.read_text().strip()}.mmap")
             if leaked.exists():
                 leaked.unlink()
-    text = log.read_text(errors="replace")
-    assert proc.returncode == 0 and out.exists(), f"engine run {name} failed (rc {proc.returncode}):\n{text[-6000:]}"
-    result = json.loads(out.read_text())
-    result["log"] = text
-    result["by_name"] = {r["name"]: r for r in result["results"]}
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The summary both miss-cost benchmarks print (``sglang_bench.py miss``, ``lmcache_miss.py``): TTFT
-medians of fresh prompts per configuration, each over the median without kvgate, and the aim."""
+"""The summary the miss-cost benchmarks print (``sglang_bench.py miss``, ``lmcache_miss.py``; ``vllm_ttft.py``
+takes its ratio and aim): TTFT medians of fresh prompts per configuration, each over the median without
+kvgate, and the aim."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
     python benchmarks/index_probes.py [--rows 200000] [--rounds 2000]
 
 Prints the median time of: the key digests of 1,000 keys (``key_digests``
-against calling ``key_digest`` per key), and a batched ``DigestRows.find``
+against calling ``key_digest`` per key), the full keys and the joined digests
+of 1,000 keys by the compiled loops (``kvgate/_keys.c``, where it is built)
+and by the Python ones, and a batched ``DigestRows.find``
 of 1,000 keys that are all there and of 1,000 that none is, by the
 compiled probe (``kvgate/_probe.c``, where it is built) and by the numpy
 one it replaces.  These are the figures the comments of
@@ -18,7 +20,8 @@ import time
 
 import numpy as np
 
-from kvgate.keys import key_digest, key_digests
+from kvgate import keys as keys_module
+from kvgate.keys import full_keys, joined_digests, key_digest, key_digests
 from kvgate.tiers import rows as rows_module
 from kvgate.tiers.rows import DigestRows, digest_array
 
@@ -38,8 +41,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2000)
     args = p.parse_args()
     keys = [b"bench-key-%d" % i for i in range(args.rows)]
-    print(f"key digests of 1,000 keys: key_digests {median_us(lambda: key_digests(keys[:1000]), args.rounds):.0f} us, "
-          f"one key_digest per key {median_us(lambda: [key_digest(k) for k in keys[:1000]], args.rounds):.0f} us")
+    batch = keys[:1000]
+    print(f"key digests of 1,000 keys: key_digests {median_us(lambda: key_digests(batch), args.rounds):.0f} us, "
+          f"one key_digest per key {median_us(lambda: [key_digest(k) for k in batch], args.rounds):.0f} us")
+    helper = keys_module._keys
+    for way in ("compiled", "python"):
+        if way == "compiled" and helper is None:
+            print("the compiled key helper is not built here (make install builds it)")
+            continue
+        keys_module._keys = helper if way == "compiled" else None
+        print(f"1,000 keys, {way} loops: full_keys {median_us(lambda: full_keys(b'bench', batch), args.rounds):.0f} us, "
+              f"joined_digests {median_us(lambda: joined_digests(batch), args.rounds):.0f} us")
+    keys_module._keys = helper
     rows = DigestRows({"v": np.int64})
     stored = digest_array(key_digests(keys))
     rows.add_many(stored[:, 0].copy(), stored[:, 1].copy())

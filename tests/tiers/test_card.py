@@ -1,5 +1,6 @@
-"""ManagedCard on its own: what each card answer reads as, and what a full card does (ENOSPC lowers its
-capacity to what the medium really has, once per episode, not once per failed write).
+"""ManagedCard on its own: what each card answer reads as, how a prefix probe asks the card, and what a
+full card does (ENOSPC lowers its capacity to what the medium really has, once per episode, not once per
+failed write).
 
 One request that meets a full card fails several objects at once; lowering
 the capacity for each of them compounded (0.9 ** n of what fits: a
@@ -162,3 +163,25 @@ def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp
         await cs.life.close()
 
     asyncio.run(main())
+
+
+def test_a_prefix_probe_asks_the_first_key_alone_before_the_rest() -> None:
+    """A probe of keys no index knows is most often a prompt nothing holds: one check answers it, not one per
+    key (1,000 absent keys took 13 ms of stats on a directory card)."""
+    from kvgate.tiers.card import _exists_prefix
+
+    class Holding:
+        def __init__(self, held: set[bytes]) -> None:
+            self.held, self.asked = held, []
+
+        def exists_many(self, keys: list[bytes], not_before_ns: int | None = None) -> list[bool]:
+            self.asked.append(list(keys))
+            return [k in self.held for k in keys]
+
+    keys = [b"k%d" % i for i in range(1000)]
+    none = Holding(set())
+    assert _exists_prefix(none, keys, None) == 0 and none.asked == [keys[:1]]
+    some = Holding(set(keys[:600]) | {keys[700]})
+    assert _exists_prefix(some, keys, None) == 600 and some.asked == [keys[:1], keys[1:]]
+    one = Holding({keys[0]})
+    assert _exists_prefix(one, keys[:1], None) == 1 and one.asked == [keys[:1]]

@@ -40,8 +40,6 @@ Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 _KEY_LIST = list[Key]
 
 
-
-
 def encode_namespace(namespace: str | bytes) -> bytes:
     raw = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
     if not raw:

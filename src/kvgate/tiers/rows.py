@@ -77,7 +77,6 @@ MIGRATE_PER_FIND = 8192  # old slots moved with each batched find (a few hundred
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
-
 def _load_probe() -> Any:
     """The compiled batch probe (``kvgate/_probe.c``): 1,000 digests found in a few microseconds where the
     numpy rounds of ``DigestRows._find_in`` take 100-200; None where it is not built (the numpy path

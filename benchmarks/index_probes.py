@@ -35,6 +35,21 @@ def median_us(fn, rounds: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def both_ways(module, attr: str, what: str, figures) -> None:
+    """``figures("compiled")`` with ``module.attr`` (a compiled helper) as loaded, then ``figures("python")``
+    with it set to None, as where it is not built."""
+    helper = getattr(module, attr)
+    if helper is None:
+        print(f"{what} is not built here (make install builds it)")
+    else:
+        figures("compiled")
+    setattr(module, attr, None)
+    try:
+        figures("python")
+    finally:
+        setattr(module, attr, helper)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=200_000)
@@ -44,31 +59,25 @@ def main() -> None:
     batch = keys[:1000]
     print(f"key digests of 1,000 keys: key_digests {median_us(lambda: key_digests(batch), args.rounds):.0f} us, "
           f"one key_digest per key {median_us(lambda: [key_digest(k) for k in batch], args.rounds):.0f} us")
-    helper = keys_module._keys
-    for way in ("compiled", "python"):
-        if way == "compiled" and helper is None:
-            print("the compiled key helper is not built here (make install builds it)")
-            continue
-        keys_module._keys = helper if way == "compiled" else None
+
+    def keys_figures(way: str) -> None:
         print(f"1,000 keys, {way} loops: full_keys {median_us(lambda: full_keys(b'bench', batch), args.rounds):.0f} us, "
               f"joined_digests {median_us(lambda: joined_digests(batch), args.rounds):.0f} us")
-    keys_module._keys = helper
+
+    both_ways(keys_module, "_keys", "the compiled key helper", keys_figures)
     rows = DigestRows({"v": np.int64})
     stored = digest_array(key_digests(keys))
     rows.add_many(stored[:, 0].copy(), stored[:, 1].copy())
     present = stored[:1000]
     absent = digest_array(key_digests([b"absent-%d" % i for i in range(1000)]))
-    compiled = rows_module._probe_many
-    for probe in ("compiled", "numpy"):
-        if probe == "compiled" and compiled is None:
-            print("the compiled probe is not built here (make install builds it)")
-            continue
-        rows_module._probe_many = compiled if probe == "compiled" else None
+
+    def find_figures(way: str) -> None:
         for name, batch in (("present", present), ("absent", absent)):
             lo, hi = batch[:, 0].copy(), batch[:, 1].copy()
-            print(f"find of 1,000 {name} keys in {args.rows:,} rows, {probe} probe: "
+            print(f"find of 1,000 {name} keys in {args.rows:,} rows, {way} probe: "
                   f"{median_us(lambda: rows.find(lo, hi), args.rounds):.0f} us")
-    rows_module._probe_many = compiled
+
+    both_ways(rows_module, "_probe_many", "the compiled probe", find_figures)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,17 @@ static void put_be64(unsigned char *out, uint64_t v)
     }
 }
 
+/* keys[i], or NULL with TypeError set where it is not bytes (the caller drops what it made). */
+static PyObject *key_at(PyObject *keys, Py_ssize_t i)
+{
+    PyObject *k = PyList_GET_ITEM(keys, i);
+    if (!PyBytes_Check(k)) {
+        PyErr_Format(PyExc_TypeError, "keys[%zd] is %.100s, not bytes", i, Py_TYPE(k)->tp_name);
+        return NULL;
+    }
+    return k;
+}
+
 /* digests(keys: list[bytes]) -> bytes: the 16-byte digest of each key, one after the other. */
 static PyObject *digests(PyObject *self, PyObject *keys)
 {
@@ -62,10 +73,9 @@ static PyObject *digests(PyObject *self, PyObject *keys)
         return NULL;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(k)) {
+        PyObject *k = key_at(keys, i);
+        if (k == NULL) {
             Py_DECREF(out);
-            PyErr_Format(PyExc_TypeError, "keys[%zd] is %.100s, not bytes", i, Py_TYPE(k)->tp_name);
             return NULL;
         }
         xxh128_hash h = xxh3_128(PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
@@ -88,10 +98,9 @@ static PyObject *prefixed(PyObject *self, PyObject *args)
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(k)) {
+        PyObject *k = key_at(keys, i);
+        if (k == NULL) {
             Py_DECREF(out);
-            PyErr_Format(PyExc_TypeError, "keys[%zd] is %.100s, not bytes", i, Py_TYPE(k)->tp_name);
             return NULL;
         }
         Py_ssize_t klen = PyBytes_GET_SIZE(k);

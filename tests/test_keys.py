@@ -124,3 +124,13 @@ def test_the_compiled_key_helper_is_built_where_a_compiler_and_pythons_headers_a
     if not (shutil.which(cc) and headers):
         pytest.skip("no C compiler or no Python headers here: the Python loops serve")
     assert keys_module._keys is not None, "make install should have built kvgate/_keys*.so"
+
+
+def test_str_keys_are_their_utf8_bytes_never_base64() -> None:
+    """``as_keys`` checks a batch with ``msgspec.convert``, which reads a str as base64 where it wants bytes
+    ("abcd" would become 3 other bytes): a str key must reach the gateway as its UTF-8, alone or mixed."""
+    from kvgate.keys import as_keys
+
+    assert as_keys(["abcd"]) == [b"abcd"]
+    assert as_keys(["abcd", b"k-1", bytearray(b"k-2")]) == [b"abcd", b"k-1", b"k-2"]
+    assert as_keys(("ключ",)) == ["ключ".encode()]

@@ -79,6 +79,8 @@ MAX_KEYS_PER_REQUEST = 65536
 MAX_LOANS = 256
 # Card objects one session may hold lent as open files; past that they are read into buffers of ours.
 FILES_PER_SESSION = 1024
+# Client regions one session may register (each engine integration registers one, its CPU tier or L1).
+MAX_CLIENT_REGIONS = 16
 _EMPTY = memoryview(bytearray(0))
 
 # A handler answers (session, request, body) with its reply and the reply's body (None: no body).
@@ -307,6 +309,11 @@ class Operations:
             raise RequestError(ErrorCode.BAD_REQUEST, "regions can only be registered over the Unix socket")
         if "\x00" in req.path:
             raise RequestError(ErrorCode.BAD_REQUEST, "region path contains a NUL byte")
+        if len(sess.regions) - (SESSION_REGION in sess.regions) >= MAX_CLIENT_REGIONS:
+            # each region holds a mapping and (in place) a descriptor: without a cap one connection
+            # could spend the gateway's descriptors and mappings, and every other session with them
+            raise RequestError(ErrorCode.BAD_REQUEST, f"a session registers at most {MAX_CLIENT_REGIONS} "
+                               f"regions (not {req.path}): open another session for more")
         region = await self.pool.run(map_client_region, req.path, sess.uid, not sess.in_place, sess.id, sess.pid)
         rid = max(sess.regions, default=0) + 1
         sess.regions[rid] = region

@@ -91,8 +91,33 @@ def check_position(position: Any, n: int) -> int:
     return position
 
 
-def byte_views(buffers: Any, what: str, n: int, writable: bool) -> list[memoryview]:
-    """One flat byte view per buffer, checked: ``n`` of them, contiguous, writable when ``writable``."""
+class Scatter:
+    """One object's destination in pieces: a get's ``into`` entry that is a list of buffers, filled in order
+    (as ``os.readv`` fills its buffers).  ``parts``: their flat byte views; ``nbytes``: their total."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: list[memoryview]):
+        self.parts = parts
+        self.nbytes = sum(p.nbytes for p in parts)
+
+    def filled(self, n: int) -> list[memoryview]:
+        """The parts the first ``n`` bytes fill, the last one cut to what it holds."""
+        if n == self.nbytes:
+            return self.parts
+        out = []
+        for p in self.parts:
+            if n <= 0:
+                break
+            out.append(p[:n])
+            n -= p.nbytes
+        return out
+
+
+def byte_views(buffers: Any, what: str, n: int, writable: bool, *,
+               scatter: bool = False) -> list[memoryview] | list[memoryview | Scatter]:
+    """One flat byte view per buffer, checked: ``n`` of them, contiguous, writable when ``writable``.
+    ``scatter``: an entry that is a list (or tuple) of buffers is a ``Scatter`` of their views."""
     if isinstance(buffers, (bytes, bytearray, memoryview, str, mmap.mmap)) or \
             (isinstance(buffers, np.ndarray) and buffers.ndim <= 1 and buffers.dtype != object):
         raise InvalidArgument(f"{what} must be a list of buffers, one per key, not one {type(buffers).__name__}: "
@@ -103,16 +128,28 @@ def byte_views(buffers: Any, what: str, n: int, writable: bool) -> list[memoryvi
         raise InvalidArgument(f"{what} must be a list of buffers, one per key, not {type(buffers).__name__}") from None
     if len(buffers) != n:
         raise InvalidArgument(f"{n} keys but {len(buffers)} {what}: pass one per key")
-    views = []
+    views: list = []
     for i, b in enumerate(buffers):
-        try:
-            v = memoryview(b)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"{what}[{i}] is {type(b).__name__}, not a buffer ({e}): pass bytes, bytearray, "
-                            "memoryview, a numpy array or an mmap") from None
-        if not v.c_contiguous:
-            raise InvalidArgument(f"{what}[{i}] is not contiguous: pass a contiguous buffer (numpy.ascontiguousarray)")
-        if writable and v.readonly:
-            raise InvalidArgument(f"{what}[{i}] is read-only: a destination must be writable")
-        views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
+        if scatter and isinstance(b, (list, tuple)):
+            parts = [p if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous
+                     and not (writable and p.readonly) else _byte_view(p, f"{what}[{i}][{j}]", writable)
+                     for j, p in enumerate(b)]  # (inline: a get of SGLang's pages checks thousands)
+            if not parts:
+                raise InvalidArgument(f"{what}[{i}] is an empty list: pass the buffers its object fills, in order")
+            views.append(Scatter(parts))
+        else:
+            views.append(_byte_view(b, f"{what}[{i}]", writable))
     return views
+
+
+def _byte_view(b: Any, name: str, writable: bool) -> memoryview:
+    try:
+        v = memoryview(b)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"{name} is {type(b).__name__}, not a buffer ({e}): pass bytes, bytearray, "
+                              "memoryview, a numpy array or an mmap") from None
+    if not v.c_contiguous:
+        raise InvalidArgument(f"{name} is not contiguous: pass a contiguous buffer (numpy.ascontiguousarray)")
+    if writable and v.readonly:
+        raise InvalidArgument(f"{name} is read-only: a destination must be writable")
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")

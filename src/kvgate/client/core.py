@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from kvgate.client.args import (
     Buffer,
+    Scatter,
     byte_views,
     check_dialog,
     check_keys,
@@ -235,13 +236,16 @@ def put_many_op(keys: Any, buffers: Any, retention: Any, dialog: Any, position: 
 
 def get_many_op(keys: Any, into: Any, dialog: Any, source: Any = None) -> Operation:
     bkeys = check_keys(keys)
-    views = None if into is None else byte_views(into, "destination buffers", len(bkeys), writable=True)
+    views = None if into is None else byte_views(into, "destination buffers", len(bkeys), writable=True,
+                                                 scatter=True)
     dialog = check_dialog(dialog)
     source = check_source(source)
     if not bkeys:
         return lambda s: done([])
     if views is None:
         return lambda s: s.transport.get_packed(bkeys, dialog, source=source)
+    if any(isinstance(v, Scatter) for v in views):
+        return lambda s: s.transport.get_scattered(bkeys, views, dialog, source=source)
     return lambda s: s.transport.get_into(bkeys, views, dialog, source=source)
 
 

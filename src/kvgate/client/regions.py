@@ -11,13 +11,14 @@ session region cannot hold travels inline, in the frames.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvgate.client.args import Buffer
+from kvgate.client.args import Buffer, Scatter
 from kvgate.client.transport import InlineTransport, Transport, packed_hits, stalled
 from kvgate.client.wire import Copy, ObjectTooLarge, Op, Wire, not_permitted
 from kvgate.client import crossmem
@@ -41,6 +42,11 @@ class _Region:
 def _address(buf: Buffer) -> tuple[int, int]:
     arr = np.frombuffer(buf, dtype=np.uint8)
     return arr.ctypes.data, arr.nbytes
+
+
+def _writable_address(view: memoryview) -> int:
+    """The address of a writable byte view: a third of ``_address``'s time (0.45 us), for a view per piece."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
 
 
 def _u8(buf: Buffer) -> np.ndarray:
@@ -217,7 +223,7 @@ class SharedMemoryTransport(Transport):
     def get_into(self, keys: list[bytes], views: list[memoryview], dialog: bytes | None, *,
                  source: str | None = None) -> Op:
         out: list = [None] * len(keys)
-        placed = [self._locate(v) for v in views]
+        placed = [None if isinstance(v, Scatter) else self._locate(v) for v in views]
         if self.lends:
             mine = [i for i, p in enumerate(placed) if p is None]
             if sum(views[i].nbytes for i in mine) >= LEND_MIN_BYTES:
@@ -237,14 +243,42 @@ class SharedMemoryTransport(Transport):
                 out[i] = g
         return out
 
-    def _get_lent(self, keys: list[bytes], views: list[memoryview], index: list[int], dialog: bytes | None,
-                  out: list, source: str | None = None) -> Op:
+    def get_scattered(self, keys: list[bytes], views: list[memoryview | Scatter], dialog: bytes | None, *,
+                      source: str | None = None) -> Op:
+        """Each ``Scatter`` destination is read straight into its pieces where this session may read the
+        gateway's memory (one copy: ``process_vm_readv`` takes a list of destinations); otherwise through
+        the session region, copied out piece by piece (two), and one larger than the region is received
+        into one buffer first.  Plain buffers beside them go as in ``get_into``."""
+        scattered = [i for i, v in enumerate(views) if isinstance(v, Scatter)]
+        out: list = [None] * len(keys)
+        whole: list[int] = []
+        if self.lends and (yield from self._get_lent(keys, views, scattered, dialog, out, source)):
+            rest = [i for i, v in enumerate(views) if not isinstance(v, Scatter)]
+        else:
+            cap = self.session_region.size if self.session_region is not None else -1
+            whole = [i for i in scattered if views[i].nbytes > cap]
+            rest = sorted(set(range(len(keys))) - set(whole))
+        for index, call in ((whole, super().get_scattered), (rest, self.get_into)):
+            if not index:
+                continue
+            try:
+                got = yield from call([keys[i] for i in index], [views[i] for i in index], dialog, source=source)
+            except ObjectTooLarge as e:  # named by the caller's index
+                raise ObjectTooLarge(index[e.index], e.needed) from None
+            for i, g in zip(index, got):
+                out[i] = g
+        return out
+
+    def _get_lent(self, keys: list[bytes], views: list[memoryview | Scatter], index: list[int],
+                  dialog: bytes | None, out: list, source: str | None = None) -> Op:
         """Get ``index`` (indexes) into their views by reading them out of the gateway's memory, or out of
         card files it lends open (``kvgate.client.crossmem``); sets ``out[i]``.  False when this process may not
-        read its memory (nothing was read then, and this session copies through its region from now on)."""
+        read its memory (nothing was read then, and this session copies through its region from now on).
+        A ``Scatter`` view is read into its pieces; the gateway reads its card objects into its own memory
+        first (a lent file is read into one buffer)."""
         todo = list(index)
         was_stalled = False
-        files_ok = self.lends_files
+        files_ok = self.lends_files and not any(isinstance(views[i], Scatter) for i in index)
         while todo:
             reply, _ = yield from self.wire.call(Get(keys=[keys[i] for i in todo], region=LENT,
                                                      capacities=[views[i].nbytes for i in todo], dialog=dialog,
@@ -276,8 +310,11 @@ class SharedMemoryTransport(Transport):
                         files.append(crossmem.LentFile(fd, off, _u8(views[i])[:s].data, h))
                         file_of.append(i)
                         continue
-                    addr, _n = _address(views[i])
-                    local.append((addr, s))
+                    v = views[i]
+                    if isinstance(v, Scatter):
+                        local += [(_writable_address(p), p.nbytes) for p in v.filled(s)]
+                    else:
+                        local.append((_address(v)[0], s))
                     left = s
                     while left:
                         a, n = next(pairs, (0, 0))
@@ -327,7 +364,8 @@ class SharedMemoryTransport(Transport):
             redo = {file_of[k] for k in unread}
             for i, s in hits:
                 if i not in redo:
-                    out[i] = views[i][:s]
+                    v = views[i]
+                    out[i] = v.filled(s) if isinstance(v, Scatter) else v[:s]
             if redo:
                 files_ok = False
                 again += sorted(redo)
@@ -367,9 +405,17 @@ class SharedMemoryTransport(Transport):
             if s < 0:
                 continue
             i = batch[j]
+            v = views[i]
+            if isinstance(v, Scatter):  # (never in a registered region)
+                at = offsets[j]
+                out[i] = v.filled(s)
+                for p in out[i]:
+                    unstaging.append((_u8(p), _u8(self.session_region.view[at : at + p.nbytes])))
+                    at += p.nbytes
+                continue
             if placed[i] is None:
-                unstaging.append((_u8(views[i][:s]), _u8(self.session_region.view[offsets[j] : offsets[j] + s])))
-            out[i] = views[i][:s]
+                unstaging.append((_u8(v[:s]), _u8(self.session_region.view[offsets[j] : offsets[j] + s])))
+            out[i] = v[:s]
         if unstaging:
             yield _copy_pairs(unstaging)
 

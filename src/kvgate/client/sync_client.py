@@ -213,6 +213,8 @@ class Client(core.ClientCore):
         inline results (TCP; over the Unix socket, a buffer in no registered
         region larger than the session region) are received from the socket
         straight into their buffer.  Without, each hit is returned as ``bytes``.
+        An entry of ``into`` may be a list of buffers, filled in order (as
+        ``os.readv`` does); its result is then the list of pieces filled.
 
         ``source`` (here and in ``lookup``, ``exists_many``): ``HOST:PORT`` or ``HOST`` where the request's KV
         was computed (vLLM's ``remote_kv_source``): the gateway then asks only its peers on that host for

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate.client.args import Scatter
 from kvgate.client.wire import GatewayError, ObjectTooLarge, Op, Wire
 from kvgate.protocol import INLINE, MAX_HEADER_BYTES, NOT_DONE, TOO_SMALL, ErrorCode, Get, GetReply, HelloReply, Put
 
@@ -55,6 +56,24 @@ class Transport:
     def get_packed(self, keys: list[bytes], dialog: bytes | None, *, source: str | None = None) -> Op:
         """Read each object; returns, per key, its bytes or None."""
         raise NotImplementedError
+
+    def get_scattered(self, keys: list[bytes], views: list[memoryview | Scatter], dialog: bytes | None, *,
+                      source: str | None = None) -> Op:
+        """``get_into`` where some destinations are ``Scatter`` (pieces filled in order; their entry is the
+        list of filled pieces).  Here: each received into one buffer, then copied into its pieces."""
+        whole = [memoryview(bytearray(v.nbytes)) if isinstance(v, Scatter) else v for v in views]
+        got = yield from self.get_into(keys, whole, dialog, source=source)
+        return [spread(v, g) if isinstance(v, Scatter) and g is not None else g for v, g in zip(views, got)]
+
+
+def spread(dest: Scatter, got: memoryview) -> list[memoryview]:
+    """Copy ``got`` into ``dest``'s pieces, in order; the pieces it filled."""
+    parts = dest.filled(got.nbytes)
+    at = 0
+    for p in parts:
+        p[:] = got[at:at + p.nbytes]
+        at += p.nbytes
+    return parts
 
 
 def stalled(todo: list[int], again: list[int], before: bool) -> bool:

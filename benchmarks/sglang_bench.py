@@ -8,7 +8,8 @@
 io:   SGLang's own ``MHATokenToKVPoolHost`` (layer_first, bf16, 8 layers, 8 KV heads of 128, pages
       of 16 tokens: 16 fragments of 32 KiB, 512 KiB a page) and a real gateway (RAM tier).  The
       pages are stored with ``batch_set_v1`` in SGLang's batches of 128, then read back with
-      ``batch_get_v1`` (gateway RAM -> staging region -> pool fragments) over several rounds.
+      ``batch_get_v1`` (gateway RAM -> pool fragments, read by the backend out of the gateway's
+      memory where it may: ``gateway_get_paths`` counts the lent gets) over several rounds.
       In the same run, the baseline: a memcpy of the same pages, fragment by fragment, from
       the pool into other pool pages (what one copy of these bytes costs here).  Reports
       GB/s (best and median of the rounds) and their ratio.
@@ -98,13 +99,14 @@ def bench_io(args) -> dict:
             get_gbs.append(nbytes / (time.perf_counter() - t) / 1e9)
         # The restored pages are the stored ones, byte for byte.
         same = all(ctypes.string_at(a, n) == ctypes.string_at(b, n) for a, b, n in zip(sp, dp, ss))
+        paths = gw.stats()["get_paths"]  # lent: read by the backend out of the gateway's memory, one copy
         be.close()
     finally:
         gw.cleanup()
         shutil.rmtree(work, ignore_errors=True)
     out = {
         "pages": pages, "page_bytes": be.page_bytes, "fragments_per_page": be.fragments, "bytes": nbytes,
-        "rounds": args.rounds, "identical": same,
+        "rounds": args.rounds, "identical": same, "gateway_get_paths": paths,
         "batch_set_v1_GBps": round(nbytes / set_s / 1e9, 2),
         "batch_get_v1_GBps": {"best": round(max(get_gbs), 2), "median": round(statistics.median(get_gbs), 2)},
         "memcpy_GBps": {"best": round(max(copy_gbs), 2), "median": round(statistics.median(copy_gbs), 2)},

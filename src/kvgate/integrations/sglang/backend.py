@@ -13,8 +13,8 @@ Who calls what, from which thread (SGLang 0.5.23, ``HiCacheController``):
   thread (``_page_backup``).
 
 The three storage threads run at once, so each has its own gateway
-connection (a ``Client`` serialises its calls) and, for the two that move
-bytes, its own staging region.  None of these threads is restarted by SGLang
+connection (a ``Client`` serialises its calls) and, for stores, its own
+staging region.  None of these threads is restarted by SGLang
 when it dies: no method here raises into SGLang, none returns None where
 SGLang expects a result, and the gateway calls of one method together wait
 no longer than ``kvgate.io_timeout`` (``kvgate.lookup_timeout`` for
@@ -25,9 +25,10 @@ the next call after a back-off reconnects.
 The parts it delegates to, one job each: ``link`` (a thread's gateway connection, its
 reconnects and time budget), ``failures`` (what a failure costs: a log line, maybe the
 connection), ``pools`` (a host pool's page geometry and keys, the rules a hybrid call's
-pools agree by), ``marks`` (a call's dialog mark), ``staging`` (the copies: pool
-fragments -> a registered /dev/shm slot -> the gateway's RAM tier, and back; two
-``memmove`` each way), ``stats`` (the figures ``get_stats`` hands SGLang).
+pools agree by), ``marks`` (a call's dialog mark), ``staging`` (the copies: a store's pool
+fragments -> a registered /dev/shm slot -> the gateway's RAM tier, two copies; a load's
+straight into the fragments, one where the gateway lends its memory), ``stats`` (the
+figures ``get_stats`` hands SGLang).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
         s = self.settings
         self._close_links()  # a second registration (a new pool) replaces the first one's connections
         self._lookups = self._new_link("lookups", s.lookup_timeout, 0)
-        self._loads = self._new_link("loads", s.io_timeout, slots)
+        self._loads = self._new_link("loads", s.io_timeout, 0)  # pages land in the pool's own fragments
         self._stores = self._new_link("stores", s.io_timeout, slots)
         for link in (self._loads, self._stores):  # extra pools registered before the anchor (not SGLang's order)
             link.min_bytes = max([p.slot_bytes for p in self._pools.values() if not p.error] + [0])
@@ -267,8 +268,8 @@ class KvgateHiCacheStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Fill the host pool pages at ``host_indices`` (prefetch I/O thread); per page, whether it came.
 
-        The gateway writes each hit into a staging slot; complete pages are
-        then copied into their fragments in the pool.  A page of the wrong
+        Each hit is read straight into its page's fragments in the pool
+        (``staging.load_pages``).  A page of the wrong
         size (another layout under the same namespace) is a miss.  Never
         raises, never returns None; all False when the gateway is unusable.
         """
@@ -390,7 +391,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
 
     def _v2_io(self, what: str, link: Optional[GatewayLink], transfers: list,
                extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
-        """batch_get_v2 / batch_set_v2: every transfer's pages through ``link``'s staging region,
+        """batch_get_v2 / batch_set_v2: every transfer's pages (``load_pages`` / ``store_pages``),
         under one time budget; per pool name, per key, whether it moved (all or none per page)."""
         transfers = list(transfers or ())
         out = {t.name: [False] * len(t.keys or ()) for t in transfers}
@@ -433,7 +434,7 @@ class KvgateHiCacheStorage(HiCacheStorage):
                      ) -> dict[str, List[bool]]:
         """Fill each transfer's pool pages at its ``host_indices`` from its keys (prefetch I/O thread).
 
-        The same staging path as ``batch_get_v1``, one pool after another, all under one
+        The same path as ``batch_get_v1``, one pool after another, all under one
         ``kvgate.io_timeout``.  Per pool name (as SGLang named it), per key, whether it came; a
         page is reported for no pool unless every pool of the call restored its part, and pages
         after a missing one are not reported either.  Never raises, never returns None.

@@ -1,16 +1,19 @@
-"""The SGLang backend's staging path: pages between SGLang's host pool and the gateway's RAM.
+"""The SGLang backend's copies: pages between SGLang's host pool and the gateway's RAM.
 
-Copies.  SGLang's host pool is anonymous process memory (``torch.empty``),
-which the gateway cannot map, and a page of the ``layer_first`` layout is
-2 x layers separate fragments.  So a page moves as: pool fragments -> one
+SGLang's host pool is anonymous process memory (``torch.empty``), which the
+gateway cannot map, and a page of the ``layer_first`` layout is 2 x layers
+separate fragments.  A store moves a page as: pool fragments -> one
 contiguous slot of a staging region (a /dev/shm file this backend creates,
-registers with the gateway and unlinks at once) -> the gateway's RAM tier;
-and back the same way.  Two copies each way, each by ``memmove`` (no Python
-``bytes`` in between); the gather into the slot is the copy that any
-object store needs for a fragmented page.
+registers with the gateway and unlinks at once) -> the gateway's RAM tier,
+two copies by ``memmove`` (no Python ``bytes`` in between; the gather into
+the slot is the copy that any object store needs for a fragmented page).  A
+load is a get into lists of buffers, each page's fragments: where the
+gateway lends its memory to this process, one copy straight into them
+(``process_vm_readv`` takes a list of destinations); otherwise two, through
+the session's region.
 
 ``StagingRegion`` is that file; ``load_pages`` and ``store_pages`` are the two directions,
-a batch larger than the region in several rounds.
+a store larger than the region in several rounds.
 """
 
 from __future__ import annotations
@@ -85,34 +88,27 @@ def _rounds(link: GatewayLink, pool: RegisteredPool, n: int) -> list[tuple[int, 
 
 def load_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
                dm: DialogMark, position: int, out: list, log: FailureLog) -> None:
-    """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments): the gateway
-    writes each hit into a staging slot, complete pages are scattered into their fragments.
-    A stored object of the wrong size (another geometry under the same key) is a miss.  Sets
-    ``out[i]`` as pages arrive, so a call cut short keeps what came."""
-    stage = link.staging
-    slot, f = pool.slot_bytes, pool.fragments
-    for r0, r1 in _rounds(link, pool, len(skeys)):
-        views = [stage.view[(i - r0) * slot:(i - r0) * slot + pool.page_bytes] for i in range(r0, r1)]
-        got: list = []
-        for start, end, dialog in dm.spans(position + r0 if position >= 0 else -1, r1 - r0):
-            got += link.budget().get_many(skeys[r0 + start:r0 + end], into=views[start:end], dialog=dialog)
-        sizes_got = [None if g is None else g.nbytes for g in got]
-        got = []
-        for v in views:
-            v.release()
-        for j, size in enumerate(sizes_got):
-            if size is None:
+    """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments), each page straight into
+    its fragments (a get into lists of buffers: one copy where the client reads the gateway's memory, else
+    through the session region).  A stored object of the wrong size (another geometry under the same key)
+    is a miss: a shorter one has filled the first fragments of a page reported not loaded, which SGLang
+    does not use.  Sets ``out[i]`` per page loaded."""
+    f = pool.fragments
+    lo = min(ptrs)
+    span = memoryview((ctypes.c_char * (max(p + n for p, n in zip(ptrs, sizes)) - lo)).from_address(lo)).cast("B")
+    pages = [[span[p - lo:p - lo + n] for p, n in zip(ptrs[i * f:(i + 1) * f], sizes[i * f:(i + 1) * f])]
+             for i in range(len(skeys))]
+    for start, end, dialog in dm.spans(position, len(skeys)):
+        got = link.budget().get_many(skeys[start:end], into=pages[start:end], dialog=dialog)
+        for i, g in zip(range(start, end), got):
+            if g is None:
                 continue
+            size = sum(part.nbytes for part in g)
             if size != pool.page_bytes:
                 log.warn_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, this "
                               "pool's %d: ignored (a namespace shared by engines with different layouts?)",
                               pool.name, size, pool.page_bytes)
                 continue
-            i = r0 + j
-            src = stage.base + j * slot
-            for k in range(i * f, (i + 1) * f):
-                ctypes.memmove(ptrs[k], src, sizes[k])
-                src += sizes[k]
             out[i] = True
 
 

@@ -5,9 +5,11 @@ descriptors and mappings."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import threading
+import time
 import uuid
 
 import pytest
@@ -66,6 +68,28 @@ def test_a_session_registers_a_bounded_number_of_regions(gateway) -> None:
             with gateway.client() as other:  # and another session registers its own
                 other.register_region(path, mm)
                 assert other.get_many([b"k"]) == [b"v" * 100]
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_region_closed_while_it_is_populated_is_unmapped_when_the_step_ends() -> None:
+    """close() does not wait for the populating thread (it runs on the event loop); the mapping goes once
+    the thread's step is over, nothing is left mapped."""
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 256 * MIB)
+        os.posix_fallocate(fd, 0, 256 * MIB)  # every page there: a populate of 32 steps
+        region = shm.map_client_region(path, os.getuid(), guarded=False)
+        base = region._base
+        time.sleep(0.002)  # the thread is in a step then, in 8 runs of 10 here
+        region.close()
+        for t in [t for t in threading.enumerate() if t.name == "kvgate-populate"]:
+            t.join(60)
+        del region
+        gc.collect()
+        assert not any(line.startswith(f"{base:x}-") for line in open("/proc/self/maps")), "still mapped"
     finally:
         os.close(fd)
         os.unlink(path)

@@ -121,7 +121,7 @@ class Region:
             self._unmapped = weakref.finalize(mm, _in_place_unmapped, self._base, size, slot)
         self.view = memoryview(mm)
         self.owned = owned
-        self._populate_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._closed = False
 
     def populate_async(self) -> None:
@@ -131,8 +131,10 @@ class Region:
         otherwise takes one page fault per 4 KiB page on its first transfer:
         with several I/O threads faulting on one file that is most of the time
         of a restore into fresh slots.  ``MADV_POPULATE_WRITE`` maps the pages
-        in 8 MiB steps with the GIL released; close() waits for the step in
-        progress.
+        in 8 MiB steps with the GIL released, each under an export of the
+        mapping: close() never waits for a step (it runs on the event loop,
+        and this thread may wait long for a CPU), it leaves the unmapping to
+        the step's end, as it does for a request that still holds a slice.
 
         Only pages the file has (``mincore``): populating a hole would make
         the gateway allocate the client's memory, charged to the gateway, for
@@ -154,14 +156,20 @@ class Region:
             vec = (ctypes.c_ubyte * (_POPULATE_STEP // _PAGE))()
             for off in range(0, self.size, _POPULATE_STEP):
                 length = min(_POPULATE_STEP, self.size - off)
-                with self._populate_lock:
+                try:
                     if self._closed:
                         return
+                    hold = memoryview(self._mm)  # the mapping stays while this step runs
+                except ValueError:  # closed meanwhile
+                    return
+                try:
                     for start, end in _resident_runs(base + off, length, vec):
                         if _madvise(base + off + start, end - start, _MADV_POPULATE_WRITE) != 0:
                             log.debug("populating %s stopped at %d: errno %d", self.path, off + start,
                                       ctypes.get_errno())
                             return
+                finally:
+                    hold.release()
 
         threading.Thread(target=run, name="kvgate-populate", daemon=True).start()
 
@@ -190,7 +198,7 @@ class Region:
         return self.view[offset : offset + length]
 
     def close(self) -> None:
-        with self._populate_lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True

@@ -6,12 +6,13 @@ fills the first pieces, a miss is None, a destination too small is named, and lo
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
 import pytest
 
-from kvgate.client import Client, InvalidArgument, ObjectTooLarge
+from kvgate.client import AsyncClient, Client, InvalidArgument, ObjectTooLarge
 from tests.helpers import free_port
 
 KIB = 1 << 10
@@ -60,3 +61,19 @@ def test_a_get_fills_lists_of_buffers_in_order_on_every_path(gateway_factory, tm
         with pytest.raises(InvalidArgument, match=r"destination buffers\[0\]\[1\] is read-only"):
             c.get_many(keys[:1], into=[[bytearray(10), b"x"]])
     assert gw.stats()["tiers"]["ram"]["pinned_bytes"] == 0, "a loan was not given back"
+
+
+@pytest.mark.parametrize("lend", [True, False])
+def test_the_async_client_fills_lists_of_buffers_too(gateway_factory, lend: bool) -> None:
+    gw = gateway_factory(["--max-bytes", "64M", "--cross-memory-gets", "true" if lend else "false"])
+    datas = [os.urandom(n) for n in (300 * KIB, 10 << 20)]  # the second is larger than the session region
+    keys = [b"async-a", b"async-b"]
+
+    async def run() -> list:
+        async with AsyncClient.connect(gw.socket, namespace="scatter", engine_id="scatter", timeout=30) as c:
+            assert all(await c.put_many(keys, datas))
+            return await c.get_many(keys, into=[_pieces([100 * KIB, 200 * KIB]), _pieces([5 << 20, 5 << 20])])
+
+    got = asyncio.run(run())
+    assert [b"".join(bytes(p) for p in g) for g in got] == datas
+    assert [len(g) for g in got] == [2, 2]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgate.client.args import Scatter
-from kvgate.client.wire import GatewayError, ObjectTooLarge, Op, Wire
+from kvgate.client.wire import Copy, GatewayError, ObjectTooLarge, Op, Wire
 from kvgate.protocol import INLINE, MAX_HEADER_BYTES, NOT_DONE, TOO_SMALL, ErrorCode, Get, GetReply, HelloReply, Put
 
 # Upper bounds of an encoded Put header (MessagePack): 63 bytes measured for every field at its widest
@@ -33,7 +33,8 @@ class Transport:
     Its methods run in the call that holds the client (the caller's thread,
     or the event loop), one at a time; the ``Op`` ones yield their I/O as
     steps and never block.  Arguments arrive checked: keys as bytes, buffers
-    as flat byte views, one per key, never an empty batch.
+    as flat byte views (or, for ``get_scattered``, ``Scatter`` pieces of
+    them), one per key, never an empty batch.
     """
 
     def open(self, hello: HelloReply) -> None:
@@ -60,10 +61,16 @@ class Transport:
     def get_scattered(self, keys: list[bytes], views: list[memoryview | Scatter], dialog: bytes | None, *,
                       source: str | None = None) -> Op:
         """``get_into`` where some destinations are ``Scatter`` (pieces filled in order; their entry is the
-        list of filled pieces).  Here: each received into one buffer, then copied into its pieces."""
+        list of filled pieces).  Here: each received into one buffer, then copied into its pieces (a
+        ``Copy`` step: ``AsyncClient`` moves a large one off its event loop)."""
         whole = [memoryview(bytearray(v.nbytes)) if isinstance(v, Scatter) else v for v in views]
         got = yield from self.get_into(keys, whole, dialog, source=source)
-        return [spread(v, g) if isinstance(v, Scatter) and g is not None else g for v, g in zip(views, got)]
+        hits = [i for i, (v, g) in enumerate(zip(views, got)) if isinstance(v, Scatter) and g is not None]
+        if hits:
+            filled = yield Copy(lambda: [spread(views[i], got[i]) for i in hits], sum(got[i].nbytes for i in hits))
+            for i, parts in zip(hits, filled):
+                got[i] = parts
+        return got
 
 
 def spread(dest: Scatter, got: memoryview) -> list[memoryview]:

@@ -93,3 +93,32 @@ def test_a_region_closed_while_it_is_populated_is_unmapped_when_the_step_ends() 
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_a_region_is_populated_at_idle_cpu_priority() -> None:
+    """The populating thread runs at ``SCHED_IDLE``: an engine on the same cores never waits for it."""
+    path = f"/dev/shm/kvgate-test-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 256 * MIB)
+        os.posix_fallocate(fd, 0, 256 * MIB)  # 32 steps: tens of ms to look at the thread
+        before = {t.ident for t in threading.enumerate()}
+        region = shm.map_client_region(path, os.getuid(), guarded=False)
+        try:
+            threads = [t for t in threading.enumerate() if t.name == "kvgate-populate" and t.ident not in before]
+            assert len(threads) == 1, threads
+            seen = set()
+            while threads[0].is_alive():
+                try:
+                    seen.add(os.sched_getscheduler(threads[0].native_id))
+                except OSError:  # ended meanwhile
+                    break
+                if os.SCHED_IDLE in seen:
+                    break
+            assert os.SCHED_IDLE in seen, f"policies seen: {seen}"
+        finally:
+            region.close()
+            threads[0].join(60)
+    finally:
+        os.close(fd)
+        os.unlink(path)

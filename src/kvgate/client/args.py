@@ -104,7 +104,7 @@ class Scatter:
     def filled(self, n: int) -> list[memoryview]:
         """The parts the first ``n`` bytes fill, the last one cut to what it holds."""
         if n == self.nbytes:
-            return self.parts
+            return list(self.parts)  # a copy: the caller may change it
         out = []
         for p in self.parts:
             if n <= 0:

@@ -58,7 +58,7 @@ REGION_KIND = "region"  # session regions are owned files of this kind: kvgate-r
 log = logging.getLogger("kvgate.shm")
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_POPULATE_STEP = 8 << 20  # close() waits for at most one step
+_POPULATE_STEP = 8 << 20  # close() never waits; a closed mapping outlives it by one step at most
 _PAGE = mmap.PAGESIZE
 try:
     _libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL for these calls

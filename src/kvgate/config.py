@@ -240,7 +240,10 @@ class Config:
         "free space left on a directory card's filesystem when card_capacity is not set (default: a tenth of what "
         "the card could hold, its objects plus the free space, at most 1 GiB; not used for Redis cards: they keep "
         "a share of maxmemory for the server)", optional=True)
-    eviction_policy: str = _key(_parse_str, "prefix", "eviction order of both tiers", choices=("prefix", "lru"))
+    eviction_policy: str = _key(
+        _parse_str, "adaptive", "eviction order of both tiers: adaptive (the prefix rules, each dialog cut from its "
+        "tail, in whichever order, prefix or LRU by dialog, small simulated caches find restoring more), prefix, or lru",
+        choices=("adaptive", "prefix", "lru"))
     ttl: float | None = _key(parse_duration, None, "objects older than this are misses and are deleted",
                              optional=True)
     auth_token_file: str | None = _key(_parse_str, None, "file holding the token that lets its holder in on every "

@@ -48,6 +48,8 @@ def test_enospc_lowers_capacity_to_the_medium_once_while_evicted_objects_are_del
         await settle()  # the free space is read, the card shrunk, the evicted objects deleted
         assert cs.capacity == 90_000, "held + free - reserve, once for the whole request"
         assert cs.used <= 90_000 and cs.catalog.counters.evictions == 10
+        snap = cs.snapshot()  # the default policy says which of its orders chose each eviction
+        assert snap["prefix_order_evictions"] + snap["recency_order_evictions"] == 10, snap
         assert cs.active, "a full card is not a broken card"
         cs.life.note_result(full)  # full again with the room made: others took it
         await settle()

@@ -17,8 +17,9 @@ from kvgate.tiers.eviction import (
     PrefixPolicy,
     RecentKeys,
     Segment,
-    make_policy,
 )
+from kvgate.tiers.adaptive import AdaptivePolicy
+from kvgate.tiers.policies import make_policy
 from kvgate.types import Retention
 
 
@@ -281,6 +282,7 @@ def test_lru_order_touch_classes_and_skip():
 def test_make_policy_and_retention():
     assert isinstance(make_policy("prefix"), PrefixPolicy)
     assert isinstance(make_policy("lru"), LruPolicy)
+    assert isinstance(make_policy("adaptive"), AdaptivePolicy)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_policy("fifo")
     assert Retention.parse("short") == SHORT == 0

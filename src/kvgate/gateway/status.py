@@ -75,6 +75,9 @@ CARD_FIELDS = (  # the value of each is a number or a bool (1 / 0)
     ("bytes_read", "payload bytes read from the card", True),
     ("bytes_written", "bytes written to the card", True),
     ("evictions", "objects evicted from the card", True),
+    ("prefix_order_evictions", "evictions the adaptive policy chose in its prefix order (one-off blocks first, "
+     "blocks used again kept)", True),
+    ("recency_order_evictions", "evictions the adaptive policy chose in its recency order (LRU by dialog)", True),
     ("refused", "objects of puts refused without I/O: larger than the card's capacity, or past what the card can "
      "take of their batch beside the writes in flight and the held objects (the batch keeps its leading ones)", True),
     ("writing_bytes", "bytes the card's writes in flight have taken room for", False),

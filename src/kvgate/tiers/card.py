@@ -314,6 +314,7 @@ class ManagedCard:
             "hits": c.hits, "misses": c.misses, "errors": health.errors, "timeouts": health.timeouts,
             "bytes_read": c.reads_bytes, "bytes_written": c.writes_bytes, "evictions": c.evictions,
             "read_hints": c.read_hints, "refused": c.refused, "writing_bytes": self.catalog.room.writing,
+            **{f"{order}_order_evictions": n for order, n in self.index.evictions_by_order().items()},
             "scanned": life.scanned, "index_bytes": self.index.nbytes(), "snapshot_rows_loaded": life.keeper.loaded,
             **self.card.read_rates(),
         }

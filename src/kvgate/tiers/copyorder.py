@@ -23,10 +23,18 @@ REUSED: Final = int(Segment.REUSED)
 
 
 def rank_rows(prefix: bool, seg: np.ndarray, tick: np.ndarray, dlg: np.ndarray, pos: np.ndarray, gtick: np.ndarray,
-          young_after: int, rows_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(phase, group tick) of rows, from a policy's columns (``SampledPolicy._rank``)."""
+          young_after: int, rows_: np.ndarray, recency: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(phase, group tick) of rows, from a policy's columns (``SampledPolicy._rank``).
+
+    ``recency``: the prefix policy's other order, LRU by dialog: one phase, and a listed row's tick is its
+    dialog's last use (the latest of its groups' ticks)."""
     gt = tick[rows_]
     if not prefix:
+        return np.zeros(len(rows_), np.int64), gt
+    if recency:
+        listed = pos[rows_] >= 0
+        if listed.any():
+            gt = np.where(listed, gtick[np.where(listed, dlg[rows_], 0)].max(axis=1), gt)
         return np.zeros(len(rows_), np.int64), gt
     seg_ = seg[rows_].astype(np.int64)
     listed = pos[rows_] >= 0

@@ -90,6 +90,10 @@ class EvictionPolicy(ABC):
     def hottest_first(self) -> list[Ident]:
         """Every object, the one this policy would evict last first (what a card's mover copies first)."""
 
+    def evictions_by_order(self) -> dict[str, int]:
+        """Evictions chosen under each order, for a policy that switches between orders (none here)."""
+        return {}
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -175,39 +179,53 @@ class RecentKeys:
         nbits = self.span * self._BITS_PER_KEY
         return bytearray((nbits + 7) // 8), nbits
 
-    @classmethod
-    def _indexes(cls, ident: object, nbits: int) -> list[int]:
+    @staticmethod
+    def _mix(ident: object) -> tuple[int, int]:
+        """The two halves of a 64-bit hash of ``ident``, the second odd (double hashing: index i is h1 + i*h2)."""
         # Python's hash of an int is the int itself: mix it (splitmix64's
         # finalizer), or neighbouring identities would share their bits.
         h = hash(ident) & _MASK64
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
         h ^= h >> 31
-        h1, h2 = h & 0xFFFF_FFFF, (h >> 32) | 1
-        return [(h1 + i * h2) % nbits for i in range(cls._HASHES)]
+        return h & 0xFFFF_FFFF, (h >> 32) | 1
 
-    def add(self, ident: Ident) -> None:
+    @staticmethod
+    def _has(bits: bytearray, nbits: int, h1: int, h2: int) -> bool:
+        # The _HASHES (4) probes unrolled: this runs on every add and read of a block.
+        i = h1 % nbits
+        if not bits[i >> 3] >> (i & 7) & 1:
+            return False
+        i = (h1 + h2) % nbits
+        if not bits[i >> 3] >> (i & 7) & 1:
+            return False
+        i = (h1 + 2 * h2) % nbits
+        if not bits[i >> 3] >> (i & 7) & 1:
+            return False
+        i = (h1 + 3 * h2) % nbits
+        return bool(bits[i >> 3] >> (i & 7) & 1)
+
+    def add(self, ident: Ident) -> bool:
+        """Remember ``ident``; whether it was remembered already (one hash for both questions)."""
+        h1, h2 = self._mix(ident)
         bits, nbits = self._current
-        fresh = False
-        for i in self._indexes(ident, nbits):
-            mask = 1 << (i & 7)
-            if not bits[i >> 3] & mask:
-                bits[i >> 3] |= mask
-                fresh = True
-        if not fresh:  # already in: the span counts distinct identities
-            return
+        if self._has(bits, nbits, h1, h2):  # already in: the span counts distinct identities
+            return True
+        was = self._previous is not None and self._has(*self._previous, h1, h2)
+        for k in range(self._HASHES):
+            i = (h1 + k * h2) % nbits
+            bits[i >> 3] |= 1 << (i & 7)
         self._count += 1
         if self._count >= len(bits) * 8 // self._BITS_PER_KEY:
             self._previous, self._count = self._current, 0
             self._current = self._new()
+        return was
 
     def __contains__(self, ident: object) -> bool:
-        for f in (self._current, self._previous):
-            if f is not None:
-                bits, nbits = f
-                if all(bits[i >> 3] & (1 << (i & 7)) for i in self._indexes(ident, nbits)):
-                    return True
-        return False
+        h1, h2 = self._mix(ident)
+        if self._has(*self._current, h1, h2):
+            return True
+        return self._previous is not None and self._has(*self._previous, h1, h2)
 
 
 class _Dialog:
@@ -308,7 +326,17 @@ class PrefixPolicy(EvictionPolicy):
     reserve_from = 100  # objects
     young_adds = 64  # or 1/64 of the objects, if more
 
-    def __init__(self) -> None:
+    ORDERS: Final = ("prefix", "recency")
+
+    def __init__(self, order: str = "prefix") -> None:
+        if order not in self.ORDERS:
+            raise ValueError(f"unknown order {order!r}; choose one of {', '.join(self.ORDERS)}")
+        # Which dialog loses its last block next: "prefix" (the segments, below) or "recency" (the dialog
+        # used least recently, whatever its segment: LRU by dialog).  Both orders are always kept, so an
+        # owner may switch at any time (``kvgate.tiers.adaptive``).
+        self.order = order
+        # Per class, dialogs by last use (a block placed, or read): the "recency" order.
+        self._recency: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(_CLASSES)]
         self._segments: list[list[OrderedDict[Hashable, _Dialog]]] = [
             [OrderedDict() for _ in range(_SEGMENTS)] for _ in range(_CLASSES)
         ]
@@ -324,7 +352,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def add(self, ident: Ident, size: int, dialog: bytes, position: int, klass: int, tail: bool = False) -> None:
         k = _check_klass(klass)
-        again = ident in self._where or ident in self._recent
+        again = self._seen(ident) or ident in self._where
         self.remove(ident)
         if position < 0 or dialog == NO_DIALOG or not dialog:
             dkey: Hashable = (ident,)
@@ -334,13 +362,13 @@ class PrefixPolicy(EvictionPolicy):
         segment = Segment.REUSED if again else Segment.TAIL if tail else Segment.NEW
         self._adds += 1
         self._place(ident, k, segment, dkey, position)
-        self._seen(ident)
 
     def touch(self, ident: Ident) -> None:
         where = self._where.get(ident)
         if where is None:
             return
         k, segment, dkey, position = where
+        self._recency[k].move_to_end(dkey)
         if segment == Segment.REUSED:
             self._segments[k][segment].move_to_end(dkey)
         else:
@@ -370,6 +398,11 @@ class PrefixPolicy(EvictionPolicy):
         whole = self._whole.get((k, dkey))
         if whole is None:
             whole = self._whole[(k, dkey)] = _Dialog()
+            self._recency[k][dkey] = None
+            if cold:
+                self._recency[k].move_to_end(dkey, last=False)
+        elif not cold:
+            self._recency[k].move_to_end(dkey)
         whole.add(position, ident)
         self._where[ident] = (k, segment, dkey, position)
         if segment == Segment.REUSED:
@@ -387,6 +420,7 @@ class PrefixPolicy(EvictionPolicy):
         whole.remove(position, ident)
         if not whole:
             del self._whole[(k, dkey)]
+            del self._recency[k][dkey]
         if segment == Segment.REUSED:
             self._reused[k] -= 1
 
@@ -404,13 +438,15 @@ class PrefixPolicy(EvictionPolicy):
             self._unplace(ident)
             self._place(ident, k, Segment.NEW, dkey, position, cold=True)
 
-    def _seen(self, ident: Ident) -> None:
-        # Each filter is sized, when it starts, at three times the resident
-        # count, so the pair remembers 3-6x what is resident: a block evicted a
-        # while ago is still known when it comes back.  (2x and 4x each did
-        # worse on the trace replay; see the class docstring.)
+    def _seen(self, ident: Ident) -> bool:
+        """Remember the block; whether it was remembered already.
+
+        Each filter is sized, when it starts, at three times the resident
+        count, so the pair remembers 3-6x what is resident: a block evicted a
+        while ago is still known when it comes back.  (2x and 4x each did
+        worse on the trace replay; see the class docstring.)"""
         self._recent.span = 3 * max(len(self._where), 1024)
-        self._recent.add(ident)
+        return self._recent.add(ident)
 
     def _order(self) -> Iterator[_Dialog]:
         """Dialogs in eviction order, each as its whole resident blocks.
@@ -423,6 +459,11 @@ class PrefixPolicy(EvictionPolicy):
         would start with a hole.
         """
         whole = self._whole
+        if self.order == "recency":
+            for k, recency in enumerate(self._recency):
+                for dkey in recency:
+                    yield whole[(k, dkey)]
+            return
         young_after = self._adds - max(self.young_adds, len(self._where) // 64)
         for k, segments in enumerate(self._segments):
             for segment in (Segment.TAIL, Segment.NEW):
@@ -481,6 +522,16 @@ class PrefixPolicy(EvictionPolicy):
                         out += [ident for p in d.positions for ident in d.at[p]]
         return out
 
+    def remove_dialogs(self, drop: Callable[[Hashable], bool]) -> None:
+        """Remove every object whose dialog key (a digest; a lone object's 1-tuple) ``drop`` says yes to."""
+        for ident in [i for i, where in self._where.items() if drop(where[2])]:
+            self._unplace(ident)
+
+    def where(self, ident: Ident) -> tuple[int, Hashable, int] | None:
+        """(class, dialog key, position) of a resident object; None if unknown."""
+        where = self._where.get(ident)
+        return None if where is None else (where[0], where[2], where[3])
+
     def segment_of(self, ident: Ident) -> Segment | None:
         """The segment an object is in (None if unknown): for stats and tests."""
         where = self._where.get(ident)
@@ -491,14 +542,3 @@ class PrefixPolicy(EvictionPolicy):
 
     def __contains__(self, ident: object) -> bool:
         return ident in self._where
-
-
-POLICIES: Final[dict[str, type[EvictionPolicy]]] = {"prefix": PrefixPolicy, "lru": LruPolicy}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by its config name (``eviction_policy``)."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None

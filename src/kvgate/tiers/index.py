@@ -344,6 +344,10 @@ class CardIndex:
     def __bool__(self) -> bool:
         return self.rows.n > 0
 
+    def evictions_by_order(self) -> dict[str, int]:
+        """Evictions its policy chose under each order ("adaptive" switches; zeros under the others)."""
+        return dict(self.policy.decided)
+
     def nbytes(self) -> int:
         """Memory of the columns and tables (allocated), for figures."""
         return self.rows.nbytes() + self.policy.dialogs.nbytes()

@@ -24,7 +24,8 @@ import numpy as np
 from kvgate import memcopy
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.config import size_text
-from kvgate.tiers.eviction import EvictionPolicy, Retention, make_policy
+from kvgate.tiers.eviction import EvictionPolicy, Retention
+from kvgate.tiers.policies import make_policy
 from kvgate.tiers.events import CLEARED, RAM_TIER, REMOVED, STORED, TierChanges
 from kvgate.tiers.usage import NamespaceUsage
 from kvgate.errors import KvgateError

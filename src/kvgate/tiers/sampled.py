@@ -48,7 +48,8 @@ from typing import Final
 import numpy as np
 
 from kvgate.keys import NO_DIALOG
-from kvgate.tiers.eviction import RecentKeys, Segment
+from kvgate.tiers.eviction import LONG, RecentKeys, Segment
+from kvgate.tiers.referee import EXPERTS, Referee
 from kvgate.tiers.copyorder import NEW, REUSED, TAIL, OrderColumns, rank_rows
 from kvgate.tiers.rows import DigestRows, split_digest, unique_digests
 
@@ -80,11 +81,18 @@ class SampledPolicy:
     reserve_from = 100  # rows
     young_adds = 64  # or 1/64 of the rows, if more
 
+    KINDS: Final = ("adaptive", "prefix", "lru")
+
     def __init__(self, rows: DigestRows, kind: str = "prefix", seed: int | None = None) -> None:
-        if kind not in ("prefix", "lru"):
-            raise ValueError(f"unknown sampled policy {kind!r}")
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown sampled policy {kind!r}; choose one of {', '.join(self.KINDS)}")
         self.kind = kind
-        self.prefix = kind == "prefix"
+        self.prefix = kind != "lru"
+        # "adaptive": the prefix rules, in whichever order a referee finds winning (kvgate.tiers.adaptive).
+        self.order = "prefix"
+        self.referee = Referee() if kind == "adaptive" else None
+        self.decided = dict.fromkeys(EXPERTS, 0)  # evictions chosen under each order
+        self._chosen = -1
         self.rows = rows
         rows.on_move = self.moved
         # Per dialog: the rows naming it, its last listed row, and per segment its group's recency and size.
@@ -120,11 +128,12 @@ class SampledPolicy:
             rows.tick[row] = self._clock
             self._lru_append(row)
         else:
-            again = again or lo in self._recent
+            again = self._seen(lo) or again
             self._place(row, REUSED if again else TAIL if tail else NEW, d, position if d >= 0 else -1)
         self._note_add()
         if self.prefix:
-            self._seen(lo)
+            if self.referee is not None:
+                self._referee_saw(row, tail, True)
 
     def _dialog_id(self, dialog: bytes) -> int:
         """The id of a dialog, made when new; counts one more row naming it."""
@@ -272,10 +281,23 @@ class SampledPolicy:
             self._reused += 1
             self._demote()
         self._seen(rows.lo.item(row))
+        if self.referee is not None:
+            self._referee_saw(row, False, False)
+
+    def _referee_saw(self, row: int, tail: bool, added: bool) -> None:
+        rows = self.rows
+        d, position = rows.dlg.item(row), rows.pos.item(row)
+        lo = rows.lo.item(row)
+        dkey = self.dialogs.lo.item(d).to_bytes(8, "little") if position >= 0 else (lo,)
+        self.referee.referenced(lo, dkey, max(position, 0), LONG, tail, added, rows.n)
+        self.order = self.referee.leader
 
     def removing(self, row: int) -> None:
         """Row ``row`` is about to be removed from the owner's rows."""
         rows = self.rows
+        if row == self._chosen and self.referee is not None:
+            self.decided[self.order] += 1
+            self._chosen = -1
         d = rows.dlg.item(row)
         if not self.prefix:
             self._unlink(row)
@@ -319,11 +341,11 @@ class SampledPolicy:
             self._lru_head = row
         self._lru_tail = row
 
-    def _seen(self, lo: int) -> None:
-        # As PrefixPolicy: a filter sized at 3x the rows when it starts, so the pair
-        # remembers 3-6x what is resident.
+    def _seen(self, lo: int) -> bool:
+        """Remember the row's key; whether it was remembered already.  As PrefixPolicy: a filter sized at 3x the
+        rows when it starts, so the pair remembers 3-6x what is resident."""
         self._recent.span = 3 * max(self.rows.n, 1024)
-        self._recent.add(lo)
+        return self._recent.add(lo)
 
     def _demote(self) -> None:
         """Keep REUSED within its share: the coldest sampled REUSED group's last block goes to the cold end of NEW."""
@@ -371,7 +393,7 @@ class SampledPolicy:
         """(phase, group tick) per row: evicted in order of phase, then of tick (see the module docstring)."""
         rows = self.rows
         return rank_rows(self.prefix, rows.seg, rows.tick, rows.dlg, rows.pos, self.dialogs.gtick, self._young_after(),
-                     rows_)
+                         rows_, self.order == "recency")
 
     def _tail_of(self, row: int, skip: RowSkip | None) -> int:
         """The victim ``row``'s dialog offers: its last block not held; -1 when a held block shields it."""
@@ -390,6 +412,10 @@ class SampledPolicy:
 
     def choose_victim(self, skip: RowSkip | None = None) -> int:
         """The row to evict next, left in place; -1 when there is none (empty, or everything held)."""
+        self._chosen = victim = self._choose(skip)
+        return victim
+
+    def _choose(self, skip: RowSkip | None) -> int:
         rows = self.rows
         if rows.n == 0:
             return -1
@@ -398,7 +424,7 @@ class SampledPolicy:
             while r >= 0 and skip is not None and skip(r):
                 r = rows.next.item(r)
             return r
-        if skip is None and self._sticky is not None and self._sticky[2] == self._clock:
+        if skip is None and self._sticky is not None and self._sticky[2] == self._clock and self.order == "prefix":
             # Nothing was placed or read since the last choice: its group is still the coldest
             # one found, and the next victim is its dialog's new last block (as PrefixPolicy does).
             d, seg, _clock = self._sticky

@@ -81,6 +81,9 @@ class SampledEvictionPolicy(EvictionPolicy):
     def hottest_first(self) -> list[Hashable]:
         return [self._ident(r) for r in self.policy.hottest_first().tolist()]
 
+    def evictions_by_order(self) -> dict[str, int]:
+        return dict(self.policy.decided) if self.policy.referee is not None else {}
+
     def segment_of(self, ident: Hashable) -> Segment | None:
         row = self._row(ident)
         return None if row < 0 else self.policy.segment_of(row)
@@ -92,11 +95,12 @@ class SampledEvictionPolicy(EvictionPolicy):
         return isinstance(ident, Hashable) and self._row(ident) >= 0
 
 
-SAMPLED_POLICIES: Final = ("sampled-prefix", "sampled-lru")
+SAMPLED_POLICIES: Final = tuple(f"sampled-{kind}" for kind in SampledPolicy.KINDS)
 
 
 def make_sampled_policy(name: str) -> SampledEvictionPolicy:
-    """``sampled-prefix`` or ``sampled-lru`` by identity (the trace replay's names for the cards' policies)."""
+    """``sampled-adaptive``, ``sampled-prefix`` or ``sampled-lru`` by identity (the trace replay's names for the
+    cards' policies)."""
     kind = name.removeprefix("sampled-")
     if name not in SAMPLED_POLICIES:
         raise ValueError(f"unknown sampled policy {name!r}; choose one of {', '.join(SAMPLED_POLICIES)}")

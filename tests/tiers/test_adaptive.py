@@ -1,0 +1,108 @@
+"""The default eviction policy: the prefix rules in whichever of two orders its referee finds winning.
+
+``PrefixPolicy`` keeps two orders ("prefix": its segments; "recency": LRU by
+dialog), both cutting dialogs from the tail.  ``Referee`` replays a sample of
+dialogs in one small cache per order; ``AdaptivePolicy`` (RAM tier) and
+``SampledPolicy`` of kind "adaptive" (cards) evict in the leader's order.
+Each trace below is one where one order wins by far (kvgate.bench.trace's
+generated traces); the bar that the default is never much below the better
+of prefix and LRU on every trace and size is tests/tiers/test_trace_replay.py.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from kvgate.bench.trace import scan, simulate, trace_marks, two_turns, unique_blocks
+from kvgate.keys import NO_DIALOG
+from kvgate.tiers.adaptive import AdaptivePolicy
+from kvgate.tiers.eviction import LONG, PrefixPolicy
+from kvgate.tiers.referee import Referee
+
+
+def dlg(n: int) -> bytes:
+    return xxhash.xxh3_128_digest(b"dialog-%d" % n)
+
+
+def drain(pol: PrefixPolicy) -> list[str]:
+    out = []
+    while (v := pol.choose_victim()) is not None:
+        out.append(v)
+        pol.remove(v)
+    return out
+
+
+def test_the_recency_order_is_lru_by_dialog_each_cut_from_its_tail() -> None:
+    pol = PrefixPolicy("recency")
+    for i in range(3):
+        pol.add(f"A{i}", 1, dlg(0), i, LONG)
+    for i in range(2):
+        pol.add(f"B{i}", 1, dlg(1), i, LONG)
+    pol.add("L", 1, NO_DIALOG, -1, LONG)  # a lone object: a dialog of its own
+    pol.touch("A0")  # A is the most recent dialog now, whatever its segments say
+    pol.touch("A1")
+    assert drain(pol) == ["B1", "B0", "L", "A2", "A1", "A0"]
+
+
+def test_both_orders_are_kept_so_the_owner_may_switch_at_any_time() -> None:
+    pol = PrefixPolicy()
+    pol.add("A0", 1, dlg(0), 0, LONG)
+    pol.add("A1", 1, dlg(0), 1, LONG)
+    pol.touch("A0")  # A: used again, kept by the prefix order over B (seen once)
+    pol.touch("A1")
+    pol.add("B0", 1, dlg(1), 0, LONG)
+    pol.young_adds = 0
+    assert pol.choose_victim() == "B0"
+    pol.order = "recency"  # B was used last
+    assert pol.choose_victim() == "A1"
+
+
+def _run(requests, policy: str, share: float):
+    capacity = int(unique_blocks(requests) * share)
+    return {name: simulate(requests, trace_marks(requests), name, [capacity])
+            for name in ("prefix", "lru", policy)}
+
+
+def test_it_follows_recency_where_conversations_come_back_once_and_soon() -> None:
+    for policy in ("adaptive", "sampled-adaptive"):
+        runs = _run(two_turns(4000), policy, 0.10)
+        best = max(runs["prefix"].share, runs["lru"].share)
+        assert runs["lru"].share > 1.2 * runs["prefix"].share, "the trace is one where LRU wins by far"
+        assert runs[policy].share >= 0.98 * best, (policy, {k: r.share for k, r in runs.items()})
+        orders = runs[policy].orders
+        assert orders["recency"] > 4 * orders["prefix"], (policy, orders)
+
+
+def test_it_follows_prefix_through_a_scan_of_one_off_prompts() -> None:
+    for policy in ("adaptive", "sampled-adaptive"):
+        runs = _run(scan(4000), policy, 0.05)
+        assert runs["prefix"].share > 1.5 * runs["lru"].share, "the trace is one where the prefix order wins by far"
+        assert runs[policy].share >= 0.99 * runs["prefix"].share, (policy, {k: r.share for k, r in runs.items()})
+        orders = runs[policy].orders
+        assert orders["prefix"] > 20 * max(1, orders["recency"]), (policy, orders)
+
+
+def test_the_referee_samples_fewer_dialogs_as_the_owner_grows_and_its_memory_stays_bounded() -> None:
+    ref = Referee()
+    resident = 0
+    for i in range(60_000):
+        resident = min(resident + 1, 8 * Referee.MIN_BLOCKS)  # an owner growing to 8 times the sample's size
+        d = i // 4
+        ref.referenced(i, dlg(d), i % 4, LONG, i % 4 == 3, True, resident)
+    assert ref.shift == 2, "1 dialog in 2**shift is sampled: the sample stays within twice MIN_BLOCKS"
+    for trial in ref._trials:
+        for cache in trial.caches:
+            assert len(cache) <= 2 * Referee.MIN_BLOCKS, len(cache)
+    assert len(ref._trials) == 1, "the half-size trial is retired once the full-size one has filled"
+    assert len(ref._cursors) <= 4 * ref._trials[0].capacity + 1
+
+
+def test_adaptive_counts_the_order_each_eviction_was_chosen_in() -> None:
+    pol = AdaptivePolicy()
+    for i in range(10):
+        pol.add(i, 1, dlg(i), 0, LONG)
+    for _ in range(4):
+        pol.remove(pol.choose_victim())
+    pol.remove(9)  # a delete, not an eviction
+    assert sum(pol.evictions_by_order().values()) == 4
+    assert PrefixPolicy().evictions_by_order() == {}

@@ -224,7 +224,7 @@ def test_in_process_json(capsys: pytest.CaptureFixture[str]) -> None:
     hits, total = infinite_cache(reqs)
     assert result["trace"]["infinite_cache"]["restored_blocks"] == hits and result["trace"]["blocks"] == total
     assert [(r["policy"], r["capacity"]["spec"]) for r in result["runs"]] == [
-        ("prefix", "10%"), ("lru", "10%"), ("prefix", "1M"), ("lru", "1M")]
+        ("adaptive", "10%"), ("prefix", "10%"), ("lru", "10%"), ("adaptive", "1M"), ("prefix", "1M"), ("lru", "1M")]
     for row in result["runs"]:
         blocks = row["capacity"]["blocks"]
         assert blocks == (int(0.1 * unique_blocks(reqs)) if row["capacity"]["spec"] == "10%" else 64)

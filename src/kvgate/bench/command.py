@@ -56,8 +56,10 @@ from kvgate.bench.report import (
 from kvgate.bench.restores import CardsBench, placements_of
 from kvgate.bench.trace import (
     BLOCK_TOKENS,
+    GENERATED,
+    GENERATED_PREFIX,
     infinite_cache,
-    load_trace,
+    trace_by_name,
     simulate,
     trace_marks,
     unique_blocks,
@@ -65,7 +67,7 @@ from kvgate.bench.trace import (
 )
 from kvgate.config import Config, parse_size
 from kvgate.placement import PLACEMENTS
-from kvgate.tiers.eviction import POLICIES
+from kvgate.tiers.policies import POLICIES
 from kvgate.tiers.sampled_ids import card_policy
 
 MAX_BLOCK_SIZE = 16 << 20
@@ -220,7 +222,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         "the cards of each; --dir, --threads and --json apply)")
     g.add_argument("--trace", metavar="FILE",
                    help="JSON lines of {timestamp (ms, optional), input_length, output_length, hash_ids}, e.g. "
-                        "benchmarks/data/mooncake-synthetic-trace.jsonl")
+                        "benchmarks/data/mooncake-synthetic-trace.jsonl; or a generated trace: "
+                        + ", ".join(GENERATED_PREFIX + g for g in GENERATED))
     g.add_argument("--shared-head", type=_non_negative_int, metavar="N",
                    help="prepend N synthetic block ids, the same for every request (one system prompt in front of "
                         "every conversation) (default 0)")
@@ -494,13 +497,19 @@ def _figure_row(restored: int, total: int, infinite: int) -> dict[str, Any]:
             "share_of_infinite": restored / infinite if infinite else None}
 
 
+def _followed(orders: dict[str, int]) -> dict[str, float] | None:
+    """The share of its evictions a switching policy chose in each order; None for one that does not switch."""
+    n = sum(orders.values())
+    return {order: k / n for order, k in orders.items()} if n else None
+
+
 def run_trace_bench(args: argparse.Namespace) -> int:
     """``--trace FILE``: 0 when the replay ran, 1 when it failed, 2 on bad usage."""
     try:
         opts = TraceOptions.from_args(args)
         if opts.plot is not None:
             check_matplotlib()
-        requests = with_shared_head(load_trace(opts.trace, opts.requests), opts.shared_head)
+        requests = with_shared_head(trace_by_name(opts.trace, opts.requests), opts.shared_head)
     except BenchError as e:
         print(f"kvgate bench: {e}", file=sys.stderr)
         return 2
@@ -535,11 +544,12 @@ def run_trace_bench(args: argparse.Namespace) -> int:
                          "blocks": r.blocks_per_card * cards,
                          "blocks_per_card": None if opts.in_process else r.blocks_per_card,
                          "card_capacity_bytes": None if opts.in_process else r.card_capacity},
-            "in_process": _figure_row(sim.restored, sim.total, inf_hits),
+            "in_process": {**_figure_row(sim.restored, sim.total, inf_hits), "followed": _followed(sim.orders)},
         }
         if r.measured:
             row["gateway"] = {**_figure_row(r.measured["restored_blocks"], r.measured["blocks"], inf_hits),
-                              **{k: v for k, v in r.measured.items() if k != "restored_blocks"}}
+                              **{k: v for k, v in r.measured.items() if k != "restored_blocks"},
+                              "followed": _followed(r.measured["orders"])}
             mod = r.measured["model"]
             row["gateway"]["model"] = {**mod, **_figure_row(mod["restored_blocks"], blocks, inf_hits)}
         rows.append(row)

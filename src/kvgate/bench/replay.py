@@ -55,9 +55,10 @@ from kvgate.client import Client
 from kvgate.config import Config, parse_size
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key, key_digest
 from kvgate.placement import SlotMap, slot_of
+from kvgate.tiers.referee import EXPERTS
 from kvgate.tiers.sampled_ids import card_policy
 
-DEFAULT_POLICIES = ("prefix", "lru")
+DEFAULT_POLICIES = ("adaptive", "prefix", "lru")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 DEFAULT_CARDS = 4
 
@@ -355,7 +356,8 @@ class TraceBench:
             i = index.get(os.path.abspath(st["location"]))
             if i is not None:
                 cards[i] = {k: st[k] for k in ("serial", "objects", "used_bytes", "capacity_bytes", "evictions",
-                                               "hits", "misses", "errors", "timeouts")}
+                                               "hits", "misses", "errors", "timeouts", "prefix_order_evictions",
+                                               "recency_order_evictions")}
         serials = [cd.get("serial") for cd in cards]
         if not all(serials):
             raise BenchError(f"the gateway's stats name {sum(map(bool, serials))} of {o.cards} cards")
@@ -398,6 +400,7 @@ class TraceBench:
             "cards": cards,
             "model": {"restored_blocks": model.restored, "share_of_all": model.share,
                       "objects_per_card": model.resident},
+            "orders": {order: sum(cd.get(f"{order}_order_evictions", 0) for cd in cards) for order in EXPERTS},
             "ram_hits": stats["tiers"]["ram"]["hits"],
             "corrupt_objects": stats["corrupt_objects"], "io_errors": stats["io_errors"],
             "io_timeouts": stats["io_timeouts"],

@@ -328,6 +328,11 @@ def print_trace(result: dict[str, Any], as_json: bool) -> None:
               (f"; {cfg['cards']} directory cards per gateway, one gateway per row, blocks of "
                f"{fmt_size(cfg['block_size'])}; per card: shares in %; {result['elapsed_s']:.1f} s" if gateway
                else f"; {result['elapsed_s']:.1f} s"))
+    for row in result["runs"]:
+        fig = row.get("gateway") or row["in_process"]
+        if fig.get("followed"):
+            orders = ", ".join(f"{order} for {pct(share)}" for order, share in fig["followed"].items())
+            con.print(f"{row['policy']} at {row['capacity']['spec']} followed, of its evictions: {orders}")
     for note in result["notes"]:
         con.print(f"[dim]{note}[/]")
 

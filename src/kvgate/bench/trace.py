@@ -26,15 +26,17 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Final, Iterable, Sequence
 
 import numpy as np
 
 from kvgate.bench import BenchError
 from kvgate.heads import SharedHeads
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key
-from kvgate.tiers.eviction import LONG, EvictionPolicy, make_policy
+from kvgate.tiers.eviction import LONG, EvictionPolicy
+from kvgate.tiers.policies import make_policy
 from kvgate.tiers.sampled_ids import SAMPLED_POLICIES, make_sampled_policy
 
 NAMESPACE = "kvgate-bench-trace"
@@ -97,6 +99,105 @@ def with_shared_head(requests: Sequence[TraceRequest], n: int) -> list[TraceRequ
     top = max(max(r.ids) for r in requests)
     head = tuple(range(top + 1, top + 1 + n))
     return [TraceRequest(head + r.ids, r.timestamp_ms) for r in requests]
+
+
+# ---- generated traces: the shapes that tell eviction orders apart ---------------------------
+
+def _fresh_ids(start: int) -> Callable[[int], list[int]]:
+    nxt = [start]
+
+    def fresh(k: int) -> list[int]:
+        out = list(range(nxt[0], nxt[0] + k))
+        nxt[0] += k
+        return out
+    return fresh
+
+
+def two_turns(n: int = 12_000, seed: int = 1) -> list[TraceRequest]:
+    """Chat traffic where a conversation comes back once, soon, and never again: behind a one-block system
+    prompt, a first prompt of 2-8 blocks; half the conversations ask one follow-up (the first prompt and
+    1-3 blocks more) 20-600 requests later.  The shape of a production conversation trace (1.5 requests a
+    conversation); the prefix order keeps the dead second turns, marked used again, over first turns still
+    waiting for theirs."""
+    rng = random.Random(seed)
+    fresh = _fresh_ids(1)
+    head = [0]
+    due: dict[int, list[list[int]]] = {}
+    out: list[TraceRequest] = []
+    i = 0
+    while len(out) < n:
+        for first in due.pop(i, []):
+            out.append(TraceRequest(tuple(head + first + fresh(rng.randint(1, 3)))))
+        first = fresh(rng.randint(2, 8))
+        out.append(TraceRequest(tuple(head + first)))
+        if rng.random() < 0.5:
+            due.setdefault(i + rng.randint(20, 600), []).append(first)
+        i += 1
+    return out[:n]
+
+
+def in_order(conversations: int = 200, turns: int = 12, seed: int = 2) -> list[TraceRequest]:
+    """Long conversations that come back in order: round robin, each turn the whole history and 2 new blocks
+    (a cyclic reuse pattern, the worst case for LRU)."""
+    del seed  # no randomness: the order is the point
+    history: list[list[int]] = [[] for _ in range(conversations)]
+    fresh = _fresh_ids(0)
+    out: list[TraceRequest] = []
+    for _ in range(turns):
+        for c in range(conversations):
+            history[c] = history[c] + fresh(2)
+            out.append(TraceRequest(tuple(history[c])))
+    return out
+
+
+def scan(n: int = 4_000, hot: int = 100, seed: int = 3) -> list[TraceRequest]:
+    """A hot set of 100 conversations of 6 blocks, read again and again (30 % of requests, each with one new
+    block), through a scan of one-off prompts of 3-8 blocks."""
+    rng = random.Random(seed)
+    fresh = _fresh_ids(0)
+    hots = [fresh(6) for _ in range(hot)]
+    out: list[TraceRequest] = []
+    for _ in range(n):
+        if rng.random() < 0.3:
+            out.append(TraceRequest(tuple(rng.choice(hots) + fresh(1))))
+        else:
+            out.append(TraceRequest(tuple(fresh(rng.randint(3, 8)))))
+    return out
+
+
+def hot_head(n: int = 4_000, head: int = 8, seed: int = 4) -> list[TraceRequest]:
+    """Every prompt behind one long shared head (8 blocks); 30 % of requests continue one of the last 200
+    conversations by a block, the rest start a new one of 2-5 blocks."""
+    rng = random.Random(seed)
+    fresh = _fresh_ids(head)
+    shared = list(range(head))
+    conversations: list[list[int]] = []
+    out: list[TraceRequest] = []
+    for _ in range(n):
+        if conversations and rng.random() < 0.3:
+            c = rng.choice(conversations[-200:])
+            c += fresh(1)
+        else:
+            c = fresh(rng.randint(2, 5))
+            conversations.append(c)
+        out.append(TraceRequest(tuple(shared + c)))
+    return out
+
+
+GENERATED: Final[dict[str, Callable[[], list[TraceRequest]]]] = {
+    "two-turns": two_turns, "in-order": in_order, "scan": scan, "hot-head": hot_head}
+GENERATED_PREFIX: Final = "gen:"
+
+
+def trace_by_name(name: str, limit: int | None = None) -> list[TraceRequest]:
+    """A trace file, or a generated trace by name (``gen:two-turns``; see ``GENERATED``)."""
+    if name.startswith(GENERATED_PREFIX):
+        make = GENERATED.get(name.removeprefix(GENERATED_PREFIX))
+        if make is None:
+            raise TraceError(f"--trace {name}: no such generated trace; choose one of "
+                             f"{', '.join(GENERATED_PREFIX + g for g in GENERATED)}")
+        return make()[:limit]
+    return load_trace(name, limit)
 
 
 def block_key(block_id: int) -> bytes:
@@ -200,6 +301,7 @@ class Simulated:
     restored: int  # blocks restored (leading blocks present)
     total: int  # blocks asked for
     resident: list[int]  # blocks held per card at the end
+    orders: dict[str, int] = field(default_factory=dict)  # evictions chosen under each order (adaptive only)
 
     @property
     def share(self) -> float:
@@ -264,7 +366,11 @@ def simulate(requests: Iterable[Any], marks: Sequence[DialogMark], policy_name: 
                     break
                 p.remove(victim)
                 del where[victim]
-    return Simulated(restored, total, [len(p) for p in policies])
+    orders: dict[str, int] = {}
+    for p in policies:
+        for order, n in p.evictions_by_order().items():
+            orders[order] = orders.get(order, 0) + n
+    return Simulated(restored, total, [len(p) for p in policies], orders)
 
 
 def replay_policies(requests: Iterable[Any], capacity_blocks: int, policy_names: Iterable[str]) -> dict[str, float]:

@@ -232,6 +232,20 @@ def test_in_process_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert row["in_process"]["share_of_all"] == want
         assert row["in_process"]["share_of_infinite"] == pytest.approx(want * total / hits)
         assert "gateway" not in row
+        followed = row["in_process"]["followed"]
+        if row["policy"] == "adaptive":  # it evicted: the shares of its two orders
+            assert set(followed) == {"prefix", "recency"} and sum(followed.values()) == pytest.approx(1.0), followed
+        else:
+            assert followed is None
+
+
+def test_a_generated_trace_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--trace", "gen:scan", "--in-process", "--requests", "300", "--json",
+                 "--capacity", "10%", "--policies", "lru"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["requests"] == 300
+    assert main(["bench", "--trace", "gen:nope", "--in-process"]) == 2
+    err = capsys.readouterr().err
+    assert "no such generated trace" in err and "gen:two-turns" in err, err
 
 
 @pytest.mark.slow  # matplotlib runs fc-list to build its font cache the first time it draws text

@@ -48,7 +48,7 @@ def test_the_docs_say_card_servers_encrypt_given_a_certificate(page: str) -> Non
 
 # ---- the README is the front door, the docs hold the depth --------------------------------------------------
 
-README_MAX_LINES = 330  # a newcomer's ten minutes; what does not fit goes to docs/ (docs/development.md)
+README_MAX_LINES = 345  # a newcomer's ten minutes; what does not fit goes to docs/ (docs/development.md)
 
 
 def _pages() -> list[Path]:

@@ -106,3 +106,19 @@ def test_adaptive_counts_the_order_each_eviction_was_chosen_in() -> None:
     pol.remove(9)  # a delete, not an eviction
     assert sum(pol.evictions_by_order().values()) == 4
     assert PrefixPolicy().evictions_by_order() == {}
+
+
+def test_a_card_counts_its_eviction_even_when_the_chosen_row_moved_before_it_went() -> None:
+    from kvgate.tiers.sampled_ids import SampledEvictionPolicy
+
+    pol = SampledEvictionPolicy("adaptive")
+    pol.policy.young_adds = 0
+    for i in range(8):
+        pol.add(i, 1, dlg(i), 0, LONG)
+    for i in range(7):
+        pol.touch(i)  # used again: 7, seen once and in the last row, goes first
+    assert pol.choose_victim() == 7 and pol._row(7) == 7
+    pol.remove(0)  # a delete: the last row moves into its place
+    assert pol._row(7) == 0
+    pol.remove(7)
+    assert sum(pol.evictions_by_order().values()) == 1

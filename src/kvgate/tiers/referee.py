@@ -5,8 +5,8 @@ blocks first, blocks used again kept) wins where dialogs come back after
 long gaps or behind a scan of one-off prompts; "recency" (LRU by dialog)
 wins where most dialogs come back once, soon, and never again: "prefix"
 then keeps the dead second turns, marked used again, over the first turns
-still waiting for theirs (a conversation trace of two turns each: 0.69 of
-LRU at a cache of 10 %, `kvgate bench --trace` on ``follow_ups``).
+still waiting for theirs (`kvgate bench --trace gen:two-turns --in-process`:
+0.49 of LRU at a cache of 10 %).
 
 A ``Referee`` runs both orders side by side, each as a small cache of its
 own, on the references of a sample of dialogs (a dialog is in when the low
@@ -14,13 +14,16 @@ own, on the references of a sample of dialogs (a dialog is in when the low
 sampled request is a whole prefix), scaled down by the same rate: the
 miniature simulations of SHARDS (Waldspurger et al., FAST'15 and ATC'17).
 Each counts the blocks it would have restored, by the engine's rule: the
-leading blocks present, up to the first missing one.  The counts decay by
-half every few cache fills, so the referee answers for the traffic of
-late; ``leader`` switches only when the other order is ahead by
+leading blocks present, up to the first missing one.  The counts halve
+every ``DECAY_FILLS`` cache fills, so the referee answers for the traffic
+of late; ``leader`` switches only when the other order is ahead by
 ``MARGIN``, so a near tie does not make the owner flip back and forth.
+A second pair of caches at half the size runs ahead while the owner fills
+(a verdict needs evictions, then the time a block takes to come back), and
+judges until the full-size pair has evicted a fill of its own.
 
-Memory is bounded: the miniature caches hold ``MIN_BLOCKS`` to twice that
-many blocks (the rate halves as the owner grows), and each remembers the
+Memory is bounded: each miniature cache holds at most twice ``MIN_BLOCKS``
+blocks (the rate halves as the owner grows), and each remembers the
 dialogs it has seen in one ``RecentKeys`` pair and a bounded table of
 request cursors.  Cost: a sampled reference is a few ``PrefixPolicy``
 calls; the rest cost one test of a digest's bits.

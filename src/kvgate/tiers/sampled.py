@@ -9,7 +9,10 @@ and a table of dialogs (about 70 bytes a dialog), and instead of an exact
 order it ranks a random sample of rows when it needs a victim (as Redis
 approximates LRU): the coldest of ``SAMPLE`` rows is almost always among the
 coldest percent or two of the card.  ``kind`` "lru" needs no sampling: the
-same columns hold one exact list of all rows, oldest first.
+same columns hold one exact list of all rows, oldest first.  ``kind``
+"adaptive" keeps the prefix rules and ranks in whichever of two orders its
+``Referee`` finds winning (kvgate.tiers.adaptive): the segments, or each
+dialog by its last use.
 
 The rules are ``PrefixPolicy``'s:
 
@@ -317,6 +320,8 @@ class SampledPolicy:
     def moved(self, src: int, dst: int) -> None:
         """The owner moved row ``src`` into ``dst`` (its columns are copied already): repoint its neighbours."""
         rows = self.rows
+        if src == self._chosen:
+            self._chosen = dst
         if self.prefix and rows.pos.item(dst) < 0:
             return
         p, n = rows.prev.item(dst), rows.next.item(dst)

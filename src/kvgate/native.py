@@ -7,8 +7,9 @@ installs without them, and each user keeps a pure-Python path that does the same
   (``kvgate.memguard``, ``kvgate.gateway.faultlog``);
 - ``kvgate/_probe.c``: a card index's probe of a whole batch of digests (``kvgate.tiers.rows``).
 
-The third helper, ``kvgate/_keys.c``, reads Python lists and makes bytes objects, so it is a CPython
-extension, imported by ``kvgate.keys`` rather than loaded here.
+Two others are CPython extensions, imported where they are used rather than loaded here:
+``kvgate/_keys.c`` reads Python lists and makes bytes objects (``kvgate.keys``); ``kvgate/_recent.c``
+hashes Python objects (``kvgate.tiers.eviction``'s ``RecentKeys``).
 """
 
 from __future__ import annotations

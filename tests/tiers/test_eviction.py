@@ -176,6 +176,73 @@ def test_recent_keys_remember_one_to_two_spans_of_distinct_keys():
     assert sum(i in ints for i in range(1000, 21000)) < 200
 
 
+
+def test_recent_keys_compiled_and_python_probes_set_and_find_the_same_bits(monkeypatch) -> None:
+    """``kvgate/_recent.c`` (built by make install) and the Python path agree bit for bit, so a policy
+    decides the same with or without the helper; each path runs the whole test above."""
+    from kvgate.tiers import eviction
+
+    assert eviction._compiled_remember() is not None, "make install should have built kvgate/_recent*.so"
+    compiled, python = eviction._compiled_remember(), eviction._remember_py
+    idents = [*range(-50, 3000, 7), *(f"k{i}" for i in range(500)), *((i, b"x") for i in range(200)), b"b", 2**70]
+    for fn_a, fn_b in ((compiled, python), (python, compiled)):
+        a, b = bytearray(256), bytearray(256)
+        prev = bytearray(b"\x5a" * 128)
+        for i, ident in enumerate(idents):
+            add = i % 3 != 0
+            assert fn_a(ident, a, prev, add) == fn_b(ident, b, prev, add), ident
+            assert a == b
+        assert any(a) and fn_a("k1", a, None, False) in (0, 1)
+    with pytest.raises(TypeError, match="current"):
+        compiled("k", b"not a bytearray", None, True)
+    for fn in (compiled, python):
+        monkeypatch.setattr(eviction, "_remember", fn)
+        test_recent_keys_remember_one_to_two_spans_of_distinct_keys()
+
+
+def test_dialog_lru_evicts_exactly_as_the_prefix_policy_in_its_recency_order() -> None:
+    """The referee's miniature of the recency order (``DialogLru``) is that order: same victims on a random
+    run of adds, reads and deletes: dialogs of several blocks, blocks sharing a position, lone objects,
+    both classes, and enough reads that the prefix policy demotes blocks between its segments."""
+    import random
+
+    from kvgate.tiers.eviction import DialogLru
+
+    rng = random.Random(7)
+    full, mini = PrefixPolicy("recency"), DialogLru()
+    full.reserve_from, full.reused_share = 8, 0.5  # demotions early and often
+    full.young_adds = 5
+    resident: list[str] = []
+    for step in range(20_000):
+        op = rng.random()
+        if op < 0.45 or not resident:
+            d = rng.randrange(40)
+            ident = f"b{step}"
+            args = (ident, 1, b"" if d == 0 else dlg(d), rng.randrange(6) if d else -1,
+                    rng.choice((Retention.SHORT, Retention.LONG)))
+            full.add(*args)
+            mini.add(*args)
+            resident.append(ident)
+        elif op < 0.8:
+            ident = rng.choice(resident)
+            full.touch(ident)
+            mini.touch(ident)
+        elif op < 0.85:
+            ident = resident.pop(rng.randrange(len(resident)))
+            full.remove(ident)
+            mini.remove(ident)
+        while len(full) > 60:
+            victim = full.choose_victim()
+            assert victim == mini.choose_victim(), step
+            full.remove(victim)
+            mini.remove(victim)
+            resident.remove(victim)
+        assert len(full) == len(mini)
+        full.order = "prefix"  # the victim's dialog in the other order too: choose_victim's short way is _order's first
+        assert full._coldest() is next(full._order(), None), step
+        full.order = "recency"
+    assert set(resident) == {i for i in resident if i in mini}
+
 def test_prefix_out_of_order_positions_still_tail_first():
     pol = prefix_policy()
     for p in (2, 0, 3, 1):

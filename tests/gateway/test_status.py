@@ -83,6 +83,23 @@ def test_status_file(gateway_factory, tmp_path) -> None:
     assert os.listdir(os.path.dirname(status)) == ["kvgate.prom"]
 
 
+def test_the_default_policy_says_which_order_chose_each_ram_eviction(gateway_factory) -> None:
+    """The RAM tier's adaptive policy counts its evictions by order, in stats and on /metrics."""
+    mport = free_port()
+    gw = gateway_factory(["--metrics-port", str(mport), "--max-bytes", "4M"])
+    keys = [f"r{i}".encode() for i in range(160)]
+    with gw.client(NS) as c:
+        for i in range(0, 160, 16):
+            assert c.put_many(keys[i:i + 16], [bytes([i % 251]) * 65536] * 16) == [True] * 16
+        ram = c.stats()["tiers"]["ram"]
+    assert ram["evictions"] > 50, ram
+    assert ram["prefix_order_evictions"] + ram["recency_order_evictions"] == ram["evictions"], ram
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert (_metric(text, "kvgate_ram_order_evictions_total", '{order="prefix"}')
+            + _metric(text, "kvgate_ram_order_evictions_total", '{order="recency"}')) == ram["evictions"]
+
+
 def test_http_metrics_and_prewarm(gateway_factory) -> None:
     mport = free_port()
     args = ["--metrics-port", str(mport), "--max-bytes", "64M"]

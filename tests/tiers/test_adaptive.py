@@ -17,7 +17,7 @@ from kvgate.bench.trace import scan, simulate, trace_marks, two_turns, unique_bl
 from kvgate.keys import NO_DIALOG
 from kvgate.tiers.adaptive import AdaptivePolicy
 from kvgate.tiers.eviction import LONG, PrefixPolicy
-from kvgate.tiers.referee import Referee
+from kvgate.tiers.referee import Referee, sample_bits
 
 
 def dlg(n: int) -> bytes:
@@ -83,18 +83,60 @@ def test_it_follows_prefix_through_a_scan_of_one_off_prompts() -> None:
 
 
 def test_the_referee_samples_fewer_dialogs_as_the_owner_grows_and_its_memory_stays_bounded() -> None:
-    ref = Referee()
     resident = 0
-    for i in range(60_000):
+    ref = Referee(lambda: resident)
+    asked = 0
+    for i in range(30 * Referee.MIN_BLOCKS):
         resident = min(resident + 1, 8 * Referee.MIN_BLOCKS)  # an owner growing to 8 times the sample's size
-        d = i // 4
-        ref.referenced(i, dlg(d), i % 4, LONG, i % 4 == 3, True, resident)
+        d = dlg(i // 4)
+        if not sample_bits(d) & ref.mask:  # the owner's test, before anything is built
+            asked += 1
+            ref.referenced(i, d, i % 4, LONG, i % 4 == 3)
     assert ref.shift == 2, "1 dialog in 2**shift is sampled: the sample stays within twice MIN_BLOCKS"
+    assert asked < 0.4 * 30 * Referee.MIN_BLOCKS, "the unsampled dialogs never reach the referee"
     for trial in ref._trials:
         for cache in trial.caches:
             assert len(cache) <= 2 * Referee.MIN_BLOCKS, len(cache)
+            if isinstance(cache, PrefixPolicy):
+                assert cache._recent.span <= 6 * Referee.MIN_BLOCKS, "what it remembers of evicted blocks is bounded"
     assert len(ref._trials) == 1, "the half-size trial is retired once the full-size one has filled"
     assert len(ref._cursors) <= 4 * ref._trials[0].capacity + 1
+
+
+def test_a_card_tells_its_referee_of_sampled_dialogs_only() -> None:
+    from kvgate.tiers.sampled_ids import SampledEvictionPolicy
+
+    pol = SampledEvictionPolicy("adaptive")
+    ref = pol.policy.referee
+    seen: list[bool] = []  # per call: whether its dialog was in the sample when the call came
+    real = ref.referenced
+
+    def spy(ident, dkey, *rest):
+        seen.append(ref.sampled(dkey))
+        real(ident, dkey, *rest)
+
+    ref.referenced = spy  # type: ignore[method-assign]
+    for i in range(20 * Referee.MIN_BLOCKS):
+        pol.add(i, 1, dlg(i // 4), i % 4, LONG)
+        while len(pol) > 8 * Referee.MIN_BLOCKS:
+            pol.remove(pol.choose_victim())
+    assert ref.shift >= 2
+    assert all(seen)
+    assert len(seen) < 0.5 * 20 * Referee.MIN_BLOCKS
+
+
+def test_the_cards_of_a_replay_share_one_referee_that_counts_them_all() -> None:
+    from kvgate.bench.trace import policies_per_card
+
+    cards = policies_per_card("sampled-adaptive", 3)
+    referees = {id(p.policy.referee) for p in cards}  # type: ignore[attr-defined]
+    assert len(referees) == 1
+    for c, pol in enumerate(cards):
+        for i in range(10 * (c + 1)):
+            pol.add((c, i), 1, dlg(c * 100 + i), 0, LONG)
+    assert cards[0].policy.referee._resident() == 60  # type: ignore[attr-defined]
+    assert len({id(p.policy.referee) for p in policies_per_card("sampled-adaptive", 1)}) == 1
+    assert all(p.policy.referee is None for p in policies_per_card("sampled-prefix", 2))  # type: ignore[attr-defined]
 
 
 def test_adaptive_counts_the_order_each_eviction_was_chosen_in() -> None:

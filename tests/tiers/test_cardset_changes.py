@@ -387,3 +387,32 @@ def test_a_move_waits_for_a_card_out_of_service_and_goes_on_when_it_is_back(tmp_
             await cards.stop()
 
     asyncio.run(main())
+
+
+def test_the_cards_share_one_referee_that_counts_what_they_all_hold(tmp_path: Path) -> None:
+    """The orders' merit is the traffic's: under "adaptive" every card's index asks one referee, sized by
+    what the whole set holds, and a card's index made afresh (cleared, or loaded at restart) keeps it."""
+    async def main() -> None:
+        cards = await _started(tmp_path, ["a", "b", "c"])
+        try:
+            referee = cards.referee
+            assert referee is not None and cards.cfg.eviction_policy == "adaptive"
+            assert all(mc.index.policy.referee is referee for mc in cards.cards)
+            for d in range(12):
+                await _write_dialog(cards, d)
+            assert sum(len(mc.index) for mc in cards.cards) == 48 == referee._resident()
+            assert len({id(mc) for mc in cards.cards if len(mc.index)}) > 1, "the dialogs went to several cards"
+            mc = cards.cards[0]
+            mc.index.clear()
+            assert mc.index.policy.referee is referee
+            assert mc.catalog.new_index().policy.referee is referee
+        finally:
+            await cards.stop()
+        lru = Config(storage_devices=[str(tmp_path / "a")], card_capacity=64 << 20, eviction_policy="lru")
+        plain = await scanned_card_set(lru)
+        try:
+            assert plain.referee is None and plain.cards[0].index.policy.referee is None
+        finally:
+            await plain.stop()
+
+    asyncio.run(main())

@@ -37,7 +37,7 @@ from kvgate.heads import SharedHeads
 from kvgate.keys import DialogMark, dialog_digest, encode_namespace, full_key
 from kvgate.tiers.eviction import LONG, EvictionPolicy
 from kvgate.tiers.policies import make_policy
-from kvgate.tiers.sampled_ids import SAMPLED_POLICIES, make_sampled_policy
+from kvgate.tiers.sampled_ids import SAMPLED_POLICIES, make_sampled_policies, make_sampled_policy
 
 NAMESPACE = "kvgate-bench-trace"
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces (not used in any figure; for the record)
@@ -136,10 +136,9 @@ def two_turns(n: int = 12_000, seed: int = 1) -> list[TraceRequest]:
     return out[:n]
 
 
-def in_order(conversations: int = 200, turns: int = 12, seed: int = 2) -> list[TraceRequest]:
+def in_order(conversations: int = 200, turns: int = 12) -> list[TraceRequest]:
     """Long conversations that come back in order: round robin, each turn the whole history and 2 new blocks
-    (a cyclic reuse pattern, the worst case for LRU)."""
-    del seed  # no randomness: the order is the point
+    (a cyclic reuse pattern, the worst case for LRU; no randomness: the order is the point)."""
     history: list[list[int]] = [[] for _ in range(conversations)]
     fresh = _fresh_ids(0)
     out: list[TraceRequest] = []
@@ -283,8 +282,17 @@ def trace_marks(requests: Iterable[Any], namespace: str = NAMESPACE) -> list[Dia
 
 
 def replay_policy(name: str) -> EvictionPolicy:
-    """A policy by name: the RAM tier's (``prefix``, ``lru``) or a card's (``sampled-prefix``, ``sampled-lru``)."""
+    """A policy by name: the RAM tier's (``adaptive``, ``prefix``, ``lru``) or a card's (``sampled-adaptive``,
+    ``sampled-prefix``, ``sampled-lru``)."""
     return make_sampled_policy(name) if name in SAMPLED_POLICIES else make_policy(name)
+
+
+def policies_per_card(name: str, cards: int) -> list[EvictionPolicy]:
+    """``cards`` policies by name, as a gateway's cards run them (one referee for all under
+    ``sampled-adaptive``); the RAM tier's policies each on their own."""
+    if name in SAMPLED_POLICIES:
+        return list(make_sampled_policies(name, cards))
+    return [make_policy(name) for _ in range(cards)]
 
 
 def _accepts_tail(policy: Any) -> bool:
@@ -321,7 +329,7 @@ def simulate(requests: Iterable[Any], marks: Sequence[DialogMark], policy_name: 
     each put run with ``tail=True`` where the policy takes it; then each
     card evicts while it holds more than its capacity.
     """
-    policies = [replay_policy(policy_name) for _ in capacities]
+    policies = policies_per_card(policy_name, len(capacities))
     tail = _accepts_tail(policies[0])
     where: dict[int, int] = {}  # block id -> card
     restored = total = 0

@@ -134,6 +134,8 @@ def snapshot(cfg: Config, store: TieredStore, pool: IoPool, heads: SharedHeads, 
         "bytes_read": c.ram.bytes_read, "bytes_written": c.ram.bytes_written, "evictions": ram["evictions"],
         "used_bytes": ram["used_bytes"], "capacity_bytes": ram["capacity_bytes"], "objects": ram["objects"],
         "pinned_bytes": ram["pinned_bytes"],
+        "prefix_order_evictions": ram["prefix_order_evictions"],
+        "recency_order_evictions": ram["recency_order_evictions"],
     }
     engine = None
     if sessions.engine is not None:
@@ -197,6 +199,12 @@ class _SnapshotCollector:
             yield m
         yield GaugeMetricFamily("kvgate_ram_pinned_bytes", "RAM-tier bytes held by reads and replies in progress "
                                 "(eviction cannot take them)", value=s["tiers"]["ram"]["pinned_bytes"])
+        m = CounterMetricFamily("kvgate_ram_order_evictions", "RAM-tier evictions the adaptive policy chose in each "
+                                "of its orders (prefix: one-off blocks first, blocks used again kept; recency: LRU "
+                                "by dialog)", labels=["order"])
+        for order in ("prefix", "recency"):
+            m.add_metric([order], s["tiers"]["ram"][f"{order}_order_evictions"])
+        yield m
         m = CounterMetricFamily("kvgate_get_requests", "get requests by the way their bytes travel (lent: "
                                 "read by the client out of the gateway's memory)", labels=["path"])
         for path, n in s["get_paths"].items():

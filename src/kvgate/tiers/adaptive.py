@@ -7,18 +7,20 @@ usable prefix.  ``AdaptivePolicy`` feeds every add and read to a
 ``Referee`` (kvgate.tiers.referee), which replays them on a sample of
 dialogs in one small cache per order, and evicts in the order that would
 have restored more lately.  It counts which order chose each eviction
-(``decided``), so an operator can see what it followed.
+(``tally``), so an operator can see what it followed.
 
-Costs beside ``PrefixPolicy``'s: one more ordered-dict move per add or
-read (the recency order), a test of the dialog digest's bits, and for the
-sampled dialogs a few calls into the referee's small caches.  Same threading
-as every policy: its owner calls it from one thread.
+Costs beside ``PrefixPolicy``'s (which keeps both orders always): a test
+of the dialog digest's bits per add or read, and for the sampled dialogs a
+few calls into the referee's small caches: about 3x ``PrefixPolicy`` while
+every dialog is sampled (a tier under 8K blocks), 1.6x at 35K blocks
+(benchmarks/eviction_cost.py).  Same threading as every policy: its owner
+calls it from one thread.
 """
 
 from __future__ import annotations
 
 from kvgate.tiers.eviction import Ident, PrefixPolicy, SkipFn
-from kvgate.tiers.referee import EXPERTS, Referee
+from kvgate.tiers.referee import EXPERTS, OrderTally, Referee, sample_bits
 
 
 class AdaptivePolicy(PrefixPolicy):
@@ -28,36 +30,37 @@ class AdaptivePolicy(PrefixPolicy):
 
     def __init__(self) -> None:
         super().__init__(EXPERTS[0])
-        self.referee = Referee()
-        self.decided = dict.fromkeys(EXPERTS, 0)  # evictions chosen under each order
-        self._chosen: tuple[Ident, str] | None = None
+        self.referee = Referee(self.__len__)
+        self.tally = OrderTally()  # evictions chosen under each order
 
     def add(self, ident: Ident, size: int, dialog: bytes, position: int, klass: int, tail: bool = False) -> None:
         super().add(ident, size, dialog, position, klass, tail)
-        self._referee_saw(ident, tail, True)
+        self._referee_saw(ident, tail)
 
     def touch(self, ident: Ident) -> None:
         super().touch(ident)
-        self._referee_saw(ident, False, False)
+        self._referee_saw(ident, False)
 
-    def _referee_saw(self, ident: Ident, tail: bool, added: bool) -> None:
-        where = self.where(ident)
-        if where is not None:
-            k, dkey, position = where
-            self.referee.referenced(ident, dkey, position, k, tail, added, len(self))
-            self.order = self.referee.leader
+    def _referee_saw(self, ident: Ident, tail: bool) -> None:
+        """Tell the referee of an add or read, if the block's dialog is in its sample (a test of its bits:
+        this runs for every block)."""
+        where = self._where.get(ident)  # (class, segment, dialog key, position)
+        if where is None:
+            return
+        referee = self.referee
+        if referee.mask and sample_bits(where[2]) & referee.mask:
+            return
+        referee.referenced(ident, where[2], where[3], where[0], tail)
+        self.order = referee.leader
 
     def choose_victim(self, skip: SkipFn | None = None) -> Ident | None:
         victim = super().choose_victim(skip)
-        self._chosen = None if victim is None else (victim, self.order)
+        self.tally.chose(victim, self.order)
         return victim
 
     def evictions_by_order(self) -> dict[str, int]:
-        return dict(self.decided)
+        return dict(self.tally.counts)
 
     def remove(self, ident: Ident) -> None:
-        chosen = self._chosen
-        if chosen is not None and chosen[0] == ident:
-            self.decided[chosen[1]] += 1
-            self._chosen = None
+        self.tally.removed(ident)
         super().remove(ident)

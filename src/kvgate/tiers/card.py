@@ -45,6 +45,7 @@ from kvgate.tiers.index import CardIndex
 from kvgate.tiers.io import CardIo, IoPool, KeyOrder
 from kvgate.tiers.life import CardLife
 from kvgate.tiers.reads import CardRead, RecentlyPrepared
+from kvgate.tiers.referee import Referee
 from kvgate.tiers.room import CardRoom
 from kvgate.tiers.rows import key_digest_array
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
@@ -76,13 +77,14 @@ class ManagedCard:
     """
 
     def __init__(self, pattern: str, location: str, card: Card, cfg: Config, pool: IoPool, hooks: TierHooks,
-                 io: CardIo | None = None) -> None:
+                 io: CardIo | None = None, referee: Referee | None = None) -> None:
+        """``referee``: the one the card set's cards share (``CardSet.referee``; "adaptive" only)."""
         self.cfg = cfg
         self.io = io or CardIo(cfg.thread_pool_size, cfg.io_timeout_ms / 1000, "kvgate-card", realtime=pool.realtime,
                                latencies=hooks.io_seconds)
         room = CardRoom(lambda: self.life.card, cfg, lambda: self.life.describe())
         self.catalog = CardCatalog(cfg, hooks.usage, hooks.holds, room, self._spawn_delete, lambda: self.life.where,
-                                   hooks.on_expired, hooks.changes)
+                                   hooks.on_expired, hooks.changes, referee)
         self.life = CardLife(pattern, location, card, cfg, pool, self.io, self.catalog, hooks.on_corrupt)
         self.channel = CardChannel(lambda: self.life.card, self.io, self.life.note_result)  # bulk reads, writes, opens
         self.order = KeyOrder()  # writes and deletes of one key, in the order issued

@@ -46,6 +46,7 @@ from kvgate.tiers.discovery import CardDiscovery
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.layout import CardLayout, LayoutMismatch
 from kvgate.tiers.mover import CardMover
+from kvgate.tiers.referee import Referee
 from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.long")
@@ -101,6 +102,8 @@ class CardSet:
         self.mover = CardMover(self, cfg.card_move_rate, self._after_move_round)
         self._tasks = Tasks()
         self.discovery = CardDiscovery(cfg, pool)
+        # Under "adaptive", one referee judges the orders for all the cards: their merit is the traffic's.
+        self.referee = Referee(self.objects) if cfg.eviction_policy == "adaptive" else None
 
     @property
     def slots(self) -> int:
@@ -112,7 +115,12 @@ class CardSet:
         return self.layout.fingerprint
 
     def _new_card(self, pattern: str, location: str) -> ManagedCard:
-        return ManagedCard(pattern, location, make_card(location, self.cfg), self.cfg, self.pool, self.hooks)
+        return ManagedCard(pattern, location, make_card(location, self.cfg), self.cfg, self.pool, self.hooks,
+                           referee=self.referee)
+
+    def objects(self) -> int:
+        """Objects indexed on the cards in service."""
+        return sum(len(mc.index) for mc in self.cards)
 
     # ---- start and stop ---------------------------------------------------
 

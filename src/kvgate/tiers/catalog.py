@@ -36,6 +36,7 @@ from kvgate.keys import key_digest
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
 from kvgate.tiers.reads import CardRead, ReadOutcome
+from kvgate.tiers.referee import Referee
 from kvgate.tiers.room import CardRoom
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage
@@ -74,8 +75,9 @@ class CardCatalog:
 
     def __init__(self, cfg: Config, usage: NamespaceUsage, holds: Holds, room: CardRoom,
                  delete: Callable[[list[bytes]], asyncio.Task], where: Callable[[], str],
-                 on_expired: Callable[[int], None], changes=None) -> None:
+                 on_expired: Callable[[int], None], changes=None, referee: Referee | None = None) -> None:
         self.cfg = cfg
+        self._referee = referee
         self._usage = usage
         self._holds = holds
         self._changes = changes
@@ -115,7 +117,7 @@ class CardCatalog:
         """An empty index for this card: keeping keys, and noting its changes as this card's tier (its
         serial), when the gateway publishes events (``kv_events_endpoint``; ``kvgate.tiers.events``)."""
         return CardIndex(self._usage, self.cfg.eviction_policy, keys=self.cfg.kv_events_endpoint is not None,
-                         changes=self._changes, tier=self.tier)
+                         changes=self._changes, tier=self.tier, referee=self._referee)
 
     def name_tier(self, serial: str) -> None:
         """The card's serial is known: its index's events name it from now on."""

@@ -45,6 +45,7 @@ import numpy as np
 from kvgate.cards.objectformat import ObjectMeta
 from kvgate.keys import NO_DIALOG, full_key, key_digest
 from kvgate.tiers.events import CLEARED, KEY_BYTES, REMOVED, STORED, TierChanges
+from kvgate.tiers.referee import Referee
 from kvgate.tiers.rows import DigestRows, join_digest, key_digest_array, split_digest
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage, namespace_of
@@ -86,15 +87,17 @@ class CardIndex:
     KEY_COLUMNS: Final = {"key": (np.uint8, KEY_BYTES), "klen": np.uint8}
 
     def __init__(self, usage: NamespaceUsage, policy: str = "prefix", keys: bool = False,
-                 changes: TierChanges | None = None, tier: str | None = None) -> None:
+                 changes: TierChanges | None = None, tier: str | None = None, referee: Referee | None = None
+                 ) -> None:
         """``keys``: keep each row's key, and note rows with a key added and removed in ``changes`` (kept
-        as ``events``) as ``tier``, the card's serial once known (the module docstring)."""
+        as ``events``) as ``tier``, the card's serial once known (the module docstring).  ``referee``: the
+        one an "adaptive" policy shares with its card set's other cards (``CardSet.referee``)."""
         self.keys = keys
         self.events = changes if changes is not None else TierChanges()
         self.tier = tier
         self._columns = {**self.COLUMNS, **SampledPolicy.ROW_COLUMNS, **(self.KEY_COLUMNS if keys else {})}
         self.rows = DigestRows(self._columns)
-        self.policy = SampledPolicy(self.rows, policy)
+        self.policy = SampledPolicy(self.rows, policy, referee=referee)
         self.usage = usage
         self.used = 0
         self.changes = 0  # rows put or dropped since the index was made (what a snapshot is behind by)
@@ -332,7 +335,7 @@ class CardIndex:
                 mine = ns == i
                 self.usage.card_namespace(self.namespaces[i], -int(stored[mine].sum()), -int(mine.sum()))
         self.rows = DigestRows(self._columns)
-        self.policy = SampledPolicy(self.rows, self.policy.kind)
+        self.policy = SampledPolicy(self.rows, self.policy.kind, referee=self.policy.referee)
         self._big.clear()
         self.used = 0
         if self.tier is not None and self.events.listening:
@@ -346,7 +349,7 @@ class CardIndex:
 
     def evictions_by_order(self) -> dict[str, int]:
         """Evictions its policy chose under each order ("adaptive" switches; zeros under the others)."""
-        return dict(self.policy.decided)
+        return dict(self.policy.tally.counts)
 
     def nbytes(self) -> int:
         """Memory of the columns and tables (allocated), for figures."""

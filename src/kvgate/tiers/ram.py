@@ -237,6 +237,10 @@ class RamPages:
     def evictions(self) -> int:
         return self._evictions
 
+    def evictions_by_order(self) -> dict[str, int]:
+        """Evictions the policy chose under each of its orders ("adaptive"; empty under the others)."""
+        return self.policy.evictions_by_order()
+
     @property
     def evicted_bytes(self) -> int:
         return self._evicted_bytes

@@ -21,6 +21,7 @@ from kvgate.keys import full_key
 from kvgate.tiers.contract import ABSENT, CPU, PRESENT, GetItem, Known, PutItem
 from kvgate.tiers.counters import TierCounters
 from kvgate.tiers.events import RAM_TIER, TierChanges
+from kvgate.tiers.referee import EXPERTS
 from kvgate.tiers.io import IoPool
 from kvgate.tiers.ram import Entry, RamPages, Reservation, copy_into, copy_out
 from kvgate.tiers.usage import NamespaceUsage
@@ -241,5 +242,7 @@ class RamTier:
     def status(self) -> dict:
         """Its row of the status (its counters are ``counters.ram``)."""
         p = self.pages
+        orders = p.evictions_by_order()
         return {"evictions": p.evictions, "used_bytes": p.used_bytes, "capacity_bytes": p.capacity,
-                "objects": p.entries, "pinned_bytes": p.pinned_bytes}
+                "objects": p.entries, "pinned_bytes": p.pinned_bytes,
+                **{f"{order}_order_evictions": orders.get(order, 0) for order in EXPERTS}}

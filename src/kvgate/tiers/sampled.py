@@ -52,7 +52,7 @@ import numpy as np
 
 from kvgate.keys import NO_DIALOG
 from kvgate.tiers.eviction import LONG, RecentKeys, Segment
-from kvgate.tiers.referee import EXPERTS, Referee
+from kvgate.tiers.referee import OrderTally, Referee
 from kvgate.tiers.copyorder import NEW, REUSED, TAIL, OrderColumns, rank_rows
 from kvgate.tiers.rows import DigestRows, split_digest, unique_digests
 
@@ -86,16 +86,17 @@ class SampledPolicy:
 
     KINDS: Final = ("adaptive", "prefix", "lru")
 
-    def __init__(self, rows: DigestRows, kind: str = "prefix", seed: int | None = None) -> None:
+    def __init__(self, rows: DigestRows, kind: str = "prefix", seed: int | None = None,
+                 referee: Referee | None = None) -> None:
+        """``referee``: for "adaptive", the one its owner's cards share (``CardSet.referee``); else one
+        of its own."""
         if kind not in self.KINDS:
             raise ValueError(f"unknown sampled policy {kind!r}; choose one of {', '.join(self.KINDS)}")
         self.kind = kind
         self.prefix = kind != "lru"
         # "adaptive": the prefix rules, in whichever order a referee finds winning (kvgate.tiers.adaptive).
-        self.order = "prefix"
-        self.referee = Referee() if kind == "adaptive" else None
-        self.decided = dict.fromkeys(EXPERTS, 0)  # evictions chosen under each order
-        self._chosen = -1
+        self.referee = None if kind != "adaptive" else referee if referee is not None else Referee(lambda: rows.n)
+        self.tally = OrderTally()  # evictions chosen under each order (adaptive; zeros under the others)
         self.rows = rows
         rows.on_move = self.moved
         # Per dialog: the rows naming it, its last listed row, and per segment its group's recency and size.
@@ -134,9 +135,8 @@ class SampledPolicy:
             again = self._seen(lo) or again
             self._place(row, REUSED if again else TAIL if tail else NEW, d, position if d >= 0 else -1)
         self._note_add()
-        if self.prefix:
-            if self.referee is not None:
-                self._referee_saw(row, tail, True)
+        if self.referee is not None:
+            self._referee_saw(row, tail)
 
     def _dialog_id(self, dialog: bytes) -> int:
         """The id of a dialog, made when new; counts one more row naming it."""
@@ -285,22 +285,29 @@ class SampledPolicy:
             self._demote()
         self._seen(rows.lo.item(row))
         if self.referee is not None:
-            self._referee_saw(row, False, False)
+            self._referee_saw(row, False)
 
-    def _referee_saw(self, row: int, tail: bool, added: bool) -> None:
-        rows = self.rows
-        d, position = rows.dlg.item(row), rows.pos.item(row)
-        lo = rows.lo.item(row)
-        dkey = self.dialogs.lo.item(d).to_bytes(8, "little") if position >= 0 else (lo,)
-        self.referee.referenced(lo, dkey, max(position, 0), LONG, tail, added, rows.n)
-        self.order = self.referee.leader
+    @property
+    def order(self) -> str:
+        """The order victims are ranked in: "prefix", or for "adaptive" its referee's leader."""
+        return "prefix" if self.referee is None else self.referee.leader
+
+    def _referee_saw(self, row: int, tail: bool) -> None:
+        """Tell the referee of an add or read, if the row's dialog is in its sample (a test of int bits, the
+        digest's first four bytes: ``sample_bits``)."""
+        rows, referee = self.rows, self.referee
+        assert referee is not None
+        position = rows.pos.item(row)
+        lo = rows.lo.item(row) if position < 0 else self.dialogs.lo.item(rows.dlg.item(row))
+        if lo & referee.mask:
+            return
+        dkey = (lo,) if position < 0 else lo.to_bytes(8, "little")
+        referee.referenced(rows.lo.item(row), dkey, max(position, 0), LONG, tail)
 
     def removing(self, row: int) -> None:
         """Row ``row`` is about to be removed from the owner's rows."""
         rows = self.rows
-        if row == self._chosen and self.referee is not None:
-            self.decided[self.order] += 1
-            self._chosen = -1
+        self.tally.removed(row)
         d = rows.dlg.item(row)
         if not self.prefix:
             self._unlink(row)
@@ -320,8 +327,7 @@ class SampledPolicy:
     def moved(self, src: int, dst: int) -> None:
         """The owner moved row ``src`` into ``dst`` (its columns are copied already): repoint its neighbours."""
         rows = self.rows
-        if src == self._chosen:
-            self._chosen = dst
+        self.tally.moved(src, dst)
         if self.prefix and rows.pos.item(dst) < 0:
             return
         p, n = rows.prev.item(dst), rows.next.item(dst)
@@ -417,7 +423,9 @@ class SampledPolicy:
 
     def choose_victim(self, skip: RowSkip | None = None) -> int:
         """The row to evict next, left in place; -1 when there is none (empty, or everything held)."""
-        self._chosen = victim = self._choose(skip)
+        victim = self._choose(skip)
+        if self.referee is not None:
+            self.tally.chose(victim if victim >= 0 else None, self.order)
         return victim
 
     def _choose(self, skip: RowSkip | None) -> int:

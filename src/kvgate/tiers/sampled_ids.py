@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable
 from typing import Final
 
 from kvgate.tiers.eviction import LONG, EvictionPolicy, Segment
+from kvgate.tiers.referee import Referee
 from kvgate.tiers.rows import DigestRows
 from kvgate.tiers.sampled import SampledPolicy
 
@@ -23,12 +24,14 @@ class SampledEvictionPolicy(EvictionPolicy):
     only, as on a card.
     """
 
-    def __init__(self, kind: str = "prefix", seed: int | None = 0) -> None:
+    def __init__(self, kind: str = "prefix", seed: int | None = 0, referee: Referee | None = None,
+                 numbers: tuple[dict[Hashable, int], list[Hashable]] | None = None) -> None:
+        """``referee`` and ``numbers`` (identity -> number, number -> identity) shared by the policies of one
+        card set: a card's digests are unique across cards, and the referee tells blocks apart by them."""
         self.name = f"sampled-{kind}"
         self._rows = DigestRows(SampledPolicy.ROW_COLUMNS)
-        self.policy = SampledPolicy(self._rows, kind, seed)
-        self._numbers: dict[Hashable, int] = {}
-        self._idents: list[Hashable] = []
+        self.policy = SampledPolicy(self._rows, kind, seed, referee)
+        self._numbers, self._idents = numbers if numbers is not None else ({}, [])
 
     def _digest(self, ident: Hashable, make: bool = False) -> tuple[int, int] | None:
         i = self._numbers.get(ident)
@@ -82,7 +85,7 @@ class SampledEvictionPolicy(EvictionPolicy):
         return [self._ident(r) for r in self.policy.hottest_first().tolist()]
 
     def evictions_by_order(self) -> dict[str, int]:
-        return dict(self.policy.decided) if self.policy.referee is not None else {}
+        return dict(self.policy.tally.counts) if self.policy.referee is not None else {}
 
     def segment_of(self, ident: Hashable) -> Segment | None:
         row = self._row(ident)
@@ -101,10 +104,20 @@ SAMPLED_POLICIES: Final = tuple(f"sampled-{kind}" for kind in SampledPolicy.KIND
 def make_sampled_policy(name: str) -> SampledEvictionPolicy:
     """``sampled-adaptive``, ``sampled-prefix`` or ``sampled-lru`` by identity (the trace replay's names for the
     cards' policies)."""
+    return make_sampled_policies(name, 1)[0]
+
+
+def make_sampled_policies(name: str, cards: int) -> list[SampledEvictionPolicy]:
+    """One policy per card, as a gateway's card set runs them: under "adaptive", one referee for them all
+    (``CardSet.referee``)."""
     kind = name.removeprefix("sampled-")
     if name not in SAMPLED_POLICIES:
         raise ValueError(f"unknown sampled policy {name!r}; choose one of {', '.join(SAMPLED_POLICIES)}")
-    return SampledEvictionPolicy(kind)
+    policies: list[SampledEvictionPolicy] = []
+    referee = Referee(lambda: sum(len(p) for p in policies)) if kind == "adaptive" else None
+    numbers: tuple[dict[Hashable, int], list[Hashable]] = ({}, [])
+    policies.extend(SampledEvictionPolicy(kind, referee=referee, numbers=numbers) for _ in range(cards))
+    return policies
 
 
 def card_policy(eviction_policy: str) -> str:

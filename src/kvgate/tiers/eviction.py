@@ -279,6 +279,14 @@ class _Dialog:
             yield position, self.at[position]
 
 
+def _dialog_key(ident: Ident, dialog: bytes, position: int) -> tuple[Hashable, int]:
+    """A block's dialog key and position: its dialog's digest; a block without a dialog or a position is a
+    one-block dialog of its own, a 1-tuple of its ident (never equal to a digest), at 0."""
+    if position < 0 or dialog == NO_DIALOG or not dialog:
+        return (ident,), 0
+    return bytes(dialog), position
+
+
 class Segment(IntEnum):
     """Where the prefix policy keeps a block; lower segments are evicted first."""
 
@@ -366,11 +374,7 @@ class PrefixPolicy(EvictionPolicy):
         k = _check_klass(klass)
         again = self._seen(ident) or ident in self._where
         self.remove(ident)
-        if position < 0 or dialog == NO_DIALOG or not dialog:
-            dkey: Hashable = (ident,)
-            position = 0
-        else:
-            dkey = bytes(dialog)
+        dkey, position = _dialog_key(ident, dialog, position)
         segment = _REUSED if again else _TAIL if tail else _NEW
         self._adds += 1
         self._place(ident, k, segment, dkey, position)
@@ -604,11 +608,7 @@ class DialogLru:
     def add(self, ident: Ident, size: int, dialog: bytes, position: int, klass: int, tail: bool = False) -> None:
         k = _check_klass(klass)
         self.remove(ident)
-        if position < 0 or dialog == NO_DIALOG or not dialog:
-            dkey: Hashable = (ident,)
-            position = 0
-        else:
-            dkey = bytes(dialog)
+        dkey, position = _dialog_key(ident, dialog, position)
         dialogs = self._recency[k]
         d = dialogs.get(dkey)
         if d is None:

@@ -11,15 +11,10 @@ loop goes on changing the index.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 import numpy as np
 
-from kvgate.tiers.eviction import Segment
-
-TAIL: Final = int(Segment.TAIL)
-NEW: Final = int(Segment.NEW)
-REUSED: Final = int(Segment.REUSED)
+from kvgate.tiers.eviction import NEW, REUSED
 
 
 def rank_rows(prefix: bool, seg: np.ndarray, tick: np.ndarray, dlg: np.ndarray, pos: np.ndarray, gtick: np.ndarray,

@@ -296,11 +296,11 @@ class Segment(IntEnum):
 
 
 _SEGMENTS: Final = len(Segment)
-# The segments as plain ints, for the policy's hot paths (an IntEnum member costs an attribute lookup and
-# a slower compare each time).
-_TAIL: Final = int(Segment.TAIL)
-_NEW: Final = int(Segment.NEW)
-_REUSED: Final = int(Segment.REUSED)
+# The segments as plain ints: for the policies' hot paths (an IntEnum member costs an attribute lookup and
+# a slower compare each time) and a card's numpy columns (kvgate.tiers.copyorder, kvgate.tiers.sampled).
+TAIL: Final = int(Segment.TAIL)
+NEW: Final = int(Segment.NEW)
+REUSED: Final = int(Segment.REUSED)
 
 
 class PrefixPolicy(EvictionPolicy):
@@ -375,7 +375,7 @@ class PrefixPolicy(EvictionPolicy):
         again = self._seen(ident) or ident in self._where
         self.remove(ident)
         dkey, position = _dialog_key(ident, dialog, position)
-        segment = _REUSED if again else _TAIL if tail else _NEW
+        segment = REUSED if again else TAIL if tail else NEW
         self._adds += 1
         self._place(ident, k, segment, dkey, position)
 
@@ -385,10 +385,10 @@ class PrefixPolicy(EvictionPolicy):
             return
         k, segment, dkey, _ = where
         self._recency[k].move_to_end(dkey)
-        if segment == _REUSED:
+        if segment == REUSED:
             self._segments[k][segment].move_to_end(dkey)
         else:
-            self._move(ident, _REUSED)
+            self._move(ident, REUSED)
         self._seen(ident)
 
     def remove(self, ident: Ident) -> None:
@@ -414,7 +414,7 @@ class PrefixPolicy(EvictionPolicy):
         d.remove(position, ident)
         if not d:
             del dialogs[dkey]
-        if old == _REUSED:
+        if old == REUSED:
             self._reused[k] -= 1
         self._join(ident, k, segment, dkey, position, cold)
 
@@ -433,7 +433,7 @@ class PrefixPolicy(EvictionPolicy):
             d.added = self._adds
         d.add(position, ident)
         self._where[ident] = (k, segment, dkey, position)
-        if segment == _REUSED:
+        if segment == REUSED:
             self._reused[k] += 1
             self._demote(k)
 
@@ -449,7 +449,7 @@ class PrefixPolicy(EvictionPolicy):
         if not whole:
             del self._whole[(k, dkey)]
             del self._recency[k][dkey]
-        if segment == _REUSED:
+        if segment == REUSED:
             self._reused[k] -= 1
 
     def _demote(self, k: int) -> None:
@@ -458,10 +458,10 @@ class PrefixPolicy(EvictionPolicy):
         # A reserve for new dialogs only means something once there are many
         # objects: with a handful, it would demote the very blocks being read.
         limit = max(1, int(n * self.reused_share)) if n >= self.reserve_from else n
-        reused = self._segments[k][_REUSED]
+        reused = self._segments[k][REUSED]
         while self._reused[k] > limit and reused:
             d = next(iter(reused.values()))
-            self._move(next(iter(d.at[d.positions[-1]])), _NEW, cold=True)
+            self._move(next(iter(d.at[d.positions[-1]])), NEW, cold=True)
 
     def _seen(self, ident: Ident) -> bool:
         """Remember the block; whether it was remembered already.
@@ -491,14 +491,14 @@ class PrefixPolicy(EvictionPolicy):
             return
         young_after = self._adds - max(self.young_adds, len(self._where) // 64)
         for k, segments in enumerate(self._segments):
-            for segment in (_TAIL, _NEW):
+            for segment in (TAIL, NEW):
                 for dkey, d in segments[segment].items():
                     if d.added > young_after:
                         break  # ordered by last add: the rest are young too
                     yield whole[(k, dkey)]
-            for dkey in segments[_REUSED]:
+            for dkey in segments[REUSED]:
                 yield whole[(k, dkey)]
-            for segment in (_TAIL, _NEW):
+            for segment in (TAIL, NEW):
                 for dkey, d in segments[segment].items():
                     if d.added > young_after:
                         yield whole[(k, dkey)]
@@ -515,14 +515,14 @@ class PrefixPolicy(EvictionPolicy):
         young_after = self._adds - max(self.young_adds, len(self._where) // 64)
         for k, segments in enumerate(self._segments):
             young = None
-            for segment in (_TAIL, _NEW):
+            for segment in (TAIL, NEW):
                 for dkey, d in segments[segment].items():
                     if d.added <= young_after:
                         return whole[(k, dkey)]
                     if young is None:
                         young = dkey  # ordered by last add: the rest are young too
                     break
-            for dkey in segments[_REUSED]:
+            for dkey in segments[REUSED]:
                 return whole[(k, dkey)]
             if young is not None:
                 return whole[(k, young)]
@@ -563,7 +563,7 @@ class PrefixPolicy(EvictionPolicy):
         out: list[Ident] = []
         seen: set[tuple[int, Hashable]] = set()
         for k in reversed(range(_CLASSES)):
-            for segment in (_REUSED, _NEW, _TAIL):
+            for segment in (REUSED, NEW, TAIL):
                 for dkey in reversed(self._segments[k][segment]):
                     if (k, dkey) not in seen:
                         seen.add((k, dkey))

@@ -51,9 +51,9 @@ from typing import Final
 import numpy as np
 
 from kvgate.keys import NO_DIALOG
-from kvgate.tiers.eviction import LONG, RecentKeys, Segment
+from kvgate.tiers.eviction import LONG, NEW, REUSED, TAIL, RecentKeys, Segment
 from kvgate.tiers.referee import OrderTally, Referee
-from kvgate.tiers.copyorder import NEW, REUSED, TAIL, OrderColumns, rank_rows
+from kvgate.tiers.copyorder import OrderColumns, rank_rows
 from kvgate.tiers.rows import DigestRows, split_digest, unique_digests
 
 _FAR_PAST: Final = -(1 << 62)

@@ -68,9 +68,11 @@ def test_it_follows_recency_where_conversations_come_back_once_and_soon() -> Non
         runs = _run(two_turns(4000), policy, 0.10)
         best = max(runs["prefix"].share, runs["lru"].share)
         assert runs["lru"].share > 1.2 * runs["prefix"].share, "the trace is one where LRU wins by far"
-        assert runs[policy].share >= 0.98 * best, (policy, {k: r.share for k, r in runs.items()})
+        # The half-size trial's verdict holds until the full-size one has evicted a fill in each cache: handed
+        # over sooner, the full one's first counts took the leader back to the prefix order (0.986).
+        assert runs[policy].share >= 0.99 * best, (policy, {k: r.share for k, r in runs.items()})
         orders = runs[policy].orders
-        assert orders["recency"] > 4 * orders["prefix"], (policy, orders)
+        assert orders["recency"] > 20 * max(1, orders["prefix"]), (policy, orders)
 
 
 def test_it_follows_prefix_through_a_scan_of_one_off_prompts() -> None:

@@ -11,6 +11,7 @@ of prefix and LRU on every trace and size is tests/tiers/test_trace_replay.py.
 
 from __future__ import annotations
 
+import pytest
 import xxhash
 
 from kvgate.bench.trace import scan, simulate, trace_marks, two_turns, unique_blocks
@@ -166,3 +167,19 @@ def test_a_card_counts_its_eviction_even_when_the_chosen_row_moved_before_it_wen
     assert pol._row(7) == 0
     pol.remove(7)
     assert sum(pol.evictions_by_order().values()) == 1
+
+
+@pytest.mark.slow
+def test_which_dialogs_are_sampled_is_the_same_in_every_process() -> None:
+    """Sample bits come from digests and XXH3, never from Python's per-process seeded hash of bytes, so a
+    gateway samples the same dialogs and lone objects after a restart."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvgate.tiers.referee import sample_bits; "
+            "print(sample_bits((b'ns/key-1',)), sample_bits((7,)), sample_bits(bytes(range(16))))")
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs
+    assert outs.pop().split()[1:] == ["7", str(int.from_bytes(bytes(range(4)), "little"))]

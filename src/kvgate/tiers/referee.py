@@ -48,18 +48,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Final
 
+import xxhash
+
 from kvgate.tiers.eviction import DialogLru, PrefixPolicy
 
 EXPERTS: Final = PrefixPolicy.ORDERS
 
 
 def sample_bits(dkey: Hashable) -> int:
-    """The bits a dialog key is sampled by: a digest's first four bytes; a lone row's number (a card's
-    1-tuple of an int); else its hash."""
+    """The bits a dialog key is sampled by: a digest's first four bytes; for a lone object's 1-tuple, its
+    number (a card's row digest) or a hash of its key (the RAM tier's full key: XXH3, the same in every
+    process, where Python's hash of bytes is seeded per process); else Python's hash."""
     if isinstance(dkey, bytes):
         return int.from_bytes(dkey[:4], "little")
-    if isinstance(dkey, tuple) and len(dkey) == 1 and isinstance(dkey[0], int):
-        return dkey[0]
+    if isinstance(dkey, tuple) and len(dkey) == 1:
+        ident = dkey[0]
+        if isinstance(ident, int):
+            return ident
+        if isinstance(ident, bytes):
+            return xxhash.xxh3_64_intdigest(ident)
     return hash(dkey)
 
 

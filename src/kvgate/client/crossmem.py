@@ -80,19 +80,6 @@ def _helper() -> ThreadPoolExecutor:
         return _pool
 
 
-def address_of(buf) -> tuple[int, int]:
-    """(address, length) of a writable C-contiguous buffer."""
-    mv = memoryview(buf)
-    if mv.readonly:
-        raise InvalidArgument("a destination buffer must be writable")
-    if not mv.c_contiguous:
-        raise InvalidArgument("a destination buffer must be contiguous")
-    n = mv.nbytes
-    if n == 0:
-        return 0, 0
-    return ctypes.addressof((ctypes.c_char * n).from_buffer(mv.cast("B") if mv.format != "B" else mv)), n
-
-
 def _advance(runs: list[tuple[int, int]], i: int, off: int, n: int) -> tuple[int, int]:
     """Where a side stands (run ``i``, ``off`` bytes into it) after ``n`` more bytes."""
     while n:

@@ -11,8 +11,8 @@ have restored more lately.  It counts which order chose each eviction
 
 Costs beside ``PrefixPolicy``'s (which keeps both orders always): a test
 of the dialog digest's bits per add or read, and for the sampled dialogs a
-few calls into the referee's small caches: about 3x ``PrefixPolicy`` while
-every dialog is sampled (a tier under 8K blocks), 1.6x at 35K blocks
+few calls into the referee's small caches: 3-3.8x ``PrefixPolicy`` while
+every dialog is sampled (a tier under 8K blocks), 1.7x at 35K blocks
 (benchmarks/eviction_cost.py).  Same threading as every policy: its owner
 calls it from one thread.
 """

@@ -42,6 +42,7 @@ from kvgate.gateway.sessions import Sessions
 from kvgate.heads import SharedHeads
 from kvgate.keys import MAX_KEY_BYTES
 from kvgate.tiers.io import IoPool
+from kvgate.tiers.referee import EXPERTS
 from kvgate.tiers.store import TieredStore
 
 log = logging.getLogger("kvgate.status")
@@ -202,7 +203,7 @@ class _SnapshotCollector:
         m = CounterMetricFamily("kvgate_ram_order_evictions", "RAM-tier evictions the adaptive policy chose in each "
                                 "of its orders (prefix: one-off blocks first, blocks used again kept; recency: LRU "
                                 "by dialog)", labels=["order"])
-        for order in ("prefix", "recency"):
+        for order in EXPERTS:
             m.add_metric([order], s["tiers"]["ram"][f"{order}_order_evictions"])
         yield m
         m = CounterMetricFamily("kvgate_get_requests", "get requests by the way their bytes travel (lent: "

@@ -53,6 +53,7 @@ import xxhash
 from kvgate.tiers.eviction import DialogLru, PrefixPolicy
 
 EXPERTS: Final = PrefixPolicy.ORDERS
+assert len(EXPERTS) == 2  # a leader's rival is "the other order" (``_Trial.leader``)
 
 
 def sample_bits(dkey: Hashable) -> int:
@@ -88,27 +89,21 @@ class _Trial:
         """One reference in every cache; ``broken``: a bit per cache whose prefix broke earlier in this request.
         Returns the bits of the caches whose prefix is broken now."""
         for i, cache in enumerate(self.caches):
-            bit = 1 << i
-            if ident in cache:
-                if not broken & bit:
+            evicted = cache.replay(ident, label, position, klass, tail, self.capacity)
+            if evicted < 0:  # resident: restored, unless the request's prefix broke before it
+                if not broken >> i & 1:
                     self.restored[i] += 1
-                cache.touch(ident)
-                continue
-            broken |= bit
-            cache.add(ident, 0, label, position, klass, tail=tail)
-            while len(cache) > self.capacity:
-                victim = cache.choose_victim()
-                if victim is None:
-                    break
-                cache.remove(victim)
-                self.evicted += 1
+            else:
+                broken |= 1 << i
+                self.evicted += evicted
         return broken
 
     def leader(self, current: int, margin: float) -> int:
-        """The order ahead by more than ``margin``, else ``current``."""
-        best = max(range(len(EXPERTS)), key=self.restored.__getitem__)
-        if best != current and self.restored[best] > self.restored[current] * (1 + margin) + 2:
-            return best
+        """The other order if it is ahead by more than ``margin``, else ``current``."""
+        restored = self.restored
+        other = 1 - current
+        if restored[other] > restored[current] * (1 + margin) + 2:
+            return other
         return current
 
 
@@ -127,7 +122,7 @@ class Referee:
     # The half-size pair judges until the full-size pair's caches have evicted this many fills together (one
     # each).  At half that, the full pair's first counts took over too soon: on gen:two-turns of 4,000
     # requests at 10-20 % the leader went back to the prefix order at the handover (0.985-0.987 of the better
-    # order; 0.997-0.998 now).
+    # order; 0.996-0.998 now).
     HANDOVER_FILLS = 2
 
     def __init__(self, resident: Callable[[], int]) -> None:
@@ -135,6 +130,7 @@ class Referee:
         self._resident = resident
         self.shift = 0
         self.mask = 0  # a dialog is in the sample when its sample bits have none of these set
+        self._halve_above = self.MIN_BLOCKS << 1  # the owner's size past which the rate halves
         self._lead = 0
         self.switches = 0
         # The full-size trial judges; the half-size one runs ahead (it fills at half the owner's size), so
@@ -162,29 +158,35 @@ class Referee:
     def referenced(self, ident: Hashable, dkey: Hashable, position: int, klass: int, tail: bool) -> None:
         """Block ``ident`` (of dialog ``dkey``, sampled, at ``position``) was added or read."""
         resident = self._resident()
-        if resident > (self.MIN_BLOCKS << (self.shift + 1)) and self.shift < self.MAX_SHIFT:
+        if resident > self._halve_above:
             self._halve_rate()
             if not self.sampled(dkey):
                 return
-        cursor = self._cursors.get(dkey)
-        if cursor is None or position <= cursor[0]:  # a new request of this dialog starts from its head
-            cursor = self._cursors[dkey] = [position, 0]
-            if len(self._cursors) > 4 * self._full.capacity:
-                self._cursors.popitem(last=False)
+        cursors = self._cursors
+        cursor = cursors.get(dkey)
+        if cursor is None:
+            cursor = cursors[dkey] = [position, 0]
+            if len(cursors) > 4 * self._full.capacity:
+                cursors.popitem(last=False)
         else:
+            if position <= cursor[0]:  # a new request of this dialog starts from its head
+                cursor[1] = 0
             cursor[0] = position
-        self._cursors.move_to_end(dkey)
-        label = dkey if isinstance(dkey, bytes) else b""
+            cursors.move_to_end(dkey)
+        label = dkey if dkey.__class__ is bytes else b""
+        scaled = resident >> self.shift
+        broken = cursor[1]
         for t, trial in enumerate(self._trials):
-            trial.capacity = max(64, int((resident >> self.shift) * trial.scale))
-            cursor[1] |= trial.referenced(ident, label, position, klass, tail, cursor[1] >> (2 * t) & 3) << (2 * t)
+            trial.capacity = max(64, int(scaled * trial.scale))
+            broken |= trial.referenced(ident, label, position, klass, tail, broken >> (2 * t) & 3) << (2 * t)
+        cursor[1] = broken
         self._until_decay -= 1
         if self._until_decay <= 0:
             self._until_decay = self._full.capacity * self.DECAY_FILLS
             for trial in self._trials:
                 trial.restored = [r / 2 for r in trial.restored]
         judge = self._trials[-1]
-        if len(self._trials) > 1 and self._full.evicted >= self._full.capacity * self.HANDOVER_FILLS:
+        if judge is not self._full and self._full.evicted >= self._full.capacity * self.HANDOVER_FILLS:
             self._trials = [self._full]  # the half-size trial's work is done: the full one judges from now
             judge = self._full
         lead = judge.leader(self._lead, self.MARGIN)
@@ -196,6 +198,7 @@ class Referee:
         """Sample half as many dialogs: drop the others' blocks from the miniature caches."""
         self.shift += 1
         self.mask = (1 << self.shift) - 1
+        self._halve_above = self.MIN_BLOCKS << (self.shift + 1) if self.shift < self.MAX_SHIFT else 1 << 62
         for trial in self._trials:
             for cache in trial.caches:
                 if isinstance(cache, PrefixPolicy):

@@ -9,7 +9,9 @@
 - ``kvgate/_keys`` (a CPython extension, imported by ``kvgate.keys``): a request's full keys and key
   digests in one C loop each (the Python loops take some 100 us more per 1,000 keys);
 - ``kvgate/_recent`` (a CPython extension, imported by ``kvgate.tiers.eviction``): the eviction policies'
-  test of whether a block was seen lately, one call per add or read (the Python probes take 4-7 us more).
+  test of whether a block was seen lately, one call per add or read (the Python probes take 4-7 us more);
+- ``kvgate/_mini`` (a CPython extension, imported by ``kvgate.tiers.eviction``): the adaptive policy's
+  miniature caches, one call per sampled reference (in Python they cost more than the policy they judge).
 
 Everything else about the package is in pyproject.toml."""
 
@@ -18,4 +20,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("kvgate._faults", ["src/kvgate/_faults.c"], optional=True),
                    Extension("kvgate._probe", ["src/kvgate/_probe.c"], optional=True),
                    Extension("kvgate._keys", ["src/kvgate/_keys.c"], optional=True),
-                   Extension("kvgate._recent", ["src/kvgate/_recent.c"], optional=True)])
+                   Extension("kvgate._recent", ["src/kvgate/_recent.c"], depends=["src/kvgate/_bloom.h"],
+                             optional=True),
+                   Extension("kvgate._mini", ["src/kvgate/_mini.c"], depends=["src/kvgate/_bloom.h"], optional=True)])

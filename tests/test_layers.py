@@ -13,7 +13,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "kvgate"
 
-BOTTOM = {"_version", "errors", "config", "keys", "_keys", "_recent", "types", "memcopy", "memguard", "native",
+BOTTOM = {"_version", "errors", "config", "keys", "_keys", "_recent", "_mini", "types", "memcopy", "memguard", "native",
           "latency", "statview", "shmowners"}
 CARD_KINDS = {"cards.directory", "cards.redis", "cards.network"}
 # What each layer may import besides itself.  A layer missing here may import nothing of kvgate.

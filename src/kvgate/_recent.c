@@ -4,9 +4,7 @@
  * reuse), and the referee's miniature caches ask it again: in Python the hash mix and four probes were
  * some 40 bytecodes, 4-7 us a call on these machines, a sixth of the policy's time per block of a replay
  * (benchmarks/eviction_cost.py).  Here they are one call.  Same hash, same bits as the Python path in
- * eviction.py (tests/tiers/test_eviction.py checks they agree): Python's hash of the identity, mixed by
- * splitmix64's finalizer; probe k of 4 at (h1 + k * h2) mod the filter's bits, h1 the low half, h2 the
- * high half made odd.
+ * eviction.py (tests/tiers/test_eviction.py checks they agree): _bloom.h.
  *
  * A CPython extension (it hashes the identity), optional like kvgate's other helpers: setup.py builds it
  * where a C compiler and Python's headers are.  Called with the GIL held; nothing here blocks or allocates.
@@ -15,17 +13,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define HASHES 4
-
-static int has(const unsigned char *bits, uint64_t nbits, uint64_t h1, uint64_t h2)
-{
-    for (uint64_t k = 0; k < HASHES; k++) {
-        uint64_t i = (h1 + k * h2) % nbits;
-        if (!((bits[i >> 3] >> (i & 7)) & 1))
-            return 0;
-    }
-    return 1;
-}
+#include "_bloom.h"
 
 /* The filter's bytes, or NULL with TypeError set where it is not a non-empty bytearray. */
 static unsigned char *filter_bits(PyObject *f, const char *what, uint64_t *nbits)
@@ -60,22 +48,15 @@ static PyObject *remember(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int add = PyObject_IsTrue(args[3]);
     if (add < 0)
         return NULL;
-    uint64_t h = (uint64_t)hashed;
-    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    h = (h ^ (h >> 27)) * 0x94D049BB133111EBULL;
-    h ^= h >> 31;
-    uint64_t h1 = h & 0xFFFFFFFFULL, h2 = (h >> 32) | 1;
+    uint64_t h1, h2;
+    bloom_mix((uint64_t)hashed, &h1, &h2);
     long out = 0;
-    if (has(bits, nbits, h1, h2))
+    if (bloom_has(bits, nbits, h1, h2))
         out |= 1;
-    if (prev != NULL && has(prev, pbits, h1, h2))
+    if (prev != NULL && bloom_has(prev, pbits, h1, h2))
         out |= 2;
-    if (add && !(out & 1)) {
-        for (uint64_t k = 0; k < HASHES; k++) {
-            uint64_t i = (h1 + k * h2) % nbits;
-            bits[i >> 3] |= (unsigned char)(1u << (i & 7));
-        }
-    }
+    if (add && !(out & 1))
+        bloom_set(bits, nbits, h1, h2);
     return PyLong_FromLong(out);
 }
 

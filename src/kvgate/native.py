@@ -7,9 +7,10 @@ installs without them, and each user keeps a pure-Python path that does the same
   (``kvgate.memguard``, ``kvgate.gateway.faultlog``);
 - ``kvgate/_probe.c``: a card index's probe of a whole batch of digests (``kvgate.tiers.rows``).
 
-Two others are CPython extensions, imported where they are used rather than loaded here:
+Three others are CPython extensions, imported where they are used rather than loaded here:
 ``kvgate/_keys.c`` reads Python lists and makes bytes objects (``kvgate.keys``); ``kvgate/_recent.c``
-hashes Python objects (``kvgate.tiers.eviction``'s ``RecentKeys``).
+hashes Python objects (``kvgate.tiers.eviction``'s ``RecentKeys``), ``kvgate/_mini.c`` keeps them (the
+referee's miniature caches, ``kvgate.tiers.eviction.miniature``).
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ of prefix and LRU on every trace and size is tests/tiers/test_trace_replay.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import xxhash
 
-from kvgate.bench.trace import scan, simulate, trace_marks, two_turns, unique_blocks
+from kvgate.bench.trace import load_trace, scan, simulate, trace_marks, two_turns, unique_blocks
 from kvgate.keys import NO_DIALOG
 from kvgate.tiers.adaptive import AdaptivePolicy
 from kvgate.tiers.eviction import LONG, PrefixPolicy
@@ -100,8 +102,8 @@ def test_the_referee_samples_fewer_dialogs_as_the_owner_grows_and_its_memory_sta
     for trial in ref._trials:
         for cache in trial.caches:
             assert len(cache) <= 2 * Referee.MIN_BLOCKS, len(cache)
-            if isinstance(cache, PrefixPolicy):
-                assert cache._recent.span <= 6 * Referee.MIN_BLOCKS, "what it remembers of evicted blocks is bounded"
+        prefix = trial.caches[0]  # compiled (make install builds it): its filters' span is ``recent_span``
+        assert prefix.recent_span <= 6 * Referee.MIN_BLOCKS, "what it remembers of evicted blocks is bounded"
     assert len(ref._trials) == 1, "the half-size trial is retired once the full-size one has filled"
     assert len(ref._cursors) <= 4 * ref._trials[0].capacity + 1
 
@@ -183,3 +185,23 @@ def test_which_dialogs_are_sampled_is_the_same_in_every_process() -> None:
                            capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert len(outs) == 1, outs
     assert outs.pop().split()[1:] == ["7", str(int.from_bytes(bytes(range(4)), "little"))]
+
+
+def test_the_adaptive_policy_decides_the_same_with_or_without_the_compiled_miniatures(monkeypatch) -> None:
+    """The referee's miniatures are compiled where make install built them, else Python classes: the same
+    verdicts either way, so a machine without a compiler evicts the same blocks (the public trace's opening,
+    replayed at a cache small enough that the orders differ)."""
+    from kvgate.tiers import eviction
+
+    assert eviction._Compiled is not None, "make install should have built kvgate/_mini*.so"
+    requests = load_trace(str(Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+                              / "mooncake-synthetic-trace.jsonl"))[:2000]
+    marks = trace_marks(requests)
+    capacity = unique_blocks(requests) // 20
+    runs = {}
+    for compiled in (eviction._Compiled, None):
+        monkeypatch.setattr(eviction, "_Compiled", compiled)
+        sims = [simulate(requests, marks, name, [capacity]) for name in ("adaptive", "sampled-adaptive")]
+        runs[compiled is not None] = [(s.share, s.orders) for s in sims]
+    assert runs[True] == runs[False]
+    assert all(share > 0 for share, _ in runs[True])

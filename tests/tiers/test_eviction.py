@@ -279,6 +279,51 @@ def test_a_miniatures_replay_is_the_read_add_and_evictions_it_stands_for() -> No
         assert evictions > 1000  # the run evicts, on every capacity
 
 
+def test_the_compiled_miniatures_evict_exactly_as_the_python_ones() -> None:
+    """``kvgate/_mini.c`` (built by make install) is ``PrefixPolicy("prefix")`` and ``DialogLru`` as a referee
+    uses them: on random runs of references (dialogs of several blocks, blocks sharing a position, positions out
+    of order, lone objects, the empty and NO_DIALOG labels, tails, both classes, a capacity that moves, a
+    sample that halves with a smaller young window and reserve), every reply and every next victim agree, and
+    so do the RecentKeys filters' spans."""
+    import random
+
+    from kvgate.tiers import eviction
+    from kvgate.tiers.eviction import DialogLru
+
+    assert eviction._Compiled is not None, "make install should have built kvgate/_mini*.so"
+    for order in PrefixPolicy.ORDERS:
+        rng = random.Random(order)
+        fast = eviction.miniature(order)
+        slow = PrefixPolicy("prefix") if order == "prefix" else DialogLru()
+        assert type(fast) is eviction._Compiled
+        evictions = 0
+        for step in range(30_000):
+            d = rng.randrange(60)
+            ident: Hashable = rng.randrange(400) if d % 7 else f"k{d}.{rng.randrange(12)}"
+            label = (b"", NO_DIALOG)[d % 2] if d < 4 else dlg(d)
+            position = -1 if d == 4 else rng.randrange(10) if step % 5 else rng.randrange(10) + 10
+            args = (ident, label, position, d % 2 if d > 40 else LONG, rng.random() < 0.25)
+            capacity = 30 + (step // 2000) % 4 * 40
+            got = fast.replay(*args, capacity)
+            assert got == slow.replay(*args, capacity), (order, step)
+            evictions += max(got, 0)
+            assert len(fast) == len(slow) and (ident in fast) == (ident in slow)
+            assert fast.choose_victim() == slow.choose_victim(), (order, step)
+            if order == "prefix":
+                assert fast.recent_span == slow._recent.span
+            if step == 20_000:  # the referee halves its rate: a smaller window, another reserve, half the dialogs
+                for cache in (fast, slow):
+                    cache.remove_dialogs(lambda dkey: hash(dkey) % 2 == 0)
+                    if order == "prefix":
+                        cache.young_adds, cache.reserve_from = 7, 20
+                assert len(fast) == len(slow) and fast.choose_victim() == slow.choose_victim()
+        assert evictions > 5000
+    with pytest.raises(ValueError, match="retention class"):
+        eviction.miniature("prefix").replay("x", dlg(1), 0, 2, False, 10)
+    with pytest.raises(ValueError, match="unknown order"):
+        eviction.miniature("lfu")
+
+
 def test_prefix_out_of_order_positions_still_tail_first():
     pol = prefix_policy()
     for p in (2, 0, 3, 1):

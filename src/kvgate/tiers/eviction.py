@@ -28,7 +28,7 @@ from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from enum import IntEnum
-from typing import Final
+from typing import Any, Final, Union
 
 from kvgate.keys import NO_DIALOG
 from kvgate.types import STORED_CLASSES, Retention
@@ -193,6 +193,7 @@ class RecentKeys:
 
 
 _HASHES: Final = 4
+_FIRST_SPAN: Final = 4096  # identities a prefix policy's first RecentKeys filter is sized for
 
 
 def _probe(bits: bytearray, h1: int, h2: int) -> bool:
@@ -367,7 +368,7 @@ class PrefixPolicy(EvictionPolicy):
         # (class, dialog key) -> all its resident blocks, whatever their segment:
         # the segments choose which dialog loses a block, this says which block.
         self._whole: dict[tuple[int, Hashable], _Dialog] = {}
-        self._recent = RecentKeys(4096)
+        self._recent = RecentKeys(_FIRST_SPAN)
         self._adds = 0
 
     def add(self, ident: Ident, size: int, dialog: bytes, position: int, klass: int, tail: bool = False) -> None:
@@ -683,3 +684,29 @@ class DialogLru:
 
     def __contains__(self, ident: object) -> bool:
         return ident in self._where
+
+
+Miniature = Union[PrefixPolicy, DialogLru]  # or the compiled kvgate._mini.Miniature: the same calls
+
+
+def miniature(order: str) -> Miniature:
+    """A referee's miniature cache of one order (kvgate.tiers.referee): ``replay``, ``remove_dialogs``,
+    ``choose_victim``, ``len`` and ``in``.  The compiled ``kvgate._mini.Miniature`` where it is built (the
+    same victims: tests/tiers/test_eviction.py), else ``PrefixPolicy("prefix")`` or ``DialogLru``."""
+    if order not in PrefixPolicy.ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {', '.join(PrefixPolicy.ORDERS)}")
+    if _Compiled is not None:
+        return _Compiled(order, NO_DIALOG, PrefixPolicy.young_adds, PrefixPolicy.reserve_from,  # type: ignore[no-any-return]
+                         PrefixPolicy.reused_share, _FIRST_SPAN)
+    return PrefixPolicy("prefix") if order == "prefix" else DialogLru()
+
+
+def _compiled_miniature() -> Any:
+    try:
+        from kvgate._mini import Miniature as compiled  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return compiled
+
+
+_Compiled = _compiled_miniature()

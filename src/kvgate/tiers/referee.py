@@ -25,11 +25,13 @@ judges until each of the full-size pair's caches has evicted a fill.
 Memory is bounded: each miniature cache holds at most twice ``MIN_BLOCKS``
 blocks (the rate halves as the owner grows), and each remembers the
 dialogs it has seen in one ``RecentKeys`` pair and a bounded table of
-request cursors.  Cost: a sampled reference is a few calls into the
-miniature caches (the recency order's is a ``DialogLru``, that order
-alone); the rest cost one test of an int's bits, which the owner makes
-before it builds anything (``mask``).  The sample shrinks as the owner
-grows, so the cost per block falls with the tier's size.
+request cursors.  Cost: a sampled reference is one call into each
+miniature cache, compiled where ``make install`` built ``kvgate/_mini.c``
+(in Python the two cost 11.5 us a reference on the public trace, more
+than the tier's own policy; compiled, about 1); the rest cost one test of
+an int's bits, which the owner makes before it builds anything (``mask``).
+The sample shrinks as the owner grows, so the cost per block falls with
+the tier's size.
 
 The owner is the group of caches whose order it decides: one RAM tier's
 policy, or all the cards of a gateway (their merit is the traffic's, not a
@@ -50,7 +52,7 @@ from typing import Final
 
 import xxhash
 
-from kvgate.tiers.eviction import DialogLru, PrefixPolicy
+from kvgate.tiers.eviction import Miniature, PrefixPolicy, miniature
 
 EXPERTS: Final = PrefixPolicy.ORDERS
 assert len(EXPERTS) == 2  # a leader's rival is "the other order" (``_Trial.leader``)
@@ -72,15 +74,14 @@ def sample_bits(dkey: Hashable) -> int:
 
 
 class _Trial:
-    """One miniature cache per order, all of ``scale`` times the sampled share of the owner's capacity: a
-    ``PrefixPolicy`` for the prefix order, a ``DialogLru`` (the recency order alone, the same victims for a
-    fraction of the cost) for the other."""
+    """One miniature cache per order (``kvgate.tiers.eviction.miniature``: compiled where built), all of
+    ``scale`` times the sampled share of the owner's capacity."""
 
     __slots__ = ("scale", "caches", "restored", "evicted", "capacity")
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        self.caches: list[PrefixPolicy | DialogLru] = [PrefixPolicy("prefix"), DialogLru()]
+        self.caches: list[Miniature] = [miniature(order) for order in EXPERTS]
         self.restored = [0.0] * len(EXPERTS)  # decayed counts of blocks each would have restored
         self.evicted = 0
         self.capacity = 64
@@ -88,8 +89,9 @@ class _Trial:
     def referenced(self, ident: Hashable, label: bytes, position: int, klass: int, tail: bool, broken: int) -> int:
         """One reference in every cache; ``broken``: a bit per cache whose prefix broke earlier in this request.
         Returns the bits of the caches whose prefix is broken now."""
+        capacity = self.capacity
         for i, cache in enumerate(self.caches):
-            evicted = cache.replay(ident, label, position, klass, tail, self.capacity)
+            evicted = cache.replay(ident, label, position, klass, tail, capacity)
             if evicted < 0:  # resident: restored, unless the request's prefix broke before it
                 if not broken >> i & 1:
                     self.restored[i] += 1
@@ -124,10 +126,15 @@ class Referee:
     # requests at 10-20 % the leader went back to the prefix order at the handover (0.985-0.987 of the better
     # order; 0.996-0.998 now).
     HANDOVER_FILLS = 2
+    # The owner's size is asked every this many sampled references (a card set's is a sum over its cards,
+    # a microsecond at four): the miniatures' capacity lags the owner's by at most this many sampled blocks.
+    RESIDENT_EVERY = 16
 
     def __init__(self, resident: Callable[[], int]) -> None:
         """``resident``: how many blocks the owner holds now."""
         self._resident = resident
+        self._resident_then = 0
+        self._until_resident = 0
         self.shift = 0
         self.mask = 0  # a dialog is in the sample when its sample bits have none of these set
         self._halve_above = self.MIN_BLOCKS << 1  # the owner's size past which the rate halves
@@ -157,7 +164,11 @@ class Referee:
 
     def referenced(self, ident: Hashable, dkey: Hashable, position: int, klass: int, tail: bool) -> None:
         """Block ``ident`` (of dialog ``dkey``, sampled, at ``position``) was added or read."""
-        resident = self._resident()
+        self._until_resident -= 1
+        if self._until_resident <= 0:
+            self._until_resident = self.RESIDENT_EVERY
+            self._resident_then = self._resident()
+        resident = self._resident_then
         if resident > self._halve_above:
             self._halve_rate()
             if not self.sampled(dkey):
@@ -175,10 +186,13 @@ class Referee:
             cursors.move_to_end(dkey)
         label = dkey if dkey.__class__ is bytes else b""
         scaled = resident >> self.shift
-        broken = cursor[1]
-        for t, trial in enumerate(self._trials):
-            trial.capacity = max(64, int(scaled * trial.scale))
-            broken |= trial.referenced(ident, label, position, klass, tail, broken >> (2 * t) & 3) << (2 * t)
+        full = self._full
+        full.capacity = scaled if scaled > 64 else 64
+        broken = full.referenced(ident, label, position, klass, tail, cursor[1] & 3) | cursor[1]
+        if len(self._trials) > 1:  # the half-size pair, until the handover (bits 2-3 of the cursor)
+            half = self._trials[1]
+            half.capacity = max(64, int(scaled * half.scale))
+            broken |= half.referenced(ident, label, position, klass, tail, broken >> 2 & 3) << 2
         cursor[1] = broken
         self._until_decay -= 1
         if self._until_decay <= 0:
@@ -200,10 +214,10 @@ class Referee:
         self.mask = (1 << self.shift) - 1
         self._halve_above = self.MIN_BLOCKS << (self.shift + 1) if self.shift < self.MAX_SHIFT else 1 << 62
         for trial in self._trials:
+            prefix = trial.caches[EXPERTS.index("prefix")]
+            prefix.young_adds = max(1, PrefixPolicy.young_adds >> self.shift)
+            prefix.reserve_from = max(1, PrefixPolicy.reserve_from >> self.shift)
             for cache in trial.caches:
-                if isinstance(cache, PrefixPolicy):
-                    cache.young_adds = max(1, PrefixPolicy.young_adds >> self.shift)
-                    cache.reserve_from = max(1, PrefixPolicy.reserve_from >> self.shift)
                 cache.remove_dialogs(lambda dkey: not self.sampled(dkey))
         for dkey in [d for d in self._cursors if not self.sampled(d)]:
             del self._cursors[dkey]

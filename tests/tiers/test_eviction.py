@@ -243,42 +243,6 @@ def test_dialog_lru_evicts_exactly_as_the_prefix_policy_in_its_recency_order() -
         full.order = "recency"
     assert set(resident) == {i for i in resident if i in mini}
 
-def test_a_miniatures_replay_is_the_read_add_and_evictions_it_stands_for() -> None:
-    """``replay`` (one call per reference in a referee's miniature cache) leaves each kind of miniature as the
-    calls it replaces would: a read if resident (-1), else an add and victims removed down to the capacity
-    (their count); on a random run of references with a capacity that changes (a read does not cut back), checked
-    at every step."""
-    import random
-
-    from kvgate.tiers.eviction import DialogLru
-
-    for make in (lambda: PrefixPolicy("prefix"), DialogLru):
-        rng = random.Random(11)
-        fast, slow = make(), make()
-        evictions = 0
-        for step in range(12_000):
-            d = rng.randrange(30)
-            ident = f"b{d}.{rng.randrange(8)}"
-            args = (ident, b"" if d == 0 else dlg(d), rng.randrange(8) if d else -1,
-                    rng.choice((Retention.SHORT, Retention.LONG)), rng.random() < 0.2)
-            capacity = 40 + (step // 1000) % 3 * 20
-            got = fast.replay(*args, capacity)
-            if ident in slow:
-                slow.touch(ident)
-                expected = -1
-            else:
-                slow.add(ident, 0, *args[1:])
-                expected = 0
-                while len(slow) > capacity:
-                    slow.remove(slow.choose_victim())
-                    expected += 1
-            assert got == expected, (type(fast).__name__, step)
-            assert len(fast) == len(slow)
-            evictions += max(got, 0)
-            assert fast.choose_victim() == slow.choose_victim(), (type(fast).__name__, step)
-        assert evictions > 1000  # the run evicts, on every capacity
-
-
 def test_the_compiled_miniatures_evict_exactly_as_the_python_ones() -> None:
     """``kvgate/_mini.c`` (built by make install) is ``PrefixPolicy("prefix")`` and ``DialogLru`` as a referee
     uses them: on random runs of references (dialogs of several blocks, blocks sharing a position, positions out

@@ -304,6 +304,24 @@ NEW: Final = int(Segment.NEW)
 REUSED: Final = int(Segment.REUSED)
 
 
+def _replay(cache: Any, ident: Ident, label: bytes, position: int, klass: int, tail: bool, capacity: int) -> int:
+    """A referee's miniature cache (``PrefixPolicy`` or ``DialogLru``) sees a reference: read if resident
+    (returns -1), else added and cut back to ``capacity`` objects (returns how many it evicted).  The compiled
+    ``kvgate._mini.Miniature.replay`` does the same in one C call."""
+    if ident in cache:
+        cache.touch(ident)
+        return -1
+    cache.add(ident, 0, label, position, klass, tail)
+    evicted = 0
+    while len(cache) > capacity:
+        victim = cache.choose_victim()
+        if victim is None:
+            break
+        cache.remove(victim)
+        evicted += 1
+    return evicted
+
+
 class PrefixPolicy(EvictionPolicy):
     """Blocks used again stay; one-off blocks go first, tails before heads.
 
@@ -577,22 +595,7 @@ class PrefixPolicy(EvictionPolicy):
         for ident in [i for i, where in self._where.items() if drop(where[2])]:
             self._unplace(ident)
 
-    def replay(self, ident: Ident, label: bytes, position: int, klass: int, tail: bool, capacity: int) -> int:
-        """A referee's miniature cache (kvgate.tiers.referee) sees a reference: read if resident (returns -1),
-        else added and the cache cut back to ``capacity`` objects (returns how many it evicted).  One call
-        where a miniature would make five per reference."""
-        if ident in self._where:
-            self.touch(ident)
-            return -1
-        self.add(ident, 0, label, position, klass, tail)
-        evicted = 0
-        while len(self._where) > capacity:
-            d = self._coldest()
-            if d is None:
-                break
-            self._unplace(next(iter(d.at[d.positions[-1]])))
-            evicted += 1
-        return evicted
+    replay = _replay  # as a referee's miniature cache (kvgate.tiers.referee)
 
     def where(self, ident: Ident) -> tuple[int, Hashable, int] | None:
         """(class, dialog key, position) of a resident object; None if unknown."""
@@ -658,21 +661,7 @@ class DialogLru:
                 return next(iter(d.at[d.positions[-1]]))
         return None
 
-    def replay(self, ident: Ident, label: bytes, position: int, klass: int, tail: bool, capacity: int) -> int:
-        """``PrefixPolicy.replay``: read if resident (-1), else added and cut back to ``capacity`` (evictions)."""
-        where = self._where.get(ident)
-        if where is not None:
-            self._recency[where[0]].move_to_end(where[1])
-            return -1
-        self.add(ident, 0, label, position, klass, tail)
-        evicted = 0
-        while len(self._where) > capacity:
-            victim = self.choose_victim()
-            if victim is None:
-                break
-            self.remove(victim)
-            evicted += 1
-        return evicted
+    replay = _replay
 
     def remove_dialogs(self, drop: Callable[[Hashable], bool]) -> None:
         """Remove every object whose dialog key (a digest; a lone object's 1-tuple) ``drop`` says yes to."""

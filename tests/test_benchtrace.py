@@ -231,6 +231,7 @@ def test_in_process_json(capsys: pytest.CaptureFixture[str]) -> None:
         want = replay_policies(reqs, blocks, [row["policy"]])[row["policy"]]
         assert row["in_process"]["share_of_all"] == want
         assert row["in_process"]["share_of_infinite"] == pytest.approx(want * total / hits)
+        assert 0 < row["in_process"]["cpu_us_per_block"] < 10_000  # the replay's CPU time per block
         assert "gateway" not in row
         followed = row["in_process"]["followed"]
         if row["policy"] == "adaptive":  # it evicted: the shares of its two orders

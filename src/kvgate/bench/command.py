@@ -58,6 +58,7 @@ from kvgate.bench.trace import (
     BLOCK_TOKENS,
     GENERATED,
     GENERATED_PREFIX,
+    Simulated,
     infinite_cache,
     trace_by_name,
     simulate,
@@ -525,9 +526,11 @@ def run_trace_bench(args: argparse.Namespace) -> int:
     # beside the gateway's figure.
     marks = trace_marks(requests)
     cards = 1 if opts.in_process else opts.cards
-    in_process = {(r.policy, r.capacity.spec): simulate(requests, marks, card_policy(r.policy),
-                                                        [r.blocks_per_card * cards], block_size=opts.block_size)
-                  for r in runs}
+    in_process: dict[tuple[str, str], tuple[Simulated, float]] = {}
+    for r in runs:
+        cpu = time.process_time()
+        sim = simulate(requests, marks, card_policy(r.policy), [r.blocks_per_card * cards], block_size=opts.block_size)
+        in_process[(r.policy, r.capacity.spec)] = sim, time.process_time() - cpu
     if not opts.in_process:
         steps = ["starting gateways", *[r.label for r in runs], "stopping gateways"]
         measured = _drive(lambda step: TraceBench(opts, requests, marks, runs, step), steps, opts.json)
@@ -535,7 +538,7 @@ def run_trace_bench(args: argparse.Namespace) -> int:
             return measured
     rows = []
     for r in runs:
-        sim = in_process[(r.policy, r.capacity.spec)]
+        sim, cpu_s = in_process[(r.policy, r.capacity.spec)]
         row: dict[str, Any] = {
             "policy": r.policy,
             "capacity": {"spec": r.capacity.spec, "asked_bytes": r.total_bytes,
@@ -544,7 +547,10 @@ def run_trace_bench(args: argparse.Namespace) -> int:
                          "blocks": r.blocks_per_card * cards,
                          "blocks_per_card": None if opts.in_process else r.blocks_per_card,
                          "card_capacity_bytes": None if opts.in_process else r.card_capacity},
-            "in_process": {**_figure_row(sim.restored, sim.total, inf_hits), "followed": _followed(sim.orders)},
+            # The replay's CPU time per block of a request: the policy's cost per put or hit, and the replay's
+            # own work (the same in every row: the difference between two rows is the policies').
+            "in_process": {**_figure_row(sim.restored, sim.total, inf_hits), "followed": _followed(sim.orders),
+                           "cpu_us_per_block": cpu_s / sim.total * 1e6 if sim.total else None},
         }
         if r.measured:
             row["gateway"] = {**_figure_row(r.measured["restored_blocks"], r.measured["blocks"], inf_hits),

@@ -303,6 +303,7 @@ def print_trace(result: dict[str, Any], as_json: bool) -> None:
     if gateway:
         cols += ["in process\n[dim]model[/]", "restore\n[dim]GiB/s[/]", "dialogs\n[dim]per card[/]",
                  "bytes\n[dim]per card[/]"]
+    cols.append("CPU\n[dim]us a block[/]")
     for i, col in enumerate(cols):
         t.add_column(col, justify="left" if i == 0 else "right")
     for row in result["runs"]:
@@ -318,13 +319,16 @@ def print_trace(result: dict[str, Any], as_json: bool) -> None:
             cells += [f"{pct(row['in_process']['share_of_all'])}\n[dim]{pct(gw['model']['share_of_all'])}[/]",
                       "-" if gw["restore_gib_s"] is None else f"{gw['restore_gib_s']:.2f}",
                       per("conversations_share"), per("bytes_share")]
+        cpu = row["in_process"].get("cpu_us_per_block")
+        cells.append("-" if cpu is None else f"{cpu:.1f}")
         t.add_row(*cells)
     con.print(t)
     inf = tr["infinite_cache"]
     con.print(f"{tr['requests']:,} requests, {tr['blocks']:,} blocks ({tr['distinct_blocks']:,} distinct); an "
               f"infinite cache restores {inf['restored_blocks']:,} = {pct(inf['share_of_all'])} of all blocks. "
               "'restored': leading blocks found, as a share of all blocks (below: of the infinite cache's); capacity "
-              "over all cards, as a share of the distinct blocks" +
+              "over all cards, as a share of the distinct blocks; 'CPU': the in-process replay's CPU time per block "
+              "of a request, the policy's cost per put or hit with the replay's own (the same in every row)" +
               (f"; {cfg['cards']} directory cards per gateway, one gateway per row, blocks of "
                f"{fmt_size(cfg['block_size'])}; per card: shares in %; {result['elapsed_s']:.1f} s" if gateway
                else f"; {result['elapsed_s']:.1f} s"))

@@ -11,10 +11,11 @@ have restored more lately.  It counts which order chose each eviction
 
 Costs beside ``PrefixPolicy``'s (which keeps both orders always): a test
 of the dialog digest's bits per add or read, and for the sampled dialogs a
-few calls into the referee's small caches: 3-3.8x ``PrefixPolicy`` while
-every dialog is sampled (a tier under 8K blocks), 1.7x at 35K blocks
-(benchmarks/eviction_cost.py).  Same threading as every policy: its owner
-calls it from one thread.
+call into each of the referee's small caches (compiled where built):
+1.6-1.7x ``PrefixPolicy`` per block of a replay, 0.64-0.70x what the
+prefix order alone cost before the referee (benchmarks/eviction_cost.py,
+docs/benchmarks.md).  Same threading as every policy: its owner calls it
+from one thread.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ blocks (the rate halves as the owner grows), and each remembers the
 dialogs it has seen in one ``RecentKeys`` pair and a bounded table of
 request cursors.  Cost: a sampled reference is one call into each
 miniature cache, compiled where ``make install`` built ``kvgate/_mini.c``
-(in Python the two cost 11.5 us a reference on the public trace, more
-than the tier's own policy; compiled, about 1); the rest cost one test of
-an int's bits, which the owner makes before it builds anything (``mask``).
-The sample shrinks as the owner grows, so the cost per block falls with
-the tier's size.
+(in Python the two cost about 12 us a reference on the public trace,
+more than the tier's own policy; compiled, about 1), and the referee's
+own bookkeeping (2-3 us); the rest cost one test of an int's bits, which
+the owner makes before it builds anything (``mask``).  The sample shrinks
+as the owner grows, so the cost per block falls with the tier's size.
 
 The owner is the group of caches whose order it decides: one RAM tier's
 policy, or all the cards of a gateway (their merit is the traffic's, not a

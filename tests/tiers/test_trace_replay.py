@@ -30,10 +30,9 @@ default policy (``adaptive``) follows whichever order its referee finds
 winning; the last test holds it to the better of prefix and LRU on the
 public trace, with and without a shared head, and on four generated traces
 (kvgate.bench.trace: ``two_turns``, ``in_order``, ``scan``, ``hot_head``).
-Measured at 2/5/10/20/40 %: 0.981-1.043 of the better one (worst: the
-synthetic trace at 20 %, 0.981; ``two_turns`` of 4,000 requests at 10-20 %,
-0.986-0.987, the cost of learning on a short trace: 0.998-1.000 with
-12,000).
+Measured at 2/5/10/20/40 %: 0.991-1.000 of the better one (worst:
+``hot_head`` at 10 %, 0.991; ``two_turns`` of 4,000 requests, the cost of
+learning on a short trace, 0.996-0.998 at 2-20 %).
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def test_the_reuse_figures_the_policy_is_built_on() -> None:
     assert gaps[len(gaps) // 2] == 233
 
 
-# The default against the better of prefix and LRU: the least ratio allowed, the issue's bar (measured: 0.993
+# The default against the better of prefix and LRU: the least ratio allowed, the issue's bar (measured: 0.991
 # at worst, hot_head at 10 %).
 DEFAULT_FLOOR = 0.99
 TRACES = {

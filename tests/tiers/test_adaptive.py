@@ -115,13 +115,12 @@ def test_the_referee_samples_fewer_dialogs_as_the_owner_grows_and_its_memory_sta
             ref.referenced(i, d, i % 4, LONG, i % 4 == 3)
     assert ref.shift == 2, "1 dialog in 2**shift is sampled: the sample stays within twice MIN_BLOCKS"
     assert asked < 0.4 * 30 * Referee.MIN_BLOCKS, "the unsampled dialogs never reach the referee"
-    for trial in ref._trials:
-        for cache in trial.caches:
-            assert len(cache) <= 2 * Referee.MIN_BLOCKS, len(cache)
-        prefix = trial.caches[0]  # compiled (make install builds it): its filters' span is ``recent_span``
-        assert prefix.recent_span <= 6 * Referee.MIN_BLOCKS, "what it remembers of evicted blocks is bounded"
-    assert len(ref._trials) == 1, "the half-size trial is retired once the full-size one has filled"
-    assert len(ref._cursors) <= 4 * ref._trials[0].capacity + 1
+    assert ref._half is None, "the half-size trial is retired once the full-size one has filled"
+    for cache in ref._full.caches:
+        assert len(cache) <= 2 * Referee.MIN_BLOCKS, len(cache)
+    prefix = ref._full.caches[0]  # compiled (make install builds it): its filters' span is ``recent_span``
+    assert prefix.recent_span <= 6 * Referee.MIN_BLOCKS, "what it remembers of evicted blocks is bounded"
+    assert len(ref._cursors) <= 4 * ref._full.capacity + 1
 
 
 def test_a_card_tells_its_referee_of_sampled_dialogs_only() -> None:

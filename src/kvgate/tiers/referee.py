@@ -34,7 +34,7 @@ request cursors.  Cost: a sampled reference is one call into each
 miniature cache, compiled where ``make install`` built ``kvgate/_mini.c``
 (in Python the two cost about 12 us a reference on the public trace,
 more than the tier's own policy; compiled, about 1), and the referee's
-own bookkeeping (2-3 us); the rest cost one test of an int's bits, which
+own bookkeeping (1.1-1.5 us); the rest cost one test of an int's bits, which
 the owner makes before it builds anything (``mask``).  The sample shrinks
 as the owner grows, so the cost per block falls with the tier's size.
 
@@ -94,16 +94,23 @@ class _Trial:
 
     def referenced(self, ident: Hashable, label: bytes, position: int, klass: int, tail: bool, broken: int) -> int:
         """One reference in every cache; ``broken``: a bit per cache whose prefix broke earlier in this request.
-        Returns the bits of the caches whose prefix is broken now."""
+        Returns the bits of the caches whose prefix is broken now: a count changed where a bit is clear."""
         capacity = self.capacity
-        for i, cache in enumerate(self.caches):
-            evicted = cache.replay(ident, label, position, klass, tail, capacity)
-            if evicted < 0:  # resident: restored, unless the request's prefix broke before it
-                if not broken >> i & 1:
-                    self.restored[i] += 1
-            else:
-                broken |= 1 << i
-                self.evicted += evicted
+        first, second = self.caches  # unrolled: this runs for every sampled reference
+        evicted = first.replay(ident, label, position, klass, tail, capacity)
+        if evicted < 0:  # resident: restored, unless the request's prefix broke before it
+            if not broken & 1:
+                self.restored[0] += 1
+        else:
+            broken |= 1
+            self.evicted += evicted
+        evicted = second.replay(ident, label, position, klass, tail, capacity)
+        if evicted < 0:
+            if not broken & 2:
+                self.restored[1] += 1
+        else:
+            broken |= 2
+            self.evicted += evicted
         return broken
 
     def leader(self, current: int, margin: float, evidence: float) -> int:
@@ -162,7 +169,7 @@ class Referee:
         # its verdict is there when the owner's first evictions come, until the full one has evicted
         # HANDOVER_FILLS fills.
         self._full = _Trial(1.0)
-        self._trials = [self._full, _Trial(0.5)]
+        self._half: _Trial | None = _Trial(0.5)
         self._until_decay = self.MIN_BLOCKS * self.DECAY_FILLS
         # dialog -> [last position referenced, 2 bits per trial: each cache whose prefix broke in this request]
         self._cursors: OrderedDict[Hashable, list[int]] = OrderedDict()
@@ -183,14 +190,8 @@ class Referee:
     def referenced(self, ident: Hashable, dkey: Hashable, position: int, klass: int, tail: bool) -> None:
         """Block ``ident`` (of dialog ``dkey``, sampled, at ``position``) was added or read."""
         self._until_resident -= 1
-        if self._until_resident <= 0:
-            self._until_resident = self.RESIDENT_EVERY
-            self._resident_then = self._resident()
-        resident = self._resident_then
-        if resident > self._halve_above:
-            self._halve_rate()
-            if not self.sampled(dkey):
-                return
+        if self._until_resident <= 0 and not self._sized(dkey):
+            return  # the rate halved and this dialog left the sample
         cursors = self._cursors
         cursor = cursors.get(dkey)
         if cursor is None:
@@ -203,36 +204,54 @@ class Referee:
             cursor[0] = position
             cursors.move_to_end(dkey)
         label = dkey if dkey.__class__ is bytes else b""
-        scaled = resident >> self.shift
-        full = self._full
-        full.capacity = scaled if scaled > 64 else 64
+        judge = full = self._full
         broken = full.referenced(ident, label, position, klass, tail, cursor[1] & 3) | cursor[1]
-        if len(self._trials) > 1:  # the half-size pair, until the handover (bits 2-3 of the cursor)
-            half = self._trials[1]
-            half.capacity = max(64, int(scaled * half.scale))
-            broken |= half.referenced(ident, label, position, klass, tail, broken >> 2 & 3) << 2
+        counted = ~broken & 3  # the caches that counted a block restored
+        half = self._half
+        if half is not None:  # the half-size pair, until the handover (bits 2-3 of the cursor)
+            got = half.referenced(ident, label, position, klass, tail, broken >> 2 & 3)
+            broken |= got << 2
+            if full.evicted < full.capacity * self.HANDOVER_FILLS:
+                judge, counted = half, ~got & 3
+            else:
+                self._half = None  # its work is done: the full-size pair judges from now
+                counted = 3
         cursor[1] = broken
         self._until_decay -= 1
-        if self._until_decay <= 0:
-            self._until_decay = self._full.capacity * self.DECAY_FILLS
-            for trial in self._trials:
-                trial.restored = [r / 2 for r in trial.restored]
-        judge = self._trials[-1]
-        if judge is not self._full and self._full.evicted >= self._full.capacity * self.HANDOVER_FILLS:
-            self._trials = [self._full]  # the half-size trial's work is done: the full one judges from now
-            judge = self._full
-        lead = judge.leader(self._lead, self.MARGIN, self.EVIDENCE if self._lead == _PREFIX else 0.0)
-        if lead != self._lead:
-            self._lead = lead
-            self.switches += 1
+        if self._until_decay <= 0:  # halving both counts never makes the other order lead
+            self._until_decay = full.capacity * self.DECAY_FILLS
+            full.restored = [r / 2 for r in full.restored]
+            if half is not None:
+                half.restored = [r / 2 for r in half.restored]
+        if counted:  # the leader changes only with the counts
+            lead = judge.leader(self._lead, self.MARGIN, self.EVIDENCE if self._lead == _PREFIX else 0.0)
+            if lead != self._lead:
+                self._lead = lead
+                self.switches += 1
+
+    def _sized(self, dkey: Hashable) -> bool:
+        """Ask the owner's size and set the caches' capacities from it, halving the rate past
+        ``_halve_above``; False if dialog ``dkey`` left the sample."""
+        self._until_resident = self.RESIDENT_EVERY
+        resident = self._resident()
+        halved = resident > self._halve_above
+        while resident > self._halve_above:
+            self._halve_rate()
+        scaled = resident >> self.shift
+        self._full.capacity = scaled if scaled > 64 else 64
+        if self._half is not None:
+            self._half.capacity = max(64, int(scaled * self._half.scale))
+        return not halved or self.sampled(dkey)
 
     def _halve_rate(self) -> None:
         """Sample half as many dialogs: drop the others' blocks from the miniature caches."""
         self.shift += 1
         self.mask = (1 << self.shift) - 1
         self._halve_above = self.MIN_BLOCKS << (self.shift + 1) if self.shift < self.MAX_SHIFT else 1 << 62
-        for trial in self._trials:
-            prefix = trial.caches[EXPERTS.index("prefix")]
+        for trial in (self._full, self._half):
+            if trial is None:
+                continue
+            prefix = trial.caches[_PREFIX]
             prefix.young_adds = max(1, PrefixPolicy.young_adds >> self.shift)
             prefix.reserve_from = max(1, PrefixPolicy.reserve_from >> self.shift)
             for cache in trial.caches:

@@ -12,7 +12,7 @@ have restored more lately.  It counts which order chose each eviction
 Costs beside ``PrefixPolicy``'s (which keeps both orders always): a test
 of the dialog digest's bits per add or read, and for the sampled dialogs a
 call into each of the referee's small caches (compiled where built):
-1.6-1.7x ``PrefixPolicy`` per block of a replay, 0.64-0.70x what the
+1.3-1.5x ``PrefixPolicy`` per block of a replay, 0.61-0.70x what the
 prefix order alone cost before the referee (benchmarks/eviction_cost.py,
 docs/benchmarks.md).  Same threading as every policy: its owner calls it
 from one thread.

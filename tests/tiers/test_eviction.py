@@ -243,6 +243,7 @@ def test_dialog_lru_evicts_exactly_as_the_prefix_policy_in_its_recency_order() -
         full.order = "recency"
     assert set(resident) == {i for i in resident if i in mini}
 
+
 def test_the_compiled_miniatures_evict_exactly_as_the_python_ones() -> None:
     """``kvgate/_mini.c`` (built by make install) is ``PrefixPolicy("prefix")`` and ``DialogLru`` as a referee
     uses them: on random runs of references (dialogs of several blocks, blocks sharing a position, positions out

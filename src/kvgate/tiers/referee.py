@@ -139,9 +139,10 @@ class Referee:
     # one returning dialog (request 122) put the full-size pair's recency order 67 blocks ahead, and at the
     # handover 60 requests later that lead of young counts (429 against 362) was past the margin; the owner
     # followed it for 500 requests in which both orders restored the same, and had let go the dialogs the
-    # prefix order keeps for their return: 0.987 of the better order on cards, 0.991 in RAM.  At 0.04 (88 blocks there) it stays, 1.000.  A symmetric threshold held the
-    # owner in the recency order after the prefix order led again (the same trace at 2 %: 0.996 -> 0.983 at
-    # 1/32); at 1/8, learning came late where the recency order does win (gen:two-turns: down to 0.947).
+    # prefix order keeps for their return: 0.987 of the better order on cards, 0.991 in RAM.  At 0.04 (88
+    # blocks there) it stays, 1.000.  A symmetric threshold held the owner in the recency order after the
+    # prefix order led again (the same trace at 2 %: 0.996 -> 0.983 at 1/32); at 1/8, learning came late
+    # where the recency order does win (gen:two-turns: down to 0.947).
     EVIDENCE = 0.04
     DECAY_FILLS = 32  # the counts halve every this many cache fills of sampled references
     # The half-size pair judges until the full-size pair's caches have evicted this many fills together (one
@@ -158,8 +159,7 @@ class Referee:
     def __init__(self, resident: Callable[[], int]) -> None:
         """``resident``: how many blocks the owner holds now."""
         self._resident = resident
-        self._resident_then = 0
-        self._until_resident = 0
+        self._until_resident = 0  # sampled references until the owner's size is asked again (``_sized``)
         self.shift = 0
         self.mask = 0  # a dialog is in the sample when its sample bits have none of these set
         self._halve_above = self.MIN_BLOCKS << 1  # the owner's size past which the rate halves

@@ -3,7 +3,7 @@
 Against a real gateway: the bytes are right (RAM tier and card, hits and misses mixed), the request
 counts say the lent path was used, every loan is given back (nothing stays pinned), and with
 ``cross_memory_gets`` off the same call goes through the session region with the same result.
-``crossmem.read`` itself is checked against a child process's memory, runs split and uneven.
+``crossmem.read`` itself is checked against a child process's memory, runs split and uneven, lists and arrays.
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ def test_read_copies_uneven_runs_out_of_another_process() -> None:
         remote = [(addr, 1000), (addr + 1000, (5 << 20) - 1000), (addr + (5 << 20), n - (5 << 20))]
         crossmem.read(pid, local, remote)
         assert np.array_equal(dst, want)
+        # as arrays, both sides in more runs than one call takes (a split between threads cuts a run)
+        dst[:] = 0
+        pages = np.arange(0, n, 4096, dtype=np.uint64)
+        crossmem.read(pid, np.stack([pages + np.uint64(dst.ctypes.data), np.full(len(pages), 4096, np.uint64)], 1),
+                      [(addr, 3 << 20), (addr + (3 << 20), n - (3 << 20))])
+        assert np.array_equal(dst, want)
+        dst[:] = 0
+        crossmem.read(pid, np.array([(dst.ctypes.data + i * 48, 48) for i in range(2500)], np.uint64),
+                      [(addr + i * 80, 80) for i in range(1500)])
+        assert np.array_equal(dst[:120000], want[:120000]) and not dst[120000:].any()
         many = [(addr + i * 64, 64) for i in range(3000)]  # more runs than one call takes
         small = np.zeros(3000 * 64, np.uint8)
         crossmem.read(pid, [(small.ctypes.data, small.nbytes)], many)

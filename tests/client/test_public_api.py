@@ -13,7 +13,7 @@ KVGATE = {
 }
 CLIENT = {
     "AsyncClient", "BadKey", "Buffer", "Client", "DialogMark", "GatewayError", "GatewayTimeout",
-    "GatewayUnavailable", "InvalidArgument", "KvgateError", "MARK_KEYS", "NotPermitted", "ObjectTooLarge",
+    "GatewayUnavailable", "InvalidArgument", "KvgateError", "MARK_KEYS", "NotPermitted", "ObjectTooLarge", "Pieces",
 }
 # each exported error, and the builtin exceptions it also is (code written without kvgate still catches it)
 ERRORS = {

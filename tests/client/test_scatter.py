@@ -1,8 +1,9 @@
-"""Gets into pieces: an ``into`` entry that is a list of buffers is filled in order (SGLang's pages are
-fragments of its host pool).  Against a real gateway, on every path a get takes: read out of the
-gateway's memory straight into the pieces (a local client that may, RAM tier and card), through the
-session region (``cross_memory_gets`` off), and inline over TCP; the bytes are right, a short object
-fills the first pieces, a miss is None, a destination too small is named, and loans are given back."""
+"""Gets into pieces: an ``into`` entry that is a list of buffers is filled in order, and ``Pieces`` (rows of
+offsets and sizes in one buffer, as SGLang's pages are fragments of its host pool) fills each key's row.
+Against a real gateway, on every path a get takes: read out of the gateway's memory straight into the
+pieces (a local client that may, RAM tier and card), through the session region (``cross_memory_gets``
+off), and inline over TCP; the bytes are right, a short object fills the first pieces, a miss is None, a
+destination too small is named, and loans are given back.  ``Pieces`` is checked before anything is sent."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from kvgate.client import AsyncClient, Client, InvalidArgument, ObjectTooLarge
+from kvgate.client import AsyncClient, Client, InvalidArgument, ObjectTooLarge, Pieces
+from kvgate.client.core import get_many_op
 from tests.helpers import free_port
 
 KIB = 1 << 10
@@ -60,7 +62,49 @@ def test_a_get_fills_lists_of_buffers_in_order_on_every_path(gateway_factory, tm
         assert bytes(c.get_many(keys[:1], into=[plain])[0]) == datas[0]  # still in step
         with pytest.raises(InvalidArgument, match=r"destination buffers\[0\]\[1\] is read-only"):
             c.get_many(keys[:1], into=[[bytearray(10), b"x"]])
+        _pieces_of_one_pool(c, keys, datas)
     assert gw.stats()["tiers"]["ram"]["pinned_bytes"] == 0, "a loan was not given back"
+
+
+def _pieces_of_one_pool(c: Client, keys: list[bytes], datas: list[bytes]) -> None:
+    """``Pieces`` rows laid out as SGLang's layer-first pool: fragment j of row i at (j * rows + i) x 32 KiB."""
+    rows, frags, frag = 5, 16, 32 * KIB
+    pool = np.zeros(rows * frags * frag, np.uint8)
+    offsets = (np.arange(frags)[None, :] * rows + np.arange(rows)[:, None]) * frag
+    pieces = Pieces(pool, offsets, np.full((rows, frags), frag))
+    ask = [keys[0], keys[2], b"absent", keys[1], keys[0]]
+    got = c.get_many(ask, into=pieces)
+    assert got == [512 * KIB, 100 * KIB, None, 512 * KIB, 512 * KIB]  # a hit's entry: the bytes written
+    for i, want in enumerate([datas[0], datas[2], b"", datas[1], datas[0]]):
+        row = b"".join(bytes(pool[o:o + frag]) for o in offsets[i])
+        assert row == want + bytes(len(row) - len(want)), f"row {i}"  # a short object fills the first pieces
+    assert c.get_many(ask[3:], into=pieces[3:]) == [512 * KIB, 512 * KIB]  # rows of a slice
+    with pytest.raises(ObjectTooLarge) as ei:
+        c.get_many([keys[0], keys[3]], into=pieces[:2])
+    assert ei.value.index == 1
+    assert bytes(c.get_many(keys[:1])[0]) == datas[0]  # still in step
+
+
+def test_pieces_are_checked_before_anything_is_sent() -> None:
+    buf = np.zeros(100, np.uint8)
+    with pytest.raises(InvalidArgument, match=r"piece \[1\]\[0\] \(offset 90, 20 bytes\) is not inside the buffer"):
+        Pieces(buf, [[0, 10], [90, 95]], [[10, 10], [20, 5]])
+    with pytest.raises(InvalidArgument, match=r"piece \[0\]\[1\]"):
+        Pieces(buf, [[0, -1]], [[10, 10]])
+    with pytest.raises(InvalidArgument, match=r"piece \[0\]\[0\]"):
+        Pieces(buf, np.array([[2**64 - 1]], np.uint64), [[1]])  # wraps negative in int64: still refused
+    with pytest.raises(InvalidArgument, match="2-D integer array"):
+        Pieces(buf, [0, 10], [10, 10])
+    with pytest.raises(InvalidArgument, match="2-D integer array"):
+        Pieces(buf, [[0.0]], [[10]])
+    with pytest.raises(InvalidArgument, match="of one shape"):
+        Pieces(buf, [[0, 10]], [[10]])
+    with pytest.raises(InvalidArgument, match="row 1 has no bytes"):
+        Pieces(buf, [[0], [10]], [[10], [0]])
+    with pytest.raises(InvalidArgument, match="is read-only"):
+        Pieces(bytes(100), [[0]], [[10]])
+    with pytest.raises(InvalidArgument, match="2 keys but 1 rows of Pieces"):  # (checked before any call)
+        get_many_op([b"a", b"b"], Pieces(buf, [[0]], [[10]]), None)
 
 
 @pytest.mark.parametrize("lend", [True, False])

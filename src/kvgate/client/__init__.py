@@ -18,7 +18,7 @@ Every error a call raises is a ``KvgateError`` (``kvgate.errors``: the tree, and
 exception each also is).
 """
 
-from kvgate.client.args import Buffer
+from kvgate.client.args import Buffer, Pieces
 from kvgate.client.async_client import AsyncClient
 from kvgate.client.sync_client import Client
 from kvgate.errors import (
@@ -47,4 +47,5 @@ __all__ = [
     "MARK_KEYS",
     "NotPermitted",
     "ObjectTooLarge",
+    "Pieces",
 ]

@@ -60,27 +60,26 @@ class Transport:
 
     def get_scattered(self, keys: list[bytes], views: list[memoryview | Scatter], dialog: bytes | None, *,
                       source: str | None = None) -> Op:
-        """``get_into`` where some destinations are ``Scatter`` (pieces filled in order; their entry is the
-        list of filled pieces).  Here: each received into one buffer, then copied into its pieces (a
-        ``Copy`` step: ``AsyncClient`` moves a large one off its event loop)."""
+        """``get_into`` where some destinations are ``Scatter`` (pieces filled in order; their entry is
+        ``Scatter.result``: the filled pieces, or for a ``Pieces`` row the bytes written).  Here: each
+        received into one buffer, then copied into its pieces (a ``Copy`` step: ``AsyncClient`` moves a
+        large one off its event loop)."""
         whole = [memoryview(bytearray(v.nbytes)) if isinstance(v, Scatter) else v for v in views]
         got = yield from self.get_into(keys, whole, dialog, source=source)
         hits = [i for i, (v, g) in enumerate(zip(views, got)) if isinstance(v, Scatter) and g is not None]
         if hits:
-            filled = yield Copy(lambda: [spread(views[i], got[i]) for i in hits], sum(got[i].nbytes for i in hits))
-            for i, parts in zip(hits, filled):
-                got[i] = parts
+            yield Copy(lambda: [spread(views[i], got[i]) for i in hits], sum(got[i].nbytes for i in hits))
+            for i in hits:
+                got[i] = views[i].result(got[i].nbytes)
         return got
 
 
-def spread(dest: Scatter, got: memoryview) -> list[memoryview]:
-    """Copy ``got`` into ``dest``'s pieces, in order; the pieces it filled."""
-    parts = dest.filled(got.nbytes)
+def spread(dest: Scatter, got: memoryview) -> None:
+    """Copy ``got`` into ``dest``'s pieces, in order."""
     at = 0
-    for p in parts:
+    for p in dest.filled(got.nbytes):
         p[:] = got[at:at + p.nbytes]
         at += p.nbytes
-    return parts
 
 
 def stalled(todo: list[int], again: list[int], before: bool) -> bool:

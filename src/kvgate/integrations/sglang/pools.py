@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
@@ -51,8 +52,9 @@ class RegisteredPool:
     def key(self, page: bytes) -> bytes:
         return page if self.tag is None else pool_page_key(self.tag, page)
 
-    def fragments_of(self, host_indices: Any, n: int) -> tuple[list[int], list[int]]:
-        """(pointers, sizes) of ``n`` pages at ``host_indices``; ValueError when they do not add up."""
+    def fragments_of(self, host_indices: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(pointers, sizes) of ``n`` pages at ``host_indices``, int64 arrays of ``n`` x ``fragments``;
+        ValueError when they do not add up."""
         if self.error:
             raise ValueError(f"host pool {self.name!r} cannot be stored: {self.error}")
         if host_indices is None or int(host_indices.numel()) != n * self.page_size:
@@ -62,10 +64,11 @@ class RegisteredPool:
         if len(ptrs) != n * self.fragments or len(sizes) != len(ptrs):
             raise ValueError(f"host pool {self.name!r} gave {len(ptrs)} fragments for {n} pages of "
                              f"{self.fragments}")
-        sizes = [int(x) for x in sizes]
-        if sum(sizes) != n * self.page_bytes:  # a slot holds page_bytes: never copy past it
-            raise ValueError(f"host pool {self.name!r} gave {sum(sizes)} bytes for {n} pages of {self.page_bytes}")
-        return [int(x) for x in ptrs], sizes
+        ptrs, sizes = np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+        if (sizes < 0).any() or int(sizes.sum()) != n * self.page_bytes:  # a slot holds page_bytes: never past it
+            raise ValueError(f"host pool {self.name!r} gave {int(sizes.sum())} bytes for {n} pages of "
+                             f"{self.page_bytes}")
+        return ptrs.reshape(n, self.fragments), sizes.reshape(n, self.fragments)
 
 
 def describe_pool(name: str, host: Any, tag_extra: Optional[dict]) -> RegisteredPool:

@@ -7,7 +7,7 @@ contiguous slot of a staging region (a /dev/shm file this backend creates,
 registers with the gateway and unlinks at once) -> the gateway's RAM tier,
 two copies by ``memmove`` (no Python ``bytes`` in between; the gather into
 the slot is the copy that any object store needs for a fragmented page).  A
-load is a get into lists of buffers, each page's fragments: where the
+load is a get into the pages' fragments (``Pieces`` of the pool): where the
 gateway lends its memory to this process, one copy straight into them
 (``process_vm_readv`` takes a list of destinations); otherwise two, through
 the session's region.
@@ -23,6 +23,10 @@ import mmap
 import os
 import secrets
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvgate.client import Pieces
 
 if TYPE_CHECKING:
     from kvgate.client import DialogMark
@@ -86,24 +90,24 @@ def _rounds(link: GatewayLink, pool: RegisteredPool, n: int) -> list[tuple[int, 
     return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
 
 
-def load_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+def load_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: np.ndarray, sizes: np.ndarray,
                dm: DialogMark, position: int, out: list, log: FailureLog) -> None:
-    """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments), each page straight into
-    its fragments (a get into lists of buffers: one copy where the client reads the gateway's memory, else
-    through the session region).  A stored object of the wrong size (another geometry under the same key)
-    is a miss: a shorter one has filled the first fragments of a page reported not loaded, which SGLang
-    does not use.  Sets ``out[i]`` per page loaded."""
-    f = pool.fragments
-    lo = min(ptrs)
-    span = memoryview((ctypes.c_char * (max(p + n for p, n in zip(ptrs, sizes)) - lo)).from_address(lo)).cast("B")
-    pages = [[span[p - lo:p - lo + n] for p, n in zip(ptrs[i * f:(i + 1) * f], sizes[i * f:(i + 1) * f])]
-             for i in range(len(skeys))]
+    """Read ``skeys`` into the pool's pages (``ptrs``/``sizes``: their fragments, a row a page), each page
+    straight into its fragments (a get into ``Pieces`` of the pool's memory: one copy where the client
+    reads the gateway's memory, with no Python step per fragment; else through the session region).  A
+    stored object of the wrong size (another geometry under the same key) is a miss: a shorter one has
+    filled the first fragments of a page reported not loaded, which SGLang does not use.  Sets ``out[i]``
+    per page loaded."""
+    if not skeys:
+        return
+    lo, hi = int(ptrs.min()), int((ptrs + sizes).max())
+    span = memoryview((ctypes.c_char * (hi - lo)).from_address(lo)).cast("B")
+    pages = Pieces(span, ptrs - lo, sizes)
     for start, end, dialog in dm.spans(position, len(skeys)):
         got = link.budget().get_many(skeys[start:end], into=pages[start:end], dialog=dialog)
-        for i, g in zip(range(start, end), got):
-            if g is None:
+        for i, size in zip(range(start, end), got):
+            if size is None:
                 continue
-            size = sum(part.nbytes for part in g)
             if size != pool.page_bytes:
                 log.warn_once(f"size-{pool.name}", "kvgate backend: a stored page of pool %r is %d bytes, this "
                               "pool's %d: ignored (a namespace shared by engines with different layouts?)",
@@ -112,12 +116,14 @@ def load_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs
             out[i] = True
 
 
-def store_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: list[int], sizes: list[int],
+def store_pages(link: GatewayLink, pool: RegisteredPool, skeys: list[bytes], ptrs: np.ndarray, sizes: np.ndarray,
                 dm: DialogMark, position: int, out: list, retention: str) -> None:
-    """Store the pool's pages under ``skeys``: each page's fragments are gathered into a staging
-    slot that the gateway reads in place.  Sets ``out[i]`` per page stored."""
+    """Store the pool's pages under ``skeys`` (``ptrs``/``sizes``: their fragments, a row a page): each
+    page's fragments are gathered into a staging slot that the gateway reads in place.  Sets ``out[i]``
+    per page stored."""
     stage = link.staging
     slot, f = pool.slot_bytes, pool.fragments
+    ptrs, sizes = ptrs.ravel().tolist(), sizes.ravel().tolist()
     for r0, r1 in _rounds(link, pool, len(skeys)):
         for i in range(r0, r1):
             dst = stage.base + (i - r0) * slot

@@ -16,6 +16,7 @@ import pytest
 
 from kvgate.client import crossmem
 from kvgate.client import Client
+from kvgate.client.regions import SharedMemoryTransport
 
 pytestmark = pytest.mark.skipif(not crossmem.supported, reason="process_vm_readv is Linux only")
 
@@ -428,3 +429,26 @@ def test_lent_files_and_loans_a_peer_keeps_are_bounded_and_closed_with_its_conne
         time.sleep(0.05)
     assert gw.stats()["files_lent"]["open"] == 0
     assert _objects_open(gw, card) == []
+
+
+class _Wire:
+    def out_of_step(self, what: str) -> Exception:
+        return ConnectionError(what)
+
+
+@pytest.mark.parametrize("segments, sizes", [
+    ([100, 5, 200, 3], [6, 2]),  # a segment straddles two objects
+    ([100, 5], [6]),  # fewer bytes than the objects
+    ([100, 5, 200, 3], [5]),  # more
+    ([100, 5, 200, 0], [5]),  # an empty segment
+    ([1, 2, 3], [2]),  # not pairs
+    ([], [3]),
+])
+def test_a_lent_gets_segments_must_be_its_objects_whole(segments: list[int], sizes: list[int]) -> None:
+    """A gateway's reply that does not lay each object out as whole segments breaks the connection: the
+    client never reads where the lengths disagree."""
+    t = object.__new__(SharedMemoryTransport)
+    t.wire = _Wire()
+    with pytest.raises(ConnectionError, match="lent get's segments"):
+        t._lent_segments(segments, sizes)
+    assert t._lent_segments([100, 5, 200, 3, 300, 4], [0, 8, 4]).tolist() == [[100, 5], [200, 3], [300, 4]]

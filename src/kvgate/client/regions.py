@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvgate.client.args import Buffer, Scatter
+from kvgate.client.args import Buffer, Scatter, writable_address
 from kvgate.client.transport import InlineTransport, Transport, packed_hits, stalled
 from kvgate.client.wire import Copy, ObjectTooLarge, Op, Wire, not_permitted
 from kvgate.client import crossmem
@@ -304,7 +304,7 @@ class SharedMemoryTransport(Transport):
                         file_of.append(i)
                         continue
                     v = views[i]
-                    runs.append(v.iov(s) if isinstance(v, Scatter) else np.array(((_address(v)[0], s),), np.uint64))
+                    runs.append(v.iov(s) if isinstance(v, Scatter) else np.array(((writable_address(v), s),), np.uint64))
                     lent_sizes.append(s)
             local = np.concatenate(runs) if runs else np.empty((0, 2), np.uint64)
             remote = self._lent_segments(reply.segments or [], lent_sizes)
@@ -366,9 +366,12 @@ class SharedMemoryTransport(Transport):
         if len(seg) % 2:
             raise self.wire.out_of_step("a lent get's segments are not (address, length) pairs")
         seg = seg.reshape(-1, 2)
-        ends, want = np.cumsum(seg[:, 1]), np.cumsum(np.asarray(sizes, dtype=np.int64))
-        if (seg[:, 1] <= 0).any() or int(ends[-1] if len(ends) else 0) != int(want[-1] if len(want) else 0) \
-                or not np.isin(want, ends).all():
+        lengths = np.asarray(sizes, dtype=np.int64)
+        ends, want = np.cumsum(seg[:, 1]), np.cumsum(lengths)[lengths > 0]
+        # each object's end is a segment's end (ends rise: no segment is empty), and nothing is past the last
+        total = int(want[-1]) if len(want) else 0
+        if (seg[:, 1] <= 0).any() or (int(ends[-1]) if len(ends) else 0) != total \
+                or (total and not (ends[np.minimum(np.searchsorted(ends, want), len(ends) - 1)] == want).all()):
             raise self.wire.out_of_step("a lent get's segments do not add up to its sizes")
         return seg.astype(np.uint64)
 

@@ -103,6 +103,8 @@ def test_pieces_are_checked_before_anything_is_sent() -> None:
         Pieces(buf, [[0], [10]], [[10], [0]])
     with pytest.raises(InvalidArgument, match="is read-only"):
         Pieces(bytes(100), [[0]], [[10]])
+    with pytest.raises(InvalidArgument, match="sliced by rows"):
+        Pieces(buf, [[0]], [[10]])[0]
     with pytest.raises(InvalidArgument, match="2 keys but 1 rows of Pieces"):  # (checked before any call)
         get_many_op([b"a", b"b"], Pieces(buf, [[0]], [[10]]), None)
 

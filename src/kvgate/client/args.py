@@ -141,6 +141,8 @@ class Pieces:
 
     def __getitem__(self, rows: slice) -> Pieces:
         """Some rows (a slice), as a ``Pieces`` of the same buffer (not checked again)."""
+        if not isinstance(rows, slice):
+            raise InvalidArgument(f"Pieces are sliced by rows (pieces[a:b]), not indexed by {type(rows).__name__}")
         out = object.__new__(Pieces)
         out.view, out.offsets, out.sizes = self.view, self.offsets[rows], self.sizes[rows]
         return out

@@ -123,10 +123,9 @@ class Pieces:
             raise InvalidArgument(f"Pieces' offsets {offsets.shape} and sizes {sizes.shape} must be of one shape, "
                                   "with at least one piece a key")
         n = self.view.nbytes
-        # in int64 once known small: a uint64 beyond it wraps negative and is caught as such
+        # as int64: a uint64 past it wraps negative and is refused as such; no sum that could overflow
         offsets, sizes = offsets.astype(np.int64), sizes.astype(np.int64)
-        bad = (offsets < 0) | (sizes < 0) | (offsets > n) | (sizes > n)
-        bad |= np.where(bad, False, offsets + np.where(bad, 0, sizes) > n)
+        bad = (offsets < 0) | (offsets > n) | (sizes < 0) | (sizes > n - np.clip(offsets, 0, n))
         if bad.any():
             i, j = (int(x) for x in np.argwhere(bad)[0])
             raise InvalidArgument(f"Pieces: piece [{i}][{j}] (offset {offsets[i, j]}, {sizes[i, j]} bytes) is "

@@ -86,7 +86,7 @@ def _helper() -> ThreadPoolExecutor:
 Runs = np.ndarray | list[tuple[int, int]]
 
 
-def iovecs(runs) -> np.ndarray:
+def iovecs(runs: Runs) -> np.ndarray:
     """``runs`` ((address, length) pairs, or such an array) as an (n, 2) uint64 array laid out as the
     kernel's ``struct iovec``, without the empty ones."""
     arr = np.asarray(runs, dtype=np.uint64).reshape(-1, 2)

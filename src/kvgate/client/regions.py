@@ -304,7 +304,8 @@ class SharedMemoryTransport(Transport):
                         file_of.append(i)
                         continue
                     v = views[i]
-                    runs.append(v.iov(s) if isinstance(v, Scatter) else np.array(((writable_address(v), s),), np.uint64))
+                    runs.append(v.iov(s) if isinstance(v, Scatter) else
+                                np.array(((writable_address(v), s),), np.uint64))
                     lent_sizes.append(s)
             local = np.concatenate(runs) if runs else np.empty((0, 2), np.uint64)
             remote = self._lent_segments(reply.segments or [], lent_sizes)

@@ -62,7 +62,10 @@ def test_a_get_fills_lists_of_buffers_in_order_on_every_path(gateway_factory, tm
         assert bytes(c.get_many(keys[:1], into=[plain])[0]) == datas[0]  # still in step
         with pytest.raises(InvalidArgument, match=r"destination buffers\[0\]\[1\] is read-only"):
             c.get_many(keys[:1], into=[[bytearray(10), b"x"]])
+        lent_before = gw.stats()["get_paths"]["lent"]
         _pieces_of_one_pool(c, keys, datas)
+        if path == "lent":  # the Pieces were read out of the gateway's memory too
+            assert gw.stats()["get_paths"]["lent"] > lent_before
     assert gw.stats()["tiers"]["ram"]["pinned_bytes"] == 0, "a loan was not given back"
 
 
@@ -78,7 +81,10 @@ def _pieces_of_one_pool(c: Client, keys: list[bytes], datas: list[bytes]) -> Non
     for i, want in enumerate([datas[0], datas[2], b"", datas[1], datas[0]]):
         row = b"".join(bytes(pool[o:o + frag]) for o in offsets[i])
         assert row == want + bytes(len(row) - len(want)), f"row {i}"  # a short object fills the first pieces
-    assert c.get_many(ask[3:], into=pieces[3:]) == [512 * KIB, 512 * KIB]  # rows of a slice
+    pool[:] = 0
+    assert c.get_many([keys[1], keys[0]], into=pieces[3:]) == [512 * KIB, 512 * KIB]  # rows of a slice
+    rows_now = [b"".join(bytes(pool[o:o + frag]) for o in offsets[i]) for i in range(rows)]
+    assert rows_now[3:] == [datas[1], datas[0]] and not any(any(r) for r in rows_now[:3]), "a slice's rows"
     with pytest.raises(ObjectTooLarge) as ei:
         c.get_many([keys[0], keys[3]], into=pieces[:2])
     assert ei.value.index == 1

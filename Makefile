@@ -15,9 +15,9 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
 
 .PHONY: docs install vllm-venv lmcache-venv sglang-venv services run test test-fast bench clean-var demo cluster-demo demo-engines bench-vllm bench-vllm-pull bench-sglang bench-lmcache bench-fleet demo-fleet
 
-# setup.py builds the optional C helpers (src/kvgate/_faults.c, _probe.c, _keys.c, _recent.c, _mini.c) in place; without a
+# setup.py builds the optional C helpers (src/kvgate/_faults.c, _probe.c, _copy.c, _keys.c, _recent.c, _mini.c) in place; without a
 # compiler the install goes on without them (each has a pure-Python fallback: setup.py says what it costs).
-$(STAMP): pyproject.toml setup.py src/kvgate/_faults.c src/kvgate/_probe.c src/kvgate/_keys.c src/kvgate/_recent.c src/kvgate/_mini.c src/kvgate/_bloom.h
+$(STAMP): pyproject.toml setup.py src/kvgate/_faults.c src/kvgate/_probe.c src/kvgate/_copy.c src/kvgate/_keys.c src/kvgate/_recent.c src/kvgate/_mini.c src/kvgate/_bloom.h
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'

@@ -5,7 +5,9 @@ installs without them, and each user keeps a pure-Python path that does the same
 
 - ``kvgate/_faults.c``: copies and hashes of in-place client memory that survive the client shrinking it
   (``kvgate.memguard``, ``kvgate.gateway.faultlog``);
-- ``kvgate/_probe.c``: a card index's probe of a whole batch of digests (``kvgate.tiers.rows``).
+- ``kvgate/_probe.c``: a card index's probe of a whole batch of digests (``kvgate.tiers.rows``);
+- ``kvgate/_copy.c``: a client's copy of a get's pieces out of the gateway's mapped RAM arena
+  (``kvgate.client.crossmem``).
 
 Three others are CPython extensions, imported where they are used rather than loaded here:
 ``kvgate/_keys.c`` reads Python lists and makes bytes objects (``kvgate.keys``); ``kvgate/_recent.c``

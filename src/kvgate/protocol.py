@@ -226,6 +226,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     # gets): a local session of the gateway's own user, with cross_memory_gets on.
     pid: int = 0
     lends: bool = False
+    # Where ``lends``: the RAM tier's arena as (file descriptor in the gateway, address there, size), a
+    # read-only memfd the client maps (pidfd_getfd) to copy lent RAM-tier pieces out itself; None: not shared.
+    arena: list[int] | None = None
 
 
 class RegionReply(_Msg, tag="region_reply"):

@@ -65,16 +65,209 @@ def test_read_copies_uneven_runs_out_of_another_process() -> None:
         p.join(10)
 
 
+def _sealed_memfd(size: int, seals: int) -> tuple[int, np.ndarray]:
+    import fcntl
+    import mmap
+
+    fd = os.memfd_create("test-arena", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd, np.frombuffer(mmap.mmap(fd, size), np.uint8)
+
+
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pieces_inside_a_mapped_arena_are_copied_out_of_the_mapping_and_the_rest_read_from_the_process(
+        compiled: bool, monkeypatch) -> None:
+    """The arena is this process's own memfd, said to lie at an address where nothing is mapped: a piece
+    read with ``process_vm_readv`` from there would fail, so a right copy proves the mapping was read; the
+    pieces outside it (a real buffer) are read from the process.  Runs uneven on both sides, over the
+    two-thread threshold.  With the compiled span copy and with its Python fallback."""
+    import fcntl
+
+    if not compiled:
+        monkeypatch.setattr(crossmem, "_copier", None)
+    size = 12 << 20
+    fd, mem = _sealed_memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    mem[:] = np.frombuffer(os.urandom(size), np.uint8)
+    elsewhere = np.frombuffer(os.urandom(1 << 20), np.uint8)
+    pid, pidfd = os.getpid(), os.pidfd_open(os.getpid())
+    try:
+        fake = 1 << 45  # nothing is mapped there
+        arena = crossmem.map_arena(pidfd, pid, fd, fake, size)
+        assert arena is not None
+        want = np.concatenate([mem[1000:(9 << 20)], elsewhere, mem[(10 << 20):]])
+        remote = np.array([(fake + 1000, (3 << 20) - 1000), (fake + (3 << 20), 6 << 20),
+                           (elsewhere.ctypes.data, 1 << 20), (fake + (10 << 20), 2 << 20)], np.uint64)
+        dst = np.zeros(len(want), np.uint8)
+        pages = np.arange(0, len(dst), 4096, dtype=np.uint64)
+        cuts = np.minimum(np.full(len(pages), 4096, np.uint64), np.uint64(len(dst)) - pages)
+        crossmem.read(pid, np.stack([pages + np.uint64(dst.ctypes.data), cuts], 1), remote, arena)
+        assert np.array_equal(dst, want)
+        dst[:] = 0  # small: one thread
+        crossmem.read(pid, [(dst.ctypes.data, 100), (dst.ctypes.data + 100, 50)], [(fake + 1000, 150)], arena)
+        assert np.array_equal(dst[:150], want[:150]) and not dst[150:].any()
+        # past the arena's end: not the mapping's to copy, and nothing is mapped there in the process either
+        with pytest.raises(crossmem.CrossMemoryError):
+            crossmem.read(pid, [(dst.ctypes.data, 200)], [(fake + size - 100, 200)], arena)
+    finally:
+        os.close(pidfd)
+        os.close(fd)
+
+
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
+def test_an_arena_that_could_shrink_or_is_short_is_not_mapped() -> None:
+    import fcntl
+
+    pid, pidfd = os.getpid(), os.pidfd_open(os.getpid())
+    unsealed, _ = _sealed_memfd(1 << 20, 0)
+    sealed, _ = _sealed_memfd(1 << 20, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    try:
+        assert crossmem.map_arena(pidfd, pid, unsealed, 1 << 45, 1 << 20) is None
+        assert crossmem.map_arena(pidfd, pid, sealed, 1 << 45, 2 << 20) is None  # says more than it holds
+        assert crossmem.map_arena(pidfd, pid, 9999, 1 << 45, 1 << 20) is None  # no such descriptor
+        assert crossmem.map_arena(pidfd, pid, sealed, 1 << 45, 1 << 20) is not None
+    finally:
+        for fd in (pidfd, unsealed, sealed):
+            os.close(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
+def test_ram_tier_gets_are_copied_out_of_the_arena_which_no_client_can_write_or_shrink(gateway_factory,
+                                                                                      monkeypatch) -> None:
+    """A local client of the gateway's user maps the RAM tier's arena read-only: its gets of RAM-tier
+    objects into plain buffers and ``Pieces`` never call ``process_vm_readv``, bytes right, loans given
+    back.  The descriptor the hello names is read-only and the memfd sealed: taken by a client, it can
+    neither be mapped writable nor shrunk under the gateway."""
+    import mmap
+    import socket
+
+    from kvgate import protocol as p
+    from kvgate.client import Pieces
+    from tests.gateway.test_inline_bytes import _frame
+    from tests.helpers import read_reply as _read_reply
+
+    gw = gateway_factory(["--max-bytes", "64M"])
+    datas = [os.urandom(n) for n in (1 << 20, 3 << 20, 5, 300 << 10, 2 << 20, 6 << 20)]
+    keys = [f"arena-{i}".encode() for i in range(len(datas))]
+    processes = []
+    real = crossmem._read_runs
+    monkeypatch.setattr(crossmem, "_read_runs", lambda *a: processes.append(a) or real(*a))
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert all(c.put_many(keys, datas))
+        bufs = [np.zeros(len(d) + 3, np.uint8) for d in datas]
+        got = c.get_many(keys, into=bufs)
+        assert [bytes(g) for g in got] == datas
+        pool = np.zeros(4 << 20, np.uint8)  # keys 0 and 3 in two pieces each, the second before the first
+        pieces = Pieces(pool, np.array([[2 << 20, 0], [3 << 20, 3 << 20 | 4096]]),
+                        np.array([[512 << 10, 512 << 10], [4096, 300 << 10]]))
+        assert c.get_many([keys[0], keys[3]], into=pieces) == [1 << 20, 300 << 10]
+        assert bytes(pool[2 << 20:(2 << 20) + (512 << 10)]) + bytes(pool[:512 << 10]) == datas[0]
+        assert bytes(pool[3 << 20:(3 << 20) + 4096]) + bytes(pool[(3 << 20) + 4096:][:(300 << 10) - 4096]) \
+            == datas[3]
+        assert processes == [], "RAM-tier pieces were read with process_vm_readv"
+        assert gw.stats()["get_paths"]["lent"] >= 2 and _counts(gw)[1] == 0
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(gw.socket)
+    s.settimeout(20)
+    s.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent", want_shm=False)))
+    hello, _ = _read_reply(s)
+    fd, address, size = hello.arena
+    pidfd = os.pidfd_open(gw.pid)
+    try:
+        mine = crossmem._take_fd(pidfd, gw.pid, fd)
+    finally:
+        os.close(pidfd)
+    try:
+        assert os.fstat(mine).st_size == size == 64 << 20
+        with pytest.raises(OSError):
+            os.ftruncate(mine, 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(mine)
+        s.close()
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:  # the gateway is fine
+        assert [bytes(g) for g in c.get_many(keys, into=[np.zeros(len(d), np.uint8) for d in datas])] == datas
+
+
+def _arena_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:kvgate-ram" in line for line in f)
+
+
+def _own_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
+def test_a_client_lets_go_of_the_arena_when_it_closes_and_when_its_gateway_dies_while_it_idles(
+        gateway_factory) -> None:
+    """Closing unmaps the arena and leaves no descriptor behind; a gateway killed while its client makes no
+    call is noticed all the same (its memory is not held beside a restarted gateway's), and the client
+    that finds it gone on its next call fails as before."""
+    import signal
+    import time
+
+    from kvgate.client import GatewayUnavailable
+
+    gw = gateway_factory(["--max-bytes", "16M"])
+    before_maps, before_fds = _arena_maps(), _own_fds()
+    for _ in range(3):
+        with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+            assert c.put_many([b"k"], [os.urandom(1 << 20)]) == [True]
+            assert c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
+            assert _arena_maps() == before_maps + 1
+    deadline = time.monotonic() + 5
+    while (_arena_maps(), _own_fds()) != (before_maps, before_fds) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the watch closes its duplicate on its own thread)
+    assert (_arena_maps(), _own_fds()) == (before_maps, before_fds)
+    c = Client.connect(gw.socket, namespace="lent", engine_id="lent")
+    try:
+        assert c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
+        assert _arena_maps() == before_maps + 1
+        gw.kill(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _arena_maps() > before_maps and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _arena_maps() == before_maps, "a dead gateway's arena is still mapped"
+        with pytest.raises(GatewayUnavailable):
+            c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])
+    finally:
+        c.close()
+
+
 def _counts(gw) -> tuple[dict, int]:
     st = gw.stats()
     return st["get_paths"], st["tiers"]["ram"]["pinned_bytes"]
 
 
+def _hello(gw):
+    import socket
+
+    from kvgate import protocol as p
+    from tests.gateway.test_inline_bytes import _frame
+    from tests.helpers import read_reply
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(gw.socket)
+        s.settimeout(20)
+        s.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent", want_shm=False)))
+        return read_reply(s)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cross", [True, False])
-def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path, cross: bool) -> None:
+@pytest.mark.parametrize("cross,shared", [(True, True), (True, False), (False, True)])
+def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path, cross: bool, shared: bool) -> None:
+    """The same gets, lent with the RAM tier's arena shared (the default) or private, and not lent."""
     gw = gateway_factory(["--max-bytes", "16M", "--storage-devices", str(tmp_path / "card"),
-                          "--cross-memory-gets", "true" if cross else "false"])
+                          "--cross-memory-gets", "true" if cross else "false",
+                          "--shared-ram-arena", "true" if shared else "false"])
+    hello = _hello(gw)
+    assert hello.lends == cross and (hello.arena is not None) == (cross and shared), hello
     datas = [os.urandom(n) for n in (1 << 20, 3 << 20, 5, 300 << 10, 2 << 20, 2 << 20)]
     keys = [f"lent-{i}".encode() for i in range(len(datas))]
     with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
@@ -201,7 +394,7 @@ def test_loans_a_client_never_gives_back_end_with_its_connection(gateway_factory
     with socket.create_connection(("127.0.0.1", port), timeout=20) as t:
         t.sendall(_frame(p.Hello(id=1, namespace="lent", engine_id="lent")))
         hello, _ = _read_reply(t)
-        assert not hello.lends
+        assert not hello.lends and hello.arena is None
         t.sendall(_frame(p.Get(id=2, keys=keys, region=p.LENT, capacities=[2 << 20] * len(keys))))
         reply, _ = _read_reply(t)
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.BAD_REQUEST and "TCP" in reply.message

@@ -29,6 +29,13 @@ lost meanwhile, or a payload that does not hash right, is asked of the
 gateway again, which reads it the usual way (and deletes it if bad): no
 unverified byte is handed back.
 
+Where the gateway's RAM tier lives in a sealed memfd (kvgate.tiers.ram), the
+client maps it read-only once a session (``map_arena``: the descriptor taken
+as above) and copies the lent pieces that lie in it with a memcpy
+(``read``'s ``arena``): ``process_vm_readv`` out of the same pages ran at
+0.66 of a memcpy here (7.1 ms for 64 MiB on two threads, where one thread's
+memcpy took 4.7); pieces elsewhere (a card read's buffer) go as before.
+
 Used by the client (``read``, ``read_files``, from the thread that runs its
 copies); the gateway's side, letting its user's processes read it, is
 ``kvgate.gateway.lending``.  Linux only; elsewhere ``supported`` is False
@@ -39,13 +46,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import mmap
 import os
+import select
 import sys
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
+from kvgate import native
 from kvgate.errors import InvalidArgument, KvgateError
 from kvgate.keys import payload_hash
 from kvgate.memcopy import IOV_MAX, syscall
@@ -72,6 +85,10 @@ _NR_PIDFD_GETFD = 438
 files_supported = supported and _libc is not None and hasattr(os, "pidfd_open") and hasattr(os, "RWF_NOWAIT")
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_copier = native.load("_copy")
+if _copier is not None:
+    _copier.kvgate_copy_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _copier.kvgate_copy_spans.restype = None
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -133,16 +150,190 @@ def _read_runs(pid: int, local: np.ndarray, remote: np.ndarray, start: int, end:
         pos += got
 
 
-def read(pid: int, local: Runs, remote: Runs) -> None:
+class MappedArena:
+    """The gateway's RAM arena mapped read-only here (``map_arena``): its bytes [remote, remote + size) are
+    ours at [local, local + size).  Unmapped when the last reference goes: a copy running on another
+    thread holds one, so a session that closes meanwhile never unmaps it under that copy."""
+
+    __slots__ = ("remote", "size", "local", "_mm", "_view")
+
+    def __init__(self, mm: mmap.mmap, remote: int, size: int):
+        self._mm = mm
+        self._view = np.frombuffer(mm, np.uint8)
+        self.remote, self.size, self.local = remote, size, int(self._view.ctypes.data)
+
+
+_SEALED = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
+
+
+class _ExitWatch:
+    """One daemon thread that drops an owner's ``arena`` once the gateway it maps dies.
+
+    A mapping keeps the memfd's pages alive: a client that sits idle while its gateway is restarted would
+    hold the old arena's memory beside the new one's until its next call.  Each watch polls a duplicate
+    of the owner's pidfd (readable once that process has exited) and holds the owner weakly; ``forget``
+    stops one (its session closed).  The poll set is changed on the watch's thread only, woken by a pipe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: list[tuple[int, Any]] = []  # in order: (a pidfd's duplicate, owner ref) or (-1, owner)
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._run, name="kvgate-arena-watch", daemon=True).start()
+
+    def add(self, pidfd: int, owner: Any) -> None:
+        with self._lock:
+            self._asked.append((os.dup(pidfd), weakref.ref(owner)))
+        os.write(self._wake_w, b"x")
+
+    def forget(self, owner: Any) -> None:
+        with self._lock:
+            self._asked.append((-1, owner))
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        watched: dict[int, Any] = {}
+        while True:
+            for fd, _ in poller.poll():
+                if fd == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                    continue
+                owner = watched[fd]()
+                if owner is not None:
+                    owner.arena = None  # (a copy running holds its own reference: unmapped after it)
+                self._drop(poller, watched, fd)
+            with self._lock:
+                asked, self._asked = self._asked, []
+            for fd, who in asked:
+                if fd >= 0:
+                    watched[fd] = who
+                    poller.register(fd, select.POLLIN)
+                else:
+                    for old in [old for old, ref in watched.items() if ref() is who]:
+                        self._drop(poller, watched, old)
+            del asked
+            for fd in [fd for fd, ref in watched.items() if ref() is None]:
+                self._drop(poller, watched, fd)
+
+    @staticmethod
+    def _drop(poller: select.poll, watched: dict[int, Any], fd: int) -> None:
+        poller.unregister(fd)
+        del watched[fd]
+        os.close(fd)
+
+
+_watch: _ExitWatch | None = None
+
+
+def drop_arena_on_exit(pidfd: int, owner: Any) -> None:
+    """Set ``owner.arena`` to None once the process of ``pidfd`` (the gateway) exits; ``stop_watching``
+    ends it.  Holds ``owner`` weakly."""
+    global _watch
+    with _pool_lock:
+        if _watch is None:
+            _watch = _ExitWatch()
+    _watch.add(pidfd, owner)
+
+
+def stop_watching(owner: Any) -> None:
+    """End ``drop_arena_on_exit``'s watches of ``owner``."""
+    if _watch is not None:
+        _watch.forget(owner)
+
+
+def map_arena(pidfd: int, pid: int, fd: int, address: int, size: int) -> MappedArena | None:
+    """The arena the gateway's hello named (``HelloReply.arena``: its descriptor ``fd``, at ``address``,
+    ``size`` bytes) mapped read-only here; None where it cannot be (its pieces are then read with
+    ``process_vm_readv``).  Only a memfd sealed against shrinking, at least ``size`` bytes: what may
+    never vanish under a copy (a SIGBUS here)."""
+    if size <= 0 or address <= 0 or not hasattr(fcntl, "F_GET_SEALS"):
+        return None
+    try:
+        mine = _take_fd(pidfd, pid, fd)
+    except CrossMemoryError:
+        return None
+    try:
+        if fcntl.fcntl(mine, fcntl.F_GET_SEALS) & _SEALED != _SEALED or os.fstat(mine).st_size < size:
+            return None
+        return MappedArena(mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ), address, size)
+    except (OSError, ValueError, OverflowError):
+        return None
+    finally:
+        os.close(mine)
+
+
+def _spans(local: np.ndarray, remote: np.ndarray) -> np.ndarray:
+    """(destination, source, length) rows, uint64, each a piece that lies in one run of either side:
+    the two sides cut at every run's end, vectorised."""
+    lend, rend = np.cumsum(local[:, 1]), np.cumsum(remote[:, 1])
+    ends = np.union1d(lend, rend)
+    starts = np.concatenate((np.zeros(1, np.uint64), ends[:-1]))
+    li, ri = np.searchsorted(lend, starts, "right"), np.searchsorted(rend, starts, "right")
+    out = np.empty((len(ends), 3), np.uint64)
+    out[:, 0] = local[li, 0] + (starts - (lend[li] - local[li, 1]))
+    out[:, 1] = remote[ri, 0] + (starts - (rend[ri] - remote[ri, 1]))
+    out[:, 2] = ends - starts
+    return out
+
+
+def _copy_spans(spans: np.ndarray) -> None:
+    if _copier is not None:
+        _copier.kvgate_copy_spans(spans.ctypes.data, len(spans))
+        return
+    for dst, src, n in spans.tolist():
+        ctypes.memmove(dst, src, n)
+
+
+def _copy_mapped(spans: np.ndarray, arena: MappedArena) -> None:
+    """Copy ``spans`` (sources: the gateway's addresses, all inside ``arena``) out of the mapping, over
+    two threads from ``SPLIT_BYTES`` on (each half of the bytes; a span may be cut at the middle)."""
+    spans = spans.copy()
+    spans[:, 1] += np.uint64((arena.local - arena.remote) % (1 << 64))  # (wraps: adding a negative)
+    ends = np.cumsum(spans[:, 2])
+    total = int(ends[-1])
+    if total < SPLIT_BYTES:
+        _copy_spans(spans)
+        return
+    half = total // 2
+    i = int(np.searchsorted(ends, half))  # the span holding byte half - 1
+    cut = half - (int(ends[i]) - int(spans[i, 2]))
+    first, second = spans[: i + 1].copy(), spans[i:].copy()
+    first[-1, 2] = cut
+    second[0] += np.array((cut, cut, 0), np.uint64)
+    second[0, 2] = int(spans[i, 2]) - cut
+    other = _helper().submit(_copy_spans, second[1:] if second[0, 2] == 0 else second)
+    try:
+        _copy_spans(first)
+    finally:
+        other.result()
+
+
+def read(pid: int, local: Runs, remote: Runs, arena: MappedArena | None = None) -> None:
     """Copy the bytes at ``remote`` (address, length) runs of process ``pid`` into the ``local`` runs of
     ours, in order (both sides hold the same number of bytes; either a list of pairs or an (n, 2)
-    integer array); raises ``CrossMemoryError``."""
+    integer array); raises ``CrossMemoryError``.  Pieces that lie inside ``arena`` (``map_arena``'s, of
+    the same process) are copied out of its mapping, the rest with ``process_vm_readv``."""
     local, remote = iovecs(local), iovecs(remote)
     total = int(local[:, 1].sum(dtype=np.int64))
     if total != int(remote[:, 1].sum(dtype=np.int64)):
         raise InvalidArgument(f"{total} bytes to read into, {int(remote[:, 1].sum(dtype=np.int64))} lent")
     if not total:
         return
+    if arena is not None:
+        spans = _spans(local, remote)
+        src, n = spans[:, 1], spans[:, 2]
+        base, size = np.uint64(arena.remote), np.uint64(arena.size)
+        # inside: src >= base and src + n <= base + size, without a sum that could wrap
+        inside = (src >= base) & (n <= size) & (src - base <= size - n)
+        if inside.any():
+            _copy_mapped(spans[inside], arena)
+            if inside.all():
+                return
+            rest = spans[~inside]
+            local, remote = rest[:, [0, 2]], rest[:, [1, 2]]
+            total = int(rest[:, 2].sum(dtype=np.int64))
     if total < SPLIT_BYTES:
         _read_runs(pid, local, remote, 0, total)
         return

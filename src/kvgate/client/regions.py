@@ -77,6 +77,7 @@ class SharedMemoryTransport(Transport):
         self.lends_files = False  # ... and read card objects out of the files the gateway lends open
         self._pidfd: int | None = None  # of the gateway, for taking the files it lends (crossmem.read_files)
         self.gateway_pid = 0
+        self.arena: crossmem.MappedArena | None = None  # the gateway's RAM arena, mapped read-only here
 
     def open(self, hello: HelloReply) -> None:
         self.lends = hello.lends and crossmem.supported and hello.pid > 0
@@ -84,6 +85,12 @@ class SharedMemoryTransport(Transport):
         self._pidfd = crossmem.open_pidfd(hello.pid) if self.lends else None
         self.lends_files = self._pidfd is not None
         self.gateway_pid = hello.pid
+        self.arena = None
+        crossmem.stop_watching(self)
+        if self._pidfd is not None and hello.arena is not None and len(hello.arena) == 3:
+            self.arena = crossmem.map_arena(self._pidfd, hello.pid, *hello.arena)
+            if self.arena is not None:  # a dead gateway's arena is not kept alive here until the next call
+                crossmem.drop_arena_on_exit(self._pidfd, self)
         if not hello.shm_path:
             return
         try:
@@ -107,6 +114,8 @@ class SharedMemoryTransport(Transport):
 
     def close(self) -> None:
         self._close_pidfd()
+        self.arena = None  # unmapped once no copy holds it
+        crossmem.stop_watching(self)
         if self.session_region is not None and self.session_region.view is not None:
             self.session_region.view.release()
             self.session_region = None
@@ -312,11 +321,11 @@ class SharedMemoryTransport(Transport):
             failed: crossmem.CrossMemoryError | None = None
             unread: list[int] = []
             if len(local) or files:
-                pid, pidfd = self.gateway_pid, self._pidfd
+                pid, pidfd, arena = self.gateway_pid, self._pidfd, self.arena
 
                 def read(local=local, remote=remote, files=files) -> list[int]:
                     if len(local):
-                        crossmem.read(pid, local, remote)
+                        crossmem.read(pid, local, remote, arena)
                     if not files or pidfd is None:  # (no files are asked for without a pidfd)
                         return list(range(len(files)))
                     try:

@@ -241,11 +241,13 @@ class Sessions:
             shm_path, shm_size = region.path, region.size
         # Only our own user: what a process of it can read of ours it could read anyway (kvgate.gateway.lending).
         sess.lends = local and self.cfg.cross_memory_gets and lending.supported and uid == os.geteuid()
+        shared = self.store.shared_ram() if sess.lends else None
+        arena = list(shared) if shared is not None else None
         self.by_id[sess.id] = sess
         await reply(conn, HelloReply(
             id=req.id, session=sess.id, gateway_version=__version__, shm_path=shm_path, shm_size=shm_size,
             max_frame_bytes=self.cfg.max_frame_bytes, fingerprint=self.store.fingerprint,
-            placement=self.cfg.key_placement, pid=os.getpid(), lends=sess.lends,
+            placement=self.cfg.key_placement, pid=os.getpid(), lends=sess.lends, arena=arena,
         ), deadline=deadline)
         return sess
 

@@ -56,7 +56,8 @@ class RamTier:
         self.pool = pool
         self.counters = counters
         self.pages = RamPages(cfg.max_bytes, cfg.ram_page_size, cfg.eviction_policy, ttl=cfg.ttl,
-                              on_expired=on_expired, usage=usage, changes=changes)
+                              on_expired=on_expired, usage=usage, changes=changes,
+                              shared=cfg.shared_ram_arena and cfg.cross_memory_gets)
 
     # ---- presence -----------------------------------------------------------------
 
@@ -204,6 +205,10 @@ class RamTier:
     def lendable_bytes(self) -> int:
         """How many more bytes ``lend`` would lend now."""
         return max(0, int(self.pages.capacity * LEND_SHARE) - self.pages.pinned_bytes)
+
+    def shared(self) -> tuple[int, int, int] | None:
+        """Its arena for a reader of this process's user to map read-only (``RamPages.shared``)."""
+        return self.pages.shared()
 
     def give_back(self, loans: list[RamLoan | None]) -> None:
         for loan in loans:

@@ -303,6 +303,11 @@ class TieredStore:
         """How many more RAM-tier bytes ``lend_ram`` would lend now."""
         return self.ram.lendable_bytes()
 
+    def shared_ram(self) -> tuple[int, int, int] | None:
+        """The RAM tier's arena as ``(fd, address, size)`` for a reader of the gateway's user to map
+        read-only, so that it copies what ``lend_ram`` lends itself (``RamPages.shared``); None: not here."""
+        return self.ram.shared()
+
     def return_ram(self, loans: list[RamLoan | None], buffers: Sequence[memoryview] = ()) -> None:
         """Unpin what ``lend_ram`` lent (each loan once), and keep ``buffers`` (``reply_buffers``'s,
         filled by card reads that have returned, sent or read by now) for the next reply."""

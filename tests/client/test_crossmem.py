@@ -193,6 +193,28 @@ def test_ram_tier_gets_are_copied_out_of_the_arena_which_no_client_can_write_or_
         assert [bytes(g) for g in c.get_many(keys, into=[np.zeros(len(d), np.uint8) for d in datas])] == datas
 
 
+def _split_read_of_own_memory() -> None:
+    src = np.frombuffer(os.urandom(crossmem.SPLIT_BYTES * 2), np.uint8)
+    dst = np.zeros_like(src)
+    crossmem.read(os.getpid(), [(dst.ctypes.data, dst.nbytes)], [(src.ctypes.data, src.nbytes)])
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.slow
+def test_a_forked_child_reads_on_two_threads_of_its_own() -> None:
+    """The helper thread is the parent's: a child forked after the parent used it starts its own (it would
+    wait for ever on a thread it does not have)."""
+    _split_read_of_own_memory()
+    p = mp.get_context("fork").Process(target=_split_read_of_own_memory)
+    p.start()
+    try:
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
 def _arena_maps() -> int:
     with open("/proc/self/maps") as f:
         return sum("memfd:kvgate-ram" in line for line in f)

@@ -179,17 +179,24 @@ class _ExitWatch:
         self._lock = threading.Lock()
         self._asked: list[tuple[int, Any]] = []  # in order: (a pidfd's duplicate, owner ref) or (-1, owner)
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the thread
         threading.Thread(target=self._run, name="kvgate-arena-watch", daemon=True).start()
 
     def add(self, pidfd: int, owner: Any) -> None:
         with self._lock:
             self._asked.append((os.dup(pidfd), weakref.ref(owner)))
-        os.write(self._wake_w, b"x")
+        self._wake()
 
     def forget(self, owner: Any) -> None:
         with self._lock:
             self._asked.append((-1, owner))
-        os.write(self._wake_w, b"x")
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
 
     def _run(self) -> None:
         poller = select.poll()
@@ -225,6 +232,15 @@ class _ExitWatch:
 
 
 _watch: _ExitWatch | None = None
+
+
+def _after_fork() -> None:
+    """A forked child has none of its parent's threads: it starts its own helper and watch when it needs them."""
+    global _pool, _pool_lock, _watch
+    _pool, _pool_lock, _watch = None, threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def drop_arena_on_exit(pidfd: int, owner: Any) -> None:

@@ -129,3 +129,27 @@ def test_the_async_client_fills_lists_of_buffers_too(gateway_factory, lend: bool
     got = asyncio.run(run())
     assert [b"".join(bytes(p) for p in g) for g in got] == datas
     assert [len(g) for g in got] == [2, 2]
+
+
+@pytest.mark.parametrize("lend", [True, False])
+def test_the_async_client_fills_pieces_too(gateway_factory, lend: bool) -> None:
+    """``Pieces`` through ``AsyncClient``: lent (out of the mapped RAM arena) and through the session
+    region, the second object larger than that region; a miss is None."""
+    gw = gateway_factory(["--max-bytes", "64M", "--cross-memory-gets", "true" if lend else "false"])
+    datas = [os.urandom(n) for n in (300 * KIB, 10 << 20)]
+    keys = [b"async-a", b"async-b", b"async-absent"]
+    pool = np.zeros(24 << 20, np.uint8)
+    # each object in two pieces, the second piece first in the pool
+    pieces = Pieces(pool, [[1 << 20, 0], [(12 << 20) + 4096, 2 << 20], [20 << 20, (20 << 20) + 4096]],
+                    [[100 * KIB, 200 * KIB], [5 << 20, 5 << 20], [4096, 4096]])
+
+    async def run() -> list:
+        async with AsyncClient.connect(gw.socket, namespace="scatter", engine_id="scatter", timeout=30) as c:
+            assert all(await c.put_many(keys[:2], datas))
+            return await c.get_many(keys, into=pieces)
+
+    assert asyncio.run(run()) == [300 * KIB, 10 << 20, None]
+    assert bytes(pool[1 << 20:(1 << 20) + 100 * KIB]) + bytes(pool[:200 * KIB]) == datas[0]
+    assert bytes(pool[(12 << 20) + 4096:][:5 << 20]) + bytes(pool[2 << 20:(2 << 20) + (5 << 20)]) == datas[1]
+    assert not pool[20 << 20:].any()
+    assert (gw.stats()["get_paths"]["lent"] > 0) == lend

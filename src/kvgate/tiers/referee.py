@@ -34,7 +34,7 @@ request cursors.  Cost: a sampled reference is one call into each
 miniature cache, compiled where ``make install`` built ``kvgate/_mini.c``
 (in Python the two cost about 12 us a reference on the public trace,
 more than the tier's own policy; compiled, about 1), and the referee's
-own bookkeeping (1.1-1.5 us); the rest cost one test of an int's bits, which
+own bookkeeping (1.3-1.7 us); the rest cost one test of an int's bits, which
 the owner makes before it builds anything (``mask``).  The sample shrinks
 as the owner grows, so the cost per block falls with the tier's size.
 

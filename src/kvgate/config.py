@@ -282,10 +282,10 @@ class Config:
         "one copy, instead of through their session region (two)")
     shared_ram_arena: bool = _key(
         _parse_bool, True,
-        "the RAM tier lives in a sealed memfd that those clients map read-only and copy their gets out of (a "
-        "memcpy; process_vm_readv reaches about 0.66 of one), so the RAM-tier pages a client has read count in "
-        "its resident size, which the OOM killer weighs (not in its cgroup's charge: they are the gateway's); "
-        "false: private memory, read with process_vm_readv")
+        "with cross_memory_gets, the RAM tier lives in a sealed memfd that local clients of the gateway's own "
+        "user map read-only and copy their gets out of (a memcpy; process_vm_readv reaches about 0.66 of one), so "
+        "the RAM-tier pages a client has read count in its resident size, which the OOM killer weighs (not in its "
+        "cgroup's charge: they are the gateway's); false: private memory, read with process_vm_readv")
     in_place_regions: bool = _key(
         _parse_bool, True,
         "read into, hash and write from the shared memory of a local client that could stop the gateway anyway "

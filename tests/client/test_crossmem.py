@@ -228,9 +228,9 @@ def _own_fds() -> int:
 @pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
 def test_a_client_lets_go_of_the_arena_when_it_closes_and_when_its_gateway_dies_while_it_idles(
         gateway_factory) -> None:
-    """Closing unmaps the arena and leaves no descriptor behind; a gateway killed while its client makes no
-    call is noticed all the same (its memory is not held beside a restarted gateway's), and the client
-    that finds it gone on its next call fails as before."""
+    """Sessions of one process share one mapping; closing the last unmaps the arena and leaves no descriptor
+    behind; a gateway killed while its client makes no call is noticed all the same (its memory is not held
+    beside a restarted gateway's), and the client that finds it gone on its next call fails as before."""
     import signal
     import time
 
@@ -241,6 +241,11 @@ def test_a_client_lets_go_of_the_arena_when_it_closes_and_when_its_gateway_dies_
     for _ in range(3):
         with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
             assert c.put_many([b"k"], [os.urandom(1 << 20)]) == [True]
+            assert c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
+            assert _arena_maps() == before_maps + 1
+            with Client.connect(gw.socket, namespace="lent", engine_id="lent") as second:  # one mapping for both
+                assert second.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
+                assert _arena_maps() == before_maps + 1
             assert c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
             assert _arena_maps() == before_maps + 1
     deadline = time.monotonic() + 5

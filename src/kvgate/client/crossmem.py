@@ -30,7 +30,7 @@ gateway again, which reads it the usual way (and deletes it if bad): no
 unverified byte is handed back.
 
 Where the gateway's RAM tier lives in a sealed memfd (kvgate.tiers.ram), the
-client maps it read-only once a session (``map_arena``: the descriptor taken
+client maps it read-only, once a process (``map_arena``: the descriptor taken
 as above) and copies the lent pieces that lie in it with a memcpy
 (``read``'s ``arena``): ``process_vm_readv`` out of the same pages ran at
 0.66 of a memcpy here (7.1 ms for 64 MiB on two threads, where one thread's
@@ -155,7 +155,7 @@ class MappedArena:
     ours at [local, local + size).  Unmapped when the last reference goes: a copy running on another
     thread holds one, so a session that closes meanwhile never unmaps it under that copy."""
 
-    __slots__ = ("remote", "size", "local", "_mm", "_view")
+    __slots__ = ("remote", "size", "local", "_mm", "_view", "__weakref__")
 
     def __init__(self, mm: mmap.mmap, remote: int, size: int):
         self._mm = mm
@@ -164,6 +164,7 @@ class MappedArena:
 
 
 _SEALED = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
+_arenas: "weakref.WeakValueDictionary[tuple[int, int, int, int], MappedArena]" = weakref.WeakValueDictionary()
 
 
 class _ExitWatch:
@@ -271,9 +272,19 @@ def map_arena(pidfd: int, pid: int, fd: int, address: int, size: int) -> MappedA
     except CrossMemoryError:
         return None
     try:
-        if fcntl.fcntl(mine, fcntl.F_GET_SEALS) & _SEALED != _SEALED or os.fstat(mine).st_size < size:
+        st = os.fstat(mine)
+        if fcntl.fcntl(mine, fcntl.F_GET_SEALS) & _SEALED != _SEALED or st.st_size < size:
             return None
-        return MappedArena(mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ), address, size)
+        # One mapping a process for each arena, whatever its sessions (SGLang opens three): each mapping
+        # has page tables of its own and counts in the resident size again.  Keyed by the memfd itself, which
+        # a live mapping keeps from being reused, never by the gateway's pid or descriptor number.
+        key = (st.st_dev, st.st_ino, address, size)
+        with _pool_lock:
+            arena = _arenas.get(key)
+            if arena is None:
+                arena = _arenas[key] = MappedArena(mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ),
+                                                   address, size)
+        return arena
     except (OSError, ValueError, OverflowError):
         return None
     finally:

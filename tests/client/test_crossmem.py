@@ -295,6 +295,7 @@ def test_gets_of_plain_buffers_are_lent_and_given_back(gateway_factory, tmp_path
                           "--shared-ram-arena", "true" if shared else "false"])
     hello = _hello(gw)
     assert hello.lends == cross and (hello.arena is not None) == (cross and shared), hello
+    assert ("the RAM tier is shared read-only with them" in gw.log()) == (cross and shared)
     datas = [os.urandom(n) for n in (1 << 20, 3 << 20, 5, 300 << 10, 2 << 20, 2 << 20)]
     keys = [f"lent-{i}".encode() for i in range(len(datas))]
     with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:

@@ -126,8 +126,10 @@ class Gateway:
         if reaped:
             log.info("removed %d shared-memory regions left by gateways that died", reaped)
         if cfg.cross_memory_gets and lending.supported:
-            log.info("cross-memory gets (local clients of this user read lent objects): %s",
-                     lending.allow_readers())
+            arena = ("the RAM tier is shared read-only with them (shared_ram_arena)" if self.store.shared_ram()
+                     else "the RAM tier is private memory")
+            log.info("cross-memory gets (local clients of this user read lent objects): %s; %s",
+                     lending.allow_readers(), arena)
         try:
             await self.store.start()
         except (LayoutMismatch, CardInUse) as e:

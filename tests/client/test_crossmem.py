@@ -215,6 +215,44 @@ def test_a_forked_child_reads_on_two_threads_of_its_own() -> None:
             p.kill()
 
 
+IN_ANOTHER_PID_NAMESPACE = r"""
+import sys
+import numpy as np
+from kvgate.client import Client
+with Client.connect(sys.argv[1], namespace="lent", engine_id="lent") as c:
+    print(bytes(c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0]).hex())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not crossmem.supported, reason="needs root (unshare --pid)")
+def test_a_client_in_another_pid_namespace_is_lent_nothing(gateway_factory) -> None:
+    """The pid a hello names means another process (or none) in a container's PID namespace, and a read of
+    that one's memory would hand the client its bytes: the gateway lends such a session nothing, not even to
+    root, and its gets go through the session region, right."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.helpers import kvgate_env
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    gw = gateway_factory(["--max-bytes", "16M"])
+    data = os.urandom(1 << 20)
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert c.put_many([b"k"], [data]) == [True]
+    before = _counts(gw)[0]
+    run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", IN_ANOTHER_PID_NAMESPACE,
+                          gw.socket], env=kvgate_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == data.hex()
+    after = _counts(gw)[0]
+    assert after["lent"] == before["lent"] and after["session_region"] == before["session_region"] + 1, after
+    hello = _hello(gw)  # from this namespace it is lent
+    assert hello.lends and hello.arena is not None
+
+
 def _arena_maps() -> int:
     with open("/proc/self/maps") as f:
         return sum("memfd:kvgate-ram" in line for line in f)

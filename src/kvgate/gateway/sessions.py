@@ -227,7 +227,8 @@ class Sessions:
                 log.info("engine %r (pid %s) connected, namespace %r", engine_id, pid or req.pid, req.namespace)
             self.engine.connections += 1
             sess.engine_id = engine_id
-        sess.in_place = local and self.cfg.in_place_regions and could_stop_gateway(pid, uid)
+        beside = local and could_stop_gateway(pid, uid)  # our user or root, in our PID namespace
+        sess.in_place = beside and self.cfg.in_place_regions
         shm_path, shm_size = None, 0
         if local and req.want_shm and req.role == "engine":
             try:
@@ -239,8 +240,10 @@ class Sessions:
                 return None
             sess.regions[SESSION_REGION] = region
             shm_path, shm_size = region.path, region.size
-        # Only our own user: what a process of it can read of ours it could read anyway (kvgate.gateway.lending).
-        sess.lends = local and self.cfg.cross_memory_gets and lending.supported and uid == os.geteuid()
+        # Only our own user: what a process of it can read of ours it could read anyway (kvgate.gateway.lending);
+        # and only in our PID namespace, where the pid the hello names is ours (elsewhere it names another
+        # process, or none, and a read of that one's memory would hand the client its bytes).
+        sess.lends = beside and self.cfg.cross_memory_gets and lending.supported and uid == os.geteuid()
         shared = self.store.shared_ram() if sess.lends else None
         arena = list(shared) if shared is not None else None
         self.by_id[sess.id] = sess

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from pathlib import Path
@@ -276,13 +277,14 @@ def test_a_read_whose_plan_fails_leaves_no_descriptor_open(tmp_path: Path) -> No
         raise OSError(5, "Input/output error")
 
     card._plan = refused  # type: ignore[method-assign]
+    gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
         with pytest.raises(OSError):
             card.read_into(k, memoryview(bytearray(ALIGN)))
         (res,) = card.read_many_into([(k, memoryview(bytearray(ALIGN)))])
         assert isinstance(res, OSError)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(os.listdir("/proc/self/fd")) <= before  # (a leak would leave 20 or 40 behind)
     card.close()
 
 

@@ -88,6 +88,16 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
         if name not in ("ram_get", "plain_get", "tcp_get"):  # single-thread baselines
             assert fig["baseline"]["threads"] in (cfg["threads"], 1)
             assert set(fig["baseline"]["by_threads"]) == {str(cfg["threads"]), "1"}
+        if name in ("card_get_warm", "plain_card_get_warm", "card_put"):
+            # beside the raw baseline, the same passes with each payload hashed: what a checked path can reach
+            checked = fig["verified"]
+            _check_side(checked, f"{name}.verified")
+            assert checked["passes"] == fig["kvgate"]["passes"] and set(checked["by_threads"]) == {
+                str(cfg["threads"]), "1"}
+            assert fig["bound"] == pytest.approx(checked["best_gib_s"] / fig["baseline"]["best_gib_s"])
+            assert fig["ratio_verified"] == pytest.approx(fig["kvgate"]["best_gib_s"] / checked["best_gib_s"])
+        else:
+            assert "verified" not in fig and "bound" not in fig, name
 
     lookup = figures["lookup"]
     assert lookup["keys"] == 1000 and lookup["count"] == 1000 and lookup["count_ok"] is True

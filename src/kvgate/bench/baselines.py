@@ -2,7 +2,10 @@
 
 Each does the least the job takes (open, one ``preadv`` or ``pwritev``,
 close), split over threads the way the gateway's I/O pool splits a batch, so
-a figure's ratio says what the gateway adds on top.  Cold reads need the page
+a figure's ratio says what the gateway adds on top.  The ``verified`` variants
+add what kvgate never skips: one XXH3 pass over each payload (a read checks
+what it read, a put hashes what it writes), so a figure can also say how close
+it comes to the least any checked path costs.  Cold reads need the page
 cache dropped before every pass, which needs root.  Called from the bench's
 own thread and its raw-baseline pool; every call blocks on I/O.
 """
@@ -18,6 +21,7 @@ from typing import Any, Callable, Sequence
 from kvgate.bench import BenchError
 from kvgate.cards.directory.directio import is_aligned
 from kvgate.cards.objectformat import ALIGN
+from kvgate.keys import payload_hash
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
@@ -61,11 +65,12 @@ def can_drop_caches() -> str | None:
 # ---- raw reads and writes ------------------------------------------------------------------
 
 
-def read_files(items: Sequence[tuple[str, int, memoryview]], direct: bool = False) -> None:
+def read_files(items: Sequence[tuple[str, int, memoryview]], direct: bool = False, verified: bool = False) -> None:
     """The physical card read: open, one preadv of the whole file (header to scratch, payload in place), close.
 
     ``direct``: with ``O_DIRECT``, the device straight into the destination and
     the page cache bypassed (destinations must then be page aligned).
+    ``verified``: then one XXH3 pass over each payload where it landed.
     """
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     scratch = mmap.mmap(-1, max((h for _, h, _ in items), default=0) or mmap.PAGESIZE)  # aligned for O_DIRECT
@@ -79,6 +84,8 @@ def read_files(items: Sequence[tuple[str, int, memoryview]], direct: bool = Fals
                 os.close(fd)
             if n != hsize + len(dest):
                 raise BenchError(f"{path}: read {n} bytes, expected {hsize + len(dest)}")
+            if verified:
+                payload_hash(dest)
     finally:
         hdr.release()
         scratch.close()
@@ -86,6 +93,10 @@ def read_files(items: Sequence[tuple[str, int, memoryview]], direct: bool = Fals
 
 def read_files_direct(items: Sequence[tuple[str, int, memoryview]]) -> None:
     read_files(items, direct=True)
+
+
+def read_files_verified(items: Sequence[tuple[str, int, memoryview]]) -> None:
+    read_files(items, verified=True)
 
 
 def direct_ok(items: Sequence[tuple[str, int, memoryview]]) -> bool:
@@ -116,9 +127,12 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
             parts = [parts[0][n:], *parts[1:]]
 
 
-def write_files(items: Sequence[tuple[str, memoryview, memoryview]]) -> None:
-    """The physical card write: a new temp file, one pwritev of header and payload, close, rename."""
+def write_files(items: Sequence[tuple[str, memoryview, memoryview]], verified: bool = False) -> None:
+    """The physical card write: a new temp file, one pwritev of header and payload, close, rename.
+    ``verified``: each payload hashed (XXH3) first, as a put hashes what its header records."""
     for final, header, payload in items:
+        if verified:
+            payload_hash(payload)
         tmp = final + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC, 0o600)
         try:
@@ -126,6 +140,10 @@ def write_files(items: Sequence[tuple[str, memoryview, memoryview]]) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, final)
+
+
+def write_files_verified(items: Sequence[tuple[str, memoryview, memoryview]]) -> None:
+    write_files(items, verified=True)
 
 
 def loopback_pair() -> tuple[socket.socket, socket.socket]:

@@ -40,7 +40,9 @@ from kvgate.bench.baselines import (
     on_threads,
     read_files,
     read_files_direct,
+    read_files_verified,
     write_files,
+    write_files_verified,
 )
 from kvgate.bench.measure import Contender, Plan, Series, figure, measure, ratio
 from kvgate.bench.plain import plain_card_get_warm, plain_get
@@ -269,6 +271,11 @@ class Bench:
         """One contender per thread count; ``pass_fn(round, threads)`` is one raw pass."""
         return [Contender(f"raw{n}", lambda r, n=n: pass_fn(r, n), before, after) for n in self.thread_counts]
 
+    def verified_contenders(self, pass_fn: Callable[[int, int], None],
+                            after: Callable[[int], None] | None = None) -> list[Contender]:
+        """As ``raw_contenders``, for the raw pass that also hashes each payload (``verified<n>``)."""
+        return [Contender(f"verified{n}", lambda r, n=n: pass_fn(r, n), None, after) for n in self.thread_counts]
+
     def _direct_contenders(self, items: list[tuple[str, int, memoryview]]) -> list[Contender]:
         """Cold reads with O_DIRECT, one contender per thread count (none where O_DIRECT cannot read these)."""
         if not direct_ok(items):
@@ -408,7 +415,8 @@ class Bench:
         card_get(0)
         self._verify(ref, "card get")
         s = measure([Contender("kvgate", card_get),
-                     *self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items, n))],
+                     *self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items, n)),
+                     *self.verified_contenders(lambda _r, n: on_threads(self.pool, read_files_verified, items, n))],
                     ws, **self.timing)
         return self.raw_figure(s, "open+preadv+close"), card_get, items
 
@@ -452,7 +460,9 @@ class Bench:
         # Both sides delete what a pass wrote (untimed), so the filesystem does not fill up.
         s = measure([Contender("kvgate", card_put, after=lambda r: client.delete_many(put_keys(r))),
                      *self.raw_contenders(lambda r, n: on_threads(self.pool, write_files, raw_items(r), n),
-                                           after=raw_delete)],
+                                           after=raw_delete),
+                     *self.verified_contenders(lambda r, n: on_threads(self.pool, write_files_verified, raw_items(r),
+                                                                       n), after=raw_delete)],
                     self.plan.pass_bytes, **self.timing)
         return self.raw_figure(s, "open+pwritev+close+rename")
 

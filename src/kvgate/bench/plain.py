@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvgate.bench import BenchError
-from kvgate.bench.baselines import on_threads, read_files
+from kvgate.bench.baselines import on_threads, read_files, read_files_verified
 from kvgate.bench.measure import Contender, measure, ratio
 from kvgate.client import Client
 
@@ -95,5 +95,7 @@ def plain_card_get_warm(bench: "Bench", items: list[tuple[str, int, memoryview]]
     read_files(plain_items)
     _verify(bufs, bench.ref, "raw read into plain buffers")
     return _figure(bench, bench.plain_clients[1], keys, bufs,
-                   bench.raw_contenders(lambda _r, n: on_threads(bench.pool, read_files, plain_items, n)),
+                   [*bench.raw_contenders(lambda _r, n: on_threads(bench.pool, read_files, plain_items, n)),
+                    *bench.verified_contenders(lambda _r, n: on_threads(bench.pool, read_files_verified, plain_items,
+                                                                        n))],
                    "card get (warm) into plain buffers", lambda s: bench.raw_figure(s, "open+preadv+close"))

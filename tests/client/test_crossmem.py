@@ -316,6 +316,31 @@ def test_a_client_lets_go_of_the_arena_when_it_closes_and_when_its_gateway_dies_
         c.close()
 
 
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_client_dropped_without_close_leaves_no_descriptor_or_mapping_behind(gateway_factory) -> None:
+    """A session the engine forgot to close, once collected: its pidfd of the gateway, the watch's duplicate
+    of it and the arena mapping all go (a process opening sessions in a loop would run out of them)."""
+    import time
+
+    gw = gateway_factory(["--max-bytes", "16M"])
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert c.put_many([b"k"], [os.urandom(1 << 20)]) == [True]
+    gc.collect()
+    before_maps, before_fds = _arena_maps(), _own_fds()
+    for _ in range(3):
+        c = Client.connect(gw.socket, namespace="lent", engine_id="lent")
+        assert c.get_many([b"k"], into=[np.zeros(1 << 20, np.uint8)])[0] is not None
+        assert _arena_maps() == before_maps + 1 and len(_own_pidfds() - before_fds) == 2  # its own, the watch's
+        del c
+        gc.collect()
+    deadline = time.monotonic() + 5
+    while (_arena_maps() != before_maps or _own_fds() - before_fds) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the watch closes its duplicate on its own thread)
+    assert _arena_maps() == before_maps
+    assert not _own_fds() - before_fds, "descriptors left open"
+
+
 def _counts(gw) -> tuple[dict, int]:
     st = gw.stats()
     return st["get_paths"], st["tiers"]["ram"]["pinned_bytes"]

@@ -173,7 +173,7 @@ class _ExitWatch:
     A mapping keeps the memfd's pages alive: a client that sits idle while its gateway is restarted would
     hold the old arena's memory beside the new one's until its next call.  Each watch polls a duplicate
     of the owner's pidfd (readable once that process has exited) and holds the owner weakly; ``forget``
-    stops one (its session closed).  The poll set is changed on the watch's thread only, woken by a pipe.
+    stops one (its session closed), as does the owner's collection (a session dropped without close).  The poll set is changed on the watch's thread only, woken by a pipe.
     """
 
     def __init__(self) -> None:
@@ -185,7 +185,11 @@ class _ExitWatch:
 
     def add(self, pidfd: int, owner: Any) -> None:
         with self._lock:
-            self._asked.append((os.dup(pidfd), weakref.ref(owner)))
+            # an owner dropped without close wakes the thread, which then closes its duplicate
+            self._asked.append((os.dup(pidfd), weakref.ref(owner, self._gone)))
+        self._wake()
+
+    def _gone(self, _ref: Any) -> None:
         self._wake()
 
     def forget(self, owner: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,7 @@ class SharedMemoryTransport(Transport):
         self.lend_error: str | None = None  # why they stopped, if they did
         self.lends_files = False  # ... and read card objects out of the files the gateway lends open
         self._pidfd: int | None = None  # of the gateway, for taking the files it lends (crossmem.read_files)
+        self._pidfd_closer: weakref.finalize | None = None  # closes it: at close(), or when dropped without
         self.gateway_pid = 0
         self.arena: crossmem.MappedArena | None = None  # the gateway's RAM arena, mapped read-only here
 
@@ -83,6 +85,8 @@ class SharedMemoryTransport(Transport):
         self.lends = hello.lends and crossmem.supported and hello.pid > 0
         self._close_pidfd()
         self._pidfd = crossmem.open_pidfd(hello.pid) if self.lends else None
+        if self._pidfd is not None:
+            self._pidfd_closer = weakref.finalize(self, os.close, self._pidfd)
         self.lends_files = self._pidfd is not None
         self.gateway_pid = hello.pid
         self.arena = None
@@ -108,9 +112,10 @@ class SharedMemoryTransport(Transport):
         self.session_region = _Region(SESSION_REGION, base, size, view)
 
     def _close_pidfd(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._pidfd_closer is not None:
+            self._pidfd_closer()  # (a finalizer runs once)
+            self._pidfd_closer = None
+        self._pidfd = None
 
     def close(self) -> None:
         self._close_pidfd()

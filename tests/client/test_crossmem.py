@@ -341,6 +341,38 @@ def test_a_client_dropped_without_close_leaves_no_descriptor_or_mapping_behind(g
     assert not _own_fds() - before_fds, "descriptors left open"
 
 
+def test_an_arena_dropped_while_a_copy_reads_it_stays_mapped_until_that_copy_ends(gateway_factory,
+                                                                                   monkeypatch) -> None:
+    """What the exit watch does when the gateway dies (the session lets go of its arena) may happen while a
+    copy out of that arena runs on another thread: the copy holds its own reference, so the pages stay
+    mapped under it (an unmapped page would be a SIGBUS in this process) and go once it ends."""
+    gw = gateway_factory(["--max-bytes", "16M"])
+    data = os.urandom(1 << 20)
+    with Client.connect(gw.socket, namespace="lent", engine_id="lent") as c:
+        assert c.put_many([b"k"], [data]) == [True]
+        with c._session as session:
+            transport = session.transport
+        assert transport.arena is not None
+        gc.collect()
+        before = _arena_maps()
+        seen = []
+        copy = crossmem._copy_mapped
+
+        def dropped_meanwhile(spans, arena):
+            transport.arena = None  # as the watch does
+            gc.collect()
+            seen.append(_arena_maps())
+            return copy(spans, arena)
+
+        monkeypatch.setattr(crossmem, "_copy_mapped", dropped_meanwhile)
+        out = np.zeros(1 << 20, np.uint8)
+        assert c.get_many([b"k"], into=[out])[0] is not None
+        assert seen == [before], "unmapped under the copy"
+        assert out.tobytes() == data
+        gc.collect()
+        assert _arena_maps() == before - 1, "still mapped once the copy ended and nothing holds it"
+
+
 def _counts(gw) -> tuple[dict, int]:
     st = gw.stats()
     return st["get_paths"], st["tiers"]["ram"]["pinned_bytes"]

@@ -173,7 +173,8 @@ class _ExitWatch:
     A mapping keeps the memfd's pages alive: a client that sits idle while its gateway is restarted would
     hold the old arena's memory beside the new one's until its next call.  Each watch polls a duplicate
     of the owner's pidfd (readable once that process has exited) and holds the owner weakly; ``forget``
-    stops one (its session closed), as does the owner's collection (a session dropped without close).  The poll set is changed on the watch's thread only, woken by a pipe.
+    stops one (its session closed), as does the owner's collection (a session dropped without close).
+    The poll set is changed on the watch's thread only, woken by a pipe.
     """
 
     def __init__(self) -> None:

@@ -51,7 +51,7 @@ def _check_side(side: dict, where: str) -> None:
 
 
 @pytest.mark.slow
-def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
+def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workdir = tmp_path / "bench"
     workdir.mkdir()
     drawing = tmp_path / "figures.svg"
@@ -116,6 +116,14 @@ def test_quick_bench_json_and_nothing_left_behind(tmp_path: Path) -> None:
                                    "card_put", "lookup_p50", "lookup_p99"}
     assert all(isinstance(v, bool) for v in result["bars"].values())
 
+    # The table (what the command prints without --json) renders this result, each bound under its ratio.
+    from kvgate.bench.report import print_table
+
+    capsys.readouterr()
+    print_table(result)
+    table = capsys.readouterr().out
+    assert f"of {figures['card_get_warm']['bound']:.2f}" in table and "'of': the most the ratio can be" in table
+
     # Nothing left behind: not in --dir, not in the cwd, not in /dev/shm.
     assert list(workdir.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "figures.svg"], "the drawing, and nothing else"
@@ -148,7 +156,7 @@ CARDS_FIGURES = ("single_warm", "single_cold", "concurrent_warm", "concurrent_co
 
 
 @pytest.mark.slow
-def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
+def test_quick_cards_bench_both_placements(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--cards 3 --placement both``: one gateway per placement; where a dialog's blocks land is measured."""
     workdir = tmp_path / "bench"
     workdir.mkdir()
@@ -195,6 +203,12 @@ def test_quick_cards_bench_both_placements(tmp_path: Path) -> None:
         for card in r["gateway_cards"]:
             assert card["timeouts"] == card["errors"] == card["misses"] == 0, (p, card)
         assert sum(c["bytes_read"] for c in r["gateway_cards"]) > 0
+
+    from kvgate.bench.report import print_cards_table
+
+    capsys.readouterr()
+    print_cards_table(result)  # what the command prints without --json
+    assert "dialog" in capsys.readouterr().out
 
     # The point of the two placements: one dialog on one card, or spread over several.
     assert placements["dialog"]["cards_used"] == 1

@@ -208,9 +208,6 @@ def print_cards_table(result: dict[str, Any]) -> None:
                   "fairer comparison): " + "; ".join(parts))
     for note in result["notes"]:
         con.print(f"[dim]{note}[/]")
-    if any(f and "bound" in f for f in figs.values()):
-        con.print("'of': the most the ratio can be for a path that checks every byte, as kvgate does: the same raw "
-                  "reads or writes with one XXH3 pass over each payload, measured in the same passes.")
     for name, why in result["skipped"].items():
         con.print(f"[yellow]{name} skipped:[/] {why}")
 

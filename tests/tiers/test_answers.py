@@ -66,7 +66,7 @@ def test_find_answers_from_any_index_and_probes_only_the_home_card(tmp_path: Pat
         written = {}
         for k in keys:
             cs = tier.layout.card_for(k, d)
-            assert tier.note_written(cs, k, 100, 90, ObjectMeta(d, -1, time.time_ns()))
+            assert tier.note_written(cs, [k], [100], [90], [ObjectMeta(d, -1, time.time_ns())])[0]
             written[k] = cs
         no_dialog_homes = tier.layout.cards_for(keys, dialog_digest(None))
         assert any(h is not written[k] for k, h in zip(keys, no_dialog_homes)), "some keys live off their key's card"
@@ -86,8 +86,8 @@ def test_a_rewrite_on_another_card_drops_the_old_copy(tmp_path: Path) -> None:
         k = next(b"k%d" % i for i in range(100)
                  if tier.layout.card_for(b"k%d" % i, dialog_digest(None)) is not tier.layout.card_for(b"k%d" % i, dialog_digest(b"d")))
         first, second = tier.layout.card_for(k, dialog_digest(None)), tier.layout.card_for(k, dialog_digest(b"d"))
-        tier.note_written(first, k, 100, 90, ObjectMeta(created_ns=time.time_ns()))
-        tier.note_written(second, k, 100, 90, ObjectMeta(dialog_digest(b"d"), -1, time.time_ns()))
+        tier.note_written(first, [k], [100], [90], [ObjectMeta(created_ns=time.time_ns())])
+        tier.note_written(second, [k], [100], [90], [ObjectMeta(dialog_digest(b"d"), -1, time.time_ns())])
         assert k not in first.index and first.used == 0
         assert KeyFinder(tier).find(k, first)[0] is second
         await tier.stop()
@@ -102,7 +102,7 @@ def test_find_calls_an_indexed_object_past_the_ttl_a_miss_and_deletes_it(tmp_pat
         payload = memoryview(b"x" * 100)
         old = ObjectMeta(created_ns=time.time_ns() - 3_000_000_000)
         (stored,) = await cs.write([(b"old", payload, old)])
-        assert tier.note_written(cs, b"old", stored, 100, old)
+        assert tier.note_written(cs, [b"old"], [stored], [100], [old])[0]
         assert KeyFinder(tier).find(b"old", cs) == (None, None), "a miss, not 'ask the card'"
         assert KeyFinder(tier).find(b"old", cs) == (None, None)
         await background_deletes_done(cs)
@@ -119,7 +119,7 @@ def test_scan_counts_what_the_card_holds_toward_its_capacity(tmp_path: Path, mon
         cs = tier.cards[0]
         items = [(b"k%d" % i, memoryview(bytes(1 << 20)), ObjectMeta(created_ns=time.time_ns())) for i in range(8)]
         for (k, p, m), stored in zip(items, await cs.write(items)):
-            tier.note_written(cs, k, stored, len(p), m)
+            tier.note_written(cs, [k], [stored], [len(p)], [m])
         held = cs.used
         await tier.stop()
 

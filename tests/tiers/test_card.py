@@ -35,7 +35,8 @@ def test_enospc_lowers_capacity_to_the_medium_once_while_evicted_objects_are_del
         io = CardIo(1, 5.0, "test-card")
         cs = serving_card(card, io, cfg, serial=await io.run(card.open))  # capacity 1 GiB: the free space it had
         for i in range(100):
-            cs.catalog.note_written(b"k%03d" % i, 1000, 900, ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1))
+            cs.catalog.note_written([b"k%03d" % i], [1000], [900],
+                                    [ObjectMeta(dialog_digest(b"d%d" % (i // 10)), i % 10, 1)])
         assert cs.used == 100_000
 
         async def settle() -> None:  # the free space read, then the delete it spawned
@@ -77,7 +78,7 @@ def test_a_configured_capacity_larger_than_the_medium_is_lowered_to_it_and_write
         keys = [b"k%d" % i for i in range(4)]
         for k in keys:
             (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
-            assert cs.catalog.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+            assert cs.catalog.note_written([k], [stored], [len(payload)], [ObjectMeta(created_ns=1)])[0]
         assert cs.catalog.room.slack > 1 << 40 and cs.catalog.deleting == 0, "as configured: the write went first, no eviction"
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
         cs.life.note_result(OSError(errno.ENOSPC, "No space left on device"))
@@ -121,7 +122,7 @@ def test_a_batch_is_cut_from_its_end_where_held_objects_leave_no_room(tmp_path: 
         old = [b"old%d" % i for i in range(3)]
         for k in old:
             (stored,) = await cs.write([(k, payload, ObjectMeta(created_ns=1))])
-            assert cs.catalog.note_written(k, stored, len(payload), ObjectMeta(created_ns=1))
+            assert cs.catalog.note_written([k], [stored], [len(payload)], [ObjectMeta(created_ns=1)])[0]
         cs.catalog.room.capacity = 3 * stored + stored // 2  # room for three and a half
         assert holds.hold(1, old[:2]) == [True, True]
         new = [(b"new%d" % i, payload, ObjectMeta(created_ns=2)) for i in range(3)]
@@ -150,7 +151,7 @@ def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp
         io = CardIo(1, 5.0, "test-card")
         cs = serving_card(card, io, cfg, serial=await io.run(card.open))
         for i in range(10):
-            cs.catalog.note_written(b"k%d" % i, 1000, 900, ObjectMeta(created_ns=1))
+            cs.catalog.note_written([b"k%d" % i], [1000], [900], [ObjectMeta(created_ns=1)])
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
         cs.life.note_result(OSError(errno.ENOSPC, "No space left on device"))
         while cs.life.tasks._running:

@@ -38,7 +38,7 @@ async def _write_dialog(cards: CardSet, d: int, blocks: int = 4) -> list[bytes]:
     items = [(k, memoryview(_payload(k)), ObjectMeta(dialog, i)) for i, k in enumerate(keys)]
     for (k, p, m), stored in zip(items, await home.write(items)):
         assert isinstance(stored, int)
-        assert cards.note_written(home, k, stored, len(p), m)
+        assert cards.note_written(home, [k], [stored], [len(p)], [m])[0]
     return keys
 
 
@@ -181,9 +181,9 @@ def test_the_mover_keeps_to_its_rate_and_copies_the_hottest_dialogs_first(tmp_pa
             copied: list[bytes] = []
             real_note_written = cards.note_written
 
-            def note_written(mc, fkey, stored, payload_len, meta):
-                copied.append(fkey)
-                return real_note_written(mc, fkey, stored, payload_len, meta)
+            def note_written(mc, fkeys, stored, payload_lens, metas):
+                copied.extend(fkeys)
+                return real_note_written(mc, fkeys, stored, payload_lens, metas)
 
             cards.note_written = note_written  # type: ignore[method-assign]
             (tmp_path / "b").mkdir()

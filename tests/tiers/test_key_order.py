@@ -95,7 +95,7 @@ async def _put(tier: CardSet, key: bytes, fill: int, size: int) -> bool:
     meta = ObjectMeta(created_ns=time.time_ns())
     (stored,) = await cs.write([(key, memoryview(bytes([fill]) * size), meta)])
     assert isinstance(stored, int), stored
-    return tier.note_written(cs, key, stored, size, meta)
+    return tier.note_written(cs, [key], [stored], [size], [meta])[0]
 
 
 async def _read(tier: CardSet, key: bytes, size: int) -> bytes | None:

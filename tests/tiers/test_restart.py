@@ -77,7 +77,7 @@ async def _write(cards: CardSet, keys: list[bytes]) -> None:
     mc = cards.cards[0]
     items = [(k, memoryview(_payload(k)), ObjectMeta(dialog, i, time.time_ns())) for i, k in enumerate(keys)]
     for (k, p, m), stored in zip(items, await mc.write(items)):
-        assert isinstance(stored, int) and cards.note_written(mc, k, stored, len(p), m)
+        assert isinstance(stored, int) and cards.note_written(mc, [k], [stored], [len(p)], [m])[0]
 
 
 async def _reads_back(cards: CardSet, k: bytes) -> bool:
@@ -140,7 +140,7 @@ def test_an_unusable_snapshot_is_ignored_with_a_log_line(tmp_path: Path, caplog,
         mc = next(c for c in cards.cards if c.location.endswith("card"))
         items = [(_key(i), memoryview(_payload(_key(i))), ObjectMeta(created_ns=time.time_ns())) for i in range(N)]
         for (k, p, m), stored in zip(items, await mc.write(items)):
-            assert cards.note_written(mc, k, stored, len(p), m)
+            assert cards.note_written(mc, [k], [stored], [len(p)], [m])[0]
         await cards.stop()
         snap = tmp_path / "card" / "kvgate-index"
         raw = bytearray(snap.read_bytes())

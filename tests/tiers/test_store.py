@@ -220,7 +220,7 @@ def test_a_get_whose_copy_the_mover_just_let_go_reads_the_new_copy(tmp_path: Pat
             # What the mover does: the object lands on its new card, and the old copy goes.
             meta = ObjectMeta(DIALOG, 0, time.time_ns())
             (stored,) = await new.write([(fk(b"k"), memoryview(payload(b"k")), meta)])
-            assert store.cards.set.note_written(new, fk(b"k"), stored, len(payload(b"k")), meta)
+            assert store.cards.set.note_written(new, [fk(b"k")], [stored], [len(payload(b"k"))], [meta])[0]
             await background_deletes_done(old)
             release.set()
             sizes, _ = await getting

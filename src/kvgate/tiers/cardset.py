@@ -38,15 +38,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import numpy as np
+
 from kvgate.cards import CardInUse, NotACardLocation, expand, make_card
 from kvgate.config import Config, ConfigError
-from kvgate.keys import key_digest
 from kvgate.tiers.card import ManagedCard, TierHooks
 from kvgate.tiers.discovery import CardDiscovery
 from kvgate.tiers.io import IoPool, Tasks
 from kvgate.tiers.layout import CardLayout, LayoutMismatch
 from kvgate.tiers.mover import CardMover
 from kvgate.tiers.referee import Referee
+from kvgate.tiers.rows import join_digest, key_digest_array
 from kvgate.errors import KvgateError
 
 log = logging.getLogger("kvgate.long")
@@ -193,18 +195,26 @@ class CardSet:
         """Whether ``mc`` is (still) one of the set's cards: false once it was removed."""
         return self._by_serial.get(mc.serial) is mc
 
-    def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool:
-        """Index an object just written to ``mc``; False when it did not stay there (evicted by its own write).
+    def note_written(self, mc: ManagedCard, fkeys: list[bytes], stored: list[int], payload_lens: list[int],
+                     metas: list) -> list[bool]:
+        """Index objects just written to ``mc``; per object, whether it stayed there (not evicted by its batch).
 
         A copy on any other card is deleted: the key is now on ``mc``, and a
         stale copy elsewhere must not answer for it (``find``).
         """
-        digest = key_digest(fkey)
+        if not fkeys:
+            return []
+        digests = key_digest_array(fkeys)
         for other in self.cards:
-            if other is not mc and other.index.has(digest):
-                other.catalog.note_gone_digest(digest)
-                other.catalog.let_go([digest])
-        return mc.catalog.note_written(fkey, stored, payload_len, meta)
+            if other is mc or not other.index:
+                continue
+            there = np.flatnonzero(other.index.find(digests) >= 0)
+            if there.size:
+                stale = [join_digest(*digests[i].tolist()) for i in there.tolist()]
+                for digest in stale:
+                    other.catalog.note_gone_digest(digest)
+                other.catalog.let_go(stale)
+        return mc.catalog.note_written(fkeys, stored, payload_lens, metas, digests).tolist()
 
     async def clean_namespace(self, ns: bytes) -> int:
         """``ManagedCard.clean_namespace`` on every card in service; how many objects were deleted."""

@@ -36,6 +36,7 @@ from kvgate.tiers.counters import StoreCounters, TierCounters
 from kvgate.tiers.finder import KeyFinder, found_on_cards, group_by_card
 from kvgate.tiers.io import IoPool, gather_all
 from kvgate.tiers.reads import CardRead, ReadOutcome
+from kvgate.tiers.rows import key_digest_array
 from kvgate.tiers.staging import Staging
 from kvgate.types import Retention, SizeCode
 
@@ -266,6 +267,7 @@ class CardTier:
             staged = [i for i in idx if id(items[i]) not in source
                       and not (direct and id(items[i]) in from_client)]
             buffers = await self.staging.take([len(items[i].src) for i in staged]) if staged else []
+            written: list[int] = []
             try:
                 if staged:
                     await self.pool.map_chunks(_stage, [(b, items[i]) for b, i in zip(buffers, staged)],
@@ -278,21 +280,26 @@ class CardTier:
                 if not last_try and not self.set.serves(cs):
                     card_left.extend(idx)  # removed while it wrote: the keys belong on another card now
                     return
-                for i, r in zip(idx, results):
-                    it = items[i]
-                    if isinstance(r, int):
-                        card_ok[i] = self.set.note_written(cs, it.fkey, r, len(it.src), it.meta)
-                        c.sets += 1
-                        c.bytes_written += len(it.src)
-                    elif isinstance(r, MemoryFault):
+                written = [i for i, r in zip(idx, results) if isinstance(r, int)]
+                for r in results:
+                    if isinstance(r, MemoryFault):
                         faults.append(r)
-                    else:
+                    elif isinstance(r, BaseException):
                         log.debug("write to card %s failed: %s", cs.location, r)
+                stayed = self.set.note_written(cs, [items[i].fkey for i in written],
+                                               [r for r in results if isinstance(r, int)],
+                                               [len(items[i].src) for i in written], [items[i].meta for i in written])
+                for i, ok in zip(written, stayed):
+                    card_ok[i] = ok
+                c.sets += len(written)
+                c.bytes_written += sum(len(items[i].src) for i in written)
             finally:
                 if staged:
                     await self.staging.give_back(buffers)
-            for i in idx:  # a later object of this batch may have evicted an earlier one
-                card_ok[i] = card_ok[i] and items[i].fkey in cs.index
+            if staged and written:  # another put ran meanwhile, and may have evicted some of these
+                present = cs.index.find(key_digest_array([items[i].fkey for i in written])) >= 0
+                for i, there in zip(written, present.tolist()):
+                    card_ok[i] = card_ok[i] and there
 
         async def every_card(groups: dict, last_try: bool = False) -> None:
             # Every card's write ends before any error leaves: they read the sources.

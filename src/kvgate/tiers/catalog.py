@@ -32,12 +32,13 @@ from kvgate.cards import ObjectMeta
 from kvgate.cards.objectformat import padded_object_size
 from kvgate.config import Config
 from kvgate.errors import KvgateError
-from kvgate.keys import key_digest
+from kvgate.keys import key_digest, key_digests
 from kvgate.tiers.holds import Holds
 from kvgate.tiers.index import EXPIRING, CardIndex, IndexEntry
 from kvgate.tiers.reads import CardRead, ReadOutcome
 from kvgate.tiers.referee import Referee
 from kvgate.tiers.room import CardRoom
+from kvgate.tiers.rows import key_digest_array
 from kvgate.tiers.sampled import SampledPolicy
 from kvgate.tiers.usage import NamespaceUsage
 
@@ -281,14 +282,23 @@ class CardCatalog:
 
     # ---- what I/O showed ---------------------------------------------------------------
 
-    def note_written(self, fkey: bytes, stored: int, payload_len: int, meta: ObjectMeta) -> bool:
-        """Index an object just written here; False when it did not stay (evicted by its own write)."""
-        digest = key_digest(fkey)
-        self.unreadable.discard(digest)
-        self.index.put(fkey, stored, payload_len, meta, meta.created_ns or time.time_ns(), tail=meta.tail)
-        self.counters.writes_bytes += stored
+    def note_written(self, fkeys: list[bytes], stored: list[int], payload_lens: list[int], metas: list[ObjectMeta],
+                     digests: np.ndarray | None = None) -> np.ndarray:
+        """Index objects just written here; whether each stayed (one may be evicted by its own batch).  A key
+        named twice is indexed as its last write.  ``digests``: the keys' (``key_digest_array``), if known."""
+        if digests is None:
+            digests = key_digest_array(fkeys)
+        if self.unreadable:
+            self.unreadable.difference_update(key_digests(fkeys))
+        now = time.time_ns()
+        if len(set(fkeys)) == len(fkeys):
+            self.index.put_many(fkeys, digests, stored, payload_lens, metas, now)
+        else:  # (a batch that names a key twice: each write in turn, the last one stays)
+            for k, s, p, m in zip(fkeys, stored, payload_lens, metas):
+                self.index.put(k, s, p, m, m.created_ns or now, tail=m.tail)
+        self.counters.writes_bytes += sum(stored)
         self.evict_over_capacity()
-        return self.index.has(digest)
+        return self.index.find(digests) >= 0
 
     def note_hit(self, fkey: bytes, nbytes: int) -> None:
         self.counters.hits += 1

@@ -285,6 +285,43 @@ class CardIndex:
 
     # ---- many keys ------------------------------------------------------------------
 
+    def put_many(self, fkeys: list[bytes], digests: np.ndarray, stored: list[int], payload_lens: list[int],
+                 metas: list[ObjectMeta], created_ns: int) -> None:
+        """``put`` of objects of distinct keys (``digests``: theirs, ``key_digest_array``), in one pass: the
+        rows found and added at once, their columns set as arrays; only the eviction order takes each row
+        in turn (its dialog chains link row to row).  ``created_ns``: where a meta has none.  A put of 32
+        objects took 0.37-0.54 ms as 32 ``put`` calls (with the card set's checks, measured in a gateway)."""
+        rows = self.rows
+        again = self.find(digests) >= 0
+        for i in np.flatnonzero(again).tolist():  # by digest, one by one: a removal may move another row
+            self.pop_row(rows.find1(int(digests[i, 0]), int(digests[i, 1])), replaced=True)
+        added = rows.add_many(np.ascontiguousarray(digests[:, 0]), np.ascontiguousarray(digests[:, 1]))
+        stored_a = np.array(stored, np.int64)
+        payload_a = np.array(payload_lens, np.int64)
+        head = stored_a - payload_a
+        big = (payload_a >= OVERSIZE) | (head < 0) | (head > 0xFFFF)
+        rows.payload[added] = np.where(big, OVERSIZE, payload_a)
+        rows.head[added] = np.where(big, 0, head)
+        for i in np.flatnonzero(big).tolist():
+            self._big[rows.digest(int(added[i]))] = (stored[i], payload_lens[i])
+        rows.created[added] = [m.created_ns or created_ns for m in metas]
+        namespaces = [namespace_of(k) for k in fkeys]
+        ids = {ns: self._namespace_id(ns) for ns in dict.fromkeys(namespaces)}
+        rows.ns[added] = [ids[ns] for ns in namespaces] if len(ids) > 1 else next(iter(ids.values()))
+        rows.flags[added] = CHECKED
+        self.used += int(stored_a.sum())
+        self.changes += len(fkeys)
+        for ns in ids:
+            mine = stored_a if len(ids) == 1 else stored_a[[n == ns for n in namespaces]]
+            self.usage.card_namespace(ns, int(mine.sum()), len(mine))
+        add = self.policy.add
+        for r, m, a in zip(added.tolist(), metas, again.tolist()):
+            add(r, m.dialog, m.position, m.tail, a)
+        if self.keys:
+            rows.klen[added] = 0
+            for r, k in zip(added.tolist(), fkeys):
+                self.learn_key(r, k)
+
     def find(self, digests: np.ndarray) -> np.ndarray:
         """The rows of ``(n, 2)`` uint64 digests (``digest_array``); -1 where absent."""
         return self.rows.find(digests[:, 0], digests[:, 1])

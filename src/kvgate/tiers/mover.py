@@ -61,7 +61,8 @@ class MovingSet(Protocol):
 
     def is_draining(self, mc: ManagedCard) -> bool: ...
 
-    def note_written(self, mc: ManagedCard, fkey: bytes, stored: int, payload_len: int, meta) -> bool: ...
+    def note_written(self, mc: ManagedCard, fkeys: list[bytes], stored: list[int], payload_lens: list[int],
+                     metas: list) -> list[bool]: ...
 
     def note_moved(self, src: ManagedCard, dst: ManagedCard, nbytes: int) -> None: ...
 
@@ -237,8 +238,14 @@ class CardMover:
                 src.catalog.note_failed_read(fkey, r)
         failed = len(batch) - len(reads)
         for dst, items in by_dst.values():
-            for (fkey, buf, meta), stored in zip(items, await dst.write(items)):
-                if isinstance(stored, int) and self.cards.note_written(dst, fkey, stored, len(buf), meta):
+            results = await dst.write(items)
+            written = [(item, r) for item, r in zip(items, results) if isinstance(r, int)]
+            failed += len(items) - len(written)
+            stayed = self.cards.note_written(dst, [fkey for (fkey, _b, _m), _r in written], [r for _i, r in written],
+                                             [len(buf) for (_k, buf, _m), _r in written],
+                                             [meta for (_k, _b, meta), _r in written])
+            for ((_fkey, buf, _meta), _r), ok in zip(written, stayed):
+                if ok:
                     self.cards.note_moved(src, dst, len(buf))
                     self.moved += 1
                     self.moved_bytes += len(buf)

@@ -316,6 +316,7 @@ def test_a_client_lets_go_of_the_arena_when_it_closes_and_when_its_gateway_dies_
         c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_client_dropped_without_close_leaves_no_descriptor_or_mapping_behind(gateway_factory) -> None:
@@ -341,6 +342,8 @@ def test_a_client_dropped_without_close_leaves_no_descriptor_or_mapping_behind(g
     assert not _own_fds() - before_fds, "descriptors left open"
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not crossmem.files_supported, reason="needs pidfd_getfd")
 def test_an_arena_dropped_while_a_copy_reads_it_stays_mapped_until_that_copy_ends(gateway_factory,
                                                                                    monkeypatch) -> None:
     """What the exit watch does when the gateway dies (the session lets go of its arena) may happen while a

@@ -267,21 +267,17 @@ class Bench:
         return list(dict.fromkeys((self.plan.threads, 1)))
 
     def raw_contenders(self, pass_fn: Callable[[int, int], None], before: Callable[[], None] | None = None,
-                        after: Callable[[int], None] | None = None) -> list[Contender]:
-        """One contender per thread count; ``pass_fn(round, threads)`` is one raw pass."""
-        return [Contender(f"raw{n}", lambda r, n=n: pass_fn(r, n), before, after) for n in self.thread_counts]
-
-    def verified_contenders(self, pass_fn: Callable[[int, int], None],
-                            after: Callable[[int], None] | None = None) -> list[Contender]:
-        """As ``raw_contenders``, for the raw pass that also hashes each payload (``verified<n>``)."""
-        return [Contender(f"verified{n}", lambda r, n=n: pass_fn(r, n), None, after) for n in self.thread_counts]
+                        after: Callable[[int], None] | None = None, kind: str = "raw") -> list[Contender]:
+        """One contender per thread count, ``<kind><threads>``; ``pass_fn(round, threads)`` is one raw pass
+        (``kind`` "verified": one that also hashes each payload; "direct": cold reads with O_DIRECT)."""
+        return [Contender(f"{kind}{n}", lambda r, n=n: pass_fn(r, n), before, after) for n in self.thread_counts]
 
     def _direct_contenders(self, items: list[tuple[str, int, memoryview]]) -> list[Contender]:
         """Cold reads with O_DIRECT, one contender per thread count (none where O_DIRECT cannot read these)."""
         if not direct_ok(items):
             return []
-        return [Contender(f"direct{n}", lambda _r, n=n: on_threads(self.pool, read_files_direct, items, n),
-                          drop_caches) for n in self.thread_counts]
+        return self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files_direct, items, n), drop_caches,
+                                   kind="direct")
 
     def raw_figure(self, series: dict[str, Series], what: str) -> dict[str, Any]:
         """kvgate against the faster raw thread count: the physical limit is the best the machine does."""
@@ -416,7 +412,8 @@ class Bench:
         self._verify(ref, "card get")
         s = measure([Contender("kvgate", card_get),
                      *self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files, items, n)),
-                     *self.verified_contenders(lambda _r, n: on_threads(self.pool, read_files_verified, items, n))],
+                     *self.raw_contenders(lambda _r, n: on_threads(self.pool, read_files_verified, items, n),
+                                          kind="verified")],
                     ws, **self.timing)
         return self.raw_figure(s, "open+preadv+close"), card_get, items
 
@@ -461,8 +458,8 @@ class Bench:
         s = measure([Contender("kvgate", card_put, after=lambda r: client.delete_many(put_keys(r))),
                      *self.raw_contenders(lambda r, n: on_threads(self.pool, write_files, raw_items(r), n),
                                            after=raw_delete),
-                     *self.verified_contenders(lambda r, n: on_threads(self.pool, write_files_verified, raw_items(r),
-                                                                       n), after=raw_delete)],
+                     *self.raw_contenders(lambda r, n: on_threads(self.pool, write_files_verified, raw_items(r), n),
+                                          after=raw_delete, kind="verified")],
                     self.plan.pass_bytes, **self.timing)
         return self.raw_figure(s, "open+pwritev+close+rename")
 

@@ -96,6 +96,6 @@ def plain_card_get_warm(bench: "Bench", items: list[tuple[str, int, memoryview]]
     _verify(bufs, bench.ref, "raw read into plain buffers")
     return _figure(bench, bench.plain_clients[1], keys, bufs,
                    [*bench.raw_contenders(lambda _r, n: on_threads(bench.pool, read_files, plain_items, n)),
-                    *bench.verified_contenders(lambda _r, n: on_threads(bench.pool, read_files_verified, plain_items,
-                                                                        n))],
+                    *bench.raw_contenders(lambda _r, n: on_threads(bench.pool, read_files_verified, plain_items, n),
+                                          kind="verified")],
                    "card get (warm) into plain buffers", lambda s: bench.raw_figure(s, "open+preadv+close"))

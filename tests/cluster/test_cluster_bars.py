@@ -236,14 +236,28 @@ def test_the_card_cluster_serves_through_etcd_agent_and_card_failures(tmp_path: 
         for gw in gateways:
             wait_until(lambda: len(gw.stats()["cards"]) == 68, 30, gw.log)
         restores_go_on("after the join and the drain")
+        # A gateway whose mover has settled looks for a key only on its new card, and a dialog the other
+        # gateway wrote on the card before is a miss there until that gateway's mover has copied it
+        # (docs/operations.md, "What moves"): such misses may happen, none may last.
         moved_misses = work.misses_since(t)
-        assert not moved_misses, f"restores lost to the join or the drain: {moved_misses[:5]}"
+        readers = [Client.connect(gw.socket, namespace="t", engine_id=f"e{i}") for i, gw in enumerate(gateways)]
+        try:
+            for _t, dialog, _card in moved_misses:
+                keys, values = _pages(dialog)
+                wait_until(lambda: all(c.lookup(keys, dialog=dialog) == len(keys) for c in readers), 30,
+                           lambda: f"{dialog!r} missed during the join or the drain and is still missing")
+                for c in readers:
+                    assert [bytes(g) for g in c.get_many(keys, dialog=dialog)] == values
+        finally:
+            for c in readers:
+                c.close()
 
         work.stop_event.set()
         work.join(30)
         assert work.wrong_bytes == 0
         assert not work.errors, work.errors[:5]
-        print(f"restores {work.restored}, misses {len(work.misses)} (quorum outage {len(outage_misses)}); "
+        print(f"restores {work.restored}, misses {len(work.misses)} (quorum outage {len(outage_misses)}, "
+              f"join and drain {len(moved_misses)}, none left); "
               f"leader failover {failover:.2f} s; 20 cards held out on both gateways {held_after:.2f} s after "
               f"their agent was killed")
     finally:

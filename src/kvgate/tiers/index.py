@@ -289,8 +289,8 @@ class CardIndex:
                  metas: list[ObjectMeta], created_ns: int) -> None:
         """``put`` of objects of distinct keys (``digests``: theirs, ``key_digest_array``), in one pass: the
         rows found and added at once, their columns set as arrays; only the eviction order takes each row
-        in turn (its dialog chains link row to row).  ``created_ns``: where a meta has none.  A put of 32
-        objects took 0.37-0.54 ms as 32 ``put`` calls (with the card set's checks, measured in a gateway)."""
+        in turn (its dialog chains link row to row), and that is most of the cost: 3.6-3.9 us an object
+        for 256 or 1,024 objects where ``put`` takes 5.0-5.2, the same 7.5 for 32."""
         rows = self.rows
         again = self.find(digests) >= 0
         for i in np.flatnonzero(again).tolist():  # by digest, one by one: a removal may move another row

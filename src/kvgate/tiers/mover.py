@@ -239,17 +239,17 @@ class CardMover:
         failed = len(batch) - len(reads)
         for dst, items in by_dst.values():
             results = await dst.write(items)
-            written = [(item, r) for item, r in zip(items, results) if isinstance(r, int)]
-            failed += len(items) - len(written)
-            stayed = self.cards.note_written(dst, [fkey for (fkey, _b, _m), _r in written], [r for _i, r in written],
-                                             [len(buf) for (_k, buf, _m), _r in written],
-                                             [meta for (_k, _b, meta), _r in written])
-            for ((_fkey, buf, _meta), _r), ok in zip(written, stayed):
+            done = [i for i, r in enumerate(results) if isinstance(r, int)]
+            failed += len(items) - len(done)
+            stayed = self.cards.note_written(dst, [items[i][0] for i in done], [results[i] for i in done],
+                                             [len(items[i][1]) for i in done], [items[i][2] for i in done])
+            for i, ok in zip(done, stayed):
                 if ok:
-                    self.cards.note_moved(src, dst, len(buf))
+                    nbytes = len(items[i][1])
+                    self.cards.note_moved(src, dst, nbytes)
                     self.moved += 1
-                    self.moved_bytes += len(buf)
-                    self._budget_bytes += len(buf)
+                    self.moved_bytes += nbytes
+                    self._budget_bytes += nbytes
                 else:
                     failed += 1
         self.failed += failed

@@ -188,3 +188,23 @@ def test_a_prefix_probe_asks_the_first_key_alone_before_the_rest() -> None:
     assert _exists_prefix(some, keys, None) == 600 and some.asked == [keys[:1], keys[1:]]
     one = Holding({keys[0]})
     assert _exists_prefix(one, keys[:1], None) == 1 and one.asked == [keys[:1]]
+
+
+def test_a_write_that_names_a_key_twice_is_indexed_as_its_last_object(tmp_path: Path) -> None:
+    """A client may put one key twice in a request: the card write indexes the batch at once
+    (``CardCatalog.note_written``), and the later object must be what the index holds, counted once."""
+    async def main() -> None:
+        (tmp_path / "card").mkdir()
+        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=0)
+        card = make_card(str(tmp_path / "card"), cfg)
+        io = CardIo(1, 5.0, "test-card")
+        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        stayed = cs.catalog.note_written([b"a", b"k", b"k"], [500, 1000, 2000], [400, 900, 1900],
+                                         [ObjectMeta(created_ns=1), ObjectMeta(created_ns=2), ObjectMeta(created_ns=3)])
+        assert stayed.tolist() == [True, True, True]
+        entry = cs.index.get(b"k")
+        assert entry is not None and (entry.stored_bytes, entry.payload_len, entry.created_ns) == (2000, 1900, 3)
+        assert len(cs.index) == 2 and cs.used == 2500
+        await cs.life.close()
+
+    asyncio.run(main())

@@ -61,10 +61,13 @@ def test_sizes_beyond_the_columns_are_kept_exactly() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2), st.sampled_from([10, 4096, (5 << 30)]),
                           st.integers(-1, 5), st.booleans()), min_size=1, max_size=30),
-       st.integers(0, 20), st.sampled_from(["prefix", "lru"]), st.booleans())
-def test_a_batch_put_leaves_the_index_a_put_of_each_leaves(batch, before, policy, keys) -> None:
+       st.integers(0, 20), st.sampled_from(["prefix", "lru"]), st.booleans(), st.booleans())
+def test_a_batch_put_leaves_the_index_a_put_of_each_leaves(batch, before, policy, keys, large) -> None:
     """``put_many`` (a card write's batch) and one ``put`` per object end in the same index: entries, bytes,
-    namespace figures, keys and eviction order, whether the batch replaces rows or finds holes to fill."""
+    namespace figures, keys and eviction order, whether the batch replaces rows, follows removals that moved
+    rows, or is ``large`` enough for the rows' batched insert (``DigestRows.add_many``)."""
+    if large:
+        batch = batch + [(k, 0, 4096, -1, False) for k in range(100, 100 + 150)]
     batch = list({k: (k, ns, size, pos, tail) for k, ns, size, pos, tail in batch}.values())  # distinct keys
 
     def key(k: int, ns: int) -> bytes:
@@ -73,7 +76,7 @@ def test_a_batch_put_leaves_the_index_a_put_of_each_leaves(batch, before, policy
     def filled() -> tuple[CardIndex, NamespaceUsage]:
         usage = NamespaceUsage()
         index = CardIndex(usage, policy, keys=keys)
-        for k in range(before):  # rows the batch replaces, and (popped) holes it reuses
+        for k in range(before):  # rows the batch replaces, and removals that move the last row
             index.put(key(k, k % 3), 4096 + 64, 64, ObjectMeta(dialog_digest(b"old"), k, 7), 7)
         for k in range(0, before, 4):
             index.pop(key_digest(key(k, k % 3)))

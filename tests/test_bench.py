@@ -360,3 +360,22 @@ def test_vllm_ttft_replot_draws_each_restore_beside_fs(tmp_path: Path) -> None:
         bench.parse_args(["--replot", str(result)])  # nowhere to draw it
     with pytest.raises(SystemExit):
         bench.parse_args(["--plot", str(drawing), "--miss-only"])  # no restore rows to draw
+
+
+@pytest.mark.slow
+def test_the_put_cpu_script_times_both_sides_and_splits_the_gateways_cpu(tmp_path: Path) -> None:
+    """``benchmarks/put_cpu.py``, whose figures docs/benchmarks.md quotes, runs and reports each part."""
+    root = SRC.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "put_cpu.py"), "--passes", "5",
+                        "--dir", str(tmp_path / "put-cpu")], env=_env(), cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("put of 32 x 2 MiB: best ") and lines[1].startswith("raw verified write")
+    ratio = float(lines[2].split()[3].rstrip(","))
+    assert 0 < ratio < 5
+    cpu = dict(part.rsplit(" ", 1) for part in lines[3].removeprefix("CPU a pass (ms): ").split(", "))
+    assert set(cpu) == {"loop user", "loop kernel", "others user", "others kernel", "raw user", "raw kernel"}
+    # (clock ticks of 10 ms: five passes of some 20 ms of the gateway's CPU each leave several)
+    assert sum(float(cpu[k]) for k in cpu if not k.startswith("raw")) > 0, "the gateway's threads are counted"
+    assert not (tmp_path / "put-cpu").exists(), "it removes what it wrote"

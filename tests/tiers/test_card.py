@@ -18,12 +18,22 @@ import asyncio
 import errno
 from pathlib import Path
 
-from kvgate.cards import ObjectMeta, make_card
+from kvgate.cards import Card, ObjectMeta, make_card
 from kvgate.config import Config
 from kvgate.keys import dialog_digest
 from kvgate.tiers.holds import Holds
+from kvgate.tiers.card import ManagedCard
 from kvgate.tiers.io import CardIo
 from tests.tiers.common import serving_card
+
+
+async def _serving_directory_card(tmp_path: Path, **settings) -> tuple[Card, ManagedCard]:
+    """A directory card in ``tmp_path / "card"`` and its ``ManagedCard`` in service, one I/O thread."""
+    (tmp_path / "card").mkdir()
+    cfg = Config(storage_devices=[str(tmp_path / "card")], **settings)
+    card = make_card(str(tmp_path / "card"), cfg)
+    io = CardIo(1, 5.0, "test-card")
+    return card, serving_card(card, io, cfg, serial=await io.run(card.open))
 
 
 def test_enospc_lowers_capacity_to_the_medium_once_while_evicted_objects_are_deleted(tmp_path: Path) -> None:
@@ -69,11 +79,7 @@ def test_a_configured_capacity_larger_than_the_medium_is_lowered_to_it_and_write
     """card_capacity promises room (no reserve applies); an ENOSPC shows the medium is smaller: capacity
     becomes what it holds plus what is free, and from then on a write evicts before it starts."""
     async def main() -> None:
-        (tmp_path / "card").mkdir()
-        cfg = Config(storage_devices=[str(tmp_path / "card")], card_capacity=1 << 30)
-        card = make_card(str(tmp_path / "card"), cfg)
-        io = CardIo(1, 5.0, "test-card")
-        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        card, cs = await _serving_directory_card(tmp_path, card_capacity=1 << 30)
         payload = memoryview(bytes(4096))
         keys = [b"k%d" % i for i in range(4)]
         for k in keys:
@@ -145,11 +151,7 @@ def test_a_card_lowered_by_a_full_medium_grows_back_at_its_next_resize_check(tmp
     from kvgate.tiers.life import RESIZE_EVERY_CHECKS
 
     async def main() -> None:
-        (tmp_path / "card").mkdir()
-        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=0)
-        card = make_card(str(tmp_path / "card"), cfg)
-        io = CardIo(1, 5.0, "test-card")
-        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        card, cs = await _serving_directory_card(tmp_path, card_reserve=0)
         for i in range(10):
             cs.catalog.note_written([b"k%d" % i], [1000], [900], [ObjectMeta(created_ns=1)])
         card.free_bytes = lambda: 0  # type: ignore[method-assign]
@@ -194,11 +196,7 @@ def test_a_write_that_names_a_key_twice_is_indexed_as_its_last_object(tmp_path: 
     """A client may put one key twice in a request: the card write indexes the batch at once
     (``CardCatalog.note_written``), and the later object must be what the index holds, counted once."""
     async def main() -> None:
-        (tmp_path / "card").mkdir()
-        cfg = Config(storage_devices=[str(tmp_path / "card")], card_reserve=0)
-        card = make_card(str(tmp_path / "card"), cfg)
-        io = CardIo(1, 5.0, "test-card")
-        cs = serving_card(card, io, cfg, serial=await io.run(card.open))
+        card, cs = await _serving_directory_card(tmp_path, card_reserve=0)
         stayed = cs.catalog.note_written([b"a", b"k", b"k"], [500, 1000, 2000], [400, 900, 1900],
                                          [ObjectMeta(created_ns=1), ObjectMeta(created_ns=2), ObjectMeta(created_ns=3)])
         assert stayed.tolist() == [True, True, True]

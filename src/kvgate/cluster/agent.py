@@ -27,7 +27,9 @@ A ``ClusterAgent``
 
 Every etcd call is bounded (``Registry``); card I/O runs on threads.  SIGTERM
 or SIGINT stops it: it resigns, revokes its lease (its cards' liveness goes at
-once) and stops its etcd member.  Every change it makes is logged.
+once) and stops its etcd member, within two etcd call bounds and the member's
+``STOP_GRACE_S`` (14 s on the defaults; a second or less when etcd answers).
+Every change it makes is logged.
 """
 
 from __future__ import annotations

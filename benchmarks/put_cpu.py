@@ -7,7 +7,9 @@ the raw verified write of the same bytes on 4 threads (XXH3 of each payload, ope
 read from ``/proc/PID/task/*/stat``: user and kernel time of its event loop (the main thread) and of
 the rest (its card writers, chiefly); around each raw pass, this process's own.  Prints per pass the
 best and median time of each side, their ratio, and the CPU each took (clock ticks: meaningful as
-averages over many passes).
+averages over many passes).  Then the cost of a request itself: passes alternating a put of one object of
+4 KiB with the raw verified write of one such file on one thread; the difference of their bests is what a
+put pays before and after its writes (the round trip, the hand-off to a card thread and back, the index).
 
     .venv/bin/python benchmarks/put_cpu.py --passes 150
 """
@@ -30,6 +32,7 @@ from kvgate.client import Client
 
 OBJECTS = 32
 SIZE = 2 << 20
+SMALL = 4096
 THREADS = 4
 TICK = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -97,6 +100,7 @@ def main() -> None:
             cpu["raw kernel"] += k1 - k0
             for path, _h, _d in items:
                 os.unlink(path)
+        small = _one_object(client, view[:SMALL], os.path.join(args.dir, "raw"), args.passes)
         client.close()
     finally:
         pool.shutdown()
@@ -110,6 +114,30 @@ def main() -> None:
     print(f"ratio of bests {min(raw_s) / min(put_s):.2f}, of medians "
           f"{statistics.median(raw_s) / statistics.median(put_s):.2f}")
     print("CPU a pass (ms): " + ", ".join(f"{k} {v * 1e3 / n:.2f}" for k, v in cpu.items()))
+    put1, raw1 = small
+    print(f"put of one object of {SMALL >> 10} KiB: best {min(put1) * 1e3:.2f} ms, median "
+          f"{statistics.median(put1) * 1e3:.2f}; raw verified write of one file: best {min(raw1) * 1e3:.2f} ms, "
+          f"median {statistics.median(raw1) * 1e3:.2f}; the request's own cost (difference of bests) "
+          f"{(min(put1) - min(raw1)) * 1e3:.2f} ms")
+
+
+def _one_object(client: Client, payload: memoryview, raw_dir: str, passes: int) -> tuple[list[float], list[float]]:
+    """Alternated passes: a put of ``payload`` as one object, the raw verified write of one file of it."""
+    header = memoryview(bytes(4096))
+    put_s, raw_s = [], []
+    for r in range(passes):
+        key = [b"one-%d" % r]
+        t0 = time.perf_counter()
+        if not all(client.put_many(key, [payload])):
+            raise SystemExit("the gateway did not store a put")
+        put_s.append(time.perf_counter() - t0)
+        client.delete_many(key)
+        path = os.path.join(raw_dir, f"one-{r}")
+        t0 = time.perf_counter()
+        write_files_verified([(path, header, payload)])
+        raw_s.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return put_s, raw_s
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -378,4 +379,10 @@ def test_the_put_cpu_script_times_both_sides_and_splits_the_gateways_cpu(tmp_pat
     assert set(cpu) == {"loop user", "loop kernel", "others user", "others kernel", "raw user", "raw kernel"}
     # (clock ticks of 10 ms: five passes of some 20 ms of the gateway's CPU each leave several)
     assert sum(float(cpu[k]) for k in cpu if not k.startswith("raw")) > 0, "the gateway's threads are counted"
+    one = re.fullmatch(r"put of one object of 4 KiB: best ([\d.]+) ms, median [\d.]+; raw verified write of one "
+                       r"file: best ([\d.]+) ms, median [\d.]+; the request's own cost \(difference of bests\) "
+                       r"(-?[\d.]+) ms", lines[4])
+    assert one, lines[4]
+    put1, raw1, cost = (float(g) for g in one.groups())
+    assert put1 > 0 and raw1 > 0 and abs(put1 - raw1 - cost) < 0.015
     assert not (tmp_path / "put-cpu").exists(), "it removes what it wrote"

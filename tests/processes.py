@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from kvgate.bench import processes
 from kvgate.bench.processes import free_port
+from kvgate.cluster.agent import AgentSettings
 from kvgate.cluster.member import STOP_GRACE_S
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -147,9 +148,9 @@ class AgentProcess(processes.AgentProcess):
     """``kvgate.bench.processes.AgentProcess`` with what tests ask of it besides: a hard stop, a log tail for
     a failed wait's message."""
 
-    # The agent's documented stop bound (two etcd calls of 2 s and its member's grace), and room for a loaded
+    # The agent's documented stop bound (two etcd calls and its member's grace), and room for a loaded
     # machine: the exit must come within it.
-    STOP_WITHIN_S = 2 * 2.0 + STOP_GRACE_S + 10.0
+    STOP_WITHIN_S = 2 * AgentSettings.call_timeout_s + STOP_GRACE_S + 10.0
 
     def signal(self, sig: int, timeout: float = STOP_WITHIN_S) -> int | None:
         """``sig``, and the exit status; a failed assertion with the agent's log when it has not exited in time."""

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -216,6 +217,7 @@ def test_agents_run_a_three_member_etcd_that_outlives_a_member(tmp_path, agents)
     assert "initial cluster state existing" in m2.log().split("started (pid")[-1], "back on its own data"
 
     assert m2.signal(signal.SIGTERM) == 0, m2.log_tail()
+    assert re.search(r"etcd member m2 stopped [\d.]+ s after SIGTERM", m2.log()), m2.log_tail()
     new_pid = _member_pids(m2)[-1]
     with pytest.raises(ProcessLookupError):
         os.kill(new_pid, 0)  # the agent stopped its member with it
@@ -257,3 +259,18 @@ def test_serve_says_what_is_wrong_with_its_flags(tmp_path) -> None:
     out = run_kvgate("cluster", "serve", "--etcd-member", "m1", "--etcd-peer-url", "http://127.0.0.1:1",
                      "--etcd-client-url", "http://127.0.0.1:2", "--etcd-initial-cluster", "m2=http://127.0.0.1:1")
     assert out.returncode == 2 and "must list this member as m1=http://127.0.0.1:1" in out.stderr, out.stderr
+
+
+def test_an_agent_that_outlives_its_stop_bound_fails_with_its_log(tmp_path) -> None:
+    """The test helper's stop wait: an agent still running after it is an assertion carrying the agent's log,
+    not a bare timeout (a process that ignores SIGTERM stands in for a stuck agent)."""
+    a = AgentProcess(tmp_path, "stuck", [])
+    a.args = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('ignoring SIGTERM', flush=True); time.sleep(60)"]
+    a.start()
+    try:
+        wait_until(lambda: "ignoring SIGTERM" in a.log(), 10, a.log_tail)
+        with pytest.raises(AssertionError, match=r"(?s)agent stuck still runs 1 s after signal 15.*ignoring SIGTERM"):
+            a.signal(signal.SIGTERM, 1.0)
+    finally:
+        a.stop()
